@@ -1,0 +1,206 @@
+"""Layers every architecture shares: precision policy, norms, RoPE, the attention core, the KV cache.
+
+Einsum legend: B batch, T query positions, S key positions (cache slots), D embed, N query heads,
+K kv heads, G query heads per kv head (N = K*G), H head_dim, F mlp hidden, V vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sharding.rules import Rules, constrain
+
+MASKED = -1e30  # finite, so a row with nothing to attend to (a padding query) gives no NaN
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """Precision policy: what weights, activations and the KV cache are held in, and matmul precision."""
+
+    params: str = "float32"
+    activations: str = "float32"
+    kv_cache: str = "float32"
+    matmul: str = "highest"  # default | high | highest (jax.lax.Precision names)
+
+    @property
+    def dtype(self) -> Any:
+        return jnp.dtype(self.activations)
+
+    @property
+    def precision(self) -> jax.lax.Precision:
+        return jax.lax.Precision[self.matmul.upper()]
+
+    def einsum(self, spec: str, *operands: jax.Array) -> jax.Array:
+        return jnp.einsum(spec, *operands, precision=self.precision)
+
+
+# --- norms ------------------------------------------------------------------------------------
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """x / rms(x) * weight, the statistics in f32 (as the reference implementations do)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+    return ((xf - mean) * jax.lax.rsqrt(var + eps) * weight + bias).astype(x.dtype)
+
+
+# --- rotary position embedding ---------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Rope:
+    """Rotary embedding of the first `dim` features of each head (rotate-half convention)."""
+
+    dim: int
+    theta: float
+    scaling: tuple[tuple[str, Any], ...] = ()  # HF rope_scaling dict, as sorted items (hashable)
+
+    def inv_freq(self) -> np.ndarray:
+        inv = 1.0 / (self.theta ** (np.arange(0, self.dim, 2, dtype=np.float32) / self.dim))
+        inv = inv.astype(np.float32)
+        s = dict(self.scaling)
+        kind = s.get("rope_type", s.get("type", "default"))
+        if kind == "default":
+            return inv
+        if kind == "linear":
+            return (inv / s["factor"]).astype(np.float32)
+        if kind == "llama3":
+            return _llama3_inv_freq(inv, s)
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3)")
+
+
+def _llama3_inv_freq(inv: np.ndarray, s: dict) -> np.ndarray:
+    """Llama 3.1 frequency bands: long wavelengths slowed by `factor`, short kept, a smooth ramp between."""
+    factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    slowed = np.where(wavelen > old / lo, inv / factor, inv)
+    ramp = (old / wavelen - lo) / (hi - lo)
+    smoothed = (1 - ramp) * slowed / factor + ramp * slowed
+    medium = (wavelen >= old / hi) & (wavelen <= old / lo)
+    return np.where(medium, smoothed, slowed).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, rope: Rope) -> jax.Array:
+    """x: [B, T, heads, H]; positions: [B, T]."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope.inv_freq())  # [B, T, dim/2]
+    cos = jnp.cos(angles)[:, :, None, :].astype(x.dtype)
+    sin = jnp.sin(angles)[:, :, None, :].astype(x.dtype)
+    rot, rest = x[..., : rope.dim], x[..., rope.dim :]
+    x1, x2 = jnp.split(rot, 2, axis=-1)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return jnp.concatenate([rotated, rest], axis=-1) if rest.shape[-1] else rotated
+
+
+# --- KV cache ---------------------------------------------------------------------------------
+
+class KVCache(NamedTuple):
+    """Pre-allocated keys and values for every layer, and the position each slot holds.
+
+    k, v: per layer [B, S, K, H]; pos: [B, S] int32, -1 for an empty slot (or a padding token).
+    Masks derive from `pos` alone, so left padding, ragged prompts and (later) ring buffers need no
+    other bookkeeping.
+    """
+
+    k: list[jax.Array]
+    v: list[jax.Array]
+    pos: jax.Array
+
+    @staticmethod
+    def shardings(rules: Rules, num_layers: int) -> KVCache:
+        kv = rules.sharding("cache_batch", "cache_seq", "cache_kv_heads", None)
+        return KVCache([kv] * num_layers, [kv] * num_layers, rules.sharding("cache_batch", "cache_seq"))
+
+    @staticmethod
+    def create(
+        batch: int, length: int, num_layers: int, kv_heads: int, head_dim: int, dtype: Any, rules: Rules
+    ) -> KVCache:
+        def make():
+            z = jnp.zeros((batch, length, kv_heads, head_dim), dtype)
+            return KVCache([z] * num_layers, [z] * num_layers, jnp.full((batch, length), -1, jnp.int32))
+
+        return jax.jit(make, out_shardings=KVCache.shardings(rules, num_layers))()
+
+    def write_positions(self, positions: jax.Array, start: jax.Array | int) -> KVCache:
+        pos = jax.lax.dynamic_update_slice(self.pos, positions.astype(jnp.int32), (0, start))
+        return self._replace(pos=pos)
+
+    def write(self, layer: int, k: jax.Array, v: jax.Array, start: jax.Array | int,
+              rules: Rules) -> KVCache:
+        """Writes one layer's new k, v [B, T, K, H] at slots [start, start + T)."""
+        with jax.named_scope("cache_write"):
+            ks, vs = list(self.k), list(self.v)
+            for store, new in ((ks, k), (vs, v)):
+                out = jax.lax.dynamic_update_slice(store[layer], new.astype(store[layer].dtype),
+                                                   (0, start, 0, 0))
+                store[layer] = constrain(out, rules, "cache_batch", "cache_seq", "cache_kv_heads", None)
+            return self._replace(k=ks, v=vs)
+
+
+def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
+                     cache: KVCache, layer: int, start: jax.Array | int, rules: Rules,
+                     policy: Policy, **kw: Any) -> tuple[jax.Array, KVCache]:
+    """Stores this step's k, v [B, T, K, H] in the cache, then attends q [B, T, N, H] over it.
+
+    `cache.write_positions` must already hold this step's positions. A prefill into an empty cache
+    (start is the literal 0) attends to the new keys alone, not to the whole pre-allocated length.
+    """
+    cache = cache.write(layer, k, v, start, rules)
+    if isinstance(start, int) and start == 0:
+        T = q.shape[1]
+        out = attention(q, k, v, positions, cache.pos[:, :T], policy, **kw)
+    else:
+        out = attention(q, cache.k[layer], cache.v[layer], positions, cache.pos, policy, **kw)
+    return out, cache
+
+
+# --- attention core ---------------------------------------------------------------------------
+
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_pos: jax.Array,
+    k_pos: jax.Array,
+    policy: Policy,
+    *,
+    window: int | None = None,
+    sinks: jax.Array | None = None,
+    scale: float | None = None,
+) -> jax.Array:
+    """Grouped-query attention, K/V never repeated.
+
+    q: [B, T, N, H]; k, v: [B, S, K, H]; q_pos: [B, T]; k_pos: [B, S] (-1 = empty slot).
+    A key is visible when 0 <= k_pos <= q_pos (and q_pos - k_pos < window). Sinks [N], when given,
+    are one extra logit per query head that takes probability mass and contributes no value.
+    """
+    with jax.named_scope("attention"):
+        B, T, N, H = q.shape
+        K = k.shape[2]
+        qg = q.reshape(B, T, K, N // K, H)  # [B, T, K, G, H]
+        scale = 1.0 / math.sqrt(H) if scale is None else scale
+        scores = policy.einsum("BTKGH,BSKH->BKGTS", qg, k).astype(jnp.float32) * scale
+        visible = (k_pos[:, None, :] >= 0) & (k_pos[:, None, :] <= q_pos[:, :, None])  # [B, T, S]
+        if window is not None:
+            visible &= q_pos[:, :, None] - k_pos[:, None, :] < window
+        scores = jnp.where(visible[:, None, None], scores, MASKED)
+        if sinks is None:
+            probs = jax.nn.softmax(scores, axis=-1)
+        else:
+            sink = jnp.broadcast_to(
+                sinks.astype(jnp.float32).reshape(1, K, N // K, 1, 1), (B, K, N // K, T, 1)
+            )
+            probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
+        out = policy.einsum("BKGTS,BSKH->BTKGH", probs.astype(v.dtype), v)
+        return out.reshape(B, T, N, H)

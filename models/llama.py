@@ -1,0 +1,236 @@
+"""The Llama family: Llama 2/3, SmolLM2, Qwen2/Qwen2.5.
+
+Reference: transformers' `LlamaForCausalLM` and `Qwen2ForCausalLM` (modeling_llama.py,
+modeling_qwen2.py). A pre-norm decoder: RMSNorm, rotary attention with grouped-query K/V (optional
+q/k/v bias for Qwen2), SwiGLU MLP, tied or untied unembedding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.layers import KVCache, Policy, Rope, apply_rope, cached_attention, rms_norm
+from models.weights import Weight
+from sharding.rules import Rules, constrain
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    vocab_size: int
+    hidden_size: int  # D
+    intermediate_size: int  # F
+    num_layers: int
+    num_heads: int  # N
+    num_kv_heads: int  # K
+    head_dim: int  # H
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, Any], ...] = ()
+    max_position: int = 4096
+    tie_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2; Llama's attention_bias sets this and out_bias
+    out_bias: bool = False
+    mlp_bias: bool = False
+
+    @property
+    def rope(self) -> Rope:
+        return Rope(self.head_dim, self.rope_theta, self.rope_scaling)
+
+
+def _preset(**kw: Any) -> Config:
+    return Config(**kw)
+
+
+PRESETS: dict[str, Config] = {
+    "tiny": _preset(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                    num_heads=4, num_kv_heads=2, head_dim=16, max_position=512),
+    "smollm2-135m": _preset(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                            num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0,
+                            max_position=8192, tie_embeddings=True),
+    "smollm2-1.7b": _preset(vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_layers=24,
+                            num_heads=32, num_kv_heads=32, head_dim=64, rope_theta=130000.0,
+                            max_position=8192, tie_embeddings=True),
+    "llama2-7b": _preset(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32,
+                         num_heads=32, num_kv_heads=32, head_dim=128, rms_norm_eps=1e-5),
+    "llama3-8b": _preset(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                         num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
+                         max_position=8192),
+    "llama3.1-8b": _preset(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                           num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+                           rope_theta=500000.0, max_position=131072,
+                           rope_scaling=(("factor", 8.0), ("high_freq_factor", 4.0),
+                                         ("low_freq_factor", 1.0),
+                                         ("original_max_position_embeddings", 8192),
+                                         ("rope_type", "llama3"))),
+    "qwen2.5-0.5b": _preset(vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                            num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64,
+                            rms_norm_eps=1e-6, rope_theta=1000000.0, max_position=32768,
+                            tie_embeddings=True, qkv_bias=True),
+    "qwen2.5-7b": _preset(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                          num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
+                          rms_norm_eps=1e-6, rope_theta=1000000.0, max_position=32768,
+                          qkv_bias=True),
+}
+
+
+def config_from_hf(hf: dict) -> Config:
+    """From a transformers config.json (model_type llama or qwen2)."""
+    heads = hf["num_attention_heads"]
+    qwen = hf.get("model_type") == "qwen2"
+    scaling = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+    if scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        scaling = {}
+    theta = hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    bias = bool(hf.get("attention_bias", False))
+    return Config(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=float(theta),
+        rope_scaling=tuple(sorted(scaling.items())),
+        max_position=hf.get("max_position_embeddings", 4096),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=True if qwen else bias,
+        out_bias=False if qwen else bias,
+        mlp_bias=bool(hf.get("mlp_bias", False)),
+    )
+
+
+# --- weights ----------------------------------------------------------------------------------
+
+def declare(c: Config) -> dict:
+    D, F, N, K, H, V = (c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads,
+                        c.head_dim, c.vocab_size)
+
+    def bias(on: bool, shape: tuple, axes: tuple) -> Weight | None:
+        return Weight(shape, axes, init="zeros") if on else None
+
+    layer = {
+        "attn_norm": Weight((D,), ("embed",), init="ones"),
+        "wq": Weight((D, N, H), ("embed", "heads", "head_dim")),
+        "wk": Weight((D, K, H), ("embed", "kv_heads", "head_dim")),
+        "wv": Weight((D, K, H), ("embed", "kv_heads", "head_dim")),
+        "bq": bias(c.qkv_bias, (N, H), ("heads", "head_dim")),
+        "bk": bias(c.qkv_bias, (K, H), ("kv_heads", "head_dim")),
+        "bv": bias(c.qkv_bias, (K, H), ("kv_heads", "head_dim")),
+        "wo": Weight((N, H, D), ("heads", "head_dim", "embed")),
+        "bo": bias(c.out_bias, (D,), ("embed",)),
+        "mlp_norm": Weight((D,), ("embed",), init="ones"),
+        "w_gate": Weight((D, F), ("embed", "mlp")),
+        "w_up": Weight((D, F), ("embed", "mlp")),
+        "w_down": Weight((F, D), ("mlp", "embed")),
+        "b_gate": bias(c.mlp_bias, (F,), ("mlp",)),
+        "b_up": bias(c.mlp_bias, (F,), ("mlp",)),
+        "b_down": bias(c.mlp_bias, (D,), ("embed",)),
+    }
+    return {
+        "embed": Weight((V, D), ("vocab", "embed")),  # [V, D]
+        "layers": [dict(layer) for _ in range(c.num_layers)],
+        "final_norm": Weight((D,), ("embed",), init="ones"),
+        "unembed": None if c.tie_embeddings else Weight((D, V), ("embed", "vocab")),  # [D, V]
+    }
+
+
+def cache_dims(c: Config) -> tuple[int, int, int]:
+    return c.num_layers, c.num_kv_heads, c.head_dim
+
+
+# --- blocks -----------------------------------------------------------------------------------
+
+def _add(x: jax.Array, b: jax.Array | None) -> jax.Array:
+    return x if b is None else x + b
+
+
+def attention_block(p: dict, x: jax.Array, positions: jax.Array, cache: KVCache, layer: int,
+                    start: Any, c: Config, rules: Rules, policy: Policy) -> tuple[jax.Array, KVCache]:
+    q = _add(policy.einsum("BTD,DNH->BTNH", x, p["wq"]), p["bq"])
+    k = _add(policy.einsum("BTD,DKH->BTKH", x, p["wk"]), p["bk"])
+    v = _add(policy.einsum("BTD,DKH->BTKH", x, p["wv"]), p["bv"])
+    q = constrain(apply_rope(q, positions, c.rope), rules, "batch", "seq", "act_heads", None)
+    k = constrain(apply_rope(k, positions, c.rope), rules, "batch", "seq", "act_kv_heads", None)
+    v = constrain(v, rules, "batch", "seq", "act_kv_heads", None)
+    out, cache = cached_attention(q, k, v, positions, cache, layer, start, rules, policy)
+    return _add(policy.einsum("BTNH,NHD->BTD", out, p["wo"]), p["bo"]), cache
+
+
+def mlp_block(p: dict, x: jax.Array, rules: Rules, policy: Policy) -> jax.Array:
+    gate = _add(policy.einsum("BTD,DF->BTF", x, p["w_gate"]), p["b_gate"])
+    up = _add(policy.einsum("BTD,DF->BTF", x, p["w_up"]), p["b_up"])
+    h = constrain(jax.nn.silu(gate) * up, rules, "batch", "seq", "act_mlp")
+    return _add(policy.einsum("BTF,FD->BTD", h, p["w_down"]), p["b_down"])
+
+
+def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache, start: Any,
+            c: Config, rules: Rules, policy: Policy, last_only: bool = False
+            ) -> tuple[jax.Array, KVCache]:
+    """tokens, positions: [B, T] (position -1 marks padding); start: first cache slot written.
+
+    Returns logits [B, T, V] (or [B, V] for the last position) and the updated cache.
+    """
+    cache = cache.write_positions(positions, start)
+    positions = jnp.maximum(positions, 0)
+    x = params["embed"][tokens].astype(policy.dtype)  # [B, T, D]
+    x = constrain(x, rules, "batch", "seq", "act_embed")
+    for i, p in enumerate(params["layers"]):
+        h, cache = attention_block(p, rms_norm(x, p["attn_norm"], c.rms_norm_eps), positions,
+                                   cache, i, start, c, rules, policy)
+        x = constrain(x + h, rules, "batch", "seq", "act_embed")
+        h = mlp_block(p, rms_norm(x, p["mlp_norm"], c.rms_norm_eps), rules, policy)
+        x = constrain(x + h, rules, "batch", "seq", "act_embed")
+    x = rms_norm(x[:, -1:] if last_only else x, params["final_norm"], c.rms_norm_eps)
+    unembed = params["embed"].T if params["unembed"] is None else params["unembed"]
+    logits = constrain(policy.einsum("BTD,DV->BTV", x, unembed.astype(x.dtype)),
+                       rules, "batch", "seq", "act_vocab")
+    return (logits[:, 0] if last_only else logits), cache
+
+
+# --- checkpoint names -------------------------------------------------------------------------
+
+def from_hf(tensors: dict[str, np.ndarray], c: Config) -> dict:
+    """Maps transformers state-dict names (torch Linear weights are [out, in]) to `declare`'s tree."""
+    D, N, K, H = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+    t = tensors
+
+    def opt(name: str, shape: tuple | None = None) -> np.ndarray | None:
+        if name not in t:
+            return None
+        return t[name] if shape is None else t[name].reshape(shape)
+
+    layers = []
+    for i in range(c.num_layers):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        layers.append({
+            "attn_norm": t[f"model.layers.{i}.input_layernorm.weight"],
+            "wq": t[a + "q_proj.weight"].T.reshape(D, N, H),
+            "wk": t[a + "k_proj.weight"].T.reshape(D, K, H),
+            "wv": t[a + "v_proj.weight"].T.reshape(D, K, H),
+            "bq": opt(a + "q_proj.bias", (N, H)) if c.qkv_bias else None,
+            "bk": opt(a + "k_proj.bias", (K, H)) if c.qkv_bias else None,
+            "bv": opt(a + "v_proj.bias", (K, H)) if c.qkv_bias else None,
+            "wo": t[a + "o_proj.weight"].T.reshape(N, H, D),
+            "bo": opt(a + "o_proj.bias") if c.out_bias else None,
+            "mlp_norm": t[f"model.layers.{i}.post_attention_layernorm.weight"],
+            "w_gate": t[m + "gate_proj.weight"].T,
+            "w_up": t[m + "up_proj.weight"].T,
+            "w_down": t[m + "down_proj.weight"].T,
+            "b_gate": opt(m + "gate_proj.bias") if c.mlp_bias else None,
+            "b_up": opt(m + "up_proj.bias") if c.mlp_bias else None,
+            "b_down": opt(m + "down_proj.bias") if c.mlp_bias else None,
+        })
+    return {
+        "embed": t["model.embed_tokens.weight"],
+        "layers": layers,
+        "final_norm": t["model.norm.weight"],
+        "unembed": None if c.tie_embeddings else t["lm_head.weight"].T,
+    }

@@ -1,0 +1,62 @@
+"""Architecture families by name, and a typed handle on one model (family + its config)."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import ModuleType
+from typing import Any
+
+from models import gpt2, llama
+
+FAMILIES: dict[str, ModuleType] = {"llama": llama, "gpt2": gpt2}
+# transformers' model_type -> family
+HF_MODEL_TYPES: dict[str, str] = {"llama": "llama", "qwen2": "llama", "gpt2": "gpt2"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    family: str
+    config: Any  # the family's frozen Config dataclass
+
+    @property
+    def module(self) -> ModuleType:
+        return FAMILIES[self.family]
+
+    def declare(self) -> dict:
+        return self.module.declare(self.config)
+
+    def cache_dims(self) -> tuple[int, int, int]:
+        """(layers, kv heads, head_dim) of the KV cache."""
+        return self.module.cache_dims(self.config)
+
+    def forward(self, params, tokens, positions, cache, start, rules, policy, last_only=False):
+        return self.module.forward(params, tokens, positions, cache, start, self.config, rules,
+                                   policy, last_only)
+
+    def to_json(self) -> dict:
+        return {"family": self.family, "config": dataclasses.asdict(self.config)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> Model:
+        family = d["family"]
+        if family not in FAMILIES:
+            raise ValueError(f"unknown model family {family!r}; known: {sorted(FAMILIES)}")
+        fields = dict(d["config"])
+        for k, v in fields.items():  # JSON turns tuples of pairs into lists of lists
+            if isinstance(v, list):
+                fields[k] = tuple(tuple(x) if isinstance(x, list) else x for x in v)
+        return cls(family, FAMILIES[family].Config(**fields))
+
+    @classmethod
+    def preset(cls, family: str, name: str) -> Model:
+        return cls(family, FAMILIES[family].PRESETS[name])
+
+    @classmethod
+    def from_hf_config(cls, hf: dict) -> Model:
+        model_type = hf.get("model_type")
+        if model_type not in HF_MODEL_TYPES:
+            raise ValueError(
+                f"model_type {model_type!r} is not supported; supported: {sorted(HF_MODEL_TYPES)}"
+            )
+        family = HF_MODEL_TYPES[model_type]
+        return cls(family, FAMILIES[family].config_from_hf(hf))

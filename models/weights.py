@@ -1,0 +1,86 @@
+"""One declaration per weight; its sharding, abstract shape and random init all derive from it."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sharding.rules import Rules
+
+
+@dataclasses.dataclass(frozen=True)
+class Weight:
+    """A weight's shape, the logical name of each dimension, and how to initialise it randomly."""
+
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+    init: str = "normal"  # normal | zeros | ones
+    scale: float = 0.02
+
+    def __post_init__(self) -> None:
+        if len(self.shape) != len(self.axes):
+            raise ValueError(f"weight of shape {self.shape} given {len(self.axes)} axis names {self.axes}")
+
+
+def is_weight(x: Any) -> bool:
+    return isinstance(x, Weight)
+
+
+def _map(fn: Callable[[Weight], Any], decl: Any) -> Any:
+    return jax.tree.map(fn, decl, is_leaf=is_weight)
+
+
+def shardings(decl: Any, rules: Rules) -> Any:
+    return _map(lambda w: rules.sharding(*w.axes), decl)
+
+
+def abstract(decl: Any, rules: Rules, dtype: Any) -> Any:
+    """ShapeDtypeStructs carrying their target sharding: what Orbax restores into."""
+    return _map(
+        lambda w: jax.ShapeDtypeStruct(w.shape, dtype, sharding=rules.sharding(*w.axes)), decl
+    )
+
+
+def init(decl: Any, key: jax.Array, rules: Rules, dtype: Any) -> Any:
+    """Random weights, created directly in their shards."""
+    leaves, treedef = jax.tree.flatten(decl, is_leaf=is_weight)
+
+    def make(key):
+        keys = jax.random.split(key, len(leaves))
+        out = []
+        for k, w in zip(keys, leaves):
+            if w.init == "zeros":
+                out.append(jnp.zeros(w.shape, dtype))
+            elif w.init == "ones":
+                out.append(jnp.ones(w.shape, dtype))
+            else:
+                out.append((w.scale * jax.random.normal(k, w.shape, jnp.float32)).astype(dtype))
+        return jax.tree.unflatten(treedef, out)
+
+    return jax.jit(make, out_shardings=shardings(decl, rules))(key)
+
+
+def check_divisible(decl: Any, rules: Rules) -> None:
+    """Every weight dimension divides evenly over the mesh axes its logical name maps to."""
+    for path, w in jax.tree_util.tree_leaves_with_path(decl, is_leaf=is_weight):
+        rules.spec(*w.axes)  # refuses a mesh axis used twice
+        for size, name in zip(w.shape, w.axes):
+            n = rules.shards(name)
+            if size % n:
+                where = jax.tree_util.keystr(path)
+                axes = "*".join(rules.axes(name))
+                raise ValueError(
+                    f"weight {where} {w.shape}: dimension {name!r} of size {size} does not divide "
+                    f"over mesh axes {axes} ({n} shards); change the mesh or the rule for {name!r}"
+                )
+
+
+def nbytes(decl: Any, dtype: Any) -> int:
+    itemsize = np.dtype(dtype).itemsize
+    return sum(math.prod(w.shape) * itemsize for w in jax.tree.leaves(decl, is_leaf=is_weight))
