@@ -1,0 +1,207 @@
+"""The generation engine: a pre-allocated sharded KV cache, a jitted prefill per prompt-length
+bucket, and a jitted decode step that runs several tokens per dispatch, the cache donated to both.
+
+Prompts are left-padded to their bucket, so every row's last prompt token sits in the same column
+and one decode step writes one cache slot for the whole batch; positions (-1 for padding) drive
+RoPE and the masks. Sampling happens on device with a key per request, so a request's output
+depends on its seed, not on the batch it landed in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.layers import KVCache, Policy
+from models.registry import Model
+from sharding.rules import Rules
+
+MAX_STOP_IDS = 16  # stop ids are passed as a fixed-size array, so their number never recompiles
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One row to generate: prompt ids and per-request sampling settings."""
+
+    prompt: tuple[int, ...]
+    max_tokens: int
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class Completion:
+    token_ids: list[int]
+    finish_reason: str  # stop | length
+    ttft_s: float = 0.0
+
+
+def buckets(max_prompt_len: int, smallest: int = 16) -> tuple[int, ...]:
+    """Powers of two from `smallest`, capped by (and ending at) the maximum prompt length."""
+    out, b = [], smallest
+    while b < max_prompt_len:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (max_prompt_len,)
+
+
+def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array,
+           top_p: jax.Array) -> jax.Array:
+    """Per-row sampling. logits [B, V]; keys [B]; temperature, top_p [B] f32; top_k [B] int32.
+
+    temperature 0 is greedy; top_k 0 and top_p 1 disable those filters.
+    """
+    logits = logits.astype(jnp.float32)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def stochastic() -> jax.Array:
+        V = logits.shape[-1]
+        scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+        ranked = -jnp.sort(-scaled, axis=-1)  # [B, V] descending
+        k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
+        ranked = jnp.where(jnp.arange(V)[None] < k[:, None], ranked, -jnp.inf)
+        probs = jax.nn.softmax(ranked, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly ahead of each candidate
+        keep = jnp.maximum(jnp.sum(before < top_p[:, None], axis=-1), 1)  # nucleus size
+        threshold = jnp.take_along_axis(ranked, (keep - 1)[:, None], axis=-1)
+        masked = jnp.where(scaled >= threshold, scaled, -jnp.inf)
+        drawn = jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
+        return jnp.where(temperature > 0, drawn, greedy)
+
+    return jax.lax.cond(jnp.any(temperature > 0), stochastic, lambda: greedy)
+
+
+class Engine:
+    """Batched generation for one model on one mesh; compiled functions are reused across batches."""
+
+    def __init__(self, model: Model, params, rules: Rules, policy: Policy, batch_size: int,
+                 max_prompt_len: int, max_new_tokens: int, steps_per_dispatch: int = 8,
+                 prefill_buckets: Sequence[int] = ()):
+        data = rules.shards("batch")
+        self.batch_size = -(-batch_size // data) * data  # a whole number of rows per data shard
+        self.model, self.params, self.rules, self.policy = model, params, rules, policy
+        self.max_prompt_len, self.max_new_tokens = max_prompt_len, max_new_tokens
+        self.steps = max(1, min(steps_per_dispatch, max_new_tokens))
+        self.buckets = tuple(sorted(prefill_buckets)) or buckets(max_prompt_len)
+        if self.buckets[-1] < max_prompt_len:
+            raise ValueError(f"prefill buckets {self.buckets} do not reach max_prompt_len={max_prompt_len}")
+        layers, kv_heads, head_dim = model.cache_dims()
+        self.cache_len = self.buckets[-1] + max_new_tokens
+        self.cache = KVCache.create(self.batch_size, self.cache_len, layers, kv_heads, head_dim,
+                                    jnp.dtype(policy.kv_cache), rules)
+        # Every array crossing the jit boundary has a fixed sharding, so no call recompiles.
+        row = self._row = rules.sharding("batch", shape=(self.batch_size,))
+        cache_sh = KVCache.shardings(rules, layers)
+        self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,), out_shardings=(row, cache_sh))
+        self._decode = jax.jit(self._decode_fn, donate_argnums=(1,), out_shardings=(
+            rules.sharding("batch", None, shape=(self.batch_size, self.steps)),
+            cache_sh, row, row, row, row))
+
+    # --- device functions ---------------------------------------------------------------------
+
+    def _prefill_fn(self, params, cache: KVCache, tokens, positions, keys, temperature, top_k, top_p):
+        cache = cache._replace(pos=jnp.full_like(cache.pos, -1))  # forget the previous batch
+        logits, cache = self.model.forward(params, tokens, positions, cache, 0, self.rules,
+                                           self.policy, last_only=True)
+        first = sample(logits, jax.vmap(jax.random.fold_in)(keys, jnp.zeros_like(top_k)),
+                       temperature, top_k, top_p)
+        return first, cache
+
+    def _decode_fn(self, params, cache: KVCache, token, pos, slot, done, count, max_tokens, keys,
+                   temperature, top_k, top_p, stop_ids):
+        """`self.steps` decode steps; token [B] is the newest token, at position pos [B], written
+        to cache slot `slot`. Finished rows write nothing visible and emit -1."""
+
+        def step(carry, i):
+            cache, token, pos, done, count = carry
+            write_pos = jnp.where(done, -1, pos)[:, None]
+            logits, cache = self.model.forward(params, token[:, None], write_pos, cache, slot + i,
+                                               self.rules, self.policy, last_only=True)
+            nxt = sample(logits, jax.vmap(jax.random.fold_in)(keys, count), temperature, top_k, top_p)
+            emitted = jnp.where(done, -1, nxt)
+            count = count + jnp.where(done, 0, 1)
+            done = done | jnp.isin(nxt, stop_ids) | (count >= max_tokens)
+            return (cache, jnp.where(done, token, nxt), pos + 1, done, count), emitted
+
+        (cache, token, pos, done, count), out = jax.lax.scan(
+            step, (cache, token, pos, done, count), jnp.arange(self.steps))
+        return out.T, cache, token, pos, done, count
+
+    # --- host loop ----------------------------------------------------------------------------
+
+    def bucket_for(self, length: int) -> int:
+        for b in self.buckets:
+            if b >= length:
+                return b
+        raise ValueError(f"prompt of {length} tokens exceeds max_prompt_len={self.max_prompt_len}")
+
+    def generate(self, requests: Sequence[Request], stop_ids: Sequence[int] = (),
+                 stop_check: Callable[[int, list[int]], bool] | None = None) -> list[Completion]:
+        """Generates for up to batch_size requests. `stop_check(row, tokens)` lets the caller end a
+        row on the host (stop strings); stop_ids end a row on device."""
+        B, n = self.batch_size, len(requests)
+        if not 0 < n <= B:
+            raise ValueError(f"generate takes 1..{B} requests, got {n}")
+        if len(stop_ids) > MAX_STOP_IDS:
+            raise ValueError(f"{len(stop_ids)} stop ids; at most {MAX_STOP_IDS} are supported")
+        t0 = time.perf_counter()
+        P = self.bucket_for(max(len(r.prompt) for r in requests))
+        tokens = np.zeros((B, P), np.int32)
+        positions = np.full((B, P), -1, np.int32)
+        for b, r in enumerate(requests):
+            tokens[b, P - len(r.prompt):] = r.prompt
+            positions[b, P - len(r.prompt):] = np.arange(len(r.prompt))
+        pad = [Request((0,), 0)] * (B - n)  # padding rows: done from the start
+        rows = list(requests) + pad
+        put = partial(jax.device_put, device=self._row)
+        keys = put(jax.vmap(jax.random.key)(np.array([r.seed for r in rows], np.uint32)))
+        temperature = put(np.array([r.temperature for r in rows], np.float32))
+        top_k = put(np.array([r.top_k for r in rows], np.int32))
+        top_p = put(np.array([r.top_p for r in rows], np.float32))
+        max_tokens = np.array([r.max_tokens for r in rows], np.int32)
+        stops = np.full((MAX_STOP_IDS,), -1, np.int32)
+        stops[: len(stop_ids)] = stop_ids
+
+        first, self.cache = self._prefill(self.params, self.cache, tokens, positions, keys,
+                                          temperature, top_k, top_p)
+        first = np.asarray(first)
+        ttft = time.perf_counter() - t0
+        out = [[int(first[b])] for b in range(n)]
+        count = np.ones((B,), np.int32)
+        done = np.isin(first, stops) | (count >= max_tokens)
+        done[n:] = True
+        stopped_on_host = set()
+        for b in range(n):
+            if not done[b] and stop_check and stop_check(b, out[b]):
+                done[b] = True
+                stopped_on_host.add(b)
+        token = put(first.astype(np.int32))
+        pos = put(np.array([len(r.prompt) for r in rows], np.int32))
+        count, max_tokens = put(count), put(max_tokens)
+        slot = P
+        while not done.all():
+            emitted, self.cache, token, pos, dev_done, count = self._decode(
+                self.params, self.cache, token, pos, np.int32(slot), put(done), count, max_tokens,
+                keys, temperature, top_k, top_p, stops)
+            emitted, dev_done = np.asarray(emitted), np.array(dev_done)
+            for b in range(n):
+                if done[b]:
+                    continue
+                out[b].extend(int(t) for t in emitted[b] if t >= 0)
+                if not dev_done[b] and stop_check and stop_check(b, out[b]):
+                    dev_done[b] = True
+                    stopped_on_host.add(b)
+            done = dev_done
+            slot += self.steps
+        return [
+            Completion(o, "stop" if o[-1] in stop_ids or b in stopped_on_host else "length", ttft)
+            for b, o in enumerate(out)
+        ]
