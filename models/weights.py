@@ -28,6 +28,10 @@ class Weight:
             raise ValueError(f"weight of shape {self.shape} given {len(self.axes)} axis names {self.axes}")
 
 
+class WeightError(ValueError):
+    """A weight does not fit the mesh it is to be sharded over."""
+
+
 def is_weight(x: Any) -> bool:
     return isinstance(x, Weight)
 
@@ -75,7 +79,7 @@ def check_divisible(decl: Any, rules: Rules) -> None:
             if size % n:
                 where = jax.tree_util.keystr(path)
                 axes = "*".join(rules.axes(name))
-                raise ValueError(
+                raise WeightError(
                     f"weight {where} {w.shape}: dimension {name!r} of size {size} does not divide "
                     f"over mesh axes {axes} ({n} shards); change the mesh or the rule for {name!r}"
                 )

@@ -1,0 +1,42 @@
+"""Keys every deployment shares; a deployment file sets only what differs.
+
+User-facing keys (the contract the checks use): checkpoint.path, io.input, io.output,
+io.echo_prompt, generation.batch_size, generation.max_new_tokens, sampling.temperature (0 = greedy),
+mesh.data, mesh.model, mesh.expert, mesh.sequence.
+"""
+
+from ml_collections import ConfigDict
+
+from sharding.rules import DEFAULT_RULES
+
+
+def base_config() -> ConfigDict:
+    c = ConfigDict()
+    # A converted podrun checkpoint (python -m runner.convert). `fetch` names an embedded model
+    # that is downloaded and converted into `path` when `path` does not exist yet.
+    c.checkpoint = ConfigDict({"path": "", "fetch": ""})
+    # Mesh axis sizes; -1 fills with the remaining devices. num_cpu_devices > 0 simulates that many
+    # devices when running on CPU (ignored on TPU/GPU).
+    c.mesh = ConfigDict({"data": -1, "model": 1, "expert": 1, "sequence": 1, "num_cpu_devices": 8})
+    # Logical axis -> mesh axes ("" replicates; "data,expert" shards over both).
+    c.rules = ConfigDict({name: ",".join(axes) for name, axes in DEFAULT_RULES.items()})
+    # Persistent XLA compilation cache ("" disables it).
+    c.compilation_cache = ConfigDict({"dir": "~/.cache/podrun/xla"})
+    c.precision = ConfigDict({
+        "params": "float32",  # what weights are restored as
+        "activations": "float32",
+        "kv_cache": "float32",
+        "matmul": "highest",  # default | high | highest
+    })
+    c.generation = ConfigDict({
+        "batch_size": 8,
+        "max_prompt_len": 512,
+        "max_new_tokens": 128,
+        "stop": ("",),  # stop strings ("" entries are ignored)
+        "stop_token_ids": (-1,),  # extra stop ids besides the tokenizer's end-of-turn ids (-1 ignored)
+        "steps_per_dispatch": 8,  # decode steps per device call
+        "prefill_buckets": (0,),  # padded prompt lengths; (0,) = powers of two up to max_prompt_len
+    })
+    c.sampling = ConfigDict({"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0})
+    c.io = ConfigDict({"input": "", "output": "", "echo_prompt": False})
+    return c

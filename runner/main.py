@@ -1,0 +1,49 @@
+"""podrun's entry point.
+
+    python -m runner.main --config=configs/<deployment>.py[:arg] [--config.generation.batch_size=16 ...]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import jax
+from absl import app, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "deployment config file", lock_config=True)
+
+
+def setup_devices(num_cpu_devices: int, cache_dir: str) -> None:
+    """Before the backend starts: simulated CPU devices and the persistent compilation cache."""
+    if num_cpu_devices > 0:
+        jax.config.update("jax_num_cpu_devices", num_cpu_devices)
+    if cache_dir:
+        os.makedirs(cache_dir, exist_ok=True) if "://" not in cache_dir else None
+        jax.config.update("jax_compilation_cache_dir", cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        sys.exit(f"podrun: error: unexpected arguments {argv[1:]}")
+    if _CONFIG.value is None:
+        sys.exit("podrun: error: --config=configs/<deployment>.py is required")
+    # Imported here so that absl has parsed flags before the library pulls in the backend.
+    from runner import run
+    from runner.errors import USER_ERRORS
+    from runner.settings import from_config
+
+    try:
+        settings = from_config(_CONFIG.value)
+        setup_devices(settings.num_cpu_devices, settings.compilation_cache_dir)
+        logging.info("%d devices: %s", jax.device_count(), jax.devices()[0].platform)
+        run.run(settings)
+    except USER_ERRORS as e:
+        sys.exit(f"podrun: error: {e}")
+
+
+if __name__ == "__main__":
+    app.run(main)

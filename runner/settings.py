@@ -1,0 +1,98 @@
+"""The ConfigDict stops here: typed, frozen settings go further into the library."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from ml_collections import ConfigDict
+
+from models.layers import Policy
+from sharding.mesh import MeshShape
+
+
+class SettingsError(ValueError):
+    """A config value is out of range or inconsistent."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    batch_size: int
+    max_prompt_len: int
+    max_new_tokens: int
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    steps_per_dispatch: int
+    prefill_buckets: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    checkpoint_path: str
+    checkpoint_fetch: str
+    mesh: MeshShape
+    num_cpu_devices: int
+    rules: dict[str, tuple[str, ...]]
+    compilation_cache_dir: str
+    policy: Policy
+    generation: Generation
+    sampling: Sampling
+    input: str
+    output: str
+    echo_prompt: bool
+
+
+def _path(p: str) -> str:
+    return p if not p or "://" in p else os.path.expanduser(p)
+
+
+def from_config(c: ConfigDict) -> Settings:
+    g, s = c.generation, c.sampling
+    gen = Generation(
+        batch_size=int(g.batch_size),
+        max_prompt_len=int(g.max_prompt_len),
+        max_new_tokens=int(g.max_new_tokens),
+        stop=tuple(x for x in g.stop if x),
+        stop_token_ids=tuple(int(x) for x in g.stop_token_ids if int(x) >= 0),
+        steps_per_dispatch=int(g.steps_per_dispatch),
+        prefill_buckets=tuple(int(x) for x in g.prefill_buckets if int(x) > 0),
+    )
+    for field in ("batch_size", "max_prompt_len", "max_new_tokens", "steps_per_dispatch"):
+        if getattr(gen, field) < 1:
+            raise SettingsError(f"generation.{field}={getattr(gen, field)} must be at least 1")
+    samp = Sampling(float(s.temperature), int(s.top_k), float(s.top_p), int(s.seed))
+    if samp.temperature < 0 or not 0 < samp.top_p <= 1 or samp.top_k < 0:
+        raise SettingsError(
+            f"sampling temperature={samp.temperature}, top_p={samp.top_p}, top_k={samp.top_k}: "
+            "need temperature >= 0, 0 < top_p <= 1, top_k >= 0"
+        )
+    p = c.precision
+    for field in ("params", "activations", "kv_cache"):
+        if p[field] not in ("float32", "bfloat16", "float16"):
+            raise SettingsError(f"precision.{field}={p[field]!r}: use float32, bfloat16 or float16")
+    if p.matmul not in ("default", "high", "highest"):
+        raise SettingsError(f"precision.matmul={p.matmul!r}: use default, high or highest")
+    if not c.checkpoint.path:
+        raise SettingsError("checkpoint.path is empty: pass --config.checkpoint.path=<converted checkpoint>")
+    return Settings(
+        checkpoint_path=_path(c.checkpoint.path),
+        checkpoint_fetch=c.checkpoint.fetch,
+        mesh=MeshShape(c.mesh.data, c.mesh.sequence, c.mesh.expert, c.mesh.model),
+        num_cpu_devices=int(c.mesh.num_cpu_devices),
+        rules={k: tuple(a.strip() for a in v.split(",") if a.strip()) for k, v in c.rules.items()},
+        compilation_cache_dir=_path(c.compilation_cache.dir),
+        policy=Policy(p.params, p.activations, p.kv_cache, p.matmul),
+        generation=gen,
+        sampling=samp,
+        input=_path(c.io.input),
+        output=_path(c.io.output),
+        echo_prompt=bool(c.io.echo_prompt),
+    )

@@ -1,0 +1,33 @@
+"""8 simulated CPU devices (set before the backend starts) and mesh fixtures."""
+
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import pytest  # noqa: E402
+
+from sharding.mesh import MeshShape, make_mesh  # noqa: E402
+from sharding.rules import Rules  # noqa: E402
+
+MESHES = {
+    "1dev": (MeshShape(data=1), 1),
+    "data8": (MeshShape(data=8), 8),
+    "data2_model4": (MeshShape(data=2, model=4), 8),
+}
+
+
+def rules_for(name: str) -> Rules:
+    shape, n = MESHES[name]
+    return Rules.make(make_mesh(shape, jax.devices()[:n]))
+
+
+@pytest.fixture(params=list(MESHES))
+def mesh_rules(request) -> Rules:
+    return rules_for(request.param)
