@@ -70,7 +70,7 @@ def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: ja
         ranked = jnp.where(jnp.arange(V)[None] < k[:, None], ranked, -jnp.inf)
         probs = jax.nn.softmax(ranked, axis=-1)
         before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly ahead of each candidate
-        keep = jnp.maximum(jnp.sum(before < top_p[:, None], axis=-1), 1)  # nucleus size
+        keep = jnp.clip(jnp.sum(before < top_p[:, None], axis=-1), 1, k)  # nucleus size
         threshold = jnp.take_along_axis(ranked, (keep - 1)[:, None], axis=-1)
         masked = jnp.where(scaled >= threshold, scaled, -jnp.inf)
         drawn = jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)

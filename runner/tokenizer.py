@@ -1,0 +1,453 @@
+"""Tokenizers of podrun checkpoints, and chat templates rendered the way transformers renders them.
+
+A checkpoint folder carries the tokenizer files of its source: `tokenizer.json` (a `tokenizers`
+serialization, also what a GGUF source becomes at conversion), `tokenizer.model` (sentencepiece),
+or GPT-2's `vocab.json` + `merges.txt`; beside them `tokenizer_config.json` (special tokens,
+add_bos_token, chat_template), `chat_template.jinja` and `generation_config.json` (eos ids).
+
+References: transformers' `TokenizersBackend` (encode/decode/special tokens),
+`utils/chat_template_utils.py` (the jinja environment of `apply_chat_template`),
+`integrations/gguf/gguf_tokenizer_mapping.py`, and llama.cpp's `llama-vocab.cpp` (which split
+regexes each `tokenizer.ggml.pre` type means).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from collections.abc import Sequence
+from datetime import datetime
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from etils import epath
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as HFTokenizer
+
+
+class TokenizerError(ValueError):
+    """A tokenizer file is unreadable or describes a tokenizer podrun cannot build."""
+
+
+_SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# End-of-turn tokens: generation stops on them too when the chat template writes them.
+_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|end_of_turn|>")
+
+
+class Tokenizer:
+    """Text <-> ids, plus the chat template. Built by `load_tokenizer`; subclasses hold the codec."""
+
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    chat_template: str | None
+    add_bos: bool
+    vocab_size: int
+
+    def __init__(self, config: dict, generation_config: dict, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.chat_template = _chat_template(config)
+        # {"bos_token": "<s>", ...}: what the template sees, as transformers' special_tokens_map.
+        self.special_tokens = {k: s for k in _SPECIAL_NAMES if (s := _token_str(config.get(k)))}
+        self.bos_token_id = self.token_to_id(self.special_tokens.get("bos_token"))
+        eos = [self.token_to_id(self.special_tokens.get("eos_token"))]
+        gen_eos = generation_config.get("eos_token_id")
+        eos += gen_eos if isinstance(gen_eos, list) else [gen_eos]
+        eos += [self.token_to_id(t) for t in _END_OF_TURN if t in (self.chat_template or "")]
+        self.eos_token_ids = tuple(dict.fromkeys(i for i in eos if isinstance(i, int)))
+
+    def token_to_id(self, token: str | None) -> int | None:
+        raise NotImplementedError
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise NotImplementedError
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        raise NotImplementedError
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The chat as text, as transformers' apply_chat_template(tokenize=False) renders it."""
+        if self.chat_template is None:
+            raise TokenizerError("this checkpoint has no chat template; send a prompt, not messages")
+        chat = [_message(m) for m in messages]
+        try:
+            return _compile(self.chat_template).render(
+                messages=chat, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
+                **self.special_tokens,
+            )
+        except jinja2.TemplateError as e:
+            raise TokenizerError(f"the chat template failed: {e}") from e
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """apply_chat_template(tokenize=True): the template writes BOS itself where it wants one."""
+        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+
+
+class _FastTokenizer(Tokenizer):
+    """A `tokenizers` Tokenizer: its post-processor decides BOS/EOS, as in transformers v5."""
+
+    def __init__(self, tok: HFTokenizer, config: dict, generation_config: dict):
+        self._tok = tok
+        super().__init__(config, generation_config, tok.get_vocab_size(with_added_tokens=True))
+        first = tok.encode("a", add_special_tokens=True).ids[:1]
+        self.add_bos = self.bos_token_id is not None and first == [self.bos_token_id]
+
+    def token_to_id(self, token: str | None) -> int | None:
+        return None if token is None else self._tok.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+
+class _SentencePieceTokenizer(Tokenizer):
+    """sentencepiece, split around special tokens like transformers' non-legacy LlamaTokenizer:
+    only text at the very start gets the dummy-prefix space, text after a special token none."""
+
+    def __init__(self, proto: bytes, config: dict, generation_config: dict):
+        import sentencepiece as spm  # noqa: PLC0415
+        from sentencepiece import sentencepiece_model_pb2  # noqa: PLC0415
+
+        self._sp = spm.SentencePieceProcessor(model_proto=proto)
+        model = sentencepiece_model_pb2.ModelProto.FromString(proto)
+        model.normalizer_spec.add_dummy_prefix = False
+        self._sp_bare = spm.SentencePieceProcessor(model_proto=model.SerializeToString())
+        sp = self._sp
+        config = dict(config)
+        for name, i in (("bos_token", sp.bos_id()), ("eos_token", sp.eos_id()), ("unk_token", sp.unk_id())):
+            if i >= 0:
+                config.setdefault(name, sp.id_to_piece(i))
+        added = {int(i): _token_str(t) for i, t in (config.get("added_tokens_decoder") or {}).items()}
+        self._added = {t: i for i, t in added.items()}
+        self._special = {i for i in range(sp.get_piece_size()) if sp.is_control(i) or sp.is_unknown(i)}
+        self._special |= {int(i) for i, t in (config.get("added_tokens_decoder") or {}).items()
+                          if not isinstance(t, dict) or t.get("special", True)}
+        size = max([sp.get_piece_size(), *(i + 1 for i in added)])
+        super().__init__(config, generation_config, size)
+        for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
+            if (t := self.special_tokens.get(name)) and (i := self.token_to_id(t)) is not None:
+                self._added.setdefault(t, i)
+                self._special.add(i)
+        self._split = re.compile("(" + "|".join(map(re.escape, sorted(self._added, key=len, reverse=True))) + ")")
+        self.add_bos = bool(config.get("add_bos_token", True)) and self.bos_token_id is not None
+        self._add_eos = bool(config.get("add_eos_token", False))
+
+    def token_to_id(self, token: str | None) -> int | None:
+        if token is None:
+            return None
+        if token in self._added:
+            return self._added[token]
+        i = self._sp.piece_to_id(token)
+        return None if i == self._sp.unk_id() and token != self._sp.id_to_piece(i) else i
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = [self.bos_token_id] if add_special_tokens and self.add_bos else []
+        for k, piece in enumerate(self._split.split(text)):
+            if k % 2:
+                ids.append(self._added[piece])
+            elif piece:
+                ids += (self._sp if k == 0 else self._sp_bare).encode(piece)
+        eos = self.token_to_id(self.special_tokens.get("eos_token"))
+        return ids + [eos] if add_special_tokens and self._add_eos and eos is not None else ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        # The dummy-prefix space is dropped only at the start of the text, as transformers does.
+        out, run = "", []
+        id_to_added = {i: t for t, i in self._added.items()}
+        for i in [*map(int, ids), None]:
+            if i is not None and i not in self._special and i not in id_to_added:
+                run.append(i)
+                continue
+            out += (self._sp_bare if out else self._sp).decode(run)
+            run = []
+            if i is not None and not (skip_special_tokens and i in self._special):
+                out += id_to_added.get(i) or self._sp.id_to_piece(i)
+        return out
+
+
+# --- loading ---------------------------------------------------------------------------------------
+
+def load_tokenizer(checkpoint_dir: str) -> Tokenizer | None:
+    """The checkpoint's tokenizer, or None when it carries no tokenizer file."""
+    d = epath.Path(checkpoint_dir)
+    config = _read_json(d / "tokenizer_config.json")
+    for k, v in _read_json(d / "special_tokens_map.json").items():
+        config.setdefault(k, v)
+    if (d / "chat_template.jinja").exists():
+        config["chat_template"] = _read(d / "chat_template.jinja").decode("utf-8", "replace")
+    generation_config = _read_json(d / "generation_config.json")
+    if (path := d / "tokenizer.json").exists():
+        try:
+            tok = HFTokenizer.from_str(_read(path).decode("utf-8"))
+        except Exception as e:  # tokenizers raises a plain Exception on malformed JSON or models
+            raise TokenizerError(f"{path}: not a readable tokenizers file ({_one_line(e)})") from e
+        return _FastTokenizer(tok, config, generation_config)
+    if (path := d / "tokenizer.model").exists():
+        try:
+            return _SentencePieceTokenizer(_read(path), config, generation_config)
+        except (RuntimeError, OSError) as e:
+            raise TokenizerError(f"{path}: not a readable sentencepiece model ({_one_line(e)})") from e
+    if (d / "vocab.json").exists() and (d / "merges.txt").exists():
+        return _FastTokenizer(_gpt2_files(d), config, generation_config)
+    return None
+
+
+def _gpt2_files(d: epath.Path) -> HFTokenizer:
+    """GPT-2's original vocab.json + merges.txt, as GPT2TokenizerFast builds them."""
+    vocab = _read_json(d / "vocab.json")
+    lines = _read(d / "merges.txt").decode("utf-8").splitlines()
+    merges = [tuple(m.split(" ")) for m in lines if m and not m.startswith("#version")]
+    if not vocab or any(len(m) != 2 for m in merges):
+        raise TokenizerError(f"{d / 'merges.txt'}: expected 'left right' pairs beside a vocab.json")
+    tok = HFTokenizer(models.BPE(vocab, merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _read(path: epath.Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise TokenizerError(f"{path}: cannot read it ({_one_line(e)})") from e
+
+
+def _read_json(path: epath.Path) -> dict:
+    if not path.exists():
+        return {}
+    try:
+        d = json.loads(_read(path).decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise TokenizerError(f"{path}: not valid JSON ({_one_line(e)})") from e
+    if not isinstance(d, dict):
+        raise TokenizerError(f"{path}: expected a JSON object, got {type(d).__name__}")
+    return d
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split())[:200] or type(e).__name__
+
+
+def _token_str(t) -> str | None:
+    """A special token as tokenizer_config spells it: "<s>" or {"content": "<s>", ...}."""
+    return t.get("content") if isinstance(t, dict) else t if isinstance(t, str) else None
+
+
+def _chat_template(config: dict) -> str | None:
+    t = config.get("chat_template")
+    if isinstance(t, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        named = {x["name"]: x["template"] for x in t if isinstance(x, dict)}
+        t = named.get("default", next(iter(named.values()), None))
+    return t if isinstance(t, str) else None
+
+
+# --- chat templates ---------------------------------------------------------------------------------
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; here it
+    only renders its body, so templates that use it parse."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller):
+        return caller()
+
+
+def _raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # Not jinja's tojson, which escapes HTML characters.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+@functools.lru_cache(maxsize=16)
+def _compile(template: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateError as e:
+        raise TokenizerError(f"the chat template does not parse: {e}") from e
+
+
+def _message(m: dict) -> dict:
+    """As apply_chat_template passes it: None values dropped, reasoning under both names."""
+    m = {k: v for k, v in m.items() if v is not None}
+    reasoning = next((m[k] for k in ("reasoning_content", "thinking", "reasoning") if k in m), None)
+    return m if reasoning is None else {"thinking": reasoning, **m, "reasoning_content": reasoning}
+
+
+# --- GGUF ---------------------------------------------------------------------------------------------
+
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+                 r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_UPPER, _LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_TEKKEN_SPLIT = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*"
+                 r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_S = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+_GPT4O_SPLIT = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_S}|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_S}"
+                r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_PRES = ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+                "jina-v5-nano")
+# tokenizer.ggml.pre -> the regexes llama.cpp splits with, applied in turn (llama-vocab.cpp).
+_PRE_SPLITS: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(("default", "gpt-2", "phi-2", "mpt", "olmo", "jais", "trillion", "exaone4",
+                     "granite-docling", "mellum", "gigachat", "a.x-4.0"), (_GPT2_SPLIT,)),
+    **dict.fromkeys(("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b",
+                     "mellum2"), (r"\p{N}", _GPT2_SPLIT)),
+    **dict.fromkeys((*_LLAMA3_PRES, "dbrx", "smaug-bpe", "glm4", "chatglm-bpe"), (_LLAMA3_SPLIT,)),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2", "hunyuan",
+                     "solar-open", "grok-2"), (_QWEN2_SPLIT,)),
+    "qwen35": (_QWEN35_SPLIT,),
+    "tekken": (_TEKKEN_SPLIT,),
+    **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), (_GPT4O_SPLIT,)),
+    "falcon": (r"[\p{P}\$\+<=>\^~\|`]+", _GPT2_SPLIT, r"[0-9][0-9][0-9]"),
+    "deepseek-coder": (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[一-龥ࠀ-一가-퟿]+", r"\p{N}"),
+    "deepseek-v3": (r"\p{N}{1,3}", "[一-龥぀-ゟ゠-ヿ]+",
+                    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+                    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
+}
+# llama.cpp looks a whole pre-token up in the vocabulary before merging for these (HF: ignore_merges).
+_IGNORE_MERGES = frozenset((*_LLAMA3_PRES, "tekken"))
+_UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4  # tokenizer.ggml.token_type values
+
+
+@functools.cache
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map (the byte-level BPE alphabet)."""
+    out = {b: chr(b) for b in (*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                                *range(ord("®"), ord("ÿ") + 1))}
+    for n, b in enumerate(b for b in range(256) if b not in out):
+        out[b] = chr(256 + n)
+    return out
+
+
+def tokenizer_json_from_gguf(gguf_path: str) -> tuple[str, dict]:
+    """(tokenizer.json text, tokenizer_config.json dict) for the tokenizer a GGUF file describes.
+
+    "gpt2" (byte-level BPE) and "llama" (sentencepiece BPE, merges rebuilt from the scores, as
+    transformers' GGUF loader does) are supported.
+    """
+    meta = _gguf_metadata(gguf_path)
+    kind, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre") or "default"
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if not tokens:
+        raise TokenizerError(f"{gguf_path}: no tokenizer.ggml.tokens; this GGUF carries no tokenizer")
+    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    named = {}
+    for name, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding")):
+        i = meta.get(f"tokenizer.ggml.{key}_token_id")
+        if i is not None and 0 <= i < len(tokens):
+            named[name] = (tokens[i], i)
+    if kind == "gpt2":
+        if pre not in _PRE_SPLITS:
+            raise TokenizerError(f"{gguf_path}: pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported; "
+                                 f"supported: {sorted(_PRE_SPLITS)}")
+        tok = _byte_level_bpe(tokens, types, meta.get("tokenizer.ggml.merges") or [], pre, gguf_path)
+        add_bos_default = pre in _LLAMA3_PRES
+    elif kind == "llama":
+        tok = _sentencepiece_bpe(tokens, meta.get("tokenizer.ggml.scores"), meta, gguf_path)
+        add_bos_default = True
+    else:
+        raise TokenizerError(f"{gguf_path}: tokenizer type {kind!r} (tokenizer.ggml.model) is not supported; "
+                             "podrun builds 'gpt2' (byte-level BPE) and 'llama' (sentencepiece) tokenizers")
+    special = {i for i, t in enumerate(types) if t in (_UNKNOWN, _CONTROL)} | {i for _, i in named.values()}
+    tok.add_special_tokens([AddedToken(tokens[i], normalized=False, special=True) for i in sorted(special)])
+    tok.add_tokens([AddedToken(tokens[i], normalized=False, special=False)
+                    for i, t in enumerate(types) if t == _USER_DEFINED and i not in special])
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default)) and "bos_token" in named
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and "eos_token" in named
+    if add_bos or add_eos:
+        bos, eos = named.get("bos_token"), named.get("eos_token")
+        single = [bos[0]] * add_bos + ["$A"] + [eos[0]] * add_eos
+        tok.post_processor = processors.TemplateProcessing(
+            single=single, pair=single + ["$B"], special_tokens=[t for t in (bos, eos) if t is not None])
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": add_bos, "add_eos_token": add_eos,
+              "clean_up_tokenization_spaces": False, **{k: t for k, (t, _) in named.items()}}
+    if isinstance(meta.get("tokenizer.chat_template"), str):
+        config["chat_template"] = meta["tokenizer.chat_template"]
+    return tok.to_str(), config
+
+
+def _gguf_metadata(path: str) -> dict:
+    import gguf  # noqa: PLC0415  (only GGUF conversion needs it)
+
+    try:
+        reader = gguf.GGUFReader(path)
+        return {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+    except (OSError, ValueError, IndexError, KeyError) as e:
+        raise TokenizerError(f"{path}: not a readable GGUF file ({_one_line(e)})") from e
+
+
+def _byte_level_bpe(tokens: list[str], types: list[int], merges: list[str], pre: str, path: str) -> HFTokenizer:
+    alphabet = set(_byte_to_unicode().values())
+    to_byte_level = _byte_to_unicode()
+    # GGUF spells BPE tokens in the byte-level alphabet already; respell any that are not. Added
+    # tokens keep their text, so they keep their id.
+    vocab = {}
+    for i, (t, ty) in enumerate(zip(tokens, types)):
+        if ty not in (_CONTROL, _USER_DEFINED) and not set(t) <= alphabet:
+            t = "".join(to_byte_level[b] for b in t.encode("utf-8"))
+        vocab.setdefault(t, i)
+    pairs = [tuple(m.split(" ")) for m in merges]
+    if any(len(p) != 2 for p in pairs):
+        raise TokenizerError(f"{path}: tokenizer.ggml.merges holds an entry that is not 'left right'")
+    tok = HFTokenizer(models.BPE(vocab, pairs, ignore_merges=pre in _IGNORE_MERGES))
+    # r"\p{N}" alone is HF's Digits(individual_digits=True), as in SmolLM2's own tokenizer.json.
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True) if r == r"\p{N}" else
+         pre_tokenizers.Split(Regex(r), behavior="isolated") for r in _PRE_SPLITS[pre]]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _sentencepiece_bpe(tokens: list[str], scores, meta: dict, path: str) -> HFTokenizer:
+    """transformers' LlamaTokenizer shape: BPE with byte fallback over "▁"-spelled text."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if merges := meta.get("tokenizer.ggml.merges"):
+        pairs = [tuple(m.split(" ")) for m in merges]
+    elif scores is not None and len(scores) == len(tokens):
+        pairs = _merges_from_scores(vocab, dict(zip(tokens, scores)))
+    else:
+        raise TokenizerError(f"{path}: a 'llama' tokenizer needs tokenizer.ggml.scores or .merges")
+    tok = HFTokenizer(models.BPE(vocab, pairs, fuse_unk=True, byte_fallback=True))
+    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first" if prefix else "never",
+                                                 split=False)
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(steps + [decoders.Strip(" ", 1, 0)] * prefix)
+    return tok
+
+
+def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """Every split of a token into two tokens is a merge ranked by the token's score (best first;
+    ties: longer left part first), as sentencepiece's BPE prefers higher-scoring pieces."""
+    ranked = []
+    for token, score in scores.items():
+        splits = [(token[:k], token[k:]) for k in range(1, len(token)) if token[:k] in vocab and token[k:] in vocab]
+        splits.sort(key=lambda p: (vocab[p[0]], vocab[p[1]]))
+        ranked += [(score, len(a), len(b), a, b) for a, b in splits]
+    ranked.sort(key=lambda m: m[:3], reverse=True)  # stable: equal keys keep the vocabulary's order
+    return [(a, b) for *_, a, b in ranked]

@@ -1,0 +1,66 @@
+"""Tiny random transformers models: the independent reference the tests compare against."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+import transformers
+
+from models.registry import Model
+from models.weights import shardings
+from sharding.rules import Rules
+
+VOCAB = 128
+
+
+def tiny_hf(kind: str, seed: int = 0, std: float = 0.3):
+    """A random transformers model (eval mode) with weights noisy enough for decisive greedy picks."""
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(**common, tie_word_embeddings=False)
+        m = transformers.LlamaForCausalLM(cfg)
+    elif kind == "llama3":  # Llama 3.1 RoPE scaling, attention and MLP biases
+        cfg = transformers.LlamaConfig(**common, attention_bias=True, mlp_bias=True, rope_theta=50000.0,
+                                       rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                     "original_max_position_embeddings": 32})
+        m = transformers.LlamaForCausalLM(cfg)
+    elif kind == "qwen2":
+        cfg = transformers.Qwen2Config(**common, tie_word_embeddings=True)
+        m = transformers.Qwen2ForCausalLM(cfg)
+    elif kind == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=8, n_positions=256,
+                                      bos_token_id=0, eos_token_id=0)
+        m = transformers.GPT2LMHeadModel(cfg)
+    else:
+        raise ValueError(kind)
+    m.eval()
+    m.generation_config.eos_token_id = None  # never stop early, nor suppress any id
+    m.generation_config.bos_token_id = None
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * std)
+    return m
+
+
+def to_podrun(m, rules: Rules):
+    """The transformers model's weights mapped through podrun's own name mapping, sharded."""
+    model = Model.from_hf_config(m.config.to_dict())
+    sd = {k: v.detach().numpy() for k, v in m.state_dict().items()}
+    params = model.module.from_hf(sd, model.config)
+    params = jax.device_put(jax.tree.map(jnp.asarray, params), shardings(model.declare(), rules))
+    return model, params
+
+
+def hf_greedy(m, prompt, n: int) -> list[int]:
+    out = m.generate(torch.tensor([list(prompt)]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                     max_new_tokens=n, do_sample=False, pad_token_id=0)
+    assert out.shape[1] == len(prompt) + n
+    return out[0, len(prompt):].tolist()
+
+
+def hf_logits(m, tokens) -> np.ndarray:
+    with torch.no_grad():
+        return m(torch.tensor(np.asarray(tokens))).logits.numpy()

