@@ -27,6 +27,7 @@ def setup_devices(num_cpu_devices: int, cache_dir: str) -> None:
 
 
 def main(argv: list[str]) -> None:
+    logging.set_verbosity(logging.WARNING)  # the libraries' INFO chatter (Orbax) stays quiet
     if len(argv) > 1:
         sys.exit(f"podrun: error: unexpected arguments {argv[1:]}")
     if _CONFIG.value is None:
@@ -34,16 +35,31 @@ def main(argv: list[str]) -> None:
     # Imported here so that absl has parsed flags before the library pulls in the backend.
     from runner import run
     from runner.errors import USER_ERRORS
+    from runner.log import say
     from runner.settings import from_config
 
     try:
         settings = from_config(_CONFIG.value)
         setup_devices(settings.num_cpu_devices, settings.compilation_cache_dir)
-        logging.info("%d devices: %s", jax.device_count(), jax.devices()[0].platform)
+        say(f"{jax.device_count()} {jax.devices()[0].platform} devices, {jax.process_count()} process(es)")
         run.run(settings)
     except USER_ERRORS as e:
         sys.exit(f"podrun: error: {e}")
 
 
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's parser, with a misspelt --config override reported in one line."""
+    from absl import flags
+
+    try:
+        return flags.FLAGS(argv)
+    except (AttributeError, KeyError, flags.Error) as e:
+        message = str(e)
+        if message[:1] == message[-1:] == "'":
+            message = message[1:-1]
+        message = message.replace("\\n", " ").replace("\\'", "'")
+        sys.exit(f"podrun: error: {message}")
+
+
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

