@@ -253,7 +253,8 @@ def read_gguf(path: str) -> Source:
         cfg |= {"hidden_size": hidden, "intermediate_size": meta(f"{arch}.feed_forward_length"),
                 "num_hidden_layers": meta(f"{arch}.block_count"), "num_attention_heads": heads,
                 "num_key_value_heads": kv_heads,
-                "head_dim": meta(f"{arch}.attention.key_length", hidden // heads),
+                "head_dim": (meta(f"{arch}.attention.key_length")
+                             or meta(f"{arch}.rope.dimension_count") or hidden // heads),
                 "rms_norm_eps": meta(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
                 "rope_theta": meta(f"{arch}.rope.freq_base", 10000.0),
                 "max_position_embeddings": meta(f"{arch}.context_length"), "hidden_act": "silu",
@@ -286,7 +287,7 @@ def read_gguf(path: str) -> Source:
         if arch == "llama" and m[2] in ("attn_q", "attn_k"):
             a = _unpermute_rope(a, heads if m[2] == "attn_q" else cfg["num_key_value_heads"])
         if arch == "gpt2" and m[2] in _GPT2_CONV1D and m[3] == "weight":
-            a = np.ascontiguousarray(a.T)
+            a = a
         tensors[f"{names[m[2]].format(i=m[1])}.{m[3]}"] = a
     embed = tensors.get(f"{names['token_embd']}.weight")
     if embed is not None and np.array_equal(tensors.get("lm_head.weight"), embed):

@@ -186,9 +186,7 @@ def load_tokenizer(checkpoint_dir: str) -> Tokenizer | None:
     if (path := d / "tokenizer.model").exists():
         try:
             return _SentencePieceTokenizer(_read(path), config, generation_config)
-        except (RuntimeError, ValueError) as e:
-            if isinstance(e, TokenizerError):
-                raise
+        except RuntimeError as e:
             raise TokenizerError(f"{path}: not a readable sentencepiece model ({_one_line(e)})") from e
     return None
 
@@ -280,22 +278,26 @@ def _message(m: dict) -> dict:
 # --- GGUF -----------------------------------------------------------------------------------------
 
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
-_LLAMA3 = rf"{_CONTRACTIONS}|[^\r\n\p{{L}}\p{{N}}]?\p{{L}}+|\p{{N}}{{1,3}}| ?[^\s\p{{L}}\p{{N}}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2 = _LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")
-_QWEN35 = rf"{_CONTRACTIONS}|[^\r\n\p{{L}}\p{{N}}]?[\p{{L}}\p{{M}}]+|\p{{N}}| ?[^\s\p{{L}}\p{{M}}\p{{N}}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-_UP, _LO = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
-_TAIL = r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-_TEKKEN = rf"[^\r\n\p{{L}}\p{{N}}]?{_UP}*{_LO}+|[^\r\n\p{{L}}\p{{N}}]?{_UP}+{_LO}*|\p{{N}}{_TAIL}"
-_C = f"{_CONTRACTIONS}?"
-_GPT4O = rf"[^\r\n\p{{L}}\p{{N}}]?{_UP}*{_LO}+{_C}|[^\r\n\p{{L}}\p{{N}}]?{_UP}+{_LO}*{_C}|\p{{N}}{{1,3}}{_TAIL}"
+_QWEN35 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+           r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_TEKKEN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+           r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+           r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GPT4O = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+          r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+          r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+          r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+          r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _LLAMA3_PRES = ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2")
 # tokenizer.ggml.pre -> the regexes llama.cpp splits the text with, one after the other. r"\p{N}"
 # alone is built as HF's Digits(individual_digits=True), as SmolLM2's own tokenizer.json has it.
 _PRE_SPLITS: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(("default", "gpt-2", "phi-2", "mpt", "olmo", "jais", "trillion", "exaone4"), (_GPT2,)),
     **dict.fromkeys(("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"),
-                    (r"\p{N}", _GPT2)),
+                    (_GPT2,)),
     **dict.fromkeys((*_LLAMA3_PRES, "dbrx", "smaug-bpe", "glm4", "chatglm-bpe"), (_LLAMA3,)),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez", "stablelm2", "hunyuan", "grok-2"), (_QWEN2,)),
     "qwen35": (_QWEN35,),
@@ -318,10 +320,11 @@ def tokenizer_json_from_gguf(gguf_path: str) -> tuple[str, dict]:
     meta = _gguf_metadata(gguf_path)
     kind, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre") or "default"
     if not (tokens := meta.get("tokenizer.ggml.tokens")):
-        raise TokenizerError(f"{gguf_path}: no tokenizer.ggml.tokens; this GGUF file carries no tokenizer")
+        raise TokenizerError(f"{gguf_path}: no tokenizer.ggml.tokens; the GGUF file carries no tokenizer")
     types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     named = {}  # "bos_token" -> (text, id)
-    for name, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding")):
+    for name, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"),
+                      ("pad_token", "padding")):
         if (i := meta.get(f"tokenizer.ggml.{key}_token_id")) is not None and 0 <= i < len(tokens):
             named[name] = (tokens[i], i)
     if kind == "gpt2":
@@ -348,8 +351,9 @@ def tokenizer_json_from_gguf(gguf_path: str) -> tuple[str, dict]:
         tok.post_processor = processors.TemplateProcessing(
             single=single, pair=[*single, "$B"], special_tokens=[t for t in (bos, eos) if t is not None]
         )
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": add_bos, "add_eos_token": add_eos,
-              "clean_up_tokenization_spaces": False, **{k: text for k, (text, _) in named.items()}}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": add_bos,
+              "add_eos_token": add_eos, "clean_up_tokenization_spaces": False,
+              **{k: text for k, (text, _) in named.items()}}
     if isinstance(meta.get("tokenizer.chat_template"), str):
         config["chat_template"] = meta["tokenizer.chat_template"]
     return tok.to_str(), config
@@ -382,7 +386,8 @@ def _merge_pairs(merges: list[str], path: str) -> list[tuple[str, str]]:
     return pairs
 
 
-def _byte_level_bpe(tokens: list[str], types: list[int], merges: list[str], pre: str, path: str) -> HFTokenizer:
+def _byte_level_bpe(tokens: list[str], types: list[int], merges: list[str], pre: str,
+                    path: str) -> HFTokenizer:
     # GGUF spells BPE tokens in the byte-level alphabet; respell any that are not (added tokens
     # keep their text, hence their id).
     to_alphabet = _byte_to_unicode()
@@ -410,10 +415,11 @@ def _sentencepiece_bpe(tokens: list[str], meta: dict, path: str) -> HFTokenizer:
     elif scores is not None and len(scores) == len(tokens):
         pairs = _merges_from_scores(vocab, dict(zip(tokens, scores)))
     else:
-        raise TokenizerError(f"{path}: a 'llama' tokenizer needs tokenizer.ggml.scores or tokenizer.ggml.merges")
+        raise TokenizerError(f"{path}: a 'llama' tokenizer needs tokenizer.ggml.scores or .merges")
     tok = HFTokenizer(models.BPE(vocab, pairs, fuse_unk=True, byte_fallback=True))
     prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace("▁", prepend_scheme="first" if prefix else "never", split=False)
+    scheme = "first" if prefix else "never"
+    tok.pre_tokenizer = pre_tokenizers.Metaspace("▁", prepend_scheme=scheme, split=False)
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     tok.decoder = decoders.Sequence(steps + [decoders.Strip(" ", 1, 0)] * prefix)
     return tok
@@ -424,7 +430,8 @@ def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list
     then the longer left part), as transformers' generate_merges ranks them."""
     ranked = []
     for token, score in scores.items():
-        splits = [(token[:k], token[k:]) for k in range(1, len(token)) if token[:k] in vocab and token[k:] in vocab]
+        splits = [(token[:k], token[k:]) for k in range(1, len(token))
+                  if token[:k] in vocab and token[k:] in vocab]
         splits.sort(key=lambda p: (vocab[p[0]], vocab[p[1]]))
         ranked += [(score, len(a), len(b), a, b) for a, b in splits]
     ranked.sort(key=lambda m: m[:3], reverse=True)  # stable: equal keys keep the vocabulary's order

@@ -1,0 +1,144 @@
+"""`python -m runner.convert` + `python -m runner.main` against transformers, and bad input."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.reference import VOCAB, hf_greedy, tiny_hf
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 32
+
+
+def podrun(*args, check=True):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop("XLA_FLAGS", None)
+    p = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)
+    if check and p.returncode:
+        raise AssertionError(f"{args} exited {p.returncode}:\n{p.stderr[-3000:]}")
+    return p
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in open(path)]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "gpt2"])
+def model_dir(request, tmp_path_factory):
+    m = tiny_hf(request.param, seed=11)
+    root = tmp_path_factory.mktemp(request.param)
+    m.save_pretrained(root / "hf", max_shard_size="100KB")  # sharded safetensors + index
+    podrun("runner.convert", f"--source={root / 'hf'}", f"--output={root / 'ck'}")
+    return m, root
+
+
+def run_main(root, input_path, output, *overrides, check=True):
+    return podrun("runner.main", f"--config=configs/cpu.py:{root / 'ck'}", f"--config.io.input={input_path}",
+                  f"--config.io.output={output}", "--config.generation.max_prompt_len=64",
+                  f"--config.generation.max_new_tokens={STEPS}", "--config.generation.batch_size=4",
+                  f"--config.compilation_cache.dir={root / 'xla'}", *overrides, check=check)
+
+
+@pytest.mark.parametrize("mesh", [(), ("--config.mesh.data=2", "--config.mesh.model=4")])
+def test_greedy_generation_matches_transformers(model_dir, mesh, tmp_path):
+    m, root = model_dir
+    rng = np.random.RandomState(5)
+    prompts = [[int(t) for t in rng.randint(0, VOCAB, n)] for n in (7, 30, 1, 18, 45, 3)]
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt_token_ids": p} for i, p in enumerate(prompts)])
+    out = tmp_path / "out.jsonl"
+    run_main(root, inp, out, "--config.io.echo_prompt=true", *mesh)
+    results = read_jsonl(out)
+    assert [r["id"] for r in results] == [f"r{i}" for i in range(len(prompts))]  # input order
+    for r, p in zip(results, prompts):
+        assert r["prompt_token_ids"] == p
+        assert r["token_ids"] == hf_greedy(m, p, STEPS)
+        assert r["finish_reason"] == "length"
+        assert r["usage"] == {"prompt_tokens": len(p), "completion_tokens": STEPS}
+    assert not os.path.exists(str(out) + ".partial")
+
+
+def test_bad_requests_get_an_error_and_the_rest_completes(model_dir, tmp_path):
+    m, root = model_dir
+    lines = [
+        {"id": "ok", "prompt_token_ids": [5, 6, 7], "max_tokens": 4},
+        "{not json",
+        {"id": "empty", "prompt_token_ids": []},
+        {"id": "long", "prompt_token_ids": [1] * 65},
+        {"id": "text", "prompt": "no tokenizer here"},
+        {"id": "toomany", "prompt_token_ids": [1], "max_tokens": STEPS + 1},
+        {"id": "ok2", "prompt_token_ids": [9], "max_tokens": 2},
+    ]
+    out = tmp_path / "out.jsonl"
+    run_main(root, write_jsonl(tmp_path / "in.jsonl", lines), out)
+    r = read_jsonl(out)
+    assert r[0]["token_ids"] == hf_greedy(m, [5, 6, 7], 4) and r[0]["finish_reason"] == "length"
+    assert r[1]["id"] == 1 and "not valid JSON" in r[1]["error"]
+    assert r[2] == {"id": "empty", "error": "the prompt is empty"}
+    assert "65 tokens, more than generation.max_prompt_len=64" in r[3]["error"]
+    assert "no tokenizer" in r[4]["error"]
+    assert "max_tokens=33 exceeds generation.max_new_tokens=32" in r[5]["error"]
+    assert r[6]["token_ids"] == hf_greedy(m, [9], 2)
+
+
+def test_a_rerun_skips_what_is_already_done(model_dir, tmp_path):
+    """A partial file left by an interrupted run: its results are kept, the rest is generated."""
+    m, root = model_dir
+    rows = [{"id": i, "prompt_token_ids": [i + 1, i + 2], "max_tokens": 3} for i in range(5)]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    run_main(root, inp, out)
+    full = read_jsonl(out)
+    partial = open(str(out) + ".partial", "w")
+    digest = __import__("hashlib").sha256("\n".join(open(inp).read().splitlines()).encode()).hexdigest()
+    partial.write(json.dumps({"input_sha256": digest}) + "\n")
+    marked = dict(full[3], text="from the partial file")
+    partial.write(json.dumps({"_index": 3, **marked}) + "\n" + '{"_index": 1, "id": 1, "te')  # cut short
+    partial.close()
+    os.remove(out)
+    run_main(root, inp, out)
+    again = read_jsonl(out)
+    assert again[3]["text"] == "from the partial file"
+    assert [r["token_ids"] for r in again] == [r["token_ids"] for r in full]
+
+
+@pytest.mark.parametrize("kind", ["llama"])
+def test_bad_setups_fail_in_one_line_and_write_nothing(kind, tmp_path_factory, tmp_path):
+    m = tiny_hf(kind)
+    root = tmp_path_factory.mktemp("bad")
+    m.save_pretrained(root / "hf")
+    podrun("runner.convert", f"--source={root / 'hf'}", f"--output={root / 'ck'}")
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt_token_ids": [1, 2]}])
+    out = tmp_path / "out.jsonl"
+    cases = {
+        "checkpoint.path=/nonexistent: no such directory": ("--config.checkpoint.path=/nonexistent",),
+        "= 6 devices but 8 are visible": ("--config.mesh.data=6",),
+        "'kv_heads' of size 4 does not divide over mesh axes model (8 shards)": ("--config.mesh.data=1", "--config.mesh.model=8"),
+        "Did you mean \"batch_size\"": ("--config.generation.batchsize=2",),
+    }
+    for message, overrides in cases.items():
+        p = run_main(root, inp, out, *overrides, check=False)
+        assert p.returncode != 0
+        last = p.stderr.strip().splitlines()[-1]
+        assert last.startswith("podrun: error:") and message in last, p.stderr[-2000:]
+        assert "Traceback" not in p.stderr
+        assert not out.exists() and not os.path.exists(str(out) + ".partial")
+    # a checkpoint whose weights disagree with its metadata
+    meta = json.loads((root / "ck" / "podrun.json").read_text())
+    meta["model"]["config"]["num_layers"] = 3
+    (root / "ck" / "podrun.json").write_text(json.dumps(meta))
+    p = run_main(root, inp, out, check=False)
+    assert p.returncode != 0 and "layers.2.attn_norm is missing" in p.stderr.strip().splitlines()[-1]
+    assert not out.exists()
+    p = podrun("runner.convert", f"--source={root / 'nothing'}", f"--output={root / 'ck2'}", check=False)
+    assert p.returncode != 0 and str(root / "nothing") in p.stderr.strip().splitlines()[-1]
+    assert not (root / "ck2").exists()
