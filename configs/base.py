@@ -13,8 +13,10 @@ from sharding.rules import DEFAULT_RULES
 def base_config() -> ConfigDict:
     c = ConfigDict()
     # A converted podrun checkpoint (python -m runner.convert). `fetch` names an embedded model
-    # that is downloaded and converted into `path` when `path` does not exist yet.
-    c.checkpoint = ConfigDict({"path": "", "fetch": ""})
+    # that is downloaded and converted into `path` when `path` does not exist yet. `model`
+    # ("family:preset") names the architecture a deployment is sized for, so its fit can be checked
+    # without the checkpoint; at start the checkpoint's own metadata must agree with it.
+    c.checkpoint = ConfigDict({"path": "", "fetch": "", "model": ""})
     # Mesh axis sizes; -1 fills with the remaining devices. num_cpu_devices > 0 simulates that many
     # devices when running on CPU (ignored on TPU/GPU).
     c.mesh = ConfigDict({"data": -1, "model": 1, "expert": 1, "sequence": 1, "num_cpu_devices": 8})

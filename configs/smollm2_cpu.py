@@ -15,6 +15,7 @@ def get_config(arg: str = ""):
     c = base_config()
     c.checkpoint.path = "~/.cache/podrun/checkpoints/smollm2-135m-instruct"
     c.checkpoint.fetch = "smollm2-135m-instruct"
+    c.checkpoint.model = "llama:smollm2-135m"
     c.mesh.data = 8
     c.generation.batch_size = 8
     c.generation.max_prompt_len = 256

@@ -52,6 +52,15 @@ class Model:
         return cls(family, FAMILIES[family].PRESETS[name])
 
     @classmethod
+    def named(cls, spec: str) -> Model:
+        """From "family:preset", e.g. "llama:smollm2-135m"."""
+        family, _, name = spec.partition(":")
+        if family not in FAMILIES or name not in FAMILIES[family].PRESETS:
+            known = [f"{f}:{p}" for f, m in FAMILIES.items() for p in m.PRESETS]
+            raise ValueError(f"unknown model {spec!r}; known: {', '.join(known)}")
+        return cls.preset(family, name)
+
+    @classmethod
     def from_hf_config(cls, hf: dict) -> Model:
         model_type = hf.get("model_type")
         if model_type not in HF_MODEL_TYPES:

@@ -100,6 +100,18 @@ def load_metadata(directory: str) -> Metadata:
         raise CheckpointError(f"{meta_file}: unreadable metadata ({e}); re-convert the checkpoint") from e
 
 
+def check_matches(meta: Metadata, spec: str, directory: str) -> None:
+    """The checkpoint has the weight shapes of the architecture the deployment was sized for."""
+    want = {k: w.shape for k, w in flatten(Model.named(spec).declare()).items()}
+    have = {k: w.shape for k, w in flatten(meta.model.declare()).items()}
+    if want != have:
+        diff = sorted(set(want.items()) ^ set(have.items()))[:2]
+        raise CheckpointError(
+            f"checkpoint.path={directory} holds a different architecture than checkpoint.model={spec} "
+            f"(first differences: {diff}); fix one of the two"
+        )
+
+
 def restore(directory: str, model: Model, rules: Rules, dtype: Any) -> Any:
     """Restores every weight directly into the shards its declaration and the rules give it."""
     decl = model.declare()

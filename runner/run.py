@@ -80,6 +80,8 @@ def finish(tokenizer, ids: list[int], stops: tuple[str, ...]) -> tuple[str, list
 def run(s: Settings) -> Summary:
     ensure_checkpoint(s)
     meta = checkpoint.load_metadata(s.checkpoint_path)
+    if s.checkpoint_model:
+        checkpoint.check_matches(meta, s.checkpoint_model, s.checkpoint_path)
     tokenizer = load_tokenizer(s.checkpoint_path)
     mesh = make_mesh(s.mesh)
     rules = Rules.make(mesh, s.rules)

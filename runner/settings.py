@@ -38,6 +38,7 @@ class Sampling:
 class Settings:
     checkpoint_path: str
     checkpoint_fetch: str
+    checkpoint_model: str
     mesh: MeshShape
     num_cpu_devices: int
     rules: dict[str, tuple[str, ...]]
@@ -85,6 +86,7 @@ def from_config(c: ConfigDict) -> Settings:
     return Settings(
         checkpoint_path=_path(c.checkpoint.path),
         checkpoint_fetch=c.checkpoint.fetch,
+        checkpoint_model=c.checkpoint.model,
         mesh=MeshShape(c.mesh.data, c.mesh.sequence, c.mesh.expert, c.mesh.model),
         num_cpu_devices=int(c.mesh.num_cpu_devices),
         rules={k: tuple(a.strip() for a in v.split(",") if a.strip()) for k, v in c.rules.items()},

@@ -1,0 +1,42 @@
+"""Every shipped config loads, locks, says how to launch it, and its model's weights divide over
+its mesh (no compiling)."""
+
+import ast
+import glob
+import importlib.util
+import os
+
+import jax
+import pytest
+
+from models.registry import Model
+from models.weights import check_divisible
+from runner.settings import from_config
+from sharding.mesh import make_mesh
+from sharding.rules import Rules
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = sorted(p for p in glob.glob(os.path.join(ROOT, "configs", "*.py"))
+                 if os.path.basename(p) not in ("__init__.py", "base.py"))
+
+
+def load(path):
+    spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+def test_shipped_config_weights_divide_over_its_mesh(path):
+    doc = ast.get_docstring(ast.parse(open(path).read())) or ""
+    assert f"python -m runner.main --config=configs/{os.path.basename(path)}" in doc
+    c = load(path).get_config("/a/checkpoint")
+    c.lock()
+    with pytest.raises(AttributeError):
+        c.generation.batchsize = 3  # a misspelt key fails loudly
+    s = from_config(c)
+    if s.checkpoint_model:  # otherwise the architecture comes from whichever checkpoint is given
+        devices = jax.devices()[: s.num_cpu_devices] if s.num_cpu_devices else jax.devices()
+        rules = Rules.make(make_mesh(s.mesh, devices), s.rules)
+        check_divisible(Model.named(s.checkpoint_model).declare(), rules)
