@@ -138,8 +138,10 @@ class _SentencePieceTokenizer(Tokenizer):
         self._add_eos = bool(config.get("add_eos_token", False)) and self._eos is not None
 
     def token_to_id(self, token: str | None) -> int | None:
-        if token is None or token in self._added:
-            return None if token is None else self._added[token]
+        if token is None:
+            return None
+        if token in self._added:
+            return self._added[token]
         i = self._sp.piece_to_id(token)
         return i if i != self._sp.unk_id() or token == self._sp.id_to_piece(i) else None
 
@@ -297,7 +299,7 @@ _LLAMA3_PRES = ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixt
 _PRE_SPLITS: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(("default", "gpt-2", "phi-2", "mpt", "olmo", "jais", "trillion", "exaone4"), (_GPT2,)),
     **dict.fromkeys(("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"),
-                    (_GPT2,)),
+                    (r"\p{N}", _GPT2)),
     **dict.fromkeys((*_LLAMA3_PRES, "dbrx", "smaug-bpe", "glm4", "chatglm-bpe"), (_LLAMA3,)),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez", "stablelm2", "hunyuan", "grok-2"), (_QWEN2,)),
     "qwen35": (_QWEN35,),
@@ -341,10 +343,9 @@ def tokenizer_json_from_gguf(gguf_path: str) -> tuple[str, dict]:
     tok.add_special_tokens([AddedToken(tokens[i], normalized=False, special=True) for i in sorted(special)])
     tok.add_tokens([AddedToken(tokens[i], normalized=False, special=False)
                     for i, t in enumerate(types) if t == _USER_DEFINED and i not in special])
-    # Without the flag llama.cpp adds BOS for sentencepiece and Llama-3-style vocabularies.
-    add_bos = meta.get("tokenizer.ggml.add_bos_token", kind == "llama" or pre in _LLAMA3_PRES)
-    add_bos, add_eos = bool(add_bos) and "bos_token" in named, bool(meta.get("tokenizer.ggml.add_eos_token"))
-    add_eos = add_eos and "eos_token" in named
+    default_bos = kind == "llama" or pre in _LLAMA3_PRES  # what llama.cpp does when the flag is absent
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", default_bos)) and "bos_token" in named
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and "eos_token" in named
     if add_bos or add_eos:
         bos, eos = named.get("bos_token"), named.get("eos_token")
         single = [bos[0]] * add_bos + ["$A"] + [eos[0]] * add_eos
@@ -400,8 +401,8 @@ def _byte_level_bpe(tokens: list[str], types: list[int], merges: list[str], pre:
     tok = HFTokenizer(models.BPE(vocab, _merge_pairs(merges, path), ignore_merges=pre in _IGNORE_MERGES))
     splits = [pre_tokenizers.Digits(individual_digits=True) if r == r"\p{N}"
               else pre_tokenizers.Split(Regex(r), behavior="isolated") for r in _PRE_SPLITS[pre]]
-    tok.pre_tokenizer = pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(add_prefix_space=False,
-                                                                                   use_regex=False)])
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([*splits, byte_level])
     tok.decoder = decoders.ByteLevel()
     return tok
 
