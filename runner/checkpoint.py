@@ -56,7 +56,8 @@ def unflatten(decl: Any, flat: dict[str, Any]) -> Any:
 
 
 def save(directory: str, meta: Metadata, params: Any, files: dict[str, bytes] | None = None) -> None:
-    """Writes weights (a tree shaped like model.declare(), numpy leaves) and metadata."""
+    """Writes weights (a tree shaped like model.declare(); numpy or sharded jax leaves, each
+    process writing its own shards) and metadata."""
     out = epath.Path(directory)
     flat = flatten(params)
     declared = flatten(meta.model.declare())
@@ -70,7 +71,8 @@ def save(directory: str, meta: Metadata, params: Any, files: dict[str, bytes] | 
             )
     out.mkdir(parents=True, exist_ok=True)
     with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(out / "params", {k: np.asarray(v) for k, v in flat.items()}, force=True)
+        tree = {k: v if isinstance(v, jax.Array) else np.asarray(v) for k, v in flat.items()}
+        ckptr.save(out / "params", tree, force=True)
     for name, data in (files or {}).items():
         (out / name).write_bytes(data)
     (out / METADATA).write_text(json.dumps(meta.to_json(), indent=1))

@@ -72,3 +72,18 @@ def test_missing_checkpoint_is_named(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(checkpoint.CheckpointError, match="no podrun.json"):
         checkpoint.load_metadata(str(tmp_path / "empty"))
+
+
+def test_a_checkpoint_saved_from_one_mesh_restores_onto_another(converted, tmp_path):
+    """Saved from weights sharded over data=2 x model=4, restored over data=8 and one device."""
+    m, path = converted
+    meta = checkpoint.load_metadata(str(path))
+    sharded = checkpoint.restore(str(path), meta.model, rules_for("data2_model4"), "float32")
+    checkpoint.save(str(tmp_path / "resaved"), meta, sharded)
+    sd = {k: v.detach().numpy() for k, v in m.state_dict().items()}
+    for mesh_name in ("data8", "1dev"):
+        params = checkpoint.restore(str(tmp_path / "resaved"), meta.model, rules_for(mesh_name), "float32")
+        np.testing.assert_array_equal(np.asarray(params["layers"][1]["w_down"]),
+                                      sd["model.layers.1.mlp.down_proj.weight"].T)
+        np.testing.assert_array_equal(np.asarray(params["layers"][0]["wo"]).reshape(-1, 64),
+                                      sd["model.layers.0.self_attn.o_proj.weight"].T)
