@@ -85,8 +85,8 @@ def declare(c: Config) -> dict:
     }
 
 
-def cache_dims(c: Config) -> tuple[int, int, int]:
-    return c.num_layers, c.num_heads, c.head_dim
+def cache_spec(c: Config) -> tuple[tuple[int | None, ...], int, int]:
+    return (None,) * c.num_layers, c.num_heads, c.head_dim
 
 
 def attention_block(p: dict, x: jax.Array, positions: jax.Array, cache: KVCache, layer: int,

@@ -77,7 +77,18 @@ class Rope:
             return (inv / s["factor"]).astype(np.float32)
         if kind == "llama3":
             return _llama3_inv_freq(inv, s)
-        raise ValueError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3)")
+        if kind == "yarn":
+            return _yarn_inv_freq(inv, self.dim, self.theta, s)
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3, yarn)")
+
+    def attention_scaling(self) -> float:
+        """YaRN scales cos and sin (so every attention logit) by this; 1 otherwise."""
+        s = dict(self.scaling)
+        if s.get("rope_type", s.get("type")) != "yarn":
+            return 1.0
+        if s.get("attention_factor") is not None:
+            return float(s["attention_factor"])
+        return 0.1 * math.log(s["factor"]) + 1.0 if s["factor"] > 1 else 1.0
 
 
 def _llama3_inv_freq(inv: np.ndarray, s: dict) -> np.ndarray:
@@ -92,11 +103,32 @@ def _llama3_inv_freq(inv: np.ndarray, s: dict) -> np.ndarray:
     return np.where(medium, smoothed, slowed).astype(np.float32)
 
 
+def _yarn_inv_freq(inv: np.ndarray, dim: int, theta: float, s: dict) -> np.ndarray:
+    """YaRN (arXiv:2309.00071): interpolate (divide by `factor`) the low frequencies, extrapolate
+    (keep) the high ones, with a linear ramp between the dimensions that complete beta_fast and
+    beta_slow rotations over the original context."""
+    factor, old = s["factor"], s["original_max_position_embeddings"]
+    fast, slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+    def dim_for(rotations: float) -> float:  # the dimension completing `rotations` turns over `old`
+        return dim * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    lo, hi = dim_for(fast), dim_for(slow)
+    if s.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, dim - 1)
+    hi = hi + 0.001 if lo == hi else hi
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - lo) / (hi - lo), 0, 1)
+    keep = 1 - ramp  # 1: extrapolate (high frequency), 0: interpolate
+    return (inv / factor * (1 - keep) + inv * keep).astype(np.float32)
+
+
 def apply_rope(x: jax.Array, positions: jax.Array, rope: Rope) -> jax.Array:
     """x: [B, T, heads, H]; positions: [B, T]."""
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope.inv_freq())  # [B, T, dim/2]
-    cos = jnp.cos(angles)[:, :, None, :].astype(x.dtype)
-    sin = jnp.sin(angles)[:, :, None, :].astype(x.dtype)
+    scale = rope.attention_scaling()
+    cos = (jnp.cos(angles) * scale)[:, :, None, :].astype(x.dtype)
+    sin = (jnp.sin(angles) * scale)[:, :, None, :].astype(x.dtype)
     rot, rest = x[..., : rope.dim], x[..., rope.dim :]
     x1, x2 = jnp.split(rot, 2, axis=-1)
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -108,44 +140,91 @@ def apply_rope(x: jax.Array, positions: jax.Array, rope: Rope) -> jax.Array:
 class KVCache(NamedTuple):
     """Pre-allocated keys and values for every layer, and the position each slot holds.
 
-    k, v: per layer [B, S, K, H]; pos: [B, S] int32, -1 for an empty slot (or a padding token).
-    Masks derive from `pos` alone, so left padding, ragged prompts and (later) ring buffers need no
-    other bookkeeping.
+    k, v: per layer [B, S, K, H] for full-attention layers, or [B, W, K, H] for sliding-window
+    layers, which keep only the last W columns in a ring (column c lives in slot c % W).
+    pos: [B, S] and ring_pos: [B, W] int32, the position held by each slot, -1 when empty (or
+    padding). Masks derive from positions alone, so left padding, ragged prompts and the ring's
+    wrap-around need no other bookkeeping.
     """
 
     k: list[jax.Array]
     v: list[jax.Array]
     pos: jax.Array
+    ring_pos: jax.Array  # [B, 0] when no layer is windowed
+
+    @staticmethod
+    def lengths(length: int, windows: tuple[int | None, ...]) -> tuple[int, ...]:
+        """Slots per layer: the window for windowed layers (when shorter), else the full length."""
+        return tuple(min(w, length) if w else length for w in windows)
 
     @staticmethod
     def shardings(rules: Rules, num_layers: int) -> KVCache:
         kv = rules.sharding("cache_batch", "cache_seq", "cache_kv_heads", None)
-        return KVCache([kv] * num_layers, [kv] * num_layers, rules.sharding("cache_batch", "cache_seq"))
+        pos = rules.sharding("cache_batch", "cache_seq")
+        return KVCache([kv] * num_layers, [kv] * num_layers, pos, pos)
 
     @staticmethod
-    def create(
-        batch: int, length: int, num_layers: int, kv_heads: int, head_dim: int, dtype: Any, rules: Rules
-    ) -> KVCache:
-        def make():
-            z = jnp.zeros((batch, length, kv_heads, head_dim), dtype)
-            return KVCache([z] * num_layers, [z] * num_layers, jnp.full((batch, length), -1, jnp.int32))
+    def create(batch: int, length: int, windows: tuple[int | None, ...], kv_heads: int,
+               head_dim: int, dtype: Any, rules: Rules) -> KVCache:
+        lengths = KVCache.lengths(length, windows)
+        rings = {n for n in lengths if n != length}
+        if len(rings) > 1:
+            raise ValueError(f"windowed layers must share one window, got {sorted(rings)}")
+        ring = rings.pop() if rings else 0
 
-        return jax.jit(make, out_shardings=KVCache.shardings(rules, num_layers))()
+        def make():
+            kv = [jnp.zeros((batch, n, kv_heads, head_dim), dtype) for n in lengths]
+            return KVCache(kv, list(kv), jnp.full((batch, length), -1, jnp.int32),
+                           jnp.full((batch, ring), -1, jnp.int32))
+
+        return jax.jit(make, out_shardings=KVCache.shardings(rules, len(lengths)))()
+
+    def reset(self) -> KVCache:
+        """Forgets every position (the k, v left behind are masked out)."""
+        return self._replace(pos=jnp.full_like(self.pos, -1), ring_pos=jnp.full_like(self.ring_pos, -1))
 
     def write_positions(self, positions: jax.Array, start: jax.Array | int) -> KVCache:
-        pos = jax.lax.dynamic_update_slice(self.pos, positions.astype(jnp.int32), (0, start))
-        return self._replace(pos=pos)
+        positions = positions.astype(jnp.int32)
+        pos = jax.lax.dynamic_update_slice(self.pos, positions, (0, start))
+        ring_pos = _ring_write(self.ring_pos, positions, start, axis=1) if self.ring_pos.shape[1] else self.ring_pos
+        return self._replace(pos=pos, ring_pos=ring_pos)
 
     def write(self, layer: int, k: jax.Array, v: jax.Array, start: jax.Array | int,
               rules: Rules) -> KVCache:
-        """Writes one layer's new k, v [B, T, K, H] at slots [start, start + T)."""
+        """Writes one layer's new k, v [B, T, K, H] for columns [start, start + T)."""
         with jax.named_scope("cache_write"):
             ks, vs = list(self.k), list(self.v)
+            ring = ks[layer].shape[1] != self.pos.shape[1]
             for store, new in ((ks, k), (vs, v)):
-                out = jax.lax.dynamic_update_slice(store[layer], new.astype(store[layer].dtype),
-                                                   (0, start, 0, 0))
+                new = new.astype(store[layer].dtype)
+                if ring:
+                    out = _ring_write(store[layer], new, start, axis=1)
+                else:
+                    out = jax.lax.dynamic_update_slice(store[layer], new, (0, start, 0, 0))
                 store[layer] = constrain(out, rules, "cache_batch", "cache_seq", "cache_kv_heads", None)
             return self._replace(k=ks, v=vs)
+
+
+def _ring_write(ring: jax.Array, new: jax.Array, start: jax.Array | int, axis: int) -> jax.Array:
+    """Writes columns [start, start + T) of `new` into `ring` (W slots): column c goes to c % W."""
+    W, T = ring.shape[axis], new.shape[axis]
+    if isinstance(start, int):  # static start (prefill): keep the last W columns, rotated into place
+        first = max(start, start + T - W)
+        kept = jax.lax.slice_in_dim(new, first - start, T, axis=axis)
+        if kept.shape[axis] == W:
+            return jnp.roll(kept, first % W, axis=axis)
+        index = [0] * ring.ndim
+        index[axis] = first % W
+        if first % W + kept.shape[axis] <= W:
+            return jax.lax.dynamic_update_slice(ring, kept, index)
+    elif T == 1:  # one decode step
+        index = [0] * ring.ndim
+        index[axis] = start % W
+        return jax.lax.dynamic_update_slice(ring, new, index)
+    if T > W:
+        raise ValueError(f"writing {T} columns at a traced start into a ring of {W} slots")
+    slots = (start + jnp.arange(T)) % W
+    return jnp.moveaxis(jnp.moveaxis(ring, axis, 0).at[slots].set(jnp.moveaxis(new, axis, 0)), 0, axis)
 
 
 def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
@@ -161,7 +240,9 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Ar
         T = q.shape[1]
         out = attention(q, k, v, positions, cache.pos[:, :T], policy, **kw)
     else:
-        out = attention(q, cache.k[layer], cache.v[layer], positions, cache.pos, policy, **kw)
+        ring = cache.k[layer].shape[1] != cache.pos.shape[1]
+        k_pos = cache.ring_pos if ring else cache.pos
+        out = attention(q, cache.k[layer], cache.v[layer], positions, k_pos, policy, **kw)
     return out, cache
 
 

@@ -142,8 +142,9 @@ def declare(c: Config) -> dict:
     }
 
 
-def cache_dims(c: Config) -> tuple[int, int, int]:
-    return c.num_layers, c.num_kv_heads, c.head_dim
+def cache_spec(c: Config) -> tuple[tuple[int | None, ...], int, int]:
+    """(attention window per layer, None = full; kv heads; head_dim)."""
+    return (None,) * c.num_layers, c.num_kv_heads, c.head_dim
 
 
 # --- blocks -----------------------------------------------------------------------------------

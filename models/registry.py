@@ -7,6 +7,7 @@ from types import ModuleType
 from typing import Any
 
 from models import gpt2, llama
+from models.layers import KVCache
 
 FAMILIES: dict[str, ModuleType] = {"llama": llama, "gpt2": gpt2}
 # transformers' model_type -> family
@@ -25,9 +26,14 @@ class Model:
     def declare(self) -> dict:
         return self.module.declare(self.config)
 
-    def cache_dims(self) -> tuple[int, int, int]:
-        """(layers, kv heads, head_dim) of the KV cache."""
-        return self.module.cache_dims(self.config)
+    def new_cache(self, batch: int, length: int, dtype, rules) -> KVCache:
+        """An empty KV cache for `length` columns, sharded by the rules."""
+        windows, kv_heads, head_dim = self.module.cache_spec(self.config)
+        return KVCache.create(batch, length, windows, kv_heads, head_dim, dtype, rules)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.module.cache_spec(self.config)[0])
 
     def forward(self, params, tokens, positions, cache, start, rules, policy, last_only=False):
         return self.module.forward(params, tokens, positions, cache, start, self.config, rules,

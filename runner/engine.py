@@ -93,13 +93,11 @@ class Engine:
         self.buckets = tuple(sorted(prefill_buckets)) or buckets(max_prompt_len)
         if self.buckets[-1] < max_prompt_len:
             raise ValueError(f"prefill buckets {self.buckets} do not reach max_prompt_len={max_prompt_len}")
-        layers, kv_heads, head_dim = model.cache_dims()
         self.cache_len = self.buckets[-1] + max_new_tokens
-        self.cache = KVCache.create(self.batch_size, self.cache_len, layers, kv_heads, head_dim,
-                                    jnp.dtype(policy.kv_cache), rules)
+        self.cache = model.new_cache(self.batch_size, self.cache_len, jnp.dtype(policy.kv_cache), rules)
         # Every array crossing the jit boundary has a fixed sharding, so no call recompiles.
         row = self._row = rules.sharding("batch", shape=(self.batch_size,))
-        cache_sh = KVCache.shardings(rules, layers)
+        cache_sh = KVCache.shardings(rules, model.num_layers)
         self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,), out_shardings=(row, cache_sh))
         self._decode = jax.jit(self._decode_fn, donate_argnums=(1,), out_shardings=(
             rules.sharding("batch", None, shape=(self.batch_size, self.steps)),
@@ -108,7 +106,7 @@ class Engine:
     # --- device functions ---------------------------------------------------------------------
 
     def _prefill_fn(self, params, cache: KVCache, tokens, positions, keys, temperature, top_k, top_p):
-        cache = cache._replace(pos=jnp.full_like(cache.pos, -1))  # forget the previous batch
+        cache = cache.reset()  # forget the previous batch
         logits, cache = self.model.forward(params, tokens, positions, cache, 0, self.rules,
                                            self.policy, last_only=True)
         first = sample(logits, jax.vmap(jax.random.fold_in)(keys, jnp.zeros_like(top_k)),

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.layers import KVCache, Policy
+from models.layers import Policy
 from tests.reference import VOCAB, hf_logits, tiny_hf, to_podrun
 
 KINDS = ["llama", "llama3", "qwen2", "gpt2"]
@@ -13,8 +13,7 @@ KINDS = ["llama", "llama3", "qwen2", "gpt2"]
 
 def full_forward(model, params, tokens, rules, cache_len=64):
     B, T = tokens.shape
-    layers, kv, hd = model.cache_dims()
-    cache = KVCache.create(B, cache_len, layers, kv, hd, jnp.float32, rules)
+    cache = model.new_cache(B, cache_len, jnp.float32, rules)
     positions = np.tile(np.arange(T, dtype=np.int32), (B, 1))
     fwd = jax.jit(lambda p, t, pos, c: model.forward(p, t, pos, c, 0, rules, Policy()))
     return fwd(params, tokens, positions, cache)
@@ -39,8 +38,7 @@ def test_decode_matches_full_forward(kind, mesh_rules):
     B, P, steps = 8, 16, 6
     lengths = rng.randint(3, P + 1, B)
     seqs = rng.randint(0, VOCAB, (B, P + steps)).astype(np.int32)
-    layers, kv, hd = model.cache_dims()
-    cache = KVCache.create(B, P + steps, layers, kv, hd, jnp.float32, mesh_rules)
+    cache = model.new_cache(B, P + steps, jnp.float32, mesh_rules)
     tokens = np.zeros((B, P), np.int32)
     positions = np.full((B, P), -1, np.int32)
     for b, n in enumerate(lengths):

@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from models.layers import KVCache, Policy
+from models.layers import Policy
 from runner import checkpoint
 from runner.convert import convert
 from runner.engine import Engine, Request
@@ -67,8 +67,7 @@ def test_prompts_and_chats_tokenize_as_transformers_does(converted, prompt_ids):
 def test_logits_match_transformers(engine, reference, prompt_ids):
     m, _ = reference
     ids = prompt_ids[2]
-    layers, kv, hd = engine.model.cache_dims()
-    cache = KVCache.create(1, 64, layers, kv, hd, np.float32, engine.rules)
+    cache = engine.model.new_cache(1, 64, np.float32, engine.rules)
     logits, _ = jax.jit(lambda p, t, pos, c: engine.model.forward(p, t, pos, c, 0, engine.rules, Policy()))(
         engine.params, np.array([ids], np.int32), np.arange(len(ids), dtype=np.int32)[None], cache)
     with torch.no_grad():
