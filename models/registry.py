@@ -6,12 +6,13 @@ import dataclasses
 from types import ModuleType
 from typing import Any
 
-from models import gpt2, llama
+from models import gpt2, gptoss, llama
 from models.layers import KVCache
 
-FAMILIES: dict[str, ModuleType] = {"llama": llama, "gpt2": gpt2}
+FAMILIES: dict[str, ModuleType] = {"llama": llama, "gpt2": gpt2, "gptoss": gptoss}
 # transformers' model_type -> family
-HF_MODEL_TYPES: dict[str, str] = {"llama": "llama", "qwen2": "llama", "gpt2": "gpt2"}
+HF_MODEL_TYPES: dict[str, str] = {"llama": "llama", "qwen2": "llama", "gpt2": "gpt2",
+                                  "gpt_oss": "gptoss"}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,10 +21,14 @@ MESHES = {
     "data8": (MeshShape(data=8), 8),
     "data2_model4": (MeshShape(data=2, model=4), 8),
 }
+MOE_MESHES = {
+    "expert2_model2_data2": (MeshShape(data=2, expert=2, model=2), 8),
+    "expert4_data2": (MeshShape(data=2, expert=4), 8),
+}
 
 
 def rules_for(name: str) -> Rules:
-    shape, n = MESHES[name]
+    shape, n = {**MESHES, **MOE_MESHES}[name]
     return Rules.make(make_mesh(shape, jax.devices()[:n]))
 
 

@@ -1,0 +1,299 @@
+"""GPT-OSS-20B/120B.
+
+References: OpenAI's `gpt_oss/torch/model.py` (openai/gpt-oss) and transformers'
+`GptOssForCausalLM` (modeling_gpt_oss.py). A pre-norm decoder: RMSNorm; attention with q/k/v/o
+biases, YaRN RoPE, one learned sink logit per query head, and a sliding window on the layers the
+config marks; a mixture of experts (router with bias, top-k, softmax over the chosen logits) whose
+experts are clamped SwiGLU MLPs: gate * sigmoid(alpha * gate) * (up + 1); untied unembedding.
+
+MoE letters: M tokens (B*T), A assignments (M*k), E experts (local to a shard inside shard_map),
+C capacity (rows per expert), I the gate/up pair.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.layers import KVCache, Policy, Rope, apply_rope, cached_attention, rms_norm
+from models.weights import Weight
+from sharding.rules import Rules, constrain
+
+# Logical axes of the expert weights; `declare` and the MoE's shard_map specs both use them.
+EXPERT_AXES = {
+    "w_gate_up": ("experts", "embed", None, "mlp"),  # [E, D, 2, F]; [:, :, 0] is the gate
+    "b_gate_up": ("experts", None, "mlp"),  # [E, 2, F]
+    "w_down": ("experts", "mlp", "embed"),  # [E, F, D]
+    "b_down": ("experts", "embed"),  # [E, D]
+}
+YARN = (("beta_fast", 32.0), ("beta_slow", 1.0), ("factor", 32.0),
+        ("original_max_position_embeddings", 4096), ("rope_type", "yarn"), ("truncate", False))
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    vocab_size: int = 201088
+    hidden_size: int = 2880  # D
+    intermediate_size: int = 2880  # F, per expert
+    num_layers: int = 24
+    num_heads: int = 64  # N
+    num_kv_heads: int = 8  # K
+    head_dim: int = 64  # H
+    num_experts: int = 32  # E
+    experts_per_token: int = 4  # k
+    sliding_window: int = 128
+    sliding_layers: tuple[bool, ...] = ()  # per layer; () = the even layers, as released
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 150000.0
+    rope_scaling: tuple[tuple[str, Any], ...] = YARN
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    max_position: int = 131072
+    capacity_factor: float = 2.0  # expert capacity, as a multiple of the mean load, tried first
+
+    @property
+    def rope(self) -> Rope:
+        return Rope(self.head_dim, self.rope_theta, self.rope_scaling)
+
+    def window(self, layer: int) -> int | None:
+        sliding = self.sliding_layers[layer] if self.sliding_layers else layer % 2 == 0
+        return self.sliding_window if sliding else None
+
+
+PRESETS: dict[str, Config] = {
+    "20b": Config(),
+    "120b": Config(num_layers=36, num_experts=128),
+    "tiny": Config(vocab_size=256, hidden_size=64, intermediate_size=64, num_layers=2, num_heads=8,
+                   num_kv_heads=4, head_dim=16, num_experts=8, experts_per_token=2,
+                   sliding_window=8, max_position=4096),
+    # the o200k_harmony vocabulary around a tiny body: runs end to end with real Harmony text
+    "tiny-o200k": Config(hidden_size=64, intermediate_size=64, num_layers=4, num_heads=8,
+                         num_kv_heads=4, head_dim=16, num_experts=8, experts_per_token=4,
+                         sliding_window=16, max_position=4096),
+}
+
+
+def config_from_hf(hf: dict) -> Config:
+    rope = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+    theta = hf.get("rope_theta") or rope.pop("rope_theta", 150000.0)
+    rope.pop("rope_theta", None)
+    layers = hf["num_hidden_layers"]
+    types = hf.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                      for i in range(layers)]
+    return Config(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=layers,
+        num_heads=hf["num_attention_heads"],
+        num_kv_heads=hf["num_key_value_heads"],
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+        num_experts=hf["num_local_experts"],
+        experts_per_token=hf.get("num_experts_per_tok") or hf["experts_per_token"],
+        sliding_window=hf.get("sliding_window") or 128,
+        sliding_layers=tuple(t == "sliding_attention" for t in types),
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
+        rope_theta=float(theta),
+        rope_scaling=tuple(sorted(rope.items())) if rope else YARN,
+        swiglu_alpha=hf.get("swiglu_alpha", 1.702),
+        swiglu_limit=hf.get("swiglu_limit", 7.0),
+        max_position=hf.get("max_position_embeddings", 131072),
+    )
+
+
+# --- weights ----------------------------------------------------------------------------------
+
+def declare(c: Config) -> dict:
+    D, F, N, K, H, E, V = (c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads,
+                           c.head_dim, c.num_experts, c.vocab_size)
+    layer = {
+        "attn_norm": Weight((D,), ("embed",), init="ones"),
+        "wq": Weight((D, N, H), ("embed", "heads", "head_dim")),
+        "bq": Weight((N, H), ("heads", "head_dim"), init="zeros"),
+        "wk": Weight((D, K, H), ("embed", "kv_heads", "head_dim")),
+        "bk": Weight((K, H), ("kv_heads", "head_dim"), init="zeros"),
+        "wv": Weight((D, K, H), ("embed", "kv_heads", "head_dim")),
+        "bv": Weight((K, H), ("kv_heads", "head_dim"), init="zeros"),
+        "wo": Weight((N, H, D), ("heads", "head_dim", "embed")),
+        "bo": Weight((D,), ("embed",), init="zeros"),
+        "sinks": Weight((N,), ("heads",), init="zeros"),  # one logit per query head
+        "mlp_norm": Weight((D,), ("embed",), init="ones"),
+        "router_w": Weight((D, E), ("embed", None)),  # every shard routes every token
+        "router_b": Weight((E,), (None,), init="zeros"),
+        "w_gate_up": Weight((E, D, 2, F), EXPERT_AXES["w_gate_up"]),
+        "b_gate_up": Weight((E, 2, F), EXPERT_AXES["b_gate_up"], init="zeros"),
+        "w_down": Weight((E, F, D), EXPERT_AXES["w_down"]),
+        "b_down": Weight((E, D), EXPERT_AXES["b_down"], init="zeros"),
+    }
+    return {
+        "embed": Weight((V, D), ("vocab", "embed")),  # [V, D]
+        "layers": [dict(layer) for _ in range(c.num_layers)],
+        "final_norm": Weight((D,), ("embed",), init="ones"),
+        "unembed": Weight((D, V), ("embed", "vocab")),  # [D, V]
+    }
+
+
+def cache_spec(c: Config) -> tuple[tuple[int | None, ...], int, int]:
+    return tuple(c.window(i) for i in range(c.num_layers)), c.num_kv_heads, c.head_dim
+
+
+# --- attention --------------------------------------------------------------------------------
+
+def attention_block(p: dict, x: jax.Array, positions: jax.Array, cache: KVCache, layer: int,
+                    start: Any, c: Config, rules: Rules, policy: Policy) -> tuple[jax.Array, KVCache]:
+    q = policy.einsum("BTD,DNH->BTNH", x, p["wq"]) + p["bq"]
+    k = policy.einsum("BTD,DKH->BTKH", x, p["wk"]) + p["bk"]
+    v = policy.einsum("BTD,DKH->BTKH", x, p["wv"]) + p["bv"]
+    q = constrain(apply_rope(q, positions, c.rope), rules, "batch", "seq", "act_heads", None)
+    k = constrain(apply_rope(k, positions, c.rope), rules, "batch", "seq", "act_kv_heads", None)
+    v = constrain(v, rules, "batch", "seq", "act_kv_heads", None)
+    out, cache = cached_attention(q, k, v, positions, cache, layer, start, rules, policy,
+                                  window=c.window(layer), sinks=p["sinks"])
+    return policy.einsum("BTNH,NHD->BTD", out, p["wo"]) + p["bo"], cache
+
+
+# --- mixture of experts -----------------------------------------------------------------------
+
+def swiglu(gate_up: jax.Array, c: Config) -> jax.Array:
+    """gate_up [..., 2, F] -> [..., F]: the clamped SwiGLU of the reference, with up shifted by one."""
+    gate = jnp.minimum(gate_up[..., 0, :], c.swiglu_limit)
+    up = jnp.clip(gate_up[..., 1, :], -c.swiglu_limit, c.swiglu_limit)
+    return gate * jax.nn.sigmoid(c.swiglu_alpha * gate) * (up + 1)
+
+
+def _experts_gathered(x, expert, weight, w, c, policy):
+    """Few assignments (decode): gather each assignment's expert weights. x [M, D]; expert,
+    weight [M, k] (weight 0 where the expert lives on another shard)."""
+    gate_up = policy.einsum("MD,MKDIF->MKIF", x, w["w_gate_up"][expert]) + w["b_gate_up"][expert]
+    y = policy.einsum("MKF,MKFD->MKD", swiglu(gate_up, c), w["w_down"][expert]) + w["b_down"][expert]
+    return jnp.einsum("MKD,MK->MD", y, weight.astype(y.dtype))
+
+
+def _experts_grouped(x, expert, weight, w, c, policy, capacity):
+    """Many assignments (prefill): group them by expert into [E, C] buckets and run one batched
+    matmul per projection. Assignments beyond an expert's capacity go to a dropped slot; callers
+    choose `capacity` so that none does."""
+    M, D = x.shape
+    E = w["w_down"].shape[0]
+    flat_e = expert.reshape(-1)  # [A]
+    order = jnp.argsort(flat_e, stable=True)
+    sorted_e = flat_e[order]
+    token = order // expert.shape[1]
+    counts = jnp.bincount(flat_e, length=E + 1)  # E = "not on this shard"
+    rank = jnp.arange(flat_e.shape[0]) - (jnp.cumsum(counts) - counts)[sorted_e]
+    slot = jnp.where((sorted_e < E) & (rank < capacity), sorted_e * capacity + rank, E * capacity)
+    rows = jnp.zeros((E * capacity + 1, D), x.dtype).at[slot].set(x[token])
+    rows = rows[:-1].reshape(E, capacity, D)
+    gate_up = policy.einsum("ECD,EDIF->ECIF", rows, w["w_gate_up"]) + w["b_gate_up"][:, None]
+    y = policy.einsum("ECF,EFD->ECD", swiglu(gate_up, c), w["w_down"]) + w["b_down"][:, None]
+    y = jnp.concatenate([y.reshape(E * capacity, D), jnp.zeros((1, D), y.dtype)])[slot]
+    y = y * weight.reshape(-1)[order][:, None].astype(y.dtype)
+    return jnp.zeros((M, D), y.dtype).at[token].add(y)
+
+
+def _moe_shard(x, expert, weight, w, *, c: Config, policy: Policy, expert_axes, model_axes):
+    """One device's share: its tokens x [B, T, D] through its experts and its slice of F."""
+    B, T, D = x.shape
+    E = w["w_down"].shape[0]  # local experts
+    first = jax.lax.axis_index(expert_axes) * E if expert_axes else 0
+    local = expert - first
+    mine = (local >= 0) & (local < E)
+    weight = jnp.where(mine, weight, 0)
+    if model_axes:  # the down projection's bias once, not once per slice of F
+        w = dict(w, b_down=jnp.where(jax.lax.axis_index(model_axes) == 0, w["b_down"], 0))
+    x = x.reshape(B * T, D)
+    local = local.reshape(B * T, -1)
+    weight = weight.reshape(B * T, -1)
+    if local.size <= E:
+        y = _experts_gathered(x, jnp.where(mine.reshape(local.shape), local, 0), weight, w, c, policy)
+    else:
+        local = jnp.where(mine.reshape(local.shape), local, E)
+        counts = jnp.bincount(local.reshape(-1), length=E + 1)[:E]
+        small = min(B * T, max(1, math.ceil(c.capacity_factor * local.size / max(E, 1))))
+        grouped = partial(_experts_grouped, x, local, weight, w, c, policy)
+        if small >= B * T:
+            y = grouped(B * T)
+        else:  # exact either way: the small buckets when they hold every assignment
+            y = jax.lax.cond(jnp.max(counts) <= small, lambda: grouped(small), lambda: grouped(B * T))
+    axes = tuple(expert_axes) + tuple(model_axes)
+    if axes:
+        y = jax.lax.psum(y, axes)
+    return y.reshape(B, T, D)
+
+
+def moe_block(p: dict, x: jax.Array, c: Config, rules: Rules, policy: Policy) -> jax.Array:
+    with jax.named_scope("moe"):
+        logits = policy.einsum("BTD,DE->BTE", x, p["router_w"]) + p["router_b"]
+        top, expert = jax.lax.top_k(logits, c.experts_per_token)  # [B, T, k]
+        weight = jax.nn.softmax(top.astype(jnp.float32), axis=-1).astype(x.dtype)
+        w = {n: p[n] for n in EXPERT_AXES}
+        # inside, every device holds whole rows of D (an FSDP-sharded embed is gathered on entry)
+        specs = {n: rules.spec(*(None if a == "embed" else a for a in axes))
+                 for n, axes in EXPERT_AXES.items()}
+        act = rules.spec("batch", "seq", "act_embed", shape=x.shape)
+        route = rules.spec("batch", "seq", None, shape=expert.shape)
+        expert_axes = tuple(a for a in rules.axes("experts") if rules.mesh.shape[a] > 1)
+        model_axes = tuple(a for a in rules.axes("mlp") if rules.mesh.shape[a] > 1)
+        fn = partial(_moe_shard, c=c, policy=policy, expert_axes=expert_axes, model_axes=model_axes)
+        y = jax.shard_map(
+            fn, mesh=rules.mesh, check_vma=False,
+            in_specs=(act, route, route, specs),
+            out_specs=act,
+        )(x, expert, weight, w)
+        return constrain(y, rules, "batch", "seq", "act_embed")
+
+
+# --- forward ----------------------------------------------------------------------------------
+
+def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache, start: Any,
+            c: Config, rules: Rules, policy: Policy, last_only: bool = False
+            ) -> tuple[jax.Array, KVCache]:
+    """As llama.forward: tokens, positions [B, T] (-1 = padding) -> logits, updated cache."""
+    cache = cache.write_positions(positions, start)
+    positions = jnp.maximum(positions, 0)
+    x = params["embed"][tokens].astype(policy.dtype)  # [B, T, D]
+    x = constrain(x, rules, "batch", "seq", "act_embed")
+    for i, p in enumerate(params["layers"]):
+        h, cache = attention_block(p, rms_norm(x, p["attn_norm"], c.rms_norm_eps), positions,
+                                   cache, i, start, c, rules, policy)
+        x = constrain(x + h, rules, "batch", "seq", "act_embed")
+        x = constrain(x + moe_block(p, rms_norm(x, p["mlp_norm"], c.rms_norm_eps), c, rules, policy),
+                      rules, "batch", "seq", "act_embed")
+    x = rms_norm(x[:, -1:] if last_only else x, params["final_norm"], c.rms_norm_eps)
+    logits = constrain(policy.einsum("BTD,DV->BTV", x, params["unembed"].astype(x.dtype)),
+                       rules, "batch", "seq", "act_vocab")
+    return (logits[:, 0] if last_only else logits), cache
+
+
+# --- checkpoint names -------------------------------------------------------------------------
+
+def from_hf(tensors: dict[str, np.ndarray], c: Config) -> dict:
+    """transformers' names; its fused experts.gate_up_proj [E, D, 2F] interleaves gate (even
+    columns) and up (odd columns)."""
+    D, F, N, K, H, E = (c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads,
+                        c.head_dim, c.num_experts)
+    t = tensors
+    layers = []
+    for i in range(c.num_layers):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        layers.append({
+            "attn_norm": t[f"model.layers.{i}.input_layernorm.weight"],
+            "wq": t[a + "q_proj.weight"].T.reshape(D, N, H), "bq": t[a + "q_proj.bias"].reshape(N, H),
+            "wk": t[a + "k_proj.weight"].T.reshape(D, K, H), "bk": t[a + "k_proj.bias"].reshape(K, H),
+            "wv": t[a + "v_proj.weight"].T.reshape(D, K, H), "bv": t[a + "v_proj.bias"].reshape(K, H),
+            "wo": t[a + "o_proj.weight"].T.reshape(N, H, D), "bo": t[a + "o_proj.bias"],
+            "sinks": t[a + "sinks"],
+            "mlp_norm": t[f"model.layers.{i}.post_attention_layernorm.weight"],
+            "router_w": t[m + "router.weight"].T, "router_b": t[m + "router.bias"],
+            "w_gate_up": t[m + "experts.gate_up_proj"].reshape(E, D, F, 2).transpose(0, 1, 3, 2),
+            "b_gate_up": t[m + "experts.gate_up_proj_bias"].reshape(E, F, 2).transpose(0, 2, 1),
+            "w_down": t[m + "experts.down_proj"], "b_down": t[m + "experts.down_proj_bias"],
+        })
+    return {"embed": t["model.embed_tokens.weight"], "layers": layers,
+            "final_norm": t["model.norm.weight"], "unembed": t["lm_head.weight"].T}
