@@ -19,7 +19,9 @@ def base_config() -> ConfigDict:
     c.checkpoint = ConfigDict({"path": "", "fetch": "", "model": ""})
     # Mesh axis sizes; -1 fills with the remaining devices. num_cpu_devices > 0 simulates that many
     # devices when running on CPU (ignored on TPU/GPU).
-    c.mesh = ConfigDict({"data": -1, "model": 1, "expert": 1, "sequence": 1, "num_cpu_devices": 8})
+    # device_memory_gib: HBM per chip, for the memory report (0 = unknown).
+    c.mesh = ConfigDict({"data": -1, "model": 1, "expert": 1, "sequence": 1, "num_cpu_devices": 8,
+                         "device_memory_gib": 0.0})
     # Logical axis -> mesh axes ("" replicates; "data,expert" shards over both).
     c.rules = ConfigDict({name: ",".join(axes) for name, axes in DEFAULT_RULES.items()})
     # Persistent XLA compilation cache ("" disables it).

@@ -41,6 +41,7 @@ class Settings:
     checkpoint_model: str
     mesh: MeshShape
     num_cpu_devices: int
+    device_memory_gib: float
     rules: dict[str, tuple[str, ...]]
     compilation_cache_dir: str
     policy: Policy
@@ -89,6 +90,7 @@ def from_config(c: ConfigDict) -> Settings:
         checkpoint_model=c.checkpoint.model,
         mesh=MeshShape(c.mesh.data, c.mesh.sequence, c.mesh.expert, c.mesh.model),
         num_cpu_devices=int(c.mesh.num_cpu_devices),
+        device_memory_gib=float(c.mesh.device_memory_gib),
         rules={k: tuple(a.strip() for a in v.split(",") if a.strip()) for k, v in c.rules.items()},
         compilation_cache_dir=_path(c.compilation_cache.dir),
         policy=Policy(p.params, p.activations, p.kv_cache, p.matmul),

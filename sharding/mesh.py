@@ -7,7 +7,7 @@ import math
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AbstractMesh, AxisType, Mesh
 
 # Order matters for locality: the last axis varies fastest over neighbouring devices, so `model`
 # (the axis with the most collectives per layer) lands on the closest chips.
@@ -26,6 +26,11 @@ class MeshShape:
     sequence: int = 1
     expert: int = 1
     model: int = 1
+
+    def size(self) -> int | None:
+        """The device count when every axis is given (no -1), else None."""
+        sizes = [getattr(self, a) for a in MESH_AXES]
+        return None if -1 in sizes else math.prod(sizes)
 
     def resolve(self, num_devices: int) -> dict[str, int]:
         sizes = {axis: int(getattr(self, axis)) for axis in MESH_AXES}
@@ -54,6 +59,13 @@ class MeshShape:
 
 def _describe(sizes: dict[str, int]) -> str:
     return "*".join(f"{a}={s}" for a, s in sizes.items())
+
+
+def abstract_mesh(shape: MeshShape, num_devices: int) -> AbstractMesh:
+    """The mesh's shape alone, for arithmetic and AOT compilation without the devices."""
+    sizes = shape.resolve(num_devices)
+    return AbstractMesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES,
+                        axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 def make_mesh(shape: MeshShape, devices: list | None = None) -> Mesh:

@@ -6,13 +6,12 @@ import glob
 import importlib.util
 import os
 
-import jax
 import pytest
 
 from models.registry import Model
 from models.weights import check_divisible
 from runner.settings import from_config
-from sharding.mesh import make_mesh
+from sharding.mesh import abstract_mesh
 from sharding.rules import Rules
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,6 +36,18 @@ def test_shipped_config_weights_divide_over_its_mesh(path):
         c.generation.batchsize = 3  # a misspelt key fails loudly
     s = from_config(c)
     if s.checkpoint_model:  # otherwise the architecture comes from whichever checkpoint is given
-        devices = jax.devices()[: s.num_cpu_devices] if s.num_cpu_devices else jax.devices()
-        rules = Rules.make(make_mesh(s.mesh, devices), s.rules)
+        rules = Rules.make(abstract_mesh(s.mesh, s.mesh.size() or s.num_cpu_devices), s.rules)
         check_divisible(Model.named(s.checkpoint_model).declare(), rules)
+
+
+def test_memory_report_of_the_gptoss_deployments():
+    """Weights per the model cards (gpt-oss-20b: 20.9B parameters, 120b: 116.8B), and both fit
+    a v5e chip's 16 GiB with room for activations."""
+    from runner.memory import footprint
+
+    for name, params in (("gptoss_v5e.py", 20.9e9), ("gptoss_120b_v5e.py", 116.8e9)):
+        s = from_config(load(os.path.join(ROOT, "configs", name)).get_config())
+        f = footprint(s, Model.named(s.checkpoint_model))
+        assert abs(f.total_weights / 2 - params) / params < 0.01  # bf16
+        assert f.weights < f.total_weights / 4  # experts really are spread out
+        assert f.per_device < 0.75 * 16 * 2**30 == f.device_memory * 0.75

@@ -1,0 +1,21 @@
+"""GPT-OSS-120B on a TPU v5e-32 slice (4x8, 16 GiB HBM per chip): 128 experts over 8 chips,
+heads and expert hidden units over 4.
+
+    python -m runner.main --config=configs/gptoss_120b_v5e.py --config.checkpoint.path=gs://BUCKET/gpt-oss-120b \
+        --config.io.input=gs://BUCKET/requests.jsonl --config.io.output=gs://BUCKET/results.jsonl
+
+Fit, from the declarations (python -m runner.memory --config=configs/gptoss_120b_v5e.py): 7.7 GiB
+of weights + 1.2 GiB of KV cache per chip at batch 64 and 2k tokens (56% of HBM).
+"""
+
+from configs.base import base_config
+
+
+def get_config(arg: str = ""):
+    c = base_config()
+    c.checkpoint.path = arg or "gs://BUCKET/gpt-oss-120b"
+    c.checkpoint.model = "gptoss:120b"
+    c.mesh.update(data=1, expert=8, model=4, sequence=1, num_cpu_devices=0, device_memory_gib=16.0)
+    c.precision.update(params="bfloat16", activations="bfloat16", kv_cache="bfloat16", matmul="default")
+    c.generation.update(batch_size=64, max_prompt_len=1024, max_new_tokens=1024)
+    return c
