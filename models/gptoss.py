@@ -210,7 +210,11 @@ def _moe_shard(x, expert, weight, w, *, c: Config, policy: Policy, expert_axes, 
     x = x.reshape(B * T, D)
     local = local.reshape(B * T, -1)
     weight = weight.reshape(B * T, -1)
-    if local.size <= E:
+    # Measured on CPU (D=F=512, E=32, k=4): gathering weights per assignment wins only while the
+    # assignments touch a small share of the experts (M=1: 5.0 ms vs 5.5 ms grouped; M=8: 62 ms vs
+    # 17 ms); grouping with a 2x-mean-load capacity beats running every expert densely 4x at
+    # M=256..1024 (42 vs 164 ms, 158 vs 660 ms) and jax.lax.ragged_dot by 10x.
+    if 4 * local.size <= E:
         y = _experts_gathered(x, jnp.where(mine.reshape(local.shape), local, 0), weight, w, c, policy)
     else:
         local = jnp.where(mine.reshape(local.shape), local, E)
