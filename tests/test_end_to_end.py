@@ -33,7 +33,7 @@ def read_jsonl(path):
     return [json.loads(line) for line in open(path)]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "gpt2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "gpt2", "gptoss"])
 def model_dir(request, tmp_path_factory):
     m = tiny_hf(request.param, seed=11)
     root = tmp_path_factory.mktemp(request.param)
@@ -49,7 +49,8 @@ def run_main(root, input_path, output, *overrides, check=True):
                   f"--config.compilation_cache.dir={root / 'xla'}", *overrides, check=check)
 
 
-@pytest.mark.parametrize("mesh", [(), ("--config.mesh.data=2", "--config.mesh.model=4")])
+@pytest.mark.parametrize("mesh", [(), ("--config.mesh.data=2", "--config.mesh.model=4"),
+                                  ("--config.mesh.data=2", "--config.mesh.expert=2", "--config.mesh.model=2")])
 def test_greedy_generation_matches_transformers(model_dir, mesh, tmp_path):
     m, root = model_dir
     rng = np.random.RandomState(5)
