@@ -40,6 +40,7 @@ def base_config() -> ConfigDict:
         "stop_token_ids": (-1,),  # extra stop ids besides the tokenizer's end-of-turn ids (-1 ignored)
         "steps_per_dispatch": 8,  # decode steps per device call
         "prefill_buckets": (0,),  # padded prompt lengths; (0,) = powers of two up to max_prompt_len
+        "reasoning_effort": "medium",  # Harmony (GPT-OSS) chats: low | medium | high
     })
     c.sampling = ConfigDict({"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0})
     c.io = ConfigDict({"input": "", "output": "", "echo_prompt": False})

@@ -39,6 +39,7 @@ class Parsed:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int = 0
+    chat: bool = False  # given as messages (its completion may be parsed by the chat format)
 
 
 def _number(d: dict, key: str, default: Any, kind: type, ok) -> Any:
@@ -52,8 +53,11 @@ def _number(d: dict, key: str, default: Any, kind: type, ok) -> Any:
     return kind(v)
 
 
-def parse_request(index: int, line: str, tokenizer, s: Settings) -> Parsed:
-    """One line -> a request ready to generate, or one carrying the reason it cannot be served."""
+def parse_request(index: int, line: str, tokenizer, s: Settings, render_chat=None) -> Parsed:
+    """One line -> a request ready to generate, or one carrying the reason it cannot be served.
+
+    `render_chat(messages, request) -> ids` renders chat requests (default: the tokenizer's own
+    chat template)."""
     try:
         d = json.loads(line)
     except json.JSONDecodeError as e:
@@ -76,7 +80,7 @@ def parse_request(index: int, line: str, tokenizer, s: Settings) -> Parsed:
         stop = (stop,) if isinstance(stop, str) else tuple(stop)
         if not all(isinstance(x, str) and x for x in stop):
             raise ValueError("stop must be a non-empty string or a list of them")
-        ids = _prompt_ids(d, tokenizer)
+        ids = _prompt_ids(d, tokenizer, render_chat)
         if not ids:
             raise ValueError("the prompt is empty")
         if len(ids) > g.max_prompt_len:
@@ -88,10 +92,10 @@ def parse_request(index: int, line: str, tokenizer, s: Settings) -> Parsed:
     # A request's random stream depends on its seed and its place in the file, not on its batch.
     row_seed = (seed * 1_000_003 + index) % (2**32)
     return Parsed(index, rid, tuple(ids), "", max_tokens, temperature, top_k, top_p,
-                  stop + s.generation.stop, row_seed)
+                  stop + s.generation.stop, row_seed, chat="messages" in d)
 
 
-def _prompt_ids(d: dict, tokenizer) -> list[int]:
+def _prompt_ids(d: dict, tokenizer, render_chat) -> list[int]:
     given = [k for k in ("prompt", "messages", "prompt_token_ids") if k in d]
     if len(given) != 1:
         raise ValueError(f"give exactly one of prompt, messages, prompt_token_ids (got {given or 'none'})")
@@ -112,6 +116,8 @@ def _prompt_ids(d: dict, tokenizer) -> list[int]:
         for m in msgs
     ):
         raise ValueError("messages must be a non-empty list of {role: str, content: str}")
+    if render_chat is not None:
+        return render_chat(msgs, d)
     return tokenizer.encode_chat(msgs, add_generation_prompt=True)
 
 

@@ -47,8 +47,13 @@ class Summary:
 
 
 def ensure_checkpoint(s: Settings) -> None:
-    """Fetches and converts an embedded model into checkpoint.path when it is not there yet."""
+    """Fetches and converts an embedded model into checkpoint.path when it is not there yet
+    (`random:family:preset` initialises one randomly instead)."""
     if not s.checkpoint_fetch or epath.Path(s.checkpoint_path).exists():
+        return
+    if s.checkpoint_fetch.startswith("random:"):
+        say(f"initialising {s.checkpoint_fetch} into {s.checkpoint_path}")
+        convert.random_checkpoint(s.checkpoint_fetch.removeprefix("random:"), s.checkpoint_path)
         return
     if s.checkpoint_fetch not in EMBEDDED:
         raise checkpoint.CheckpointError(
@@ -90,11 +95,12 @@ def run(s: Settings) -> Summary:
     g = s.generation
     engine = Engine(meta.model, params, rules, s.policy, g.batch_size, g.max_prompt_len,
                     g.max_new_tokens, g.steps_per_dispatch, g.prefill_buckets)
-    stop_ids = tuple(dict.fromkeys((tokenizer.eos_token_ids if tokenizer else ()) + g.stop_token_ids))
+    render_chat, parse_chat, chat_stops = chat_format(meta.model, tokenizer, s)
+    eos = tokenizer.eos_token_ids if tokenizer else ()
+    stop_ids = tuple(dict.fromkeys(eos + chat_stops + g.stop_token_ids))
     results = Results(s.output, lines)
     summary = Summary(requests=len(lines))
-
-    pending = [parse_request(i, line, tokenizer, s) for i, line in enumerate(lines)
+    pending = [parse_request(i, line, tokenizer, s, render_chat) for i, line in enumerate(lines)
                if i not in results.done]
     bad = [p for p in pending if p.error]
     results.add([(p.index, {"id": p.id, "error": p.error}) for p in bad])
@@ -118,7 +124,7 @@ def run(s: Settings) -> Summary:
         summary.ttft_s.append(completions[0].ttft_s)
         rows = []
         for p, c in zip(batch, completions):
-            rows.append((p.index, _result(p, c, tokenizer, s.echo_prompt)))
+            rows.append((p.index, _result(p, c, tokenizer, s.echo_prompt, parse_chat)))
             summary.prompt_tokens += len(p.prompt_ids)
             summary.completion_tokens += rows[-1][1]["usage"]["completion_tokens"]
         results.add(rows)
@@ -129,11 +135,35 @@ def run(s: Settings) -> Summary:
     return summary
 
 
-def _result(p: Parsed, c, tokenizer, echo: bool) -> dict:
+def chat_format(model, tokenizer, s: Settings):
+    """(render, parse, stop ids) for chat requests: Harmony for GPT-OSS (ending on <|return|> or
+    <|call|>), else the checkpoint's own template and no parsing."""
+    if model.family != "gptoss" or tokenizer is None:
+        return None, None, ()
+    from runner import harmony
+
+    def render(messages: list[dict], request: dict) -> list[int]:
+        effort = request.get("reasoning_effort", s.generation.reasoning_effort)
+        if effort not in ("low", "medium", "high"):
+            raise ValueError(f"reasoning_effort={effort!r}: use low, medium or high")
+        return harmony.render(messages, tokenizer, harmony.HarmonyOptions(reasoning_effort=effort))
+
+    return render, lambda ids: harmony.parse(ids, tokenizer), tuple(harmony.STOP_TOKEN_IDS)
+
+
+def _result(p: Parsed, c, tokenizer, echo: bool, parse_chat=None) -> dict:
     text, ids, stopped = finish(tokenizer, c.token_ids, p.stop)
     r = {"id": p.id, "text": text, "token_ids": ids,
          "finish_reason": "stop" if stopped else c.finish_reason,
          "usage": {"prompt_tokens": len(p.prompt_ids), "completion_tokens": len(ids)}}
+    if p.chat and parse_chat is not None:  # Harmony: channels apart, the final one as the text
+        h = parse_chat(ids)
+        r.update(text=h.text, reasoning=h.reasoning)
+        if h.commentary:
+            r["commentary"] = h.commentary
+        if h.error or not h.complete:
+            r["chat_format_error"] = h.error or "incomplete"
+            r["raw"] = h.raw
     if echo:
         r["prompt_token_ids"] = list(p.prompt_ids)
     return r

@@ -24,6 +24,7 @@ class Generation:
     stop_token_ids: tuple[int, ...]
     steps_per_dispatch: int
     prefill_buckets: tuple[int, ...]
+    reasoning_effort: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,10 +67,13 @@ def from_config(c: ConfigDict) -> Settings:
         stop_token_ids=tuple(int(x) for x in g.stop_token_ids if int(x) >= 0),
         steps_per_dispatch=int(g.steps_per_dispatch),
         prefill_buckets=tuple(int(x) for x in g.prefill_buckets if int(x) > 0),
+        reasoning_effort=g.reasoning_effort,
     )
     for field in ("batch_size", "max_prompt_len", "max_new_tokens", "steps_per_dispatch"):
         if getattr(gen, field) < 1:
             raise SettingsError(f"generation.{field}={getattr(gen, field)} must be at least 1")
+    if gen.reasoning_effort not in ("low", "medium", "high"):
+        raise SettingsError(f"generation.reasoning_effort={gen.reasoning_effort!r}: use low, medium or high")
     samp = Sampling(float(s.temperature), int(s.top_k), float(s.top_p), int(s.seed))
     if samp.temperature < 0 or not 0 < samp.top_p <= 1 or samp.top_k < 0:
         raise SettingsError(
