@@ -228,9 +228,10 @@ def _dequantise_mxfp4(tensors: dict[str, np.ndarray], origin: dict[str, str], dt
 
 def _mxfp4_experts(blocks: np.ndarray, scales: np.ndarray, dtype, where: str) -> np.ndarray:
     """[E, R, G, 16] blocks and [E, R, G] scales -> [E, G*32, R], a few experts at a time on a
-    few threads (numpy lets go of the GIL). FP4 values times 2^(scale-127) are exact in float32
-    and bfloat16 (2 significant bits; 2^-128..2^129 lies within both exponent ranges, subnormals
-    included) unless they overflow, which is refused."""
+    few threads (numpy lets go of the GIL). FP4 values (2 significant bits) times 2^(scale-127)
+    are exact in float32 and bfloat16 from 0.5 * 2^-127 (a subnormal) up; from 4 * 2^126
+    (scale 253) they overflow, and scale 255 is NaN: both are refused, where transformers would
+    give inf and NaN."""
     n_experts, rows, groups, _ = blocks.shape
     out = np.empty((n_experts, groups * 32, rows), dtype)
     step = max(1, _MXFP4_CHUNK // max(1, rows * groups * 32))
@@ -240,16 +241,15 @@ def _mxfp4_experts(blocks: np.ndarray, scales: np.ndarray, dtype, where: str) ->
         values = np.take(_FP4_PAIRS, blocks[e:e + step], axis=0)  # [e, R, G, 16, 2] float32
         with np.errstate(over="ignore", invalid="ignore"):  # inf and NaN are caught below
             values *= np.ldexp(np.float32(1), exponent)[..., None, None]
-        if exponent.max(initial=-127) >= 127 and not np.isfinite(values).all():
+        if exponent.max(initial=-127) >= 126 and not np.isfinite(values).all():
             raise SourceError(f"{where}: experts {e}..{e + len(exponent) - 1} hold values beyond "
-                              "float32/bfloat16 range (e8m0 scale 254 with |FP4| >= 2, or 255, "
-                              "which is NaN); the checkpoint is corrupt")
+                              "float32/bfloat16 range (e8m0 scales 253 and up with large FP4 "
+                              "codes, or 255, which is NaN); the checkpoint is corrupt")
         values = values.reshape(len(exponent), rows, groups * 32).astype(dtype, copy=False)
         out[e:e + step] = values.transpose(0, 2, 1)  # cast first: a transposed cast is slower
 
     with concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
-        for done in pool.map(chunk, range(0, n_experts, step)):
-            del done  # re-raises a chunk's SourceError
+        list(pool.map(chunk, range(0, n_experts, step)))  # re-raises a chunk's SourceError
     return out
 
 
