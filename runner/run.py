@@ -96,8 +96,10 @@ def run(s: Settings) -> Summary:
     engine = Engine(meta.model, params, rules, s.policy, g.batch_size, g.max_prompt_len,
                     g.max_new_tokens, g.steps_per_dispatch, g.prefill_buckets)
     render_chat, parse_chat, chat_stops = chat_format(meta.model, tokenizer, s)
-    eos = tokenizer.eos_token_ids if tokenizer else ()
-    stop_ids = tuple(dict.fromkeys(eos + chat_stops + g.stop_token_ids))
+    # Harmony's own stops replace the tokenizer's guesses: a gpt-oss chat template mentions
+    # <|end|>, which closes the analysis message, not the answer.
+    eos = chat_stops or (tokenizer.eos_token_ids if tokenizer else ())
+    stop_ids = tuple(dict.fromkeys(eos + g.stop_token_ids))
     results = Results(s.output, lines)
     summary = Summary(requests=len(lines))
     pending = [parse_request(i, line, tokenizer, s, render_chat) for i, line in enumerate(lines)
