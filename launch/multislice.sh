@@ -1,0 +1,132 @@
+#!/usr/bin/env bash
+# Several TPU VM slices joined over the data-center network (Multislice) for podrun: create them
+# as one queued resource, set podrun up on every worker of every slice, run the same podrun
+# command on all of them, gather their logs, delete them. `launch/multislice.sh -h`.
+set -euo pipefail
+
+MULTISLICE=1
+# shellcheck source=launch/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+
+usage() {
+    cat <<EOF
+Usage: $PROG COMMAND [options] [-- podrun arguments]
+
+Runs podrun on SLICES TPU VM slices of one type, requested together as one queued resource
+NAME whose slices are NAME-0 .. NAME-<SLICES-1>. Every worker of every slice runs the same
+command. The queued resource sets up the Multislice (MEGASCALE_*) environment on the workers
+itself; --env adds to it. podrun's own arguments (its mesh over all slices) pass through as given.
+
+Commands:
+  create   request the slices (--node-count, --node-prefix), then wait until ACTIVE
+  wait     wait until the queued resource is ACTIVE
+  setup    copy the committed tree (git archive HEAD) to every worker of every slice, unpack it
+           into ~/podrun and install requirements.txt and jax[tpu] into ~/podrun/.venv
+  run      run 'python -m runner.main <podrun arguments>' on all workers of all slices
+           (--node=all --worker=all); each worker also writes ~/podrun/logs/run-<RUN_ID>.log
+  logs     copy ~/podrun/logs of each worker into DEST/slice-<s>/worker-<i>/
+  delete   delete the queued resource and its slices (--force --quiet)
+  hosts    print the number of workers in one slice of --type
+
+Options (environment variable in brackets):
+  --name NAME        queued resource name, also the slices' name prefix [TPU_NAME]
+  --slices K         number of slices, 2 or more [NUM_SLICES]
+  --project PROJECT  Google Cloud project [PROJECT_ID]
+  --zone ZONE        zone, e.g. us-west4-a [ZONE]
+  --type TYPE        accelerator type of each slice [ACCELERATOR_TYPE], default v5litepod-8
+  --runtime VERSION  TPU software version [RUNTIME_VERSION], default v2-alpha-tpuv5-lite
+  --spot             create: Spot capacity [SPOT=1]
+  --best-effort      create: best-effort capacity (a gcloud alpha flag)
+  --async            delete: return before the deletion completes
+  --env NAME=VALUE   run: extra environment for podrun on every worker (repeatable)
+  --python PYTHON    setup: the workers' Python (3.11 or newer; installed with apt when missing)
+                     [PODRUN_PYTHON], default python3.11
+  --dest DIR         logs: local folder [LOG_DIR], default out/logs/NAME in the repository
+  --hosts N          workers per slice, for a type the built-in table lacks [HOSTS_PER_SLICE]
+  --dry-run          print the commands, one a line, instead of running them [DRY_RUN=1]
+  -h, --help         print this message
+create and wait check the state WAIT_TRIES times (default 120), WAIT_SECONDS apart (default 30).
+RUN_ID names a run's log files (default: the UTC time, e.g. 20250101-120000).
+
+Example (2 x v5litepod-16):
+  $PROG create --name=podrun-ms --slices=2 --type=v5litepod-16 --project=my-project --zone=us-west4-a
+  $PROG setup  --name=podrun-ms --slices=2 --project=my-project --zone=us-west4-a
+  $PROG run    --name=podrun-ms --slices=2 --project=my-project --zone=us-west4-a -- \\
+      --config=configs/<deployment>.py --config.io.input=gs://BUCKET/requests.jsonl \\
+      --config.io.output=gs://BUCKET/results.jsonl
+  $PROG logs   --name=podrun-ms --slices=2 --type=v5litepod-16 --project=my-project --zone=us-west4-a
+  $PROG delete --name=podrun-ms --slices=2 --project=my-project --zone=us-west4-a
+EOF
+}
+
+create() {
+    local gcloud=(gcloud compute tpus queued-resources create) capacity=()
+    if ((SPOT)); then capacity=(--spot); fi
+    if ((BEST_EFFORT)); then
+        gcloud=(gcloud alpha compute tpus queued-resources create)
+        capacity=(--best-effort)
+    fi
+    cmd "${gcloud[@]}" "$NAME" "--node-count=$SLICES" "--node-prefix=$NAME" "${LOCATION[@]}" \
+        "--accelerator-type=$TYPE" "--runtime-version=$RUNTIME" "${capacity[@]}"
+    wait_active
+}
+
+setup() {
+    make_tarball
+    cmd gcloud compute tpus queued-resources scp "$TARBALL" "$NAME:podrun.tar.gz" --recurse --node=all \
+        --worker=all "${LOCATION[@]}"
+    cmd gcloud compute tpus queued-resources ssh "$NAME" --node=all --worker=all "${LOCATION[@]}" \
+        "--command=$(setup_remote_command)"
+    cmd rm -f "$TARBALL"
+}
+
+run() {
+    local remote
+    set_run_id
+    remote=$(run_remote_command "${PODRUN_ARGS[@]}")
+    note "each worker writes ~/podrun/logs/run-$RUN_ID.log; gather them with '$PROG logs'"
+    cmd gcloud compute tpus queued-resources ssh "$NAME" --node=all --worker=all "${LOCATION[@]}" \
+        "--command=$remote"
+}
+
+logs() {  # scp cannot download from --worker=all: one copy a worker of each slice NAME-<s>
+    local n s i
+    n=$(workers)
+    default_dest
+    for ((s = 0; s < SLICES; s++)); do
+        for ((i = 0; i < n; i++)); do
+            cmd mkdir -p "$DEST/slice-$s/worker-$i"
+            cmd gcloud compute tpus tpu-vm scp "$NAME-$s:podrun/logs" "$DEST/slice-$s/worker-$i" --recurse \
+                "--worker=$i" "${LOCATION[@]}"
+        done
+    done
+    note "logs of $SLICES x $n worker(s) in $DEST/slice-<s>/worker-<i>/logs"
+}
+
+delete() {
+    local extra=()
+    if ((ASYNC)); then extra=(--async); fi
+    cmd gcloud compute tpus queued-resources delete "$NAME" "${LOCATION[@]}" --force --quiet "${extra[@]}"
+}
+
+parse_args "$@"
+case $CMD in
+    "") usage_error "a command is required: create, wait, setup, run, logs, delete or hosts" ;;
+    hosts) workers; exit 0 ;;
+    create | wait | setup | run | logs | delete) ;;
+    *) usage_error "unknown command '$CMD'" ;;
+esac
+if [[ $CMD == run ]]; then need_podrun_args; elif ((${#PODRUN_ARGS[@]})); then
+    usage_error "only run takes arguments after --"
+fi
+case $CMD in
+    create | logs) require --name --slices --project --zone ;;
+    *) require --name --project --zone ;;
+esac
+if [[ $CMD == logs ]]; then workers >/dev/null; fi  # a bad --type fails before anything runs
+need_gcloud
+locate
+case $CMD in
+    wait) wait_active ;;
+    *) "$CMD" ;;
+esac
