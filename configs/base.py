@@ -42,6 +42,10 @@ def base_config() -> ConfigDict:
         "prefill_buckets": (0,),  # padded prompt lengths; (0,) = powers of two up to max_prompt_len
         "reasoning_effort": "medium",  # Harmony (GPT-OSS) chats: low | medium | high
     })
+    # Several hosts: "auto" initialises jax.distributed on TPU VM pods (or wherever a coordinator
+    # is given); "off" never does. On CPU, each process simulates mesh.num_cpu_devices devices.
+    c.distributed = ConfigDict({"mode": "auto", "coordinator": "", "num_processes": 0,
+                                "process_id": -1, "timeout_s": 300, "heartbeat_timeout_s": 100})
     c.sampling = ConfigDict({"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0})
     c.io = ConfigDict({"input": "", "output": "", "echo_prompt": False})
     return c

@@ -95,28 +95,34 @@ class Engine:
             raise ValueError(f"prefill buckets {self.buckets} do not reach max_prompt_len={max_prompt_len}")
         self.cache_len = self.buckets[-1] + max_new_tokens
         self.cache = model.new_cache(self.batch_size, self.cache_len, jnp.dtype(policy.kv_cache), rules)
-        # Every array crossing the jit boundary has a fixed sharding, so no call recompiles.
+        # Every array crossing the jit boundary has a fixed sharding, so no call recompiles. What the
+        # host reads back (new tokens, done flags) is replicated, so every process of a multi-host
+        # run can read all of it and take the same decisions.
         row = self._row = rules.sharding("batch", shape=(self.batch_size,))
+        self._rows2d = rules.sharding("batch", None, shape=(self.batch_size, 1))
+        everywhere = self._everywhere = rules.sharding()
         cache_sh = KVCache.shardings(rules, model.num_layers)
-        self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,), out_shardings=(row, cache_sh))
+        self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,),
+                                out_shardings=(everywhere, row, cache_sh))
         self._decode = jax.jit(self._decode_fn, donate_argnums=(1,), out_shardings=(
-            rules.sharding("batch", None, shape=(self.batch_size, self.steps)),
-            cache_sh, row, row, row, row))
+            everywhere, cache_sh, row, row, everywhere, row))
 
     # --- device functions ---------------------------------------------------------------------
 
-    def _prefill_fn(self, params, cache: KVCache, tokens, positions, keys, temperature, top_k, top_p):
+    def _prefill_fn(self, params, cache: KVCache, tokens, positions, seeds, temperature, top_k, top_p):
         cache = cache.reset()  # forget the previous batch
         logits, cache = self.model.forward(params, tokens, positions, cache, 0, self.rules,
                                            self.policy, last_only=True)
-        first = sample(logits, jax.vmap(jax.random.fold_in)(keys, jnp.zeros_like(top_k)),
-                       temperature, top_k, top_p)
-        return first, cache
+        keys = jax.vmap(jax.random.fold_in)(jax.vmap(jax.random.key)(seeds), jnp.zeros_like(top_k))
+        first = sample(logits, keys, temperature, top_k, top_p)
+        return first, first, cache
 
-    def _decode_fn(self, params, cache: KVCache, token, pos, slot, done, count, max_tokens, keys,
+    def _decode_fn(self, params, cache: KVCache, token, pos, slot, done, count, max_tokens, seeds,
                    temperature, top_k, top_p, stop_ids):
         """`self.steps` decode steps; token [B] is the newest token, at position pos [B], written
         to cache slot `slot`. Finished rows write nothing visible and emit -1."""
+
+        keys = jax.vmap(jax.random.key)(seeds)
 
         def step(carry, i):
             cache, token, pos, done, count = carry
@@ -152,7 +158,7 @@ class Engine:
             raise ValueError(f"{len(stop_ids)} stop ids; at most {MAX_STOP_IDS} are supported")
         t0 = time.perf_counter()
         P = self.bucket_for(max(len(r.prompt) for r in requests))
-        tokens = np.zeros((B, P), np.int32)
+        tokens = np.zeros((B, P), np.int32)  # the same on every process; each puts its own rows
         positions = np.full((B, P), -1, np.int32)
         for b, r in enumerate(requests):
             tokens[b, P - len(r.prompt):] = r.prompt
@@ -160,16 +166,18 @@ class Engine:
         pad = [Request((0,), 0)] * (B - n)  # padding rows: done from the start
         rows = list(requests) + pad
         put = partial(jax.device_put, device=self._row)
-        keys = put(jax.vmap(jax.random.key)(np.array([r.seed for r in rows], np.uint32)))
+        seeds = put(np.array([r.seed for r in rows], np.uint32))
         temperature = put(np.array([r.temperature for r in rows], np.float32))
         top_k = put(np.array([r.top_k for r in rows], np.int32))
         top_p = put(np.array([r.top_p for r in rows], np.float32))
         max_tokens = np.array([r.max_tokens for r in rows], np.int32)
         stops = np.full((MAX_STOP_IDS,), -1, np.int32)
         stops[: len(stop_ids)] = stop_ids
+        stops_dev = jax.device_put(stops, self._everywhere)
 
-        first, self.cache = self._prefill(self.params, self.cache, tokens, positions, keys,
-                                          temperature, top_k, top_p)
+        put2d = partial(jax.device_put, device=self._rows2d)
+        first, token, self.cache = self._prefill(self.params, self.cache, put2d(tokens),
+                                                 put2d(positions), seeds, temperature, top_k, top_p)
         first = np.asarray(first)
         ttft = time.perf_counter() - t0
         out = [[int(first[b])] for b in range(n)]
@@ -181,14 +189,13 @@ class Engine:
             if not done[b] and stop_check and stop_check(b, out[b]):
                 done[b] = True
                 stopped_on_host.add(b)
-        token = put(first.astype(np.int32))
         pos = put(np.array([len(r.prompt) for r in rows], np.int32))
         count, max_tokens = put(count), put(max_tokens)
         slot = P
         while not done.all():
             emitted, self.cache, token, pos, dev_done, count = self._decode(
-                self.params, self.cache, token, pos, np.int32(slot), put(done), count, max_tokens,
-                keys, temperature, top_k, top_p, stops)
+                self.params, self.cache, token, pos, jax.device_put(np.int32(slot), self._everywhere),
+                put(done), count, max_tokens, seeds, temperature, top_k, top_p, stops_dev)
             emitted, dev_done = np.asarray(emitted), np.array(dev_done)
             for b in range(n):
                 if done[b]:

@@ -15,10 +15,19 @@ from ml_collections import config_flags
 _CONFIG = config_flags.DEFINE_config_file("config", None, "deployment config file", lock_config=True)
 
 
-def setup_devices(num_cpu_devices: int, cache_dir: str) -> None:
-    """Before the backend starts: simulated CPU devices and the persistent compilation cache."""
-    if num_cpu_devices > 0:
-        jax.config.update("jax_num_cpu_devices", num_cpu_devices)
+def setup_devices(s) -> None:
+    """Before the backend starts: simulated CPU devices, the persistent compilation cache, and
+    jax.distributed when several processes share the mesh."""
+    if s.num_cpu_devices > 0:
+        jax.config.update("jax_num_cpu_devices", s.num_cpu_devices)
+    d = s.distributed
+    timeouts = dict(initialization_timeout=d.timeout_s, heartbeat_timeout_seconds=d.heartbeat_timeout_s)
+    if d.mode == "auto" and d.coordinator:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes only
+        jax.distributed.initialize(d.coordinator, d.num_processes, d.process_id, **timeouts)
+    elif d.mode == "auto" and "," in os.environ.get("TPU_WORKER_HOSTNAMES", ""):  # a TPU VM pod
+        jax.distributed.initialize(**timeouts)
+    cache_dir = s.compilation_cache_dir
     if cache_dir:
         os.makedirs(cache_dir, exist_ok=True) if "://" not in cache_dir else None
         jax.config.update("jax_compilation_cache_dir", cache_dir)
@@ -40,7 +49,7 @@ def main(argv: list[str]) -> None:
 
     try:
         settings = from_config(_CONFIG.value)
-        setup_devices(settings.num_cpu_devices, settings.compilation_cache_dir)
+        setup_devices(settings)
         say(f"{jax.device_count()} {jax.devices()[0].platform} devices, {jax.process_count()} process(es)")
         run.run(settings)
     except USER_ERRORS as e:

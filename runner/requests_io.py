@@ -133,9 +133,12 @@ def read_lines(path: str) -> list[str]:
 
 
 class Results:
-    """Appends finished results to `<output>.partial`; `finish` writes `<output>` in input order."""
+    """Appends finished results to `<output>.partial`; `finish` writes `<output>` in input order.
 
-    def __init__(self, output: str, input_lines: list[str]):
+    Every process reads what is already done; only the writer (process 0) writes, after `open`.
+    """
+
+    def __init__(self, output: str, input_lines: list[str], writer: bool = True):
         if not output:
             raise RequestFileError("io.output is empty: pass --config.io.output=<results.jsonl>")
         self.output = epath.Path(output)
@@ -155,16 +158,24 @@ class Results:
                     self.done[r.pop("_index")] = r
                 except (json.JSONDecodeError, KeyError):
                     continue
+        self.writer = writer
+        self._f = None
+
+    def open(self) -> None:
+        if not self.writer:
+            return
         try:
             self.output.parent.mkdir(parents=True, exist_ok=True)
             fresh = not self.partial.exists()
             self._f = self.partial.open("a")
         except OSError as e:
-            raise RequestFileError(f"io.output={output}: cannot write next to it ({e})") from e
+            raise RequestFileError(f"io.output={self.output}: cannot write next to it ({e})") from e
         if fresh:
             self._append([{"input_sha256": self.digest}])
 
     def _append(self, rows: list[dict]) -> None:
+        if self._f is None:
+            return
         self._f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
         self._f.flush()
         if hasattr(self._f, "fileno"):
@@ -175,6 +186,8 @@ class Results:
         self.done.update(index_and_results)
 
     def finish(self, total: int) -> None:
+        if self._f is None:
+            return
         self._f.close()
         missing = [i for i in range(total) if i not in self.done]
         if missing:

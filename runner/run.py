@@ -6,7 +6,9 @@ import dataclasses
 import sys
 import time
 
+import jax
 from etils import epath
+from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from models.weights import check_divisible
@@ -100,7 +102,10 @@ def run(s: Settings) -> Summary:
     # <|end|>, which closes the analysis message, not the answer.
     eos = chat_stops or (tokenizer.eos_token_ids if tokenizer else ())
     stop_ids = tuple(dict.fromkeys(eos + g.stop_token_ids))
-    results = Results(s.output, lines)
+    results = Results(s.output, lines, writer=jax.process_index() == 0)
+    if jax.process_count() > 1:  # everyone has read the partial file before anyone appends to it
+        multihost_utils.sync_global_devices("podrun: results read")
+    results.open()
     summary = Summary(requests=len(lines))
     pending = [parse_request(i, line, tokenizer, s, render_chat) for i, line in enumerate(lines)
                if i not in results.done]
@@ -111,7 +116,8 @@ def run(s: Settings) -> Summary:
     say(f"{len(lines)} requests: {len(lines) - len(pending)} already done, {len(bad)} invalid, "
         f"{len(todo)} to generate on mesh {dict(mesh.shape)}")
 
-    bar = tqdm(total=len(todo), unit="req", file=sys.stderr, desc="podrun")
+    bar = tqdm(total=len(todo), unit="req", file=sys.stderr, desc="podrun",
+               disable=jax.process_index() != 0)
     for start in range(0, len(todo), engine.batch_size):
         batch = todo[start : start + engine.batch_size]
         t0 = time.perf_counter()
@@ -133,6 +139,8 @@ def run(s: Settings) -> Summary:
         bar.update(len(batch))
     bar.close()
     results.finish(len(lines))
+    if jax.process_count() > 1:  # the results file is whole before any process reports success
+        multihost_utils.sync_global_devices("podrun: results written")
     say(f"{summary.line()} -> {s.output}")
     return summary
 

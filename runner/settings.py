@@ -36,6 +36,16 @@ class Sampling:
 
 
 @dataclasses.dataclass(frozen=True)
+class Distributed:
+    mode: str  # auto | off
+    coordinator: str  # host:port, "" = detect (TPU VMs)
+    num_processes: int
+    process_id: int
+    timeout_s: int
+    heartbeat_timeout_s: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Settings:
     checkpoint_path: str
     checkpoint_fetch: str
@@ -51,6 +61,7 @@ class Settings:
     input: str
     output: str
     echo_prompt: bool
+    distributed: Distributed
 
 
 def _path(p: str) -> str:
@@ -103,4 +114,18 @@ def from_config(c: ConfigDict) -> Settings:
         input=_path(c.io.input),
         output=_path(c.io.output),
         echo_prompt=bool(c.io.echo_prompt),
+        distributed=_distributed(c.distributed),
     )
+
+
+def _distributed(d: ConfigDict) -> Distributed:
+    if d.mode not in ("auto", "off"):
+        raise SettingsError(f"distributed.mode={d.mode!r}: use auto or off")
+    dist = Distributed(d.mode, d.coordinator, int(d.num_processes), int(d.process_id),
+                       int(d.timeout_s), int(d.heartbeat_timeout_s))
+    if dist.coordinator and not (dist.num_processes > 0 and 0 <= dist.process_id < dist.num_processes):
+        raise SettingsError(
+            f"distributed.coordinator={dist.coordinator} needs distributed.num_processes > 0 and "
+            f"0 <= distributed.process_id < num_processes (got {dist.num_processes}, {dist.process_id})"
+        )
+    return dist

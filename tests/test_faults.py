@@ -1,0 +1,49 @@
+"""Runs killed with SIGKILL at random points and restarted: every request exactly once."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests.reference import tiny_hf
+from tests.test_end_to_end import ROOT, podrun, read_jsonl, write_jsonl
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_points_then_restart_loses_and_repeats_nothing(tmp_path):
+    tiny_hf("llama", seed=2).save_pretrained(tmp_path / "hf")
+    podrun("runner.convert", f"--source={tmp_path / 'hf'}", f"--output={tmp_path / 'ck'}")
+    inp = write_jsonl(tmp_path / "in.jsonl",
+                      [{"id": i, "prompt_token_ids": [i % 90 + 1, 5], "max_tokens": 16} for i in range(400)])
+
+    def args(output):
+        return [f"--config=configs/cpu.py:{tmp_path / 'ck'}", f"--config.io.input={inp}",
+                f"--config.io.output={output}", "--config.generation.batch_size=2",
+                "--config.generation.max_new_tokens=16", "--config.generation.max_prompt_len=16",
+                f"--config.compilation_cache.dir={tmp_path / 'xla'}"]
+
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    rng = random.Random(0)
+    kills = 0
+    for _ in range(20):
+        p = subprocess.Popen([sys.executable, "-m", "runner.main", *args(tmp_path / "out.jsonl")], cwd=ROOT,
+                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            p.wait(timeout=rng.uniform(1.5, 4.5))
+        except subprocess.TimeoutExpired:
+            p.send_signal(signal.SIGKILL)
+            p.wait()
+            kills += 1
+            continue
+        assert p.returncode == 0
+        break
+    else:
+        pytest.fail("the run never completed")
+    assert kills >= 2
+    results = read_jsonl(tmp_path / "out.jsonl")
+    assert [r["id"] for r in results] == list(range(400))  # none lost, none twice, in order
+    podrun("runner.main", *args(tmp_path / "uninterrupted.jsonl"))
+    assert read_jsonl(tmp_path / "uninterrupted.jsonl") == results

@@ -1,0 +1,72 @@
+"""Several hosts simulated on 127.0.0.1: 2 processes x 4 CPU devices, against 1 process x 8."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.reference import tiny_hf
+from tests.test_end_to_end import ROOT, podrun, read_jsonl, write_jsonl
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("multihost")
+    tiny_hf("gptoss", seed=5).save_pretrained(root / "hf")
+    podrun("runner.convert", f"--source={root / 'hf'}", f"--output={root / 'ck'}")
+    rows = [{"id": f"r{i}", "prompt_token_ids": [(7 * i + j) % 100 + 1 for j in range(1 + i % 9)],
+             "max_tokens": 6 + i % 5, **({"temperature": 0.9, "seed": i} if i % 3 == 0 else {})}
+            for i in range(10)]
+    return root, write_jsonl(root / "in.jsonl", rows)
+
+
+def args(root, inp, out, *extra):
+    return ["--config=configs/cpu.py:" + str(root / "ck"), f"--config.io.input={inp}",
+            f"--config.io.output={out}", "--config.generation.max_prompt_len=16",
+            "--config.generation.max_new_tokens=10", "--config.generation.batch_size=4",
+            "--config.mesh.expert=2", "--config.compilation_cache.dir=", *extra]
+
+
+def start(root, inp, out, pid, port, *extra):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    cmd = [sys.executable, "-m", "runner.main", *args(root, inp, out, "--config.mesh.num_cpu_devices=4",
+           f"--config.distributed.coordinator=127.0.0.1:{port}", "--config.distributed.num_processes=2",
+           f"--config.distributed.process_id={pid}", *extra)]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_two_processes_write_the_same_results_as_one(setup, tmp_path):
+    root, inp = setup
+    podrun("runner.main", *args(root, inp, tmp_path / "one.jsonl"))
+    port = free_port()
+    procs = [start(root, inp, tmp_path / "two.jsonl", pid, port) for pid in (0, 1)]
+    logs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], logs[0][1][-2000:] + logs[1][1][-2000:]
+    assert open(tmp_path / "two.jsonl").read() == open(tmp_path / "one.jsonl").read()  # written once, in order
+    assert any("podrun[1]:" in line for line in logs[1][1].splitlines())  # logs say who speaks
+    assert len(read_jsonl(tmp_path / "two.jsonl")) == 10
+
+
+def test_a_dead_process_makes_the_other_exit_within_the_heartbeat_timeout(setup, tmp_path):
+    root, inp = setup
+    port = free_port()
+    slow = ("--config.generation.batch_size=2", "--config.distributed.heartbeat_timeout_s=5")
+    procs = [start(root, inp, tmp_path / "out.jsonl", pid, port, *slow) for pid in (0, 1)]
+    time.sleep(8)  # both have joined; now process 1 dies without a word
+    procs[1].send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    _, err = procs[0].communicate(timeout=120)
+    assert procs[0].returncode != 0
+    assert time.monotonic() - killed < 60
+    assert "another task died" in err or "unhealthy" in err, err[-3000:]
+    assert not (tmp_path / "out.jsonl").exists()  # the partial file keeps what was done
