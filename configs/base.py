@@ -19,9 +19,10 @@ def base_config() -> ConfigDict:
     c.checkpoint = ConfigDict({"path": "", "fetch": "", "model": ""})
     # Mesh axis sizes; -1 fills with the remaining devices. num_cpu_devices > 0 simulates that many
     # devices when running on CPU (ignored on TPU/GPU).
-    # device_memory_gib: HBM per chip, for the memory report (0 = unknown).
+    # device_memory_gib: HBM per chip, for the memory report (0 = unknown); tpu_topology: what
+    # python -m runner.compile compiles for (e.g. "v5e:2x4").
     c.mesh = ConfigDict({"data": -1, "model": 1, "expert": 1, "sequence": 1, "num_cpu_devices": 8,
-                         "device_memory_gib": 0.0})
+                         "device_memory_gib": 0.0, "tpu_topology": ""})
     # Logical axis -> mesh axes ("" replicates; "data,expert" shards over both).
     c.rules = ConfigDict({name: ",".join(axes) for name, axes in DEFAULT_RULES.items()})
     # Persistent XLA compilation cache ("" disables it).
@@ -40,6 +41,7 @@ def base_config() -> ConfigDict:
         "stop_token_ids": (-1,),  # extra stop ids besides the tokenizer's end-of-turn ids (-1 ignored)
         "steps_per_dispatch": 8,  # decode steps per device call
         "prefill_buckets": (0,),  # padded prompt lengths; (0,) = powers of two up to max_prompt_len
+        "prefill_rows": 0,  # rows prefilled at a time (bounds prefill memory); 0 = the whole batch
         "reasoning_effort": "medium",  # Harmony (GPT-OSS) chats: low | medium | high
     })
     # Several hosts: "auto" initialises jax.distributed on TPU VM pods (or wherever a coordinator

@@ -17,7 +17,9 @@ def get_config(arg: str = ""):
     c = base_config()
     c.checkpoint.path = arg or "gs://BUCKET/gpt-oss-20b"
     c.checkpoint.model = "gptoss:20b"
-    c.mesh.update(data=1, expert=4, model=2, sequence=1, num_cpu_devices=0, device_memory_gib=16.0)
+    c.mesh.update(data=1, expert=4, model=2, sequence=1, num_cpu_devices=0, device_memory_gib=16.0,
+                  tpu_topology="v5e:2x4")
     c.precision.update(params="bfloat16", activations="bfloat16", kv_cache="bfloat16", matmul="default")
-    c.generation.update(batch_size=64, max_prompt_len=1024, max_new_tokens=1024)
+    c.generation.update(batch_size=64, max_prompt_len=1024, max_new_tokens=1024,
+                        prefill_rows=4)
     return c

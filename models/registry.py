@@ -33,6 +33,10 @@ class Model:
         return KVCache.create(batch, length, windows, kv_heads, head_dim, dtype, rules)
 
     @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
     def num_layers(self) -> int:
         return len(self.module.cache_spec(self.config)[0])
 

@@ -84,9 +84,19 @@ class Engine:
 
     def __init__(self, model: Model, params, rules: Rules, policy: Policy, batch_size: int,
                  max_prompt_len: int, max_new_tokens: int, steps_per_dispatch: int = 8,
-                 prefill_buckets: Sequence[int] = ()):
+                 prefill_buckets: Sequence[int] = (), allocate: bool = True, prefill_rows: int = 0):
+        """`params` may be abstract (ShapeDtypeStructs) with allocate=False: enough to `lower`.
+
+        prefill_rows > 0 prefills the batch that many rows at a time (rounded up to a multiple of
+        the `data` shards), in a loop on device: a prompt's activations and attention scores then
+        take memory for those rows alone, while decode still runs the whole batch.
+        """
         data = rules.shards("batch")
         self.batch_size = -(-batch_size // data) * data  # a whole number of rows per data shard
+        rows = -(-prefill_rows // data) * data if prefill_rows > 0 else self.batch_size
+        while self.batch_size % rows:  # a whole number of groups; rows stays a multiple of data
+            rows += data
+        self.prefill_rows = rows
         self.model, self.params, self.rules, self.policy = model, params, rules, policy
         self.max_prompt_len, self.max_new_tokens = max_prompt_len, max_new_tokens
         self.steps = max(1, min(steps_per_dispatch, max_new_tokens))
@@ -94,25 +104,72 @@ class Engine:
         if self.buckets[-1] < max_prompt_len:
             raise ValueError(f"prefill buckets {self.buckets} do not reach max_prompt_len={max_prompt_len}")
         self.cache_len = self.buckets[-1] + max_new_tokens
-        self.cache = model.new_cache(self.batch_size, self.cache_len, jnp.dtype(policy.kv_cache), rules)
+        new_cache = partial(model.new_cache, self.batch_size, self.cache_len, jnp.dtype(policy.kv_cache), rules)
+        cache_sh = KVCache.shardings(rules, model.num_layers)
+        if allocate:
+            self.cache = new_cache()
+        else:  # shapes with their shardings, so donation pairs the cache with the cache alone
+            self.cache = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                                      jax.eval_shape(new_cache), cache_sh)
         # Every array crossing the jit boundary has a fixed sharding, so no call recompiles. What the
         # host reads back (new tokens, done flags) is replicated, so every process of a multi-host
         # run can read all of it and take the same decisions.
         row = self._row = rules.sharding("batch", shape=(self.batch_size,))
         self._rows2d = rules.sharding("batch", None, shape=(self.batch_size, 1))
         everywhere = self._everywhere = rules.sharding()
-        cache_sh = KVCache.shardings(rules, model.num_layers)
         self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,),
                                 out_shardings=(everywhere, row, cache_sh))
         self._decode = jax.jit(self._decode_fn, donate_argnums=(1,), out_shardings=(
             everywhere, cache_sh, row, row, everywhere, row))
 
+    def lower(self) -> dict[str, jax.stages.Lowered]:
+        """Every function generation runs, lowered for the mesh's devices (which may be an AOT
+        topology with no devices attached): one prefill per bucket and the decode step."""
+        B = self.batch_size
+
+        def arg(shape, dtype, sharding):
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+        rows = [arg((B,), jnp.uint32, self._row), arg((B,), jnp.float32, self._row),
+                arg((B,), jnp.int32, self._row), arg((B,), jnp.float32, self._row)]
+        out = {}
+        for P in self.buckets:
+            ids = arg((B, P), jnp.int32, self._rows2d)
+            out[f"prefill_{P}"] = self._prefill.lower(self.params, self.cache, ids, ids, *rows)
+        row_i = arg((B,), jnp.int32, self._row)
+        flag = arg((B,), jnp.bool_, self._row)
+        out["decode"] = self._decode.lower(
+            self.params, self.cache, row_i, row_i, arg((), jnp.int32, self._everywhere), flag, row_i,
+            row_i, *rows, arg((MAX_STOP_IDS,), jnp.int32, self._everywhere))
+        return out
+
     # --- device functions ---------------------------------------------------------------------
 
     def _prefill_fn(self, params, cache: KVCache, tokens, positions, seeds, temperature, top_k, top_p):
         cache = cache.reset()  # forget the previous batch
-        logits, cache = self.model.forward(params, tokens, positions, cache, 0, self.rules,
-                                           self.policy, last_only=True)
+        R = self.prefill_rows
+        G = self.batch_size // R
+        if G == 1:
+            logits, cache = self.model.forward(params, tokens, positions, cache, 0, self.rules,
+                                               self.policy, last_only=True)
+        else:  # G groups of R rows; row b = r * G + g, so every group has rows on every data shard
+            def grouped(x):  # [B, ...] -> [R, G, ...]
+                return x.reshape(R, G, *x.shape[1:])
+
+            def group(g, carry):
+                cache, logits = carry
+                pick = partial(jax.lax.dynamic_index_in_dim, index=g, axis=1, keepdims=False)
+                sub = jax.tree.map(lambda x: pick(grouped(x)), cache)  # [R, ...]
+                out, sub = self.model.forward(params, pick(grouped(tokens)), pick(grouped(positions)),
+                                              sub, 0, self.rules, self.policy, last_only=True)
+                put = partial(jax.lax.dynamic_update_index_in_dim, index=g, axis=1)
+                cache = jax.tree.map(lambda x, s: put(grouped(x), s).reshape(x.shape), cache, sub)
+                return cache, put(logits, out.astype(logits.dtype))
+
+            V = self.model.vocab_size
+            logits = jnp.zeros((R, G, V), jnp.float32)
+            cache, logits = jax.lax.fori_loop(0, G, group, (cache, logits))
+            logits = logits.reshape(self.batch_size, V)
         keys = jax.vmap(jax.random.fold_in)(jax.vmap(jax.random.key)(seeds), jnp.zeros_like(top_k))
         first = sample(logits, keys, temperature, top_k, top_p)
         return first, first, cache

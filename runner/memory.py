@@ -24,7 +24,8 @@ from runner.settings import Settings, from_config
 from sharding.mesh import abstract_mesh
 from sharding.rules import Rules
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "deployment config file", lock_config=True)
+if __name__ == "__main__":  # a flag of this command only, so the module can be imported
+    _CONFIG = config_flags.DEFINE_config_file("config", None, "deployment config file", lock_config=True)
 GiB = 1024**3
 
 

@@ -96,7 +96,7 @@ def run(s: Settings) -> Summary:
     params = checkpoint.restore(s.checkpoint_path, meta.model, rules, s.policy.params)
     g = s.generation
     engine = Engine(meta.model, params, rules, s.policy, g.batch_size, g.max_prompt_len,
-                    g.max_new_tokens, g.steps_per_dispatch, g.prefill_buckets)
+                    g.max_new_tokens, g.steps_per_dispatch, g.prefill_buckets, prefill_rows=g.prefill_rows)
     render_chat, parse_chat, chat_stops = chat_format(meta.model, tokenizer, s)
     # Harmony's own stops replace the tokenizer's guesses: a gpt-oss chat template mentions
     # <|end|>, which closes the analysis message, not the answer.

@@ -24,6 +24,7 @@ class Generation:
     stop_token_ids: tuple[int, ...]
     steps_per_dispatch: int
     prefill_buckets: tuple[int, ...]
+    prefill_rows: int
     reasoning_effort: str
 
 
@@ -53,6 +54,7 @@ class Settings:
     mesh: MeshShape
     num_cpu_devices: int
     device_memory_gib: float
+    tpu_topology: str
     rules: dict[str, tuple[str, ...]]
     compilation_cache_dir: str
     policy: Policy
@@ -78,11 +80,14 @@ def from_config(c: ConfigDict) -> Settings:
         stop_token_ids=tuple(int(x) for x in g.stop_token_ids if int(x) >= 0),
         steps_per_dispatch=int(g.steps_per_dispatch),
         prefill_buckets=tuple(int(x) for x in g.prefill_buckets if int(x) > 0),
+        prefill_rows=int(g.prefill_rows),
         reasoning_effort=g.reasoning_effort,
     )
     for field in ("batch_size", "max_prompt_len", "max_new_tokens", "steps_per_dispatch"):
         if getattr(gen, field) < 1:
             raise SettingsError(f"generation.{field}={getattr(gen, field)} must be at least 1")
+    if gen.prefill_rows < 0:
+        raise SettingsError(f"generation.prefill_rows={gen.prefill_rows} must be 0 (the whole batch) or more")
     if gen.reasoning_effort not in ("low", "medium", "high"):
         raise SettingsError(f"generation.reasoning_effort={gen.reasoning_effort!r}: use low, medium or high")
     samp = Sampling(float(s.temperature), int(s.top_k), float(s.top_p), int(s.seed))
@@ -106,6 +111,7 @@ def from_config(c: ConfigDict) -> Settings:
         mesh=MeshShape(c.mesh.data, c.mesh.sequence, c.mesh.expert, c.mesh.model),
         num_cpu_devices=int(c.mesh.num_cpu_devices),
         device_memory_gib=float(c.mesh.device_memory_gib),
+        tpu_topology=c.mesh.tpu_topology,
         rules={k: tuple(a.strip() for a in v.split(",") if a.strip()) for k, v in c.rules.items()},
         compilation_cache_dir=_path(c.compilation_cache.dir),
         policy=Policy(p.params, p.activations, p.kv_cache, p.matmul),

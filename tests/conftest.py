@@ -4,6 +4,9 @@ import os
 import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# CPU alone, in this process and the runs it starts, even where libtpu is installed (the AOT tests
+# load it for topology descriptions only).
+os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -48,6 +48,15 @@ def test_greedy_batches_match_transformers(llama, prompts, references, mesh_name
         assert c.finish_reason == "length"
 
 
+@pytest.mark.parametrize("mesh_name,batch,rows", [("1dev", 3, 1), ("data2_model4", 4, 2)])
+def test_prefill_a_few_rows_at_a_time_matches_transformers(llama, prompts, references, mesh_name,
+                                                             batch, rows):
+    engine = make_engine(llama, mesh_name, batch_size=batch, prefill_rows=rows)
+    assert engine.batch_size // engine.prefill_rows > 1  # really in several groups
+    got = engine.generate([Request(p, STEPS) for p in prompts[:batch]])
+    assert [c.token_ids for c in got] == references[:batch]
+
+
 def test_stop_ids_end_a_row_and_finished_rows_produce_nothing(llama, prompts, references):
     engine = make_engine(llama, "data8")
     stop = references[1][6]  # row 1 stops at its 7th token (or earlier if that id came sooner)

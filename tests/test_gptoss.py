@@ -77,11 +77,14 @@ def test_decode_with_the_ring_cache_matches_full_forward(gptoss, mesh_name):
             np.testing.assert_allclose(got[i][b], ref[n - 1 + i], atol=2e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("mesh_name,batch", [("1dev", 1), ("expert4_data2", 4), ("data2_model4", 4)])
-def test_greedy_generation_matches_transformers(gptoss, mesh_name, batch):
+@pytest.mark.parametrize("mesh_name,batch,rows", [("1dev", 1, 0), ("expert4_data2", 4, 0),
+                                                  ("data2_model4", 4, 0), ("expert4_data2", 4, 2)])
+def test_greedy_generation_matches_transformers(gptoss, mesh_name, batch, rows):
+    """rows > 0: the batch prefilled a few rows at a time (the ring cache written per group)."""
     rules = rules_for(mesh_name)
     model, params = to_podrun(gptoss, rules)
-    engine = Engine(model, params, rules, Policy(), batch_size=batch, max_prompt_len=32, max_new_tokens=32)
+    engine = Engine(model, params, rules, Policy(), batch_size=batch, max_prompt_len=32, max_new_tokens=32,
+                    prefill_rows=rows)
     rng = np.random.RandomState(4)
     prompts = [tuple(int(t) for t in rng.randint(0, VOCAB, n)) for n in (3, 20, 11, 30)][:batch]
     got = engine.generate([Request(p, 32) for p in prompts])

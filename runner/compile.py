@@ -1,0 +1,119 @@
+"""Ahead-of-time compilation for a deployment's TPU topology, on a machine with no TPU.
+
+    python -m runner.compile --config=configs/gptoss_v5e.py
+
+Builds the config's mesh over libtpu's description of `mesh.tpu_topology` (e.g. v5e:2x4), lowers
+and compiles every prefill bucket and the decode step against abstract weights, and prints per-chip
+memory (weights, KV cache, temporaries) against the chip's HBM and the step's flops and bytes
+accessed from XLA's cost analysis. Needs libtpu (`pip install libtpu==0.0.42.1`, the version
+jax[tpu] 0.10.2 pins); JAX itself stays on CPU (JAX_PLATFORMS=cpu is set here when unset).
+
+XLA's cost analysis counts the body of a loop once: the decode figures are one decode step's (the
+body of the steps-per-dispatch loop), and with generation.prefill_rows the prefill figures are one
+group's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # topology descriptions only, no chips
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from absl import app  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from models import weights  # noqa: E402
+from models.registry import Model  # noqa: E402
+from runner.engine import Engine  # noqa: E402
+from runner.memory import GiB, footprint  # noqa: E402
+from runner.settings import Settings, from_config  # noqa: E402
+from sharding.mesh import make_mesh  # noqa: E402
+from sharding.rules import Rules  # noqa: E402
+
+if __name__ == "__main__":  # a flag of this command only, so the module can be imported
+    _CONFIG = config_flags.DEFINE_config_file("config", None, "deployment config file", lock_config=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    name: str
+    argument_bytes: int  # per chip: weights + cache + inputs
+    temp_bytes: int
+    output_bytes: int
+    alias_bytes: int  # outputs that reuse donated inputs (the cache)
+    flops: float  # per call, the whole program
+    bytes_accessed: float
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.argument_bytes + self.temp_bytes + self.output_bytes - self.alias_bytes
+
+
+def compile_deployment(s: Settings, model: Model | None = None) -> tuple[Engine, dict[str, Compiled]]:
+    """Compiles for s.tpu_topology; the model is checkpoint.model's preset unless given."""
+    from jax.experimental import topologies
+
+    if not s.tpu_topology:
+        raise ValueError("the config sets no mesh.tpu_topology (e.g. v5e:2x4) to compile for")
+    if model is None and not s.checkpoint_model:
+        raise ValueError("the config sets no checkpoint.model (family:preset) to compile")
+    try:
+        topo = topologies.get_topology_desc(platform="tpu", topology_name=s.tpu_topology)
+    except (RuntimeError, ValueError) as e:  # JaxRuntimeError is a RuntimeError
+        raise ValueError(f"mesh.tpu_topology={s.tpu_topology!r}: no TPU topology description "
+                         f"({str(e).splitlines()[0]}); is libtpu installed (pip install "
+                         "libtpu==0.0.42.1), and is the name like v5e:2x4?") from e
+    model = model or Model.named(s.checkpoint_model)
+    rules = Rules.make(make_mesh(s.mesh, topo.devices), s.rules)
+    params = weights.abstract(model.declare(), rules, jnp.dtype(s.policy.params))
+    g = s.generation
+    engine = Engine(model, params, rules, s.policy, g.batch_size, g.max_prompt_len, g.max_new_tokens,
+                    g.steps_per_dispatch, g.prefill_buckets, allocate=False,
+                    prefill_rows=g.prefill_rows)
+    out = {}
+    for name, lowered in engine.lower().items():
+        c = lowered.compile()
+        m, cost = c.memory_analysis(), c.cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        out[name] = Compiled(name, m.argument_size_in_bytes, m.temp_size_in_bytes, m.output_size_in_bytes,
+                             m.alias_size_in_bytes, cost.get("flops", 0.0), cost.get("bytes accessed", 0.0))
+    return engine, out
+
+
+def report(s: Settings, engine: Engine, compiled: dict[str, Compiled]) -> str:
+    f = footprint(s, engine.model)
+    hbm = f.device_memory
+    lines = [f"{s.checkpoint_model} on {s.tpu_topology} ({f.devices} chips, mesh {dict(engine.rules.mesh.shape)}), "
+             f"batch {engine.batch_size}, cache {engine.cache_len} tokens:",
+             f"  declared per chip: weights {f.weights / GiB:.2f} GiB, KV cache {f.kv_cache / GiB:.2f} GiB",
+             f"  {'program':<14}{'args GiB':>10}{'temp GiB':>10}{'peak GiB':>10}{'of HBM':>8}"
+             f"{'GFLOP':>12}{'GB accessed':>13}"]
+    for c in compiled.values():
+        share = f"{100 * c.peak_bytes / hbm:.0f}%" if hbm else "?"
+        lines.append(f"  {c.name:<14}{c.argument_bytes / GiB:>10.2f}{c.temp_bytes / GiB:>10.2f}"
+                     f"{c.peak_bytes / GiB:>10.2f}{share:>8}{c.flops / 1e9:>12.1f}{c.bytes_accessed / 1e9:>13.2f}")
+    lines.append(f"  GFLOP and GB accessed per chip, a loop's body counted once: decode per step "
+                 f"({engine.steps} per call), prefill per group of {engine.prefill_rows} rows")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    s = from_config(_CONFIG.value)
+    try:
+        engine, compiled = compile_deployment(s)
+    except ValueError as e:
+        sys.exit(f"podrun compile: error: {e}")
+    print(report(s, engine, compiled))
+    too_big = [c.name for c in compiled.values() if s.device_memory_gib and c.peak_bytes > s.device_memory_gib * GiB]
+    if too_big:
+        sys.exit(f"podrun compile: error: {too_big} do not fit {s.device_memory_gib} GiB per chip")
+
+
+if __name__ == "__main__":
+    app.run(main)

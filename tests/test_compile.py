@@ -1,0 +1,113 @@
+"""AOT compilation for TPU topologies on this CPU-only machine (libtpu's topology descriptions)."""
+
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from configs.base import base_config
+from models import gptoss
+from models.registry import Model
+from models.weights import is_weight
+from runner.settings import from_config
+from tests.test_configs import CONFIGS, ROOT, load
+
+import jax  # noqa: E402  (after conftest has pinned the CPU platform)
+
+
+def tiny_tpu_settings(**generation):
+    c = base_config()
+    c.checkpoint.update(path="/unused", model="gptoss:tiny")
+    c.mesh.update(data=1, expert=2, model=2, num_cpu_devices=0, device_memory_gib=16.0,
+                  tpu_topology="v5e:2x2")
+    c.precision.update(params="bfloat16", activations="bfloat16", kv_cache="bfloat16", matmul="default")
+    c.generation.update({"batch_size": 4, "max_prompt_len": 32, "max_new_tokens": 16, **generation})
+    return from_config(c)
+
+
+# A small GPT-OSS whose dimensions fill TPU tiles (128 lanes), so that padding does not blur the
+# bytes a chip holds.
+SMALL = Model("gptoss", gptoss.Config(vocab_size=1024, hidden_size=256, intermediate_size=256,
+                                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=128,
+                                      num_experts=4, experts_per_token=2, sliding_window=16))
+
+
+def test_a_small_deployment_compiles_for_a_v5e_topology_with_its_shards_per_chip():
+    from runner.compile import compile_deployment, report
+    from runner.memory import footprint
+
+    s = tiny_tpu_settings(prefill_rows=2)
+    engine, compiled = compile_deployment(s, SMALL)
+    assert {d.platform for d in engine.rules.mesh.devices.flat} == {"tpu"}
+    assert engine.rules.mesh.devices.size == 4
+    assert sorted(compiled) == ["decode", "prefill_16", "prefill_32"]
+    assert engine.prefill_rows == 2
+
+    # XLA's own count of a chip's inputs is what the declarations say a chip holds (weights and
+    # KV cache, runner.memory), plus a few per-row scalars; everything is on some chip.
+    model = SMALL
+    total = sum(math.prod(w.shape) * 2 for w in jax.tree.leaves(model.declare(), is_leaf=is_weight))
+    declared = footprint(s, model)
+    for c in compiled.values():
+        assert declared.per_device <= c.argument_bytes <= declared.per_device * 1.02 + 2**14, c
+        assert 4 * c.argument_bytes >= total
+        assert c.peak_bytes <= 16 * 2**30 and c.flops > 0 and c.bytes_accessed > 0
+    assert declared.weights < 0.75 * total  # the experts and heads really are split
+    # the cache is donated: decode's outputs reuse its buffers
+    assert compiled["decode"].alias_bytes >= declared.kv_cache
+
+    text = report(s, engine, compiled)
+    assert "v5e:2x2" in text and "decode" in text and "of HBM" in text
+
+
+def test_prefill_in_groups_of_rows_needs_less_memory_than_all_at_once():
+    from runner.compile import compile_deployment
+
+    def prefill(rows):
+        s = tiny_tpu_settings(prefill_rows=rows, batch_size=8, max_prompt_len=512, prefill_buckets=(512,))
+        return compile_deployment(s)[1]["prefill_512"]
+
+    whole, grouped = prefill(0), prefill(2)
+    assert grouped.temp_bytes < whole.temp_bytes / 2
+
+
+def run_compile(*args):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, "-m", "runner.compile", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("--config.mesh.tpu_topology=", "sets no mesh.tpu_topology"),
+    ("--config.mesh.expert=8", "are visible"),  # 8*2 chips asked of a v5e:2x4 (8 chips)
+    ("--config.mesh.tpu_topology=v5e:3x3x3", "tpu_topology='v5e:3x3x3'"),
+])
+def test_bad_compile_requests_fail_in_one_line(override, message):
+    r = run_compile("--config=configs/gptoss_v5e.py", override)
+    assert r.returncode != 0
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("podrun compile: error:") and message in last, r.stderr[-2000:]
+
+
+TPU_CONFIGS = [p for p in CONFIGS if load(p).get_config().mesh.tpu_topology]
+
+
+def test_the_gptoss_deployments_name_a_topology_with_as_many_chips_as_their_mesh():
+    assert {os.path.basename(p) for p in TPU_CONFIGS} >= {"gptoss_v5e.py", "gptoss_120b_v5e.py"}
+    for p in TPU_CONFIGS:
+        m = load(p).get_config().mesh
+        chips = np.prod([int(n) for n in m.tpu_topology.split(":")[1].split("x")])
+        assert m.data * m.expert * m.model * m.sequence == chips, p
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", TPU_CONFIGS, ids=os.path.basename)
+def test_every_shipped_tpu_config_compiles_and_fits(path):
+    r = run_compile(f"--config={os.path.relpath(path, ROOT)}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [line.split() for line in r.stdout.splitlines() if line.strip().startswith(("prefill_", "decode "))]
+    assert rows and all(float(row[4].rstrip("%")) <= 100 for row in rows), r.stdout
+
