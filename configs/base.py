@@ -22,7 +22,10 @@ def base_config() -> ConfigDict:
     # device_memory_gib: HBM per chip, for the memory report (0 = unknown); tpu_topology: what
     # python -m runner.compile compiles for (e.g. "v5e:2x4").
     c.mesh = ConfigDict({"data": -1, "model": 1, "expert": 1, "sequence": 1, "num_cpu_devices": 8,
-                         "device_memory_gib": 0.0, "tpu_topology": ""})
+                         "device_memory_gib": 0.0, "tpu_topology": "",
+                         # Multislice: how many slices each axis spans (over the data-center
+                         # network); the rest of each axis stays inside a slice.
+                         "dcn": {"data": 1, "sequence": 1, "expert": 1, "model": 1}})
     # Logical axis -> mesh axes ("" replicates; "data,expert" shards over both).
     c.rules = ConfigDict({name: ",".join(axes) for name, axes in DEFAULT_RULES.items()})
     # Persistent XLA compilation cache ("" disables it).

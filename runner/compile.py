@@ -2,7 +2,8 @@
 
     python -m runner.compile --config=configs/gptoss_v5e.py
 
-Builds the config's mesh over libtpu's description of `mesh.tpu_topology` (e.g. v5e:2x4), lowers
+Builds the config's mesh over libtpu's description of `mesh.tpu_topology` (e.g. v5e:2x4; one slice,
+times the slices that mesh.dcn asks for), lowers
 and compiles every prefill bucket and the decode step against abstract weights, and prints per-chip
 memory (weights, KV cache, temporaries) against the chip's HBM and the step's flops and bytes
 accessed from XLA's cost analysis. Needs libtpu (`pip install libtpu==0.0.42.1`, the version
@@ -16,6 +17,7 @@ group's.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 
@@ -63,7 +65,8 @@ def compile_deployment(s: Settings, model: Model | None = None) -> tuple[Engine,
     if model is None and not s.checkpoint_model:
         raise ValueError("the config sets no checkpoint.model (family:preset) to compile")
     try:
-        topo = topologies.get_topology_desc(platform="tpu", topology_name=s.tpu_topology)
+        topo = topologies.get_topology_desc(platform="tpu", topology_name=s.tpu_topology,
+                                            num_slices=math.prod(s.mesh.dcn))
     except (RuntimeError, ValueError) as e:  # JaxRuntimeError is a RuntimeError
         raise ValueError(f"mesh.tpu_topology={s.tpu_topology!r}: no TPU topology description "
                          f"({str(e).splitlines()[0]}); is libtpu installed (pip install "

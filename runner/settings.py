@@ -8,7 +8,7 @@ import os
 from ml_collections import ConfigDict
 
 from models.layers import Policy
-from sharding.mesh import MeshShape
+from sharding.mesh import MESH_AXES, MeshShape
 
 
 class SettingsError(ValueError):
@@ -108,7 +108,8 @@ def from_config(c: ConfigDict) -> Settings:
         checkpoint_path=_path(c.checkpoint.path),
         checkpoint_fetch=c.checkpoint.fetch,
         checkpoint_model=c.checkpoint.model,
-        mesh=MeshShape(c.mesh.data, c.mesh.sequence, c.mesh.expert, c.mesh.model),
+        mesh=MeshShape(c.mesh.data, c.mesh.sequence, c.mesh.expert, c.mesh.model,
+                       dcn=tuple(int(c.mesh.dcn[a]) for a in MESH_AXES)),
         num_cpu_devices=int(c.mesh.num_cpu_devices),
         device_memory_gib=float(c.mesh.device_memory_gib),
         tpu_topology=c.mesh.tpu_topology,

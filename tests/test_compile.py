@@ -63,6 +63,21 @@ def test_a_small_deployment_compiles_for_a_v5e_topology_with_its_shards_per_chip
     assert "v5e:2x2" in text and "decode" in text and "of HBM" in text
 
 
+def test_a_two_slice_deployment_compiles_with_data_across_the_slices():
+    from runner.compile import compile_deployment
+
+    c = base_config()
+    c.checkpoint.update(path="/unused", model="gptoss:tiny")
+    c.mesh.update(data=2, expert=2, model=2, num_cpu_devices=0, tpu_topology="v5e:2x2")
+    c.mesh.dcn.data = 2
+    c.generation.update(batch_size=4, max_prompt_len=16, max_new_tokens=8)
+    engine, compiled = compile_deployment(from_config(c))
+    mesh = engine.rules.mesh
+    assert mesh.devices.size == 8 and {d.slice_index for d in mesh.devices[0].flat} == {0}
+    assert {d.slice_index for d in mesh.devices[1].flat} == {1}
+    assert sorted(compiled) == ["decode", "prefill_16"]
+
+
 def test_prefill_in_groups_of_rows_needs_less_memory_than_all_at_once():
     from runner.compile import compile_deployment
 

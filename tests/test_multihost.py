@@ -45,11 +45,13 @@ def start(root, inp, out, pid, port, *extra):
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def test_two_processes_write_the_same_results_as_one(setup, tmp_path):
+@pytest.mark.parametrize("across", [(), ("--config.mesh.dcn.data=2",)], ids=["one_slice", "data_over_dcn"])
+def test_two_processes_write_the_same_results_as_one(setup, tmp_path, across):
+    """data_over_dcn: each process plays a slice, and the data axis alone crosses between them."""
     root, inp = setup
     podrun("runner.main", *args(root, inp, tmp_path / "one.jsonl"))
     port = free_port()
-    procs = [start(root, inp, tmp_path / "two.jsonl", pid, port) for pid in (0, 1)]
+    procs = [start(root, inp, tmp_path / "two.jsonl", pid, port, *across) for pid in (0, 1)]
     logs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], logs[0][1][-2000:] + logs[1][1][-2000:]
     assert open(tmp_path / "two.jsonl").read() == open(tmp_path / "one.jsonl").read()  # written once, in order

@@ -56,3 +56,30 @@ def test_rules_are_hashable_static_arguments():
     mesh = make_mesh(MeshShape(data=8))
     assert hash(Rules.make(mesh)) == hash(Rules.make(mesh))
     assert jax.jit(lambda x, r: x, static_argnums=1)(1, Rules.make(mesh)) == 1
+
+
+def tpu_slices(n: int):
+    """Devices of n v5e:2x2 slices, from libtpu's topology descriptions (nothing to run on)."""
+    import os
+
+    from jax.experimental import topologies
+
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    return topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2", num_slices=n).devices
+
+
+def test_across_slices_only_the_dcn_part_of_an_axis_leaves_a_slice():
+    mesh = make_mesh(MeshShape(data=4, model=2, dcn=(2, 1, 1, 1)), tpu_slices(2))
+    grid = mesh.devices.reshape(4, 2)  # [data, model]
+    slices = [[d.slice_index for d in row] for row in grid]
+    assert slices == [[0, 0], [0, 0], [1, 1], [1, 1]]  # data crosses slices once, model never
+    assert len({d.id for d in grid.flat}) == 8
+
+
+def test_dcn_sizes_must_match_the_slices_and_divide_their_axes():
+    with pytest.raises(MeshError, match="asks for 4 slices but the devices come from 2 slice"):
+        make_mesh(MeshShape(data=4, model=2, dcn=(4, 1, 1, 1)), tpu_slices(2))
+    with pytest.raises(MeshError, match="mesh.dcn.model=2 does not divide mesh.model=1"):
+        make_mesh(MeshShape(data=8, dcn=(1, 1, 1, 2)), tpu_slices(2))
+    with pytest.raises(MeshError, match="come from 1 process"):  # CPU devices: a process is a slice
+        make_mesh(MeshShape(data=8, dcn=(2, 1, 1, 1)))
