@@ -69,7 +69,12 @@ def save(directory: str, meta: Metadata, params: Any, files: dict[str, bytes] | 
             raise CheckpointError(
                 f"{directory}: weight {name} has shape {tuple(flat[name].shape)}, model declares {w.shape}"
             )
-    out.mkdir(parents=True, exist_ok=True)
+    if "://" in directory:  # object stores have no directories; a missing bucket is an error
+        from runner.requests_io import check_bucket
+
+        check_bucket(directory, "checkpoint", CheckpointError)
+    else:
+        out.mkdir(parents=True, exist_ok=True)
     with ocp.StandardCheckpointer() as ckptr:
         tree = {k: v if isinstance(v, jax.Array) else np.asarray(v) for k, v in flat.items()}
         ckptr.save(out / "params", tree, force=True)

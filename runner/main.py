@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import sys
 
@@ -29,10 +30,19 @@ def setup_devices(s) -> None:
         jax.distributed.initialize(**timeouts)
     cache_dir = s.compilation_cache_dir
     if cache_dir:
-        os.makedirs(cache_dir, exist_ok=True) if "://" not in cache_dir else None
+        from runner.requests_io import check_bucket, is_remote
+
+        check_bucket(cache_dir, "compilation_cache.dir")  # jax would create a missing bucket
+        os.makedirs(cache_dir, exist_ok=True) if not is_remote(cache_dir) else None
         jax.config.update("jax_compilation_cache_dir", cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+        jax.monitoring.register_event_listener(lambda event, **_: _CACHE_EVENTS.update([event]))
+
+
+# jax's compilation-cache events: compiles that asked the cache, and those it answered.
+_CACHE_EVENTS: collections.Counter = collections.Counter()
+_ASKED, _HITS = "/jax/compilation_cache/compile_requests_use_cache", "/jax/compilation_cache/cache_hits"
 
 
 def main(argv: list[str]) -> None:
@@ -52,6 +62,9 @@ def main(argv: list[str]) -> None:
         setup_devices(settings)
         say(f"{jax.device_count()} {jax.devices()[0].platform} devices, {jax.process_count()} process(es)")
         run.run(settings)
+        if settings.compilation_cache_dir:  # misses: compiled by XLA because the cache had no entry
+            hits = _CACHE_EVENTS[_HITS]
+            say(f"compilation cache: {hits} hits, {_CACHE_EVENTS[_ASKED] - hits} misses")
     except USER_ERRORS as e:
         sys.exit(f"podrun: error: {e}")
 

@@ -8,6 +8,11 @@ seed. A result line: {"id", "text", "token_ids", "finish_reason", "usage": {"pro
 Results are appended to `<output>.partial` as each batch completes (whole lines, flushed and synced);
 a rerun with the same input and output skips what is already there. When every request is done the
 results are written to `<output>` in input order, in one atomic rename.
+
+Object stores (gs://) cannot append or rename: there `<output>.partial/` is a prefix holding
+`000000.jsonl` (the header line) and one object per finished batch (`000001.jsonl`, ...), each
+appearing whole or not at all; `<output>` is written in one upload (atomic as well), then the batch
+objects are deleted, the header last.
 """
 
 from __future__ import annotations
@@ -16,8 +21,10 @@ import dataclasses
 import hashlib
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import fsspec
 from etils import epath
 
 from runner.settings import Settings
@@ -121,12 +128,38 @@ def _prompt_ids(d: dict, tokenizer, render_chat) -> list[int]:
     return tokenizer.encode_chat(msgs, add_generation_prompt=True)
 
 
+def is_remote(path: str) -> bool:
+    """An object store (gs://, ...): no directories, no append, no rename."""
+    return "://" in path
+
+
+def check_bucket(path: str, what: str, error: type[Exception] = RequestFileError) -> None:
+    """A missing bucket fails here, in one line, rather than being created (as gcsfs's mkdir would)."""
+    if not is_remote(path):
+        return
+    scheme, rest = path.split("://", 1)
+    name = rest.split("/", 1)[0]
+    bucket = f"{scheme}://{name}"
+    try:
+        if scheme == "gs":  # listing needs object access only (objectViewer), not buckets.get
+            fsspec.filesystem("gs").call("GET", "b/{}/o", name, maxResults=1, json_out=True)
+        elif not epath.Path(bucket).exists():
+            raise FileNotFoundError(bucket)
+    except FileNotFoundError:
+        raise error(f"{what}={path}: bucket {bucket} does not exist") from None
+    except Exception as e:  # auth or network: gcsfs raises several kinds
+        raise error(f"{what}={path}: cannot reach {bucket} ({type(e).__name__}: {e})") from e
+
+
 def read_lines(path: str) -> list[str]:
     p = epath.Path(path)
     if not path:
         raise RequestFileError("io.input is empty: pass --config.io.input=<requests.jsonl>")
+    check_bucket(path, "io.input")
     try:
         text = p.read_text()
+    except FileNotFoundError as e:
+        raise RequestFileError(f"io.input={path}: no such file") from e
     except (OSError, UnicodeDecodeError) as e:
         raise RequestFileError(f"io.input={path}: cannot read it ({type(e).__name__}: {e})") from e
     return [line for line in text.splitlines() if line.strip()]
@@ -141,13 +174,19 @@ class Results:
     def __init__(self, output: str, input_lines: list[str], writer: bool = True):
         if not output:
             raise RequestFileError("io.output is empty: pass --config.io.output=<results.jsonl>")
+        check_bucket(output, "io.output")
         self.output = epath.Path(output)
         self.partial = epath.Path(output + ".partial")
+        self.remote = is_remote(output)
         self.digest = hashlib.sha256("\n".join(input_lines).encode()).hexdigest()
         self.done: dict[int, dict] = {}
-        if self.partial.exists():
-            lines = self.partial.read_text().splitlines()
-            header = json.loads(lines[0]) if lines else {}
+        self._objects = self._partial_objects() if self.remote else []
+        lines = self._read_partial()
+        if lines:
+            try:
+                header = json.loads(lines[0])
+            except json.JSONDecodeError:  # a header cut short by a crash
+                header = {}
             if header.get("input_sha256") != self.digest:
                 raise RequestFileError(
                     f"{self.partial} belongs to a different input file; delete it or choose another io.output"
@@ -160,39 +199,80 @@ class Results:
                     continue
         self.writer = writer
         self._f = None
+        self._opened = False
+
+    def _partial_objects(self) -> list[epath.Path]:
+        try:
+            return sorted((p for p in self.partial.glob("*.jsonl") if p.stem.isdigit()),
+                          key=lambda p: int(p.stem))
+        except OSError as e:
+            raise RequestFileError(f"{self.partial}: cannot list it ({type(e).__name__}: {e})") from e
+
+    def _read_partial(self) -> list[str]:
+        """The partial results as lines, the header first ([] when there are none)."""
+        try:
+            if not self.remote:
+                return self.partial.read_text().splitlines() if self.partial.exists() else []
+            if self._objects and self._objects[0].name != "000000.jsonl":
+                return ["{}"]  # batches without their header: not ours to reuse
+            with ThreadPoolExecutor(16) as pool:  # one request per object: overlap them
+                texts = list(pool.map(lambda p: p.read_text(), self._objects))
+            return [line for text in texts for line in text.splitlines()]
+        except (OSError, UnicodeDecodeError) as e:
+            raise RequestFileError(f"{self.partial}: cannot read it ({type(e).__name__}: {e})") from e
 
     def open(self) -> None:
         if not self.writer:
             return
         try:
-            self.output.parent.mkdir(parents=True, exist_ok=True)
-            fresh = not self.partial.exists()
-            self._f = self.partial.open("a")
+            if self.remote:  # no directories to make; one object per batch, the header first
+                fresh = not self._objects
+            else:
+                self.output.parent.mkdir(parents=True, exist_ok=True)
+                fresh = not self.partial.exists()
+                self._f = self.partial.open("a")
+            self._opened = True
+            if fresh:
+                self._append([{"input_sha256": self.digest}])
         except OSError as e:
             raise RequestFileError(f"io.output={self.output}: cannot write next to it ({e})") from e
-        if fresh:
-            self._append([{"input_sha256": self.digest}])
 
     def _append(self, rows: list[dict]) -> None:
-        if self._f is None:
+        if not self._opened:
             return
-        self._f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+        text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+        if self.remote:
+            n = int(self._objects[-1].stem) + 1 if self._objects else 0
+            obj = self.partial / f"{n:06d}.jsonl"
+            obj.write_text(text)  # one upload: the object exists whole or not at all
+            self._objects.append(obj)
+            return
+        self._f.write(text)
         self._f.flush()
         if hasattr(self._f, "fileno"):
             os.fsync(self._f.fileno())
 
     def add(self, index_and_results: list[tuple[int, dict]]) -> None:
-        self._append([{"_index": i, **r} for i, r in index_and_results])
+        if index_and_results:
+            self._append([{"_index": i, **r} for i, r in index_and_results])
         self.done.update(index_and_results)
 
     def finish(self, total: int) -> None:
-        if self._f is None:
+        if not self._opened:
             return
-        self._f.close()
+        if self._f is not None:
+            self._f.close()
         missing = [i for i in range(total) if i not in self.done]
         if missing:
             raise RuntimeError(f"{len(missing)} requests have no result (first: line {missing[0] + 1})")
+        text = "".join(json.dumps(self.done[i], ensure_ascii=False) + "\n" for i in range(total))
+        if self.remote:  # one upload is atomic; the header goes last, so a crash here loses nothing
+            self.output.write_text(text)
+            with ThreadPoolExecutor(16) as pool:
+                list(pool.map(lambda p: p.unlink(), self._objects[1:]))
+            self._objects[0].unlink()
+            return
         tmp = epath.Path(str(self.output) + ".tmp")
-        tmp.write_text("".join(json.dumps(self.done[i], ensure_ascii=False) + "\n" for i in range(total)))
+        tmp.write_text(text)
         tmp.replace(self.output)
         self.partial.unlink()
