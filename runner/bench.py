@@ -1,0 +1,377 @@
+"""Generation speed of a deployment: time to first token, decode throughput, and how close a decode
+step comes to the machine's memory bandwidth (MBU) and peak flops (MFU).
+
+    python -m runner.bench --config=configs/smollm2_cpu.py --batch_sizes=1,8 --prompt_len=128 \
+        --new_tokens=128 [--prompt_lens=128,512] [--reps=3] [--output=results.json]
+
+Same config files and overrides as runner.main; the config's generation.batch_size,
+max_prompt_len, max_new_tokens and prefill_buckets are replaced by the workload: for each batch
+size B one engine of B rows (rounded up to the `data` axis as always), its prefill compiled for
+exactly the measured prompt lengths. Prompts are seeded random ids of exactly prompt_len tokens and
+no id stops a row, so every row decodes all new_tokens.
+
+Measured (medians over --reps, after a warm-up that compiles every timed shape):
+  prefill_s        wall time of a 1-token generation (prefill + first token on the host)
+  ttft_s           time to first token inside the new_tokens generation (the engine's own clock)
+  decode tokens/s  B*(N-1) / (T(N) - T(1)); decode_step_s = (T(N) - T(1)) / (N-1)
+  compile_s        warm-up wall time less one timed run of each shape (compilation, or loading it
+                   from the persistent compilation cache)
+Roofline of one decode step: bytes_per_step = weights a token must read (all of them, except that
+an embedding table only contributes the B rows gathered unless it is tied as the unembedding, and
+a mixture of experts only min(B*k, E) of its E experts) + the filled part of the KV cache (mean over
+the decode), against a large-array reduction's read bandwidth measured in this process -> MBU;
+flops_per_step = 2 * B * params per token + attention, against a large f32 matmul -> MFU. Counted
+once for the model: replicas over the `data` axis that each read their own copy of the weights (8
+simulated CPU devices) are not counted again, so their extra reads show up as a lower MBU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import math
+import os
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+from ml_collections import config_flags
+
+from models.registry import Model
+from models.weights import Weight, check_divisible, is_weight
+from runner import checkpoint
+from runner.engine import Completion, Engine, Request
+from runner.main import parse_flags, setup_devices
+from runner.run import ensure_checkpoint
+from runner.settings import Settings, from_config
+from sharding.mesh import make_mesh
+from sharding.rules import Rules
+
+if __name__ == "__main__":  # flags of this command only, so the module can be imported
+    # allow_override: runner.main and runner.convert (imported above) define --config and --output
+    # for their own commands.
+    _CONFIG = config_flags.DEFINE_config_file("config", None, "deployment config file",
+                                              lock_config=True, allow_override=True)
+    _BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "8"], "batch sizes to measure")
+    _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 128, "prompt length (tokens)")
+    _PROMPT_LENS = flags.DEFINE_list("prompt_lens", [], "several prompt lengths (replaces --prompt_len)")
+    _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 128, "tokens generated per row")
+    _REPS = flags.DEFINE_integer("reps", 3, "timed repetitions per shape (medians are reported)")
+    _SEED = flags.DEFINE_integer("seed", 1234, "seed of the random prompts")
+    _OUTPUT = flags.DEFINE_string("output", "", "write the records as JSON here", allow_override=True)
+    _BANDWIDTH = flags.DEFINE_float("bandwidth_gbps", 0.0, "memory read bandwidth for MBU (0 = measure)")
+    _PEAK = flags.DEFINE_float("peak_gflops", 0.0, "peak flops for MFU, GFLOP/s (0 = measure)")
+    _PROBE_MIB = flags.DEFINE_integer("probe_mib", 512, "array size of the bandwidth measurement")
+    _PROBE_MATMUL = flags.DEFINE_integer("probe_matmul", 2048, "per-device matmul size of the flops probe")
+
+GiB = 1024**3
+
+
+class BenchError(ValueError):
+    """The workload cannot be run as asked."""
+
+
+# --- roofline of a decode step ----------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCost:
+    """What one decode step of B rows must read and compute at the least, averaged over the decode."""
+
+    weight_bytes: float
+    kv_bytes: float
+    flops: float
+
+    @property
+    def bytes(self) -> float:
+        return self.weight_bytes + self.kv_bytes
+
+
+def _is_lookup_table(path: tuple, w: Weight) -> bool:
+    """A top-level [rows, D] table that the forward pass indexes (token or position embedding)."""
+    return len(path) == 1 and len(w.shape) == 2 and w.axes[1] == "embed" and w.axes[0] in ("vocab", None)
+
+
+def decode_cost(model: Model, batch: int, prompt_len: int, new_tokens: int, param_itemsize: int,
+                kv_itemsize: int) -> DecodeCost:
+    """From the model's weight declarations and cache spec alone (nothing is allocated).
+
+    Weights: every declared weight once per step, except embedding tables (only the `batch` rows
+    gathered, unless the vocabulary table is also the unembedding: no [embed, vocab] weight is
+    declared) and expert weights (min(batch * k, E) of the E experts; each token uses k).
+    KV cache: step i of the decode (i = 1..N-1) attends over prompt_len + i positions, or the window.
+    """
+    leaves = jax.tree_util.tree_leaves_with_path(model.declare(), is_leaf=is_weight)
+    tied = not any(w.axes[-1] == "vocab" for _, w in leaves)
+    k = getattr(model.config, "experts_per_token", 0)
+    weight_bytes = params_per_token = 0.0
+    for path, w in leaves:
+        size = math.prod(w.shape)
+        if _is_lookup_table(path, w):
+            if tied and w.axes[0] == "vocab":  # also the unembedding: read whole, one matmul
+                weight_bytes += size * param_itemsize
+                params_per_token += size
+            else:
+                weight_bytes += min(batch, w.shape[0]) * w.shape[1] * param_itemsize
+        elif "experts" in w.axes:
+            experts = w.shape[w.axes.index("experts")]
+            weight_bytes += size * min(batch * k, experts) / experts * param_itemsize
+            params_per_token += size * k / experts
+        else:
+            weight_bytes += size * param_itemsize
+            params_per_token += size
+
+    windows, kv_heads, head_dim = model.module.cache_spec(model.config)
+    attended = np.arange(prompt_len + 1, prompt_len + max(new_tokens, 2))  # per decode step
+    per_layer = [float(np.mean(np.minimum(attended, w) if w else attended)) for w in windows]
+    kv_bytes = sum(2 * batch * n * kv_heads * head_dim * kv_itemsize for n in per_layer)
+    heads = model.config.num_heads
+    attention_flops = sum(4 * batch * heads * head_dim * n for n in per_layer)  # QK^T and PV
+    return DecodeCost(weight_bytes, kv_bytes, 2 * batch * params_per_token + attention_flops)
+
+
+# --- the machine --------------------------------------------------------------------------------
+
+def _best_of(fn, *args, reps: int = 5) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def _over_devices(shape: tuple[int, ...]) -> jax.Array:
+    devices = jax.local_devices()
+    mesh = jax.sharding.Mesh(np.array(devices), ("d",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
+    return jax.jit(lambda: jnp.ones((len(devices), *shape), jnp.float32), out_shardings=sharding)()
+
+
+def read_bandwidth_gbps(mib: int) -> float:
+    """A sum over a `mib` MiB f32 array split over every local device: bytes read per second."""
+    n = max(1, mib * 2**20 // 4 // len(jax.local_devices()))
+    x = _over_devices((n,))
+    seconds = _best_of(jax.jit(jnp.sum), x)
+    return x.nbytes / seconds / 1e9
+
+
+def peak_gflops(m: int) -> float:
+    """An f32 [m, m] @ [m, m] matmul on every local device at once."""
+    x = _over_devices((m, m))
+    seconds = _best_of(jax.jit(lambda a: jnp.einsum("dij,djk->dik", a, a)), x, reps=3)
+    return 2 * x.shape[0] * m**3 / seconds / 1e9
+
+
+def peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB  # Linux: KiB
+
+
+# --- the workload -------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    batch_sizes: tuple[int, ...]
+    prompt_lens: tuple[int, ...]
+    new_tokens: int
+    reps: int = 3
+    seed: int = 1234
+
+    def check(self, model: Model) -> None:
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise BenchError(f"batch sizes {self.batch_sizes}: give one or more, each at least 1")
+        if not self.prompt_lens or min(self.prompt_lens) < 1:
+            raise BenchError(f"prompt lengths {self.prompt_lens}: give one or more, each at least 1")
+        if self.new_tokens < 2 or self.reps < 1:
+            raise BenchError(f"new_tokens={self.new_tokens}, reps={self.reps}: decode speed needs "
+                             "new_tokens >= 2 and reps >= 1")
+        longest = max(self.prompt_lens) + self.new_tokens
+        if longest > model.config.max_position:
+            raise BenchError(f"prompt_len {max(self.prompt_lens)} + new_tokens {self.new_tokens} = "
+                             f"{longest} exceeds the model's {model.config.max_position} positions")
+
+    def prompts(self, prompt_len: int, vocab: int) -> np.ndarray:
+        """[max batch, prompt_len] seeded ids; batch B measures the first B rows."""
+        rng = np.random.default_rng((self.seed, prompt_len))
+        return rng.integers(0, vocab, size=(max(self.batch_sizes), prompt_len))
+
+
+def load(s: Settings) -> tuple[Model, object, Rules]:
+    """The checkpoint restored onto the config's mesh (fetched first if the config says so)."""
+    ensure_checkpoint(s)
+    meta = checkpoint.load_metadata(s.checkpoint_path)
+    if s.checkpoint_model:
+        checkpoint.check_matches(meta, s.checkpoint_model, s.checkpoint_path)
+    rules = Rules.make(make_mesh(s.mesh), s.rules)
+    check_divisible(meta.model.declare(), rules)
+    return meta.model, checkpoint.restore(s.checkpoint_path, meta.model, rules, s.policy.params), rules
+
+
+def make_engine(s: Settings, model: Model, params, rules: Rules, batch: int,
+                prompt_lens: Sequence[int], new_tokens: int) -> Engine:
+    """An engine compiled for exactly these prompt lengths and new_tokens."""
+    buckets = tuple(sorted(set(prompt_lens)))
+    return Engine(model, params, rules, s.policy, batch, buckets[-1], new_tokens,
+                  s.generation.steps_per_dispatch, buckets)
+
+
+def greedy_requests(prompts: np.ndarray, new_tokens: int, s: Settings) -> list[Request]:
+    smp = s.sampling
+    return [Request(tuple(int(t) for t in row), new_tokens, smp.temperature, smp.top_k, smp.top_p,
+                    smp.seed + i) for i, row in enumerate(prompts)]
+
+
+def _timed(engine: Engine, requests: list[Request], n: int) -> tuple[float, list[Completion]]:
+    t0 = time.perf_counter()
+    out = engine.generate([dataclasses.replace(r, max_tokens=n) for r in requests], stop_ids=())
+    seconds = time.perf_counter() - t0
+    got = sum(len(c.token_ids) for c in out)
+    if got != len(requests) * n:
+        raise BenchError(f"batch {len(requests)}: generated {got} tokens, expected "
+                         f"{len(requests)} * {n}; a row stopped early")
+    return seconds, out
+
+
+def measure(s: Settings, model: Model, params, rules: Rules, w: Workload) -> list[dict]:
+    """Timings and roofline counts per (batch size, prompt length); mbu/mfu are filled by `rate`."""
+    w.check(model)
+    p_size, kv_size = jnp.dtype(s.policy.params).itemsize, jnp.dtype(s.policy.kv_cache).itemsize
+    prompts = {P: w.prompts(P, model.config.vocab_size) for P in w.prompt_lens}
+    N, records = w.new_tokens, []
+    for B in w.batch_sizes:
+        engine = make_engine(s, model, params, rules, B, w.prompt_lens, N)
+        for P in w.prompt_lens:
+            requests = greedy_requests(prompts[P][:B], N, s)
+            load_before = os.getloadavg()[0]
+            t0 = time.perf_counter()
+            _timed(engine, requests, 1)
+            _timed(engine, requests, N)
+            warmup = time.perf_counter() - t0
+            t1s, tns, ttfts = [], [], []
+            for _ in range(w.reps):
+                t1s.append(_timed(engine, requests, 1)[0])
+                seconds, out = _timed(engine, requests, N)
+                tns.append(seconds)
+                ttfts.append(out[0].ttft_s)
+            t1, tn = statistics.median(t1s), statistics.median(tns)
+            decode = max(tn - t1, 1e-9)
+            cost = decode_cost(model, B, P, N, p_size, kv_size)
+            records.append({
+                "batch_size": B, "rows": engine.batch_size, "prompt_len": P, "new_tokens": N,
+                "steps_per_dispatch": engine.steps, "reps": w.reps,
+                "prefill_s": t1, "ttft_s": statistics.median(ttfts),
+                "total_s": tn, "decode_s": decode, "decode_step_s": decode / (N - 1),
+                "decode_tokens_per_s": B * (N - 1) / decode, "e2e_tokens_per_s": B * N / tn,
+                "generated_tokens": sum(len(c.token_ids) for c in out),
+                "compile_s": max(0.0, warmup - t1 - tn), "warmup_s": warmup,
+                "bytes_per_step": cost.bytes, "weight_bytes_per_step": cost.weight_bytes,
+                "kv_bytes_per_step": cost.kv_bytes, "flops_per_step": cost.flops,
+                "peak_rss_gib": peak_rss_gib(), "prefill_all_s": t1s, "total_all_s": tns,
+                "loadavg_before_after": [load_before, os.getloadavg()[0]],
+            })
+        del engine
+        gc.collect()
+    return records
+
+
+def rate(records: list[dict], bandwidth_gbps: float, gflops: float) -> None:
+    """MBU and MFU of each record's decode step against the machine's figures."""
+    for r in records:
+        r.update(bandwidth_gbps=bandwidth_gbps, peak_gflops=gflops,
+                 mbu=r["bytes_per_step"] / r["decode_step_s"] / (bandwidth_gbps * 1e9),
+                 mfu=r["flops_per_step"] / r["decode_step_s"] / (gflops * 1e9))
+
+
+def describe_run(s: Settings, model: Model, rules: Rules) -> dict:
+    """What a record was measured with, so runs can be compared."""
+    return {
+        "model": s.checkpoint_model or model.family, "checkpoint": s.checkpoint_path,
+        "precision": dataclasses.asdict(s.policy),
+        "sampling": dataclasses.asdict(s.sampling),
+        "mesh": dict(rules.mesh.shape), "devices": jax.device_count(),
+        "platform": jax.devices()[0].platform,
+    }
+
+
+def table(records: list[dict]) -> str:
+    head = (f"{'B':>4} {'rows':>4} {'P':>5} {'N':>5} {'compile_s':>9} {'prefill_ms':>10} "
+            f"{'ttft_ms':>8} {'step_ms':>8} {'decode_tok/s':>12} {'MB/step':>8} {'MBU':>6} "
+            f"{'MFU':>6} {'rss_GiB':>7}")
+    lines = [head]
+    for r in records:
+        lines.append(
+            f"{r['batch_size']:>4} {r['rows']:>4} {r['prompt_len']:>5} {r['new_tokens']:>5} "
+            f"{r['compile_s']:>9.2f} {1e3 * r['prefill_s']:>10.1f} {1e3 * r['ttft_s']:>8.1f} "
+            f"{1e3 * r['decode_step_s']:>8.2f} {r['decode_tokens_per_s']:>12.1f} "
+            f"{r['bytes_per_step'] / 1e6:>8.1f} {100 * r['mbu']:>5.1f}% {100 * r['mfu']:>5.1f}% "
+            f"{r['peak_rss_gib']:>7.2f}")
+    return "\n".join(lines)
+
+
+# --- the command --------------------------------------------------------------------------------
+
+def _ints(values: Sequence[str], flag: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in values)
+    except ValueError as e:
+        raise BenchError(f"--{flag}={','.join(values)}: give comma-separated integers") from e
+
+
+def main(argv: list[str]) -> None:
+    from absl import logging
+
+    from runner.errors import USER_ERRORS
+    from runner.log import say
+
+    logging.set_verbosity(logging.WARNING)
+    if len(argv) > 1:
+        sys.exit(f"podrun bench: error: unexpected arguments {argv[1:]}")
+    if _CONFIG.value is None:
+        sys.exit("podrun bench: error: --config=configs/<deployment>.py is required")
+    try:
+        s = from_config(_CONFIG.value)
+        setup_devices(s)
+        work = Workload(_ints(_BATCH_SIZES.value, "batch_sizes"),
+                        _ints(_PROMPT_LENS.value, "prompt_lens") or (_PROMPT_LEN.value,),
+                        _NEW_TOKENS.value, _REPS.value, _SEED.value)
+        model, params, rules = load(s)
+        run = describe_run(s, model, rules)
+        say(f"bench {run['model']} on {run['devices']} {run['platform']} devices, mesh {run['mesh']}, "
+            f"precision {s.policy.params}/{s.policy.kv_cache}: batches {work.batch_sizes}, prompts "
+            f"{work.prompt_lens}, {work.new_tokens} new tokens, {work.reps} reps")
+        records = measure(s, model, params, rules, work)
+        del params
+        gc.collect()
+        bandwidth = _BANDWIDTH.value or read_bandwidth_gbps(_PROBE_MIB.value)
+        gflops = _PEAK.value or peak_gflops(_PROBE_MATMUL.value)
+    except (*USER_ERRORS, BenchError) as e:
+        sys.exit(f"podrun bench: error: {e}")
+    rate(records, bandwidth, gflops)
+    config_args = [a for a in sys.argv[1:] if a.startswith("--config")]
+    for r in records:
+        r.update(run, config=config_args, bandwidth_measured=not _BANDWIDTH.value,
+                 peak_gflops_measured=not _PEAK.value)
+    if jax.process_index() == 0:
+        print(f"{run['model']}: {run['devices']} {run['platform']} devices, mesh {run['mesh']}, "
+              f"precision {run['precision']}, {records[0]['steps_per_dispatch']} steps per dispatch")
+        print(f"machine: read bandwidth {bandwidth:.1f} GB/s, peak {gflops:.0f} GFLOP/s "
+              f"({'measured' if not _BANDWIDTH.value else 'given'} / "
+              f"{'measured' if not _PEAK.value else 'given'}); load average {os.getloadavg()[0]:.2f}")
+        print(table(records))
+        if _OUTPUT.value:
+            tmp = _OUTPUT.value + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(records, f, indent=1)
+            os.replace(tmp, _OUTPUT.value)
+            say(f"wrote {len(records)} records to {_OUTPUT.value}")
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=parse_flags)

@@ -1,0 +1,165 @@
+"""`python -m runner.bench`: its records, and its roofline counts against the checkpoints' own arrays."""
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from models.registry import Model
+from runner import bench
+from runner.engine import Completion
+from tests.reference import hf_greedy, tiny_hf
+from tests.test_end_to_end import ROOT, podrun
+
+BATCHES, PROMPT_LENS, NEW = (1, 3), (8, 12), 4
+
+
+def independent_cost(m, batch: int, prompt_len: int, new_tokens: int, kv_itemsize: int):
+    """(bytes, flops) of one decode step, from the transformers model's own float32 arrays:
+    every parameter once, except the untied token embedding (`batch` rows gathered) and the
+    experts (min(batch * k, E) of E read, k per token computed)."""
+    cfg = m.config
+    k, E = getattr(cfg, "num_experts_per_tok", 0), getattr(cfg, "num_local_experts", 1)
+    tied = bool(cfg.tie_word_embeddings)
+    read = used = 0.0
+    for name, p in m.named_parameters():  # a tied lm_head is the embedding, listed once
+        a = p.detach().numpy()
+        if name == "model.embed_tokens.weight" and not tied:
+            read += batch * a.shape[1] * a.itemsize
+        elif ".experts." in name:
+            read += a.nbytes * min(batch * k, E) / E
+            used += a.size * k / E
+        else:
+            read += a.nbytes
+            used += a.size
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+    kv = attention = 0.0
+    for kind in types:
+        window = cfg.sliding_window if kind == "sliding_attention" else None
+        steps = [prompt_len + i for i in range(1, new_tokens)]  # step i attends over P + i positions
+        seen = np.mean([min(n, window) if window else n for n in steps])
+        kv += 2 * batch * seen * kv_heads * head_dim * kv_itemsize
+        attention += 4 * batch * heads * head_dim * seen
+    return read + kv, 2 * batch * used + attention
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gptoss"])  # untied, tied, top-2 of 8 experts
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_decode_cost_counts_what_a_step_reads_and_computes(kind, batch):
+    m = tiny_hf(kind, seed=2)
+    model = Model.from_hf_config(m.config.to_dict())
+    cost = bench.decode_cost(model, batch, prompt_len=12, new_tokens=6, param_itemsize=4, kv_itemsize=2)
+    want_bytes, want_flops = independent_cost(m, batch, 12, 6, kv_itemsize=2)
+    assert cost.bytes == pytest.approx(want_bytes, rel=1e-12)
+    assert cost.flops == pytest.approx(want_flops, rel=1e-12)
+
+
+@pytest.fixture(scope="module")
+def llama_ckpt(tmp_path_factory):
+    m = tiny_hf("llama", seed=7)
+    root = tmp_path_factory.mktemp("bench")
+    m.save_pretrained(root / "hf")
+    podrun("runner.convert", f"--source={root / 'hf'}", f"--output={root / 'ck'}")
+    return m, root
+
+
+def test_bench_writes_a_record_per_batch_and_prompt_len_and_decodes_every_token(llama_ckpt):
+    m, root = llama_ckpt
+    out = root / "bench.json"
+    p = podrun("runner.bench", f"--config=configs/cpu.py:{root / 'ck'}",
+               f"--config.compilation_cache.dir={root / 'xla'}",
+               "--config.generation.stop_token_ids=(0,1,2,3)",  # the bench stops on no id
+               f"--batch_sizes={','.join(map(str, BATCHES))}",
+               f"--prompt_lens={','.join(map(str, PROMPT_LENS))}", f"--new_tokens={NEW}", "--reps=1",
+               "--probe_mib=16", "--probe_matmul=128", f"--output={out}")
+    records = json.loads(out.read_text())
+    assert sorted((r["batch_size"], r["prompt_len"]) for r in records) == [
+        (b, n) for b in BATCHES for n in PROMPT_LENS]
+    required = {"batch_size", "prompt_len", "new_tokens", "prefill_s", "ttft_s", "decode_tokens_per_s",
+                "mbu", "decode_step_s", "compile_s", "mfu", "bytes_per_step", "bandwidth_gbps",
+                "peak_rss_gib", "precision", "steps_per_dispatch", "mesh"}
+    for r in records:
+        assert required <= set(r), required - set(r)
+        assert r["new_tokens"] == NEW and r["rows"] == 8  # 8 simulated devices on the data axis
+        assert r["generated_tokens"] == r["batch_size"] * NEW
+        assert r["precision"]["params"] == "float32"
+        assert r["bandwidth_gbps"] > 0 and r["peak_rss_gib"] > 0
+        want_bytes, want_flops = independent_cost(m, r["batch_size"], r["prompt_len"], NEW, 4)
+        assert r["bytes_per_step"] == pytest.approx(want_bytes, rel=1e-12)
+        assert r["mbu"] == pytest.approx(want_bytes / r["decode_step_s"] / (r["bandwidth_gbps"] * 1e9))
+        assert r["mfu"] == pytest.approx(want_flops / r["decode_step_s"] / (r["peak_gflops"] * 1e9))
+        assert r["decode_tokens_per_s"] == pytest.approx(r["batch_size"] * (NEW - 1) / r["decode_s"])
+    table = p.stdout.splitlines()
+    assert len([line for line in table if line.split()[:1] in (["1"], ["3"])]) == len(records)
+
+
+def test_a_row_that_stops_early_is_an_error():
+    class ShortEngine:
+        def generate(self, requests, stop_ids):
+            return [Completion([5] * (r.max_tokens - (i == 1)), "stop") for i, r in enumerate(requests)]
+
+    requests = bench.greedy_requests(np.zeros((2, 4), np.int64), 4, _settings())
+    with pytest.raises(bench.BenchError, match=r"generated 7 tokens, expected 2 \* 4"):
+        bench._timed(ShortEngine(), requests, 4)
+
+
+def test_bad_workloads_are_refused_in_one_line(llama_ckpt):
+    m, root = llama_ckpt
+    for args, message in [(("--new_tokens=1",), "new_tokens >= 2"),
+                          (("--batch_sizes=1,x",), "--batch_sizes=1,x: give comma-separated integers"),
+                          (("--prompt_len=250", "--new_tokens=8"), "exceeds the model's 256 positions")]:
+        p = podrun("runner.bench", f"--config=configs/cpu.py:{root / 'ck'}", *args, check=False)
+        assert p.returncode != 0
+        last = p.stderr.strip().splitlines()[-1]
+        assert last.startswith("podrun bench: error:") and message in last, p.stderr[-2000:]
+
+
+KIT = os.path.join(os.path.dirname(ROOT), "shared", "peers")
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(KIT, "bench_common.py")),
+                    reason="no shared peer kit beside the repository")
+def test_peer_adapter_answers_the_kit_workload_as_transformers_does(tmp_path):
+    """benchmarks/peer_podrun.py on a small random Llama with the kit's 32000-id vocabulary."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=32, intermediate_size=48,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=64, tie_word_embeddings=False)
+    m = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in m.parameters():  # decisive greedy picks
+            p.add_(torch.randn_like(p) * 0.3)
+    m.save_pretrained(tmp_path / "model")
+    env = dict(os.environ, PEERS_HOME=str(tmp_path), PEER_MODEL=str(tmp_path / "model"), PEER_BATCHES="1,2",
+               PEER_PROMPT_LEN="8", PEER_NEW_TOKENS="5", PEER_REPS="1", PEER_OUT=str(tmp_path / "out.json"))
+    env.pop("XLA_FLAGS", None)
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "peer_podrun.py"),
+                        f"--config.compilation_cache.dir={tmp_path / 'xla'}"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert (tmp_path / "podrun-model" / "podrun.json").exists()
+    res = json.loads((tmp_path / "out.json").read_text())
+    assert res["engine"] == "podrun-float32"
+    sys.path.insert(0, KIT)
+    try:
+        kit = importlib.import_module("bench_common")
+    finally:
+        sys.path.remove(KIT)
+    for r in res["results"]:
+        prompts = kit.make_prompts(r["batch"], 8)
+        assert r["tokens"] == [hf_greedy(m, prompt, 5) for prompt in prompts]
+
+
+def _settings():
+    from configs.cpu import get_config
+    from runner.settings import from_config
+
+    return from_config(get_config("/unused"))
