@@ -17,12 +17,12 @@ def test_sigkill_at_random_points_then_restart_loses_and_repeats_nothing(tmp_pat
     tiny_hf("llama", seed=2).save_pretrained(tmp_path / "hf")
     podrun("runner.convert", f"--source={tmp_path / 'hf'}", f"--output={tmp_path / 'ck'}")
     inp = write_jsonl(tmp_path / "in.jsonl",
-                      [{"id": i, "prompt_token_ids": [i % 90 + 1, 5], "max_tokens": 16} for i in range(400)])
+                      [{"id": i, "prompt_token_ids": [i % 90 + 1, 5], "max_tokens": 64} for i in range(400)])
 
     def args(output):
         return [f"--config=configs/cpu.py:{tmp_path / 'ck'}", f"--config.io.input={inp}",
                 f"--config.io.output={output}", "--config.generation.batch_size=2",
-                "--config.generation.max_new_tokens=16", "--config.generation.max_prompt_len=16",
+                "--config.generation.max_new_tokens=64", "--config.generation.max_prompt_len=16",
                 f"--config.compilation_cache.dir={tmp_path / 'xla'}"]
 
     env = dict(os.environ, PYTHONPATH=ROOT)
