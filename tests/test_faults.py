@@ -17,18 +17,19 @@ def test_sigkill_at_random_points_then_restart_loses_and_repeats_nothing(tmp_pat
     tiny_hf("llama", seed=2).save_pretrained(tmp_path / "hf")
     podrun("runner.convert", f"--source={tmp_path / 'hf'}", f"--output={tmp_path / 'ck'}")
     inp = write_jsonl(tmp_path / "in.jsonl",
-                      [{"id": i, "prompt_token_ids": [i % 90 + 1, 5], "max_tokens": 64} for i in range(400)])
+                      [{"id": i, "prompt_token_ids": [i % 90 + 1, 5], "max_tokens": 64} for i in range(2000)])
 
     def args(output):
         return [f"--config=configs/cpu.py:{tmp_path / 'ck'}", f"--config.io.input={inp}",
                 f"--config.io.output={output}", "--config.generation.batch_size=2",
-                "--config.generation.max_new_tokens=64", "--config.generation.max_prompt_len=16",
+                "--config.generation.max_new_tokens=64", "--config.mesh.data=1",
+                "--config.mesh.num_cpu_devices=1", "--config.generation.max_prompt_len=16",
                 f"--config.compilation_cache.dir={tmp_path / 'xla'}"]
 
     env = dict(os.environ, PYTHONPATH=ROOT)
     rng = random.Random(0)
     kills = 0
-    for _ in range(20):
+    for _ in range(40):  # an uninterrupted run takes ~15 s; each try gets 1.5 to 4.5 s
         p = subprocess.Popen([sys.executable, "-m", "runner.main", *args(tmp_path / "out.jsonl")], cwd=ROOT,
                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
@@ -44,6 +45,6 @@ def test_sigkill_at_random_points_then_restart_loses_and_repeats_nothing(tmp_pat
         pytest.fail("the run never completed")
     assert kills >= 2
     results = read_jsonl(tmp_path / "out.jsonl")
-    assert [r["id"] for r in results] == list(range(400))  # none lost, none twice, in order
+    assert [r["id"] for r in results] == list(range(2000))  # none lost, none twice, in order
     podrun("runner.main", *args(tmp_path / "uninterrupted.jsonl"))
     assert read_jsonl(tmp_path / "uninterrupted.jsonl") == results
