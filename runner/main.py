@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import collections
 import os
+import socket
 import sys
+import time
 
 import jax
 from absl import app, logging
@@ -25,6 +27,8 @@ def setup_devices(s) -> None:
     timeouts = dict(initialization_timeout=d.timeout_s, heartbeat_timeout_seconds=d.heartbeat_timeout_s)
     if d.mode == "auto" and d.coordinator:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes only
+        if d.process_id != 0:  # process 0 serves the coordinator; the others must reach it
+            wait_for_coordinator(d.coordinator, d.process_id, d.timeout_s)
         jax.distributed.initialize(d.coordinator, d.num_processes, d.process_id, **timeouts)
     elif d.mode == "auto" and "," in os.environ.get("TPU_WORKER_HOSTNAMES", ""):  # a TPU VM pod
         jax.distributed.initialize(**timeouts)
@@ -38,6 +42,28 @@ def setup_devices(s) -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
         jax.monitoring.register_event_listener(lambda event, **_: _CACHE_EVENTS.update([event]))
+
+
+class DistributedError(RuntimeError):
+    """The other processes of a multi-process run cannot be reached."""
+
+
+def wait_for_coordinator(address: str, process_id: int, timeout_s: int) -> None:
+    """Waits until the coordinator's port answers. jax, when it cannot register, aborts the process
+    with a C++ stack trace; this says instead what is wrong, after the same timeout."""
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
+                return
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise DistributedError(
+                    f"process {process_id}: distributed.coordinator={address} did not answer within "
+                    f"distributed.timeout_s={timeout_s} s ({e.strerror or e}); is process 0 running "
+                    "there, and is the address right?") from e
+            time.sleep(0.5)
 
 
 # jax's compilation-cache events: compiles that asked the cache, and those it answered.
@@ -65,7 +91,7 @@ def main(argv: list[str]) -> None:
         if settings.compilation_cache_dir:  # misses: compiled by XLA because the cache had no entry
             hits = _CACHE_EVENTS[_HITS]
             say(f"compilation cache: {hits} hits, {_CACHE_EVENTS[_ASKED] - hits} misses")
-    except USER_ERRORS as e:
+    except (*USER_ERRORS, DistributedError) as e:
         sys.exit(f"podrun: error: {e}")
 
 

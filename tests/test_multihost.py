@@ -72,3 +72,15 @@ def test_a_dead_process_makes_the_other_exit_within_the_heartbeat_timeout(setup,
     assert time.monotonic() - killed < 60
     assert "another task died" in err or "unhealthy" in err, err[-3000:]
     assert not (tmp_path / "out.jsonl").exists()  # the partial file keeps what was done
+
+
+def test_an_unreachable_coordinator_is_a_one_line_error_within_the_timeout(setup, tmp_path):
+    root, inp = setup
+    began = time.monotonic()
+    p = start(root, inp, tmp_path / "out.jsonl", 1, free_port(), "--config.distributed.timeout_s=3")
+    _, err = p.communicate(timeout=120)
+    assert p.returncode not in (0, -6, 134)  # an error exit, not jax's abort
+    assert time.monotonic() - began < 60
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("podrun: error: process 1: distributed.coordinator=127.0.0.1:") and "did not answer" in last, err[-2000:]
+    assert not (tmp_path / "out.jsonl").exists()
