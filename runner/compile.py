@@ -107,8 +107,8 @@ def report(s: Settings, engine: Engine, compiled: dict[str, Compiled]) -> str:
 
 def main(argv: list[str]) -> None:
     del argv
-    s = from_config(_CONFIG.value)
-    try:
+    try:  # a bad config, mesh, rule or topology is one line (all are ValueErrors here)
+        s = from_config(_CONFIG.value)
         engine, compiled = compile_deployment(s)
     except ValueError as e:
         sys.exit(f"podrun compile: error: {e}")
