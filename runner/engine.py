@@ -53,11 +53,14 @@ def buckets(max_prompt_len: int, smallest: int = 16) -> tuple[int, ...]:
     return tuple(out) + (max_prompt_len,)
 
 
-def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array,
-           top_p: jax.Array) -> jax.Array:
-    """Per-row sampling. logits [B, V]; keys [B]; temperature, top_p [B] f32; top_k [B] int32.
+def sample(logits: jax.Array, seeds: jax.Array, counts: jax.Array, temperature: jax.Array,
+           top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Per-row sampling. logits [B, V]; seeds [B] uint32 and counts [B] int32 (the row's key is its
+    seed's, folded with the number of tokens it has generated); temperature, top_p [B] f32;
+    top_k [B] int32.
 
-    temperature 0 is greedy; top_k 0 and top_p 1 disable those filters.
+    temperature 0 is greedy; top_k 0 and top_p 1 disable those filters. Keys are derived only when
+    some row samples, so a greedy decode step spends nothing on random numbers.
     """
     logits = logits.astype(jnp.float32)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -73,6 +76,7 @@ def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: ja
         keep = jnp.clip(jnp.sum(before < top_p[:, None], axis=-1), 1, k)  # nucleus size
         threshold = jnp.take_along_axis(ranked, (keep - 1)[:, None], axis=-1)
         masked = jnp.where(scaled >= threshold, scaled, -jnp.inf)
+        keys = jax.vmap(jax.random.fold_in)(jax.vmap(jax.random.key)(seeds), counts)
         drawn = jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
         return jnp.where(temperature > 0, drawn, greedy)
 
@@ -170,8 +174,7 @@ class Engine:
             logits = jnp.zeros((R, G, V), jnp.float32)
             cache, logits = jax.lax.fori_loop(0, G, group, (cache, logits))
             logits = logits.reshape(self.batch_size, V)
-        keys = jax.vmap(jax.random.fold_in)(jax.vmap(jax.random.key)(seeds), jnp.zeros_like(top_k))
-        first = sample(logits, keys, temperature, top_k, top_p)
+        first = sample(logits, seeds, jnp.zeros_like(top_k), temperature, top_k, top_p)
         return first, first, cache
 
     def _decode_fn(self, params, cache: KVCache, token, pos, slot, done, count, max_tokens, seeds,
@@ -179,14 +182,12 @@ class Engine:
         """`self.steps` decode steps; token [B] is the newest token, at position pos [B], written
         to cache slot `slot`. Finished rows write nothing visible and emit -1."""
 
-        keys = jax.vmap(jax.random.key)(seeds)
-
         def step(carry, i):
             cache, token, pos, done, count = carry
             write_pos = jnp.where(done, -1, pos)[:, None]
             logits, cache = self.model.forward(params, token[:, None], write_pos, cache, slot + i,
                                                self.rules, self.policy, last_only=True)
-            nxt = sample(logits, jax.vmap(jax.random.fold_in)(keys, count), temperature, top_k, top_p)
+            nxt = sample(logits, seeds, count, temperature, top_k, top_p)
             emitted = jnp.where(done, -1, nxt)
             count = count + jnp.where(done, 0, 1)
             done = done | jnp.isin(nxt, stop_ids) | (count >= max_tokens)
