@@ -60,12 +60,18 @@ def test_two_processes_write_the_same_results_as_one(setup, tmp_path, across):
 
 
 def test_a_dead_process_makes_the_other_exit_within_the_heartbeat_timeout(setup, tmp_path):
-    root, inp = setup
+    root, _ = setup
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt_token_ids": [i % 90 + 1, 5], "max_tokens": 10}
+                                              for i in range(2000)])
     port = free_port()
     slow = ("--config.generation.batch_size=2", "--config.distributed.heartbeat_timeout_s=5")
     procs = [start(root, inp, tmp_path / "out.jsonl", pid, port, *slow) for pid in (0, 1)]
-    time.sleep(8)  # both have joined; now process 1 dies without a word
-    procs[1].send_signal(signal.SIGKILL)
+    partial = tmp_path / "out.jsonl.partial"
+    deadline = time.monotonic() + 120
+    while not (partial.exists() and partial.read_text().count("\n") > 1):  # generating, together
+        assert time.monotonic() < deadline and procs[0].poll() is None, procs[0].communicate()[1][-2000:]
+        time.sleep(0.1)
+    procs[1].send_signal(signal.SIGKILL)  # now process 1 dies without a word
     killed = time.monotonic()
     _, err = procs[0].communicate(timeout=120)
     assert procs[0].returncode != 0
