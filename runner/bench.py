@@ -45,13 +45,11 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from models.registry import Model
-from models.weights import Weight, check_divisible, is_weight
-from runner import checkpoint
+from models.weights import Weight, is_weight
 from runner.engine import Completion, Engine, Request
 from runner.main import parse_flags, setup_devices
-from runner.run import ensure_checkpoint
+from runner.run import load_model
 from runner.settings import Settings, from_config
-from sharding.mesh import make_mesh
 from sharding.rules import Rules
 
 if __name__ == "__main__":  # flags of this command only, so the module can be imported
@@ -204,14 +202,9 @@ class Workload:
 
 
 def load(s: Settings) -> tuple[Model, object, Rules]:
-    """The checkpoint restored onto the config's mesh (fetched first if the config says so)."""
-    ensure_checkpoint(s)
-    meta = checkpoint.load_metadata(s.checkpoint_path)
-    if s.checkpoint_model:
-        checkpoint.check_matches(meta, s.checkpoint_model, s.checkpoint_path)
-    rules = Rules.make(make_mesh(s.mesh), s.rules)
-    check_divisible(meta.model.declare(), rules)
-    return meta.model, checkpoint.restore(s.checkpoint_path, meta.model, rules, s.policy.params), rules
+    """The checkpoint restored onto the config's mesh, as runner.main does it."""
+    meta, rules, params = load_model(s)
+    return meta.model, params, rules
 
 
 def make_engine(s: Settings, model: Model, params, rules: Rules, batch: int,
@@ -219,7 +212,7 @@ def make_engine(s: Settings, model: Model, params, rules: Rules, batch: int,
     """An engine compiled for exactly these prompt lengths and new_tokens."""
     buckets = tuple(sorted(set(prompt_lens)))
     return Engine(model, params, rules, s.policy, batch, buckets[-1], new_tokens,
-                  s.generation.steps_per_dispatch, buckets)
+                  s.generation.steps_per_dispatch, buckets, prefill_rows=s.generation.prefill_rows)
 
 
 def greedy_requests(prompts: np.ndarray, new_tokens: int, s: Settings) -> list[Request]:

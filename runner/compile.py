@@ -24,18 +24,17 @@ import sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # topology descriptions only, no chips
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from absl import app  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
+import jax.numpy as jnp
+from absl import app
+from ml_collections import config_flags
 
-from models import weights  # noqa: E402
-from models.registry import Model  # noqa: E402
-from runner.engine import Engine  # noqa: E402
-from runner.memory import GiB, footprint  # noqa: E402
-from runner.settings import Settings, from_config  # noqa: E402
-from sharding.mesh import make_mesh  # noqa: E402
-from sharding.rules import Rules  # noqa: E402
+from models import weights
+from models.registry import Model
+from runner.engine import Engine
+from runner.memory import GiB, footprint
+from runner.settings import Settings, from_config
+from sharding.mesh import make_mesh
+from sharding.rules import Rules
 
 if __name__ == "__main__":  # a flag of this command only, so the module can be imported
     _CONFIG = config_flags.DEFINE_config_file("config", None, "deployment config file", lock_config=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+from typing import Any
 
 import jax
 from etils import epath
@@ -83,17 +84,23 @@ def finish(tokenizer, ids: list[int], stops: tuple[str, ...]) -> tuple[str, list
     return text[: min(hits)], ids, True
 
 
-def run(s: Settings) -> Summary:
+def load_model(s: Settings) -> tuple[checkpoint.Metadata, Rules, Any]:
+    """The checkpoint (an embedded model fetched and converted first), checked against the
+    deployment and its mesh, then restored straight into its shards: (metadata, rules, params)."""
     ensure_checkpoint(s)
     meta = checkpoint.load_metadata(s.checkpoint_path)
     if s.checkpoint_model:
         checkpoint.check_matches(meta, s.checkpoint_model, s.checkpoint_path)
-    tokenizer = load_tokenizer(s.checkpoint_path)
-    mesh = make_mesh(s.mesh)
-    rules = Rules.make(mesh, s.rules)
+    rules = Rules.make(make_mesh(s.mesh), s.rules)
     check_divisible(meta.model.declare(), rules)
-    lines = read_lines(s.input)
-    params = checkpoint.restore(s.checkpoint_path, meta.model, rules, s.policy.params)
+    return meta, rules, checkpoint.restore(s.checkpoint_path, meta.model, rules, s.policy.params)
+
+
+def run(s: Settings) -> Summary:
+    lines = read_lines(s.input)  # a bad request file fails before the checkpoint is touched
+    meta, rules, params = load_model(s)
+    mesh = rules.mesh
+    tokenizer = load_tokenizer(s.checkpoint_path)
     g = s.generation
     engine = Engine(meta.model, params, rules, s.policy, g.batch_size, g.max_prompt_len,
                     g.max_new_tokens, g.steps_per_dispatch, g.prefill_buckets, prefill_rows=g.prefill_rows)

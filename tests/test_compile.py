@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -14,8 +15,6 @@ from models.registry import Model
 from models.weights import is_weight
 from runner.settings import from_config
 from tests.test_configs import CONFIGS, ROOT, load
-
-import jax  # noqa: E402  (after conftest has pinned the CPU platform)
 
 
 def tiny_tpu_settings(**generation):
