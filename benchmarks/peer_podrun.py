@@ -33,6 +33,7 @@ from ml_collections import config_flags  # noqa: E402
 from runner import bench, convert  # noqa: E402
 from runner.engine import Request  # noqa: E402
 from runner.main import parse_flags, setup_devices  # noqa: E402
+from runner.run import load_model  # noqa: E402
 from runner.settings import from_config  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -55,7 +56,8 @@ def main(argv: list[str]) -> None:
             sys.exit(f"peer_podrun: error: no kit model at {bc.MODEL_DIR}; run the kit's make_model.py "
                      "(or setup_all.sh) first, or set PEER_MODEL")
         convert.convert(bc.MODEL_DIR, s.checkpoint_path)
-    model, params, rules = bench.load(s)
+    meta, rules, params = load_model(s)
+    model = meta.model
     engines: dict[int, object] = {}
 
     def gen(prompts: list[list[int]], n: int) -> list[list[int]]:

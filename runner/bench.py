@@ -201,12 +201,6 @@ class Workload:
         return rng.integers(0, vocab, size=(max(self.batch_sizes), prompt_len))
 
 
-def load(s: Settings) -> tuple[Model, object, Rules]:
-    """The checkpoint restored onto the config's mesh, as runner.main does it."""
-    meta, rules, params = load_model(s)
-    return meta.model, params, rules
-
-
 def make_engine(s: Settings, model: Model, params, rules: Rules, batch: int,
                 prompt_lens: Sequence[int], new_tokens: int) -> Engine:
     """An engine compiled for exactly these prompt lengths and new_tokens."""
@@ -334,7 +328,8 @@ def main(argv: list[str]) -> None:
         work = Workload(_ints(_BATCH_SIZES.value, "batch_sizes"),
                         _ints(_PROMPT_LENS.value, "prompt_lens") or (_PROMPT_LEN.value,),
                         _NEW_TOKENS.value, _REPS.value, _SEED.value)
-        model, params, rules = load(s)
+        meta, rules, params = load_model(s)
+        model = meta.model
         run = describe_run(s, model, rules)
         say(f"bench {run['model']} on {run['devices']} {run['platform']} devices, mesh {run['mesh']}, "
             f"precision {s.policy.params}/{s.policy.kv_cache}: batches {work.batch_sizes}, prompts "
