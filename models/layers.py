@@ -7,6 +7,7 @@ K kv heads, G query heads per kv head (N = K*G), H head_dim, F mlp hidden, V voc
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -37,7 +38,50 @@ class Policy:
         return jax.lax.Precision[self.matmul.upper()]
 
     def einsum(self, spec: str, *operands: jax.Array) -> jax.Array:
+        """jnp.einsum, except that a projection by a weight runs as one plain matrix product.
+
+        A projection contracts the trailing letters of the activation with the leading (or
+        trailing) letters of the weight: "BTNH,NHD->BTD", "BTD,VD->BTV". It runs as
+        [..., C] x [C, O] (or [O, C]) with the weight merely reshaped, which XLA:CPU streams as
+        is. Left to einsum, XLA may instead transpose a weight inside the decode loop, a copy of
+        the whole matrix every step, to suit the layout of a small activation.
+        """
+        if len(operands) == 2 and (plan := _projection(spec, operands[0].ndim, operands[1].ndim)):
+            x, w = operands
+            n_free, n_contract, weight_first = plan
+            free, contract = x.shape[:n_free], x.shape[n_free:]
+            C = math.prod(contract)
+            if weight_first:  # w: [*contract, *out]
+                out = w.shape[n_contract:]
+                w2, dims = w.reshape(C, math.prod(out)), ((x.ndim - n_contract,), (0,))
+            else:  # w: [*out, *contract]
+                out = w.shape[: w.ndim - n_contract]
+                w2, dims = w.reshape(math.prod(out), C), ((x.ndim - n_contract,), (1,))
+            y = jax.lax.dot_general(x.reshape(*free, C), w2, (dims, ((), ())),
+                                    precision=self.precision)
+            return y.reshape(*free, *out)
         return jnp.einsum(spec, *operands, precision=self.precision)
+
+
+@functools.lru_cache(maxsize=None)
+def _projection(spec: str, x_ndim: int, w_ndim: int) -> tuple[int, int, bool] | None:
+    """(free letters of x, contracted letters, weight's contracted letters lead) when `spec` is
+    x[*free, *c] . w[*c, *out] -> [*free, *out] or x[*free, *c] . w[*out, *c] -> [*free, *out];
+    None for anything else (batched contractions such as attention's)."""
+    inputs, result = spec.replace(" ", "").split("->")
+    xs, ws = inputs.split(",")
+    if len(xs) != x_ndim or len(ws) != w_ndim or len(set(xs)) != len(xs) or len(set(ws)) != len(ws):
+        return None
+    shared = [a for a in xs if a in ws]
+    n = len(shared)
+    if n == 0 or any(a in result for a in shared) or xs[len(xs) - n:] != "".join(shared):
+        return None
+    free, out_lead, out_trail = xs[: len(xs) - n], ws[n:], ws[: len(ws) - n]
+    if ws[:n] == xs[len(xs) - n:] and result == free + out_lead:
+        return len(free), n, True
+    if ws[len(ws) - n:] == xs[len(xs) - n:] and result == free + out_trail:
+        return len(free), n, False
+    return None
 
 
 # --- norms ------------------------------------------------------------------------------------

@@ -190,9 +190,11 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCach
         h = mlp_block(p, rms_norm(x, p["mlp_norm"], c.rms_norm_eps), rules, policy)
         x = constrain(x + h, rules, "batch", "seq", "act_embed")
     x = rms_norm(x[:, -1:] if last_only else x, params["final_norm"], c.rms_norm_eps)
-    unembed = params["embed"].T if params["unembed"] is None else params["unembed"]
-    logits = constrain(policy.einsum("BTD,DV->BTV", x, unembed.astype(x.dtype)),
-                       rules, "batch", "seq", "act_vocab")
+    if params["unembed"] is None:  # tied: the embedding [V, D] itself, never transposed
+        logits = policy.einsum("BTD,VD->BTV", x, params["embed"].astype(x.dtype))
+    else:
+        logits = policy.einsum("BTD,DV->BTV", x, params["unembed"].astype(x.dtype))
+    logits = constrain(logits, rules, "batch", "seq", "act_vocab")
     return (logits[:, 0] if last_only else logits), cache
 
 
