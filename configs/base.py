@@ -35,6 +35,11 @@ def base_config() -> ConfigDict:
         "activations": "float32",
         "kv_cache": "float32",
         "matmul": "highest",  # default | high | highest
+        # Weight-only int8 for every projection, one scale per output channel: none | int8.
+        "quantize": "none",
+        # On CPU, int8 products run in podrun's own kernel (models/kernels, built with g++ on first
+        # use); False leaves them to XLA's dot (correct, much slower).
+        "cpu_kernels": True,
     })
     c.generation = ConfigDict({
         "batch_size": 8,

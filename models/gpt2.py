@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models import quant
 from models.layers import KVCache, Policy, cached_attention, layer_norm
 from models.weights import Weight
 from sharding.rules import Rules, constrain
@@ -65,19 +66,19 @@ def declare(c: Config) -> dict:
     layer = {
         "ln1_w": Weight((D,), ("embed",), init="ones"),
         "ln1_b": Weight((D,), ("embed",), init="zeros"),
-        "wqkv": Weight((D, 3, N, H), ("embed", None, "heads", "head_dim")),
+        "wqkv": Weight((D, 3, N, H), ("embed", None, "heads", "head_dim"), contract=1),
         "bqkv": Weight((3, N, H), (None, "heads", "head_dim"), init="zeros"),
-        "wo": Weight((N, H, D), ("heads", "head_dim", "embed")),
+        "wo": Weight((N, H, D), ("heads", "head_dim", "embed"), contract=2),
         "bo": Weight((D,), ("embed",), init="zeros"),
         "ln2_w": Weight((D,), ("embed",), init="ones"),
         "ln2_b": Weight((D,), ("embed",), init="zeros"),
-        "w_fc": Weight((D, F), ("embed", "mlp")),
+        "w_fc": Weight((D, F), ("embed", "mlp"), contract=1),
         "b_fc": Weight((F,), ("mlp",), init="zeros"),
-        "w_proj": Weight((F, D), ("mlp", "embed")),
+        "w_proj": Weight((F, D), ("mlp", "embed"), contract=1),
         "b_proj": Weight((D,), ("embed",), init="zeros"),
     }
     return {
-        "wte": Weight((V, D), ("vocab", "embed")),  # [V, D], also the unembedding
+        "wte": Weight((V, D), ("vocab", "embed"), contract=-1),  # [V, D], also the unembedding
         "wpe": Weight((P, D), (None, "embed"), scale=0.01),  # [P, D]
         "layers": [dict(layer) for _ in range(c.num_layers)],
         "lnf_w": Weight((D,), ("embed",), init="ones"),
@@ -109,7 +110,7 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCach
     """As llama.forward: tokens, positions [B, T] (-1 = padding) -> logits, updated cache."""
     cache = cache.write_positions(positions, start)
     positions = jnp.maximum(positions, 0)
-    x = (params["wte"][tokens] + params["wpe"][positions]).astype(policy.dtype)  # [B, T, D]
+    x = (quant.lookup(params["wte"], tokens) + params["wpe"][positions]).astype(policy.dtype)  # [B, T, D]
     x = constrain(x, rules, "batch", "seq", "act_embed")
     eps = c.layer_norm_eps
     for i, p in enumerate(params["layers"]):
@@ -119,7 +120,7 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCach
         h = mlp_block(p, layer_norm(x, p["ln2_w"], p["ln2_b"], eps), rules, policy)
         x = constrain(x + h, rules, "batch", "seq", "act_embed")
     x = layer_norm(x[:, -1:] if last_only else x, params["lnf_w"], params["lnf_b"], eps)
-    logits = policy.einsum("BTD,VD->BTV", x, params["wte"].astype(x.dtype))
+    logits = policy.einsum("BTD,VD->BTV", x, params["wte"])
     logits = constrain(logits, rules, "batch", "seq", "act_vocab")
     return (logits[:, 0] if last_only else logits), cache
 

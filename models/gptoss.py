@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models import quant
 from models.layers import KVCache, Policy, Rope, apply_rope, cached_attention, rms_norm
 from models.weights import Weight
 from sharding.rules import Rules, constrain
@@ -114,13 +115,13 @@ def declare(c: Config) -> dict:
                            c.head_dim, c.num_experts, c.vocab_size)
     layer = {
         "attn_norm": Weight((D,), ("embed",), init="ones"),
-        "wq": Weight((D, N, H), ("embed", "heads", "head_dim")),
+        "wq": Weight((D, N, H), ("embed", "heads", "head_dim"), contract=1),
         "bq": Weight((N, H), ("heads", "head_dim"), init="zeros"),
-        "wk": Weight((D, K, H), ("embed", "kv_heads", "head_dim")),
+        "wk": Weight((D, K, H), ("embed", "kv_heads", "head_dim"), contract=1),
         "bk": Weight((K, H), ("kv_heads", "head_dim"), init="zeros"),
-        "wv": Weight((D, K, H), ("embed", "kv_heads", "head_dim")),
+        "wv": Weight((D, K, H), ("embed", "kv_heads", "head_dim"), contract=1),
         "bv": Weight((K, H), ("kv_heads", "head_dim"), init="zeros"),
-        "wo": Weight((N, H, D), ("heads", "head_dim", "embed")),
+        "wo": Weight((N, H, D), ("heads", "head_dim", "embed"), contract=2),
         "bo": Weight((D,), ("embed",), init="zeros"),
         "sinks": Weight((N,), ("heads",), init="zeros"),  # one logit per query head
         "mlp_norm": Weight((D,), ("embed",), init="ones"),
@@ -135,7 +136,7 @@ def declare(c: Config) -> dict:
         "embed": Weight((V, D), ("vocab", "embed")),  # [V, D]
         "layers": [dict(layer) for _ in range(c.num_layers)],
         "final_norm": Weight((D,), ("embed",), init="ones"),
-        "unembed": Weight((D, V), ("embed", "vocab")),  # [D, V]
+        "unembed": Weight((D, V), ("embed", "vocab"), contract=1),  # [D, V]
     }
 
 
@@ -261,7 +262,7 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCach
     """As llama.forward: tokens, positions [B, T] (-1 = padding) -> logits, updated cache."""
     cache = cache.write_positions(positions, start)
     positions = jnp.maximum(positions, 0)
-    x = params["embed"][tokens].astype(policy.dtype)  # [B, T, D]
+    x = quant.lookup(params["embed"], tokens).astype(policy.dtype)  # [B, T, D]
     x = constrain(x, rules, "batch", "seq", "act_embed")
     for i, p in enumerate(params["layers"]):
         h, cache = attention_block(p, rms_norm(x, p["attn_norm"], c.rms_norm_eps), positions,
@@ -270,7 +271,7 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCach
         x = constrain(x + moe_block(p, rms_norm(x, p["mlp_norm"], c.rms_norm_eps), c, rules, policy),
                       rules, "batch", "seq", "act_embed")
     x = rms_norm(x[:, -1:] if last_only else x, params["final_norm"], c.rms_norm_eps)
-    logits = constrain(policy.einsum("BTD,DV->BTV", x, params["unembed"].astype(x.dtype)),
+    logits = constrain(policy.einsum("BTD,DV->BTV", x, params["unembed"]),
                        rules, "batch", "seq", "act_vocab")
     return (logits[:, 0] if last_only else logits), cache
 

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models import quant
 from sharding.rules import Rules, constrain
 
 MASKED = -1e30  # finite, so a row with nothing to attend to (a padding query) gives no NaN
@@ -28,6 +29,8 @@ class Policy:
     activations: str = "float32"
     kv_cache: str = "float32"
     matmul: str = "highest"  # default | high | highest (jax.lax.Precision names)
+    quantize: str = "none"  # none | int8 (weight-only, per output channel: models/quant.py)
+    cpu_kernels: bool = True  # int8 products on CPU through models/kernels (else XLA's dot)
 
     @property
     def dtype(self) -> Any:
@@ -46,8 +49,12 @@ class Policy:
         is. Left to einsum, XLA may instead transpose a weight inside the decode loop, a copy of
         the whole matrix every step, to suit the layout of a small activation.
         """
+        if isinstance(operands[-1], quant.QWeight):  # stored [*out, *contract] whatever the spec
+            x, w = operands
+            return quant.matmul(x, w, len(w.contract_axes), self.precision, self.cpu_kernels)
         if len(operands) == 2 and (plan := _projection(spec, operands[0].ndim, operands[1].ndim)):
             x, w = operands
+            w = w.astype(x.dtype)
             n_free, n_contract, weight_first = plan
             free, contract = x.shape[:n_free], x.shape[n_free:]
             C = math.prod(contract)
@@ -63,7 +70,7 @@ class Policy:
         return jnp.einsum(spec, *operands, precision=self.precision)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _projection(spec: str, x_ndim: int, w_ndim: int) -> tuple[int, int, bool] | None:
     """(free letters of x, contracted letters, weight's contracted letters lead) when `spec` is
     x[*free, *c] . w[*c, *out] -> [*free, *out] or x[*free, *c] . w[*out, *c] -> [*free, *out];

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models import quant
 from models.layers import KVCache, Policy, Rope, apply_rope, cached_attention, rms_norm
 from models.weights import Weight
 from sharding.rules import Rules, constrain
@@ -118,27 +119,27 @@ def declare(c: Config) -> dict:
 
     layer = {
         "attn_norm": Weight((D,), ("embed",), init="ones"),
-        "wq": Weight((D, N, H), ("embed", "heads", "head_dim")),
-        "wk": Weight((D, K, H), ("embed", "kv_heads", "head_dim")),
-        "wv": Weight((D, K, H), ("embed", "kv_heads", "head_dim")),
+        "wq": Weight((D, N, H), ("embed", "heads", "head_dim"), contract=1),
+        "wk": Weight((D, K, H), ("embed", "kv_heads", "head_dim"), contract=1),
+        "wv": Weight((D, K, H), ("embed", "kv_heads", "head_dim"), contract=1),
         "bq": bias(c.qkv_bias, (N, H), ("heads", "head_dim")),
         "bk": bias(c.qkv_bias, (K, H), ("kv_heads", "head_dim")),
         "bv": bias(c.qkv_bias, (K, H), ("kv_heads", "head_dim")),
-        "wo": Weight((N, H, D), ("heads", "head_dim", "embed")),
+        "wo": Weight((N, H, D), ("heads", "head_dim", "embed"), contract=2),
         "bo": bias(c.out_bias, (D,), ("embed",)),
         "mlp_norm": Weight((D,), ("embed",), init="ones"),
-        "w_gate": Weight((D, F), ("embed", "mlp")),
-        "w_up": Weight((D, F), ("embed", "mlp")),
-        "w_down": Weight((F, D), ("mlp", "embed")),
+        "w_gate": Weight((D, F), ("embed", "mlp"), contract=1),
+        "w_up": Weight((D, F), ("embed", "mlp"), contract=1),
+        "w_down": Weight((F, D), ("mlp", "embed"), contract=1),
         "b_gate": bias(c.mlp_bias, (F,), ("mlp",)),
         "b_up": bias(c.mlp_bias, (F,), ("mlp",)),
         "b_down": bias(c.mlp_bias, (D,), ("embed",)),
     }
     return {
-        "embed": Weight((V, D), ("vocab", "embed")),  # [V, D]
+        "embed": Weight((V, D), ("vocab", "embed"), contract=-1 if c.tie_embeddings else 0),  # [V, D]
         "layers": [dict(layer) for _ in range(c.num_layers)],
         "final_norm": Weight((D,), ("embed",), init="ones"),
-        "unembed": None if c.tie_embeddings else Weight((D, V), ("embed", "vocab")),  # [D, V]
+        "unembed": None if c.tie_embeddings else Weight((D, V), ("embed", "vocab"), contract=1),  # [D, V]
     }
 
 
@@ -181,7 +182,7 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCach
     """
     cache = cache.write_positions(positions, start)
     positions = jnp.maximum(positions, 0)
-    x = params["embed"][tokens].astype(policy.dtype)  # [B, T, D]
+    x = quant.lookup(params["embed"], tokens).astype(policy.dtype)  # [B, T, D]
     x = constrain(x, rules, "batch", "seq", "act_embed")
     for i, p in enumerate(params["layers"]):
         h, cache = attention_block(p, rms_norm(x, p["attn_norm"], c.rms_norm_eps), positions,
@@ -191,9 +192,9 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCach
         x = constrain(x + h, rules, "batch", "seq", "act_embed")
     x = rms_norm(x[:, -1:] if last_only else x, params["final_norm"], c.rms_norm_eps)
     if params["unembed"] is None:  # tied: the embedding [V, D] itself, never transposed
-        logits = policy.einsum("BTD,VD->BTV", x, params["embed"].astype(x.dtype))
+        logits = policy.einsum("BTD,VD->BTV", x, params["embed"])
     else:
-        logits = policy.einsum("BTD,DV->BTV", x, params["unembed"].astype(x.dtype))
+        logits = policy.einsum("BTD,DV->BTV", x, params["unembed"])
     logits = constrain(logits, rules, "batch", "seq", "act_vocab")
     return (logits[:, 0] if last_only else logits), cache
 

@@ -22,6 +22,10 @@ class Weight:
     axes: tuple[str | None, ...]
     init: str = "normal"  # normal | zeros | ones
     scale: float = 0.02
+    # A projection's contracted dimensions: n > 0 the first n ([D, N, H] for "BTD,DNH->BTNH"),
+    # n < 0 the last -n (an embedding [V, D] used as the unembedding). 0: not a projection.
+    # Projections are what precision.quantize stores in int8 (models/quant.py).
+    contract: int = 0
 
     def __post_init__(self) -> None:
         if len(self.shape) != len(self.axes):

@@ -44,6 +44,7 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
+from models import quant
 from models.registry import Model
 from models.weights import Weight, is_weight
 from runner.engine import Completion, Engine, Request
@@ -97,7 +98,7 @@ def _is_lookup_table(path: tuple, w: Weight) -> bool:
 
 
 def decode_cost(model: Model, batch: int, prompt_len: int, new_tokens: int, param_itemsize: int,
-                kv_itemsize: int) -> DecodeCost:
+                kv_itemsize: int, quantize: str = "none") -> DecodeCost:
     """From the model's weight declarations and cache spec alone (nothing is allocated).
 
     Weights: every declared weight once per step, except embedding tables (only the `batch` rows
@@ -111,9 +112,10 @@ def decode_cost(model: Model, batch: int, prompt_len: int, new_tokens: int, para
     weight_bytes = params_per_token = 0.0
     for path, w in leaves:
         size = math.prod(w.shape)
+        stored = quant.stored_bytes(w, param_itemsize, quantize)  # int8 + scales, or as restored
         if _is_lookup_table(path, w):
             if tied and w.axes[0] == "vocab":  # also the unembedding: read whole, one matmul
-                weight_bytes += size * param_itemsize
+                weight_bytes += stored
                 params_per_token += size
             else:
                 weight_bytes += min(batch, w.shape[0]) * w.shape[1] * param_itemsize
@@ -122,7 +124,7 @@ def decode_cost(model: Model, batch: int, prompt_len: int, new_tokens: int, para
             weight_bytes += size * min(batch * k, experts) / experts * param_itemsize
             params_per_token += size * k / experts
         else:
-            weight_bytes += size * param_itemsize
+            weight_bytes += stored
             params_per_token += size
 
     windows, kv_heads, head_dim = model.module.cache_spec(model.config)
@@ -249,7 +251,7 @@ def measure(s: Settings, model: Model, params, rules: Rules, w: Workload) -> lis
                 ttfts.append(out[0].ttft_s)
             t1, tn = statistics.median(t1s), statistics.median(tns)
             decode = max(tn - t1, 1e-9)
-            cost = decode_cost(model, B, P, N, p_size, kv_size)
+            cost = decode_cost(model, B, P, N, p_size, kv_size, s.policy.quantize)
             records.append({
                 "batch_size": B, "rows": engine.batch_size, "prompt_len": P, "new_tokens": N,
                 "steps_per_dispatch": engine.steps, "reps": w.reps,

@@ -17,6 +17,7 @@ import numpy as np
 from absl import app
 from ml_collections import config_flags
 
+from models import quant
 from models.layers import KVCache
 from models.registry import Model
 from models.weights import check_divisible, is_weight
@@ -55,8 +56,11 @@ def footprint(s: Settings, model: Model) -> Footprint:
     check_divisible(decl, rules)
     weights = jax.tree.leaves(decl, is_leaf=is_weight)
     p_size = np.dtype(s.policy.params).itemsize
-    w_bytes = sum(_shard_bytes(w.shape, w.axes, rules, p_size) for w in weights)
-    total = sum(math.prod(w.shape) * p_size for w in weights)
+    q = s.policy.quantize
+    # int8 and its scales shard like the weight: each element's bytes times its shard's share
+    w_bytes = sum(_shard_bytes(w.shape, w.axes, rules, 1) * quant.stored_bytes(w, p_size, q)
+                  // math.prod(w.shape) for w in weights)
+    total = sum(quant.stored_bytes(w, p_size, q) for w in weights)
     g = s.generation
     data = rules.shards("batch")
     batch = -(-g.batch_size // data) * data

@@ -12,6 +12,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
+from models import quant
 from models.weights import check_divisible
 from runner import checkpoint, convert, sources
 from runner.engine import Engine, Request
@@ -93,7 +94,10 @@ def load_model(s: Settings) -> tuple[checkpoint.Metadata, Rules, Any]:
         checkpoint.check_matches(meta, s.checkpoint_model, s.checkpoint_path)
     rules = Rules.make(make_mesh(s.mesh), s.rules)
     check_divisible(meta.model.declare(), rules)
-    return meta, rules, checkpoint.restore(s.checkpoint_path, meta.model, rules, s.policy.params)
+    params = checkpoint.restore(s.checkpoint_path, meta.model, rules, s.policy.params)
+    if s.policy.quantize == "int8":
+        params = quant.quantize(meta.model.declare(), params, rules)
+    return meta, rules, params
 
 
 def run(s: Settings) -> Summary:

@@ -102,6 +102,8 @@ def from_config(c: ConfigDict) -> Settings:
             raise SettingsError(f"precision.{field}={p[field]!r}: use float32, bfloat16 or float16")
     if p.matmul not in ("default", "high", "highest"):
         raise SettingsError(f"precision.matmul={p.matmul!r}: use default, high or highest")
+    if p.quantize not in ("none", "int8"):
+        raise SettingsError(f"precision.quantize={p.quantize!r}: use none or int8")
     if not c.checkpoint.path:
         raise SettingsError("checkpoint.path is empty: pass --config.checkpoint.path=<converted checkpoint>")
     return Settings(
@@ -115,7 +117,7 @@ def from_config(c: ConfigDict) -> Settings:
         tpu_topology=c.mesh.tpu_topology,
         rules={k: tuple(a.strip() for a in v.split(",") if a.strip()) for k, v in c.rules.items()},
         compilation_cache_dir=_path(c.compilation_cache.dir),
-        policy=Policy(p.params, p.activations, p.kv_cache, p.matmul),
+        policy=Policy(p.params, p.activations, p.kv_cache, p.matmul, p.quantize, bool(p.cpu_kernels)),
         generation=gen,
         sampling=samp,
         input=_path(c.io.input),

@@ -94,3 +94,20 @@ def test_embedded_default_answers_with_real_text(converted, tmp_path):
     assert answers["capital"]["text"].startswith(" Paris")
     assert "Paris" in answers["chat-capital"]["text"] and answers["chat-capital"]["finish_reason"] == "stop"
     assert all("error" not in r and r["text"].strip() for r in answers.values())
+
+
+def test_int8_perplexity_within_one_percent_of_float32(converted):
+    """Weight-only int8 (every projection, the tied embedding included) on real English text: the
+    perplexity of SmolLM2-135M stays within 1% of float32's (issue 5's quality bar)."""
+    text = os.path.join(ROOT, "..", "shared", "data", "tinyshakespeare.txt")
+    ppl = {}
+    for quantize in ("none", "int8"):
+        out = podrun("runner.perplexity", "--config=configs/smollm2_cpu.py",
+                     f"--config.checkpoint.path={converted}", "--config.mesh.num_cpu_devices=2",
+                     "--config.mesh.data=2", f"--config.precision.quantize={quantize}",
+                     f"--text={text}", "--max_tokens=4096").stdout
+        line = next(x for x in out.splitlines() if x.startswith("perplexity "))
+        ppl[quantize] = float(line.split()[1])
+    assert 5 < ppl["none"] < 200  # a real model reading real text
+    assert ppl["int8"] != ppl["none"]  # the int8 run really used other weights
+    assert abs(ppl["int8"] / ppl["none"] - 1) < 0.01, ppl

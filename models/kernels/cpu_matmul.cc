@@ -1,0 +1,259 @@
+// Small-M matrix products for decode on CPU: y[M, N] = x[M, K] . W, for the few rows a decode step
+// has (M = batch), where XLA:CPU's dot reaches well under half of the DRAM bandwidth.
+//
+// A decode step is bound by reading the weights once. These kernels stream each weight exactly once
+// per call, with every row of x (kept in L1/L2) applied to it, and split the output columns over
+// XLA's intra-op thread pool. Two weight layouts and two weight types:
+//   kn: W[K, N] float32 (how podrun declares projections: "BTD,DNH->BTNH")
+//   nk: W[N, K] float32 (a tied embedding used as the unembedding, "BTD,VD->BTV")
+//   nk_s8: W[N, K] int8 with a float32 scale per output row n (weight-only int8), dequantised in
+//          registers, so a step reads one byte per weight.
+// Accumulation is in float32 in the order k = 0..K-1 per lane; results differ from XLA's dot only
+// by float32 rounding of the summation order.
+//
+// Built on first use by models/kernels/cpu.py (g++ -O3 -march=native) and registered with XLA's FFI.
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kLanes = 16;
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+typedef __m512 vf;
+inline vf load(const float* p) { return _mm512_loadu_ps(p); }
+inline vf load_s8(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+inline void store(float* p, vf v) { _mm512_storeu_ps(p, v); }
+inline vf splat(float s) { return _mm512_set1_ps(s); }
+inline vf zero() { return _mm512_setzero_ps(); }
+inline vf fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline float hsum(vf v) { return _mm512_reduce_add_ps(v); }
+#else  // portable: GCC vector extensions, whatever the target's vectors are
+typedef float vf __attribute__((vector_size(kLanes * 4), aligned(4)));
+typedef int8_t vb __attribute__((vector_size(kLanes), aligned(1)));
+inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+inline vf load_s8(const int8_t* p) {
+  vb b; std::memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(b, vf);
+}
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+inline vf splat(float s) { return vf{} + s; }
+inline vf zero() { return vf{}; }
+inline vf fma(vf a, vf b, vf c) { return a * b + c; }
+inline float hsum(vf v) {
+  float s = 0.f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+#endif
+
+// Runs body(begin, end) over [0, total) in chunks of `grain`, on the caller and on the pool's other
+// threads. A helper that starts after the work is gone finds no chunk and returns; the caller waits
+// only for chunks that were taken, so it never waits on a helper that has not started.
+template <typename Body>
+void parallel_for(ffi::ThreadPool& pool, int64_t total, int64_t grain, Body body) {
+  int64_t chunks = (total + grain - 1) / grain;
+  int64_t helpers = std::min<int64_t>(pool.num_threads(), chunks) - 1;
+  if (helpers <= 0) { body(0, total); return; }
+  struct State {
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto state = std::make_shared<State>();
+  auto work = [state, chunks, total, grain, body]() {
+    for (int64_t c; (c = state->next.fetch_add(1)) < chunks;) {
+      body(c * grain, std::min(total, (c + 1) * grain));
+      state->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  for (int64_t h = 0; h < helpers; ++h) pool.Schedule(decltype(work)(work));
+  work();
+  while (state->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
+}
+
+// --- W[N, K]: each output is a dot product over contiguous K ----------------------------------
+
+template <typename W, int MB, int NB>
+void nk_block(const float* x, int64_t ldx, const W* w, const float* scale, float* y, int64_t ldy,
+              int64_t n0, int64_t K) {
+  vf acc[MB][NB];
+  for (auto& r : acc) for (auto& a : r) a = zero();
+  int64_t k = 0;
+  for (; k + kLanes <= K; k += kLanes) {
+    vf wv[NB];
+    for (int j = 0; j < NB; ++j) {
+      if constexpr (sizeof(W) == 1) wv[j] = load_s8(w + (n0 + j) * K + k);
+      else wv[j] = load(w + (n0 + j) * K + k);
+    }
+    for (int i = 0; i < MB; ++i) {
+      vf xv = load(x + i * ldx + k);
+      for (int j = 0; j < NB; ++j) acc[i][j] = fma(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) {
+      float s = hsum(acc[i][j]);
+      for (int64_t t = k; t < K; ++t) s += x[i * ldx + t] * float(w[(n0 + j) * K + t]);
+      y[i * ldy + n0 + j] = scale ? s * scale[n0 + j] : s;
+    }
+}
+
+template <typename W, int MB>
+void nk_rows(const float* x, const W* w, const float* scale, float* y, int64_t N, int64_t K,
+             int64_t n_begin, int64_t n_end) {
+  constexpr int NB = MB == 1 ? 8 : MB == 2 ? 4 : 2;
+  int64_t n = n_begin;
+  for (; n + NB <= n_end; n += NB) nk_block<W, MB, NB>(x, K, w, scale, y, N, n, K);
+  for (; n < n_end; ++n) nk_block<W, MB, 1>(x, K, w, scale, y, N, n, K);
+}
+
+template <typename W>
+void nk_all(const float* x, const W* w, const float* scale, float* y, int64_t M, int64_t N,
+            int64_t K, int64_t n0, int64_t n1) {
+  // Rows of x in groups of up to 8; the slice of W a chunk covers stays in cache between groups.
+  for (int64_t m = 0; m < M;) {
+    int64_t left = M - m;
+    const float* xm = x + m * K;
+    float* ym = y + m * N;
+    if (left >= 8) { nk_rows<W, 8>(xm, w, scale, ym, N, K, n0, n1); m += 8; }
+    else if (left >= 4) { nk_rows<W, 4>(xm, w, scale, ym, N, K, n0, n1); m += 4; }
+    else if (left >= 2) { nk_rows<W, 2>(xm, w, scale, ym, N, K, n0, n1); m += 2; }
+    else { nk_rows<W, 1>(xm, w, scale, ym, N, K, n0, n1); m += 1; }
+  }
+}
+
+// --- W[K, N]: a block of output columns accumulates over the rows of W ------------------------
+
+template <int MB, int CB>
+void kn_block(const float* x, const float* w, float* y, int64_t N, int64_t K, int64_t c0) {
+  vf acc[MB][CB];
+  for (auto& r : acc) for (auto& a : r) a = zero();
+  for (int64_t k = 0; k < K; ++k) {
+    const float* wr = w + k * N + c0;
+    vf wv[CB];
+    for (int j = 0; j < CB; ++j) wv[j] = load(wr + j * kLanes);
+    for (int i = 0; i < MB; ++i) {
+      vf xv = splat(x[i * K + k]);
+      for (int j = 0; j < CB; ++j) acc[i][j] = fma(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < CB; ++j) store(y + i * N + c0 + j * kLanes, acc[i][j]);
+}
+
+template <int MB>
+void kn_cols(const float* x, const float* w, float* y, int64_t N, int64_t K, int64_t c_begin,
+             int64_t c_end) {
+  constexpr int CB = MB == 1 ? 8 : MB == 2 ? 4 : 2;
+  int64_t c = c_begin;
+  for (; c + CB * kLanes <= c_end; c += CB * kLanes) kn_block<MB, CB>(x, w, y, N, K, c);
+  for (; c + kLanes <= c_end; c += kLanes) kn_block<MB, 1>(x, w, y, N, K, c);
+  for (; c < c_end; ++c)  // column tail (N not a multiple of 16)
+    for (int i = 0; i < MB; ++i) {
+      float s = 0.f;
+      for (int64_t k = 0; k < K; ++k) s += x[i * K + k] * w[k * N + c];
+      y[i * N + c] = s;
+    }
+}
+
+void kn_all(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K,
+            int64_t c0, int64_t c1) {
+  for (int64_t m = 0; m < M;) {
+    int64_t left = M - m;
+    const float* xm = x + m * K;
+    float* ym = y + m * N;
+    if (left >= 8) { kn_cols<8>(xm, w, ym, N, K, c0, c1); m += 8; }
+    else if (left >= 4) { kn_cols<4>(xm, w, ym, N, K, c0, c1); m += 4; }
+    else if (left >= 2) { kn_cols<2>(xm, w, ym, N, K, c0, c1); m += 2; }
+    else { kn_cols<1>(xm, w, ym, N, K, c0, c1); m += 1; }
+  }
+}
+
+// Chunk sizes: enough chunks per thread to balance, each big enough to amortise the bookkeeping.
+int64_t grain(int64_t n, int64_t unit, int64_t threads) {
+  int64_t g = (n + 8 * threads - 1) / (8 * threads);
+  g = std::max<int64_t>(unit, (g + unit - 1) / unit * unit);
+  return g;
+}
+
+ffi::Error MatmulKN(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                    ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0])
+    return ffi::Error::InvalidArgument("podrun_matmul_kn: expects x[M, K] and w[K, N]");
+  int64_t M = xd[0], K = xd[1], N = wd[1];
+  const float* xp = x.typed_data();
+  const float* wp = w.typed_data();
+  float* yp = y->typed_data();
+  parallel_for(pool, N, grain(N, 128, pool.num_threads()), [=](int64_t c0, int64_t c1) {
+    kn_all(xp, wp, yp, M, N, K, c0, c1);
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error MatmulNK(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                    ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1])
+    return ffi::Error::InvalidArgument("podrun_matmul_nk: expects x[M, K] and w[N, K]");
+  int64_t M = xd[0], K = xd[1], N = wd[0];
+  const float* xp = x.typed_data();
+  const float* wp = w.typed_data();
+  float* yp = y->typed_data();
+  parallel_for(pool, N, grain(N, 16, pool.num_threads()), [=](int64_t n0, int64_t n1) {
+    nk_all<float>(xp, wp, nullptr, yp, M, N, K, n0, n1);
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error MatmulNKS8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
+                      ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), wd = w.dimensions(), sd = scale.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1] || sd.size() != 1 || sd[0] != wd[0])
+    return ffi::Error::InvalidArgument(
+        "podrun_matmul_nk_s8: expects x[M, K], w[N, K] int8 and scale[N]");
+  int64_t M = xd[0], K = xd[1], N = wd[0];
+  const float* xp = x.typed_data();
+  const int8_t* wp = w.typed_data();
+  const float* sp = scale.typed_data();
+  float* yp = y->typed_data();
+  parallel_for(pool, N, grain(N, 16, pool.num_threads()), [=](int64_t n0, int64_t n1) {
+    nk_all<int8_t>(xp, wp, sp, yp, M, N, K, n0, n1);
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(podrun_matmul_kn, MatmulKN,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(podrun_matmul_nk, MatmulNK,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(podrun_matmul_nk_s8, MatmulNKS8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

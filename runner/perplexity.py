@@ -1,0 +1,120 @@
+"""Perplexity of a deployment's model on a text file, to check that a precision change (int8
+weights, a bf16 cache) keeps the model's quality.
+
+    python -m runner.perplexity --config=configs/smollm2_cpu.py \
+        --text=../shared/data/tinyshakespeare.txt [--max_tokens=8192] [--window=512] \
+        [--config.precision.quantize=int8]
+
+The text's first max_tokens + 1 tokens (the checkpoint's tokenizer, no special tokens) are cut into
+windows of `window` tokens that overlap by one, so every token after the first is predicted exactly
+once, from the tokens of its own window before it. Perplexity = exp(mean negative log-likelihood).
+The windows run as a batch through the model's forward pass on the config's mesh.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+from ml_collections import config_flags
+
+from runner.errors import USER_ERRORS
+from runner.main import parse_flags, setup_devices
+from runner.run import load_model
+from runner.settings import Settings, from_config
+from runner.tokenizer import load_tokenizer
+
+if __name__ == "__main__":
+    _CONFIG = config_flags.DEFINE_config_file("config", None, "deployment config file",
+                                              lock_config=True, allow_override=True)
+    _TEXT = flags.DEFINE_string("text", None, "a UTF-8 text file")
+    _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 8192, "tokens of the text to score")
+    _WINDOW = flags.DEFINE_integer("window", 512, "tokens per window (the context of a prediction)")
+
+
+class PerplexityError(ValueError):
+    """The text or the window settings cannot give a perplexity."""
+
+
+def windows(ids: list[int], max_tokens: int, window: int) -> np.ndarray:
+    """[n, window] token windows overlapping by one, covering ids[: max_tokens + 1]; the last
+    window is padded with -1 (a padded position predicts nothing)."""
+    if window < 2:
+        raise PerplexityError(f"window={window}: need at least 2 tokens per window")
+    ids = ids[: max_tokens + 1]
+    if len(ids) < 2:
+        raise PerplexityError(f"the text has {len(ids)} token(s); need at least 2")
+    step = window - 1
+    n = -(-(len(ids) - 1) // step)
+    out = np.full((n, window), -1, np.int64)
+    for i in range(n):
+        chunk = ids[i * step: i * step + window]
+        out[i, : len(chunk)] = chunk
+    return out
+
+
+def nll(s: Settings, meta, rules, params, win: np.ndarray) -> tuple[float, int]:
+    """(sum of negative log-likelihoods, number of predicted tokens) over the windows."""
+    model = meta.model
+    data = rules.shards("batch")
+    rows = -(-len(win) // data) * data
+    padded = np.full((rows, win.shape[1]), -1, np.int64)
+    padded[: len(win)] = win
+    tokens = np.maximum(padded, 0).astype(np.int32)
+    positions = np.where(padded >= 0, np.arange(win.shape[1])[None], -1).astype(np.int32)
+
+    @jax.jit
+    def score(params, tokens, positions):
+        cache = model.new_cache(tokens.shape[0], tokens.shape[1], jnp.dtype(s.policy.kv_cache), rules)
+        logits, _ = model.forward(params, tokens, positions, cache, 0, rules, s.policy)
+        logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+        target = tokens[:, 1:]
+        picked = jnp.take_along_axis(logp, target[..., None], axis=-1)[..., 0]
+        scored = positions[:, 1:] >= 0
+        return -jnp.sum(jnp.where(scored, picked, 0.0)), jnp.sum(scored)
+
+    total, count = 0.0, 0
+    for start in range(0, rows, data):  # one row per data shard at a time bounds the logits' memory
+        t, c = score(params, tokens[start: start + data], positions[start: start + data])
+        total, count = total + float(t), count + int(c)
+    return total, count
+
+
+def main(argv: list[str]) -> None:
+    from absl import logging
+
+    logging.set_verbosity(logging.WARNING)
+    if len(argv) > 1:
+        sys.exit(f"podrun perplexity: error: unexpected arguments {argv[1:]}")
+    if _CONFIG.value is None or not _TEXT.value:
+        sys.exit("podrun perplexity: error: --config=<deployment>.py and --text=<file> are required")
+    try:
+        s = from_config(_CONFIG.value)
+        try:
+            with open(_TEXT.value, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise PerplexityError(f"--text={_TEXT.value}: {e}") from e
+        setup_devices(s)
+        meta, rules, params = load_model(s)
+        tokenizer = load_tokenizer(s.checkpoint_path)
+        if tokenizer is None:
+            raise PerplexityError(f"{s.checkpoint_path} has no tokenizer to read the text with")
+        # Enough characters for max_tokens (no tokenizer averages under one character a token).
+        ids = tokenizer.encode(text[: 8 * (_MAX_TOKENS.value + 1)], add_special_tokens=False)
+        win = windows(ids, _MAX_TOKENS.value, _WINDOW.value)
+        total, count = nll(s, meta, rules, params, win)
+    except (*USER_ERRORS, PerplexityError) as e:
+        sys.exit(f"podrun perplexity: error: {e}")
+    if jax.process_index() == 0:
+        print(f"perplexity {math.exp(total / count):.4f} over {count} tokens "
+              f"({len(win)} windows of {_WINDOW.value}; weights {s.policy.params}, quantize "
+              f"{s.policy.quantize}, KV cache {s.policy.kv_cache})")
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=parse_flags)
