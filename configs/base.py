@@ -37,9 +37,10 @@ def base_config() -> ConfigDict:
         "matmul": "highest",  # default | high | highest
         # Weight-only int8 for every projection, one scale per output channel: none | int8.
         "quantize": "none",
-        # On CPU, int8 products run in podrun's own kernel (models/kernels, built with g++ on first
-        # use); False leaves them to XLA's dot (correct, much slower).
-        "cpu_kernels": True,
+        # podrun's own kernels (models/kernels): on CPU the int8 products and decode attention
+        # (built with g++ on first use), on TPU the Pallas decode attention. False leaves all of
+        # it to XLA (same results; slower, much slower for int8 on CPU).
+        "kernels": True,
     })
     c.generation = ConfigDict({
         "batch_size": 8,

@@ -30,7 +30,7 @@ class Policy:
     kv_cache: str = "float32"
     matmul: str = "highest"  # default | high | highest (jax.lax.Precision names)
     quantize: str = "none"  # none | int8 (weight-only, per output channel: models/quant.py)
-    cpu_kernels: bool = True  # int8 products on CPU through models/kernels (else XLA's dot)
+    kernels: bool = True  # podrun's own kernels (models/kernels) where they apply, else XLA's
 
     @property
     def dtype(self) -> Any:
@@ -51,7 +51,7 @@ class Policy:
         """
         if isinstance(operands[-1], quant.QWeight):  # stored [*out, *contract] whatever the spec
             x, w = operands
-            return quant.matmul(x, w, len(w.contract_axes), self.precision, self.cpu_kernels)
+            return quant.matmul(x, w, len(w.contract_axes), self.precision, self.kernels)
         if len(operands) == 2 and (plan := _projection(spec, operands[0].ndim, operands[1].ndim)):
             x, w = operands
             w = w.astype(x.dtype)
@@ -191,8 +191,10 @@ def apply_rope(x: jax.Array, positions: jax.Array, rope: Rope) -> jax.Array:
 class KVCache(NamedTuple):
     """Pre-allocated keys and values for every layer, and the position each slot holds.
 
-    k, v: per layer [B, S, K, H] for full-attention layers, or [B, W, K, H] for sliding-window
-    layers, which keep only the last W columns in a ring (column c lives in slot c % W).
+    k, v: per layer [B, K, S, H] for full-attention layers, or [B, K, W, H] for sliding-window
+    layers, which keep only the last W columns in a ring (column c lives in slot c % W). Heads
+    lead the slots so that attention's products over the cache batch over (B, K) as they lie:
+    in [B, S, K, H], XLA:CPU copied every layer's cache into that order on every decode step.
     pos: [B, S] and ring_pos: [B, W] int32, the position held by each slot, -1 when empty (or
     padding). Masks derive from positions alone, so left padding, ragged prompts and the ring's
     wrap-around need no other bookkeeping.
@@ -210,7 +212,7 @@ class KVCache(NamedTuple):
 
     @staticmethod
     def shardings(rules: Rules, num_layers: int) -> KVCache:
-        kv = rules.sharding("cache_batch", "cache_seq", "cache_kv_heads", None)
+        kv = rules.sharding("cache_batch", "cache_kv_heads", "cache_seq", None)
         pos = rules.sharding("cache_batch", "cache_seq")
         return KVCache([kv] * num_layers, [kv] * num_layers, pos, pos)
 
@@ -224,7 +226,7 @@ class KVCache(NamedTuple):
         ring = rings.pop() if rings else 0
 
         def make():
-            kv = [jnp.zeros((batch, n, kv_heads, head_dim), dtype) for n in lengths]
+            kv = [jnp.zeros((batch, kv_heads, n, head_dim), dtype) for n in lengths]
             return KVCache(kv, list(kv), jnp.full((batch, length), -1, jnp.int32),
                            jnp.full((batch, ring), -1, jnp.int32))
 
@@ -245,14 +247,14 @@ class KVCache(NamedTuple):
         """Writes one layer's new k, v [B, T, K, H] for columns [start, start + T)."""
         with jax.named_scope("cache_write"):
             ks, vs = list(self.k), list(self.v)
-            ring = ks[layer].shape[1] != self.pos.shape[1]
+            ring = ks[layer].shape[2] != self.pos.shape[1]
             for store, new in ((ks, k), (vs, v)):
-                new = new.astype(store[layer].dtype)
+                new = jnp.swapaxes(new.astype(store[layer].dtype), 1, 2)  # [B, K, T, H]
                 if ring:
-                    out = _ring_write(store[layer], new, start, axis=1)
+                    out = _ring_write(store[layer], new, start, axis=2)
                 else:
-                    out = jax.lax.dynamic_update_slice(store[layer], new, (0, start, 0, 0))
-                store[layer] = constrain(out, rules, "cache_batch", "cache_seq", "cache_kv_heads", None)
+                    out = jax.lax.dynamic_update_slice(store[layer], new, (0, 0, start, 0))
+                store[layer] = constrain(out, rules, "cache_batch", "cache_kv_heads", "cache_seq", None)
             return self._replace(k=ks, v=vs)
 
 
@@ -281,58 +283,110 @@ def _ring_write(ring: jax.Array, new: jax.Array, start: jax.Array | int, axis: i
 def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
                      cache: KVCache, layer: int, start: jax.Array | int, rules: Rules,
                      policy: Policy, **kw: Any) -> tuple[jax.Array, KVCache]:
-    """Stores this step's k, v [B, T, K, H] in the cache, then attends q [B, T, N, H] over it.
+    """Attends q [B, T, N, H] over the cache and this step's k, v [B, T, K, H], then stores them.
 
     `cache.write_positions` must already hold this step's positions. A prefill into an empty cache
     (start is the literal 0) attends to the new keys alone, not to the whole pre-allocated length.
+    Otherwise the cache as it was and the new keys are two blocks of one softmax; the slots this
+    step overwrites are masked in the first. Attending over the cache *after* the write would make
+    XLA:CPU copy every layer's whole cache on every decode step (the write then has two readers).
     """
-    cache = cache.write(layer, k, v, start, rules)
+    new_pos = jax.lax.dynamic_slice_in_dim(cache.pos, start, q.shape[1], axis=1)  # [B, T]
+    new = (jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), new_pos)  # [B, K, T, H]
     if isinstance(start, int) and start == 0:
-        T = q.shape[1]
-        out = attention(q, k, v, positions, cache.pos[:, :T], policy, **kw)
+        blocks = [new]
     else:
-        ring = cache.k[layer].shape[1] != cache.pos.shape[1]
-        k_pos = cache.ring_pos if ring else cache.pos
-        out = attention(q, cache.k[layer], cache.v[layer], positions, k_pos, policy, **kw)
-    return out, cache
+        ring = cache.k[layer].shape[2] != cache.pos.shape[1]
+        k_pos = cache.ring_pos if ring else cache.pos  # [B, S], this step's positions written
+        S, T = k_pos.shape[1], q.shape[1]
+        overwritten = (jnp.arange(S) - start) % S < T  # slots [start, start + T) (mod S on a ring)
+        blocks = [(cache.k[layer], cache.v[layer], jnp.where(overwritten, -1, k_pos)), new]
+        if _decode_kernel_applies(q, blocks, rules, policy):
+            return _decode_kernel(q, positions, blocks, rules, **kw), cache.write(layer, k, v, start, rules)
+    out = attention(q, positions, blocks, policy, **kw)
+    return out, cache.write(layer, k, v, start, rules)
+
+
+def _decode_kernel_applies(q: jax.Array, blocks: list, rules: Rules, policy: Policy) -> bool:
+    """podrun's decode-attention kernels take an unsplit cache: on CPU a few float32 queries per
+    row, on TPU (Pallas) one query per row in any precision."""
+    if not policy.kernels or rules.shards("cache_seq") > 1:
+        return False
+    if rules.platform == "cpu":
+        arrays = [q, blocks[0][0], blocks[0][1], blocks[1][0], blocks[1][1]]
+        return q.shape[1] <= 16 and all(a.dtype == jnp.float32 for a in arrays)
+    return rules.platform == "tpu" and q.shape[1] == 1
+
+
+def _decode_kernel(q: jax.Array, q_pos: jax.Array, blocks: list, rules: Rules, *,
+                   window: int | None = None, sinks: jax.Array | None = None,
+                   scale: float | None = None) -> jax.Array:
+    """`attention` over [cache, new] blocks in models/kernels: on CPU through XLA's FFI (XLA:CPU
+    spends ~45 us on each of a decode step's small attention products, 60 of them per SmolLM2
+    step), on TPU in Pallas (the cache read once per kv head, flash-decoding style). On a sharded
+    mesh it runs per (batch, kv-head) shard."""
+    from models.kernels import cpu, tpu
+
+    (kc, vc, k_pos), (kn, vn, new_pos) = blocks
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    has_sinks = sinks is not None
+    sinks = jnp.zeros(q.shape[2:3], jnp.float32) if sinks is None else sinks
+
+    kernel = cpu.decode_attention if rules.platform == "cpu" else tpu.decode_attention
+
+    def local(q, kc, vc, k_pos, kn, vn, new_pos, q_pos, sinks):
+        return kernel(q, kc, vc, k_pos, kn, vn, new_pos, q_pos, sinks if has_sinks else None,
+                      window, scale)
+
+    args = (q, kc, vc, k_pos, kn, vn, new_pos, q_pos, sinks)
+    if rules.mesh.size == 1:
+        return local(*args)
+    b, kv = rules.spec("cache_batch", "cache_kv_heads", None, None, shape=kc.shape)[:2]
+    P = jax.sharding.PartitionSpec
+    heads, cache, rows = P(b, None, kv, None), P(b, kv, None, None), P(b, None)
+    return jax.shard_map(local, mesh=rules.mesh, out_specs=heads, check_vma=False,
+                         in_specs=(heads, cache, cache, rows, cache, cache, rows, rows, P(kv)))(*args)
 
 
 # --- attention core ---------------------------------------------------------------------------
 
 def attention(
     q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
     q_pos: jax.Array,
-    k_pos: jax.Array,
+    blocks: list[tuple[jax.Array, jax.Array, jax.Array]],
     policy: Policy,
     *,
     window: int | None = None,
     sinks: jax.Array | None = None,
     scale: float | None = None,
 ) -> jax.Array:
-    """Grouped-query attention, K/V never repeated.
+    """Grouped-query attention, K/V never repeated, over one softmax across blocks of keys.
 
-    q: [B, T, N, H]; k, v: [B, S, K, H]; q_pos: [B, T]; k_pos: [B, S] (-1 = empty slot).
+    q: [B, T, N, H]; q_pos: [B, T]; each block (k, v [B, K, S, H], k_pos [B, S], -1 = empty slot).
     A key is visible when 0 <= k_pos <= q_pos (and q_pos - k_pos < window). Sinks [N], when given,
     are one extra logit per query head that takes probability mass and contributes no value.
     """
     with jax.named_scope("attention"):
         B, T, N, H = q.shape
-        K = k.shape[2]
+        K = blocks[0][0].shape[1]
         qg = q.reshape(B, T, K, N // K, H)  # [B, T, K, G, H]
         scale = 1.0 / math.sqrt(H) if scale is None else scale
-        scores = policy.einsum("BTKGH,BSKH->BKGTS", qg, k).astype(jnp.float32) * scale
-        visible = (k_pos[:, None, :] >= 0) & (k_pos[:, None, :] <= q_pos[:, :, None])  # [B, T, S]
-        if window is not None:
-            visible &= q_pos[:, :, None] - k_pos[:, None, :] < window
-        scores = jnp.where(visible[:, None, None], scores, MASKED)
-        if sinks is None:
-            probs = jax.nn.softmax(scores, axis=-1)
-        else:
-            sink = jnp.broadcast_to(
-                sinks.astype(jnp.float32).reshape(1, K, N // K, 1, 1), (B, K, N // K, T, 1)
-            )
-            probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
-        out = policy.einsum("BKGTS,BSKH->BTKGH", probs.astype(v.dtype), v)
+        scores = []
+        for k, _, k_pos in blocks:
+            s = policy.einsum("BTKGH,BKSH->BKGTS", qg, k).astype(jnp.float32) * scale
+            visible = (k_pos[:, None, :] >= 0) & (k_pos[:, None, :] <= q_pos[:, :, None])  # [B, T, S]
+            if window is not None:
+                visible &= q_pos[:, :, None] - k_pos[:, None, :] < window
+            scores.append(jnp.where(visible[:, None, None], s, MASKED))
+        if sinks is not None:
+            scores.append(jnp.broadcast_to(
+                sinks.astype(jnp.float32).reshape(1, K, N // K, 1, 1), (B, K, N // K, T, 1)))
+        probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
+        out = 0
+        offset = 0
+        for _, v, k_pos in blocks:
+            S = k_pos.shape[1]
+            p = probs[..., offset: offset + S].astype(v.dtype)
+            out = out + policy.einsum("BKGTS,BKSH->BTKGH", p, v)
+            offset += S
         return out.reshape(B, T, N, H)

@@ -8,7 +8,7 @@ held, so a tied embedding is quantised once for both the lookup and the unembedd
 
 Activations, norms, biases and the KV cache stay in their own precision. On CPU the product runs in
 the int8 kernel (in a shard_map over the rules' mesh, psum over a sharded contraction); elsewhere, or
-with precision.cpu_kernels off, the weight is dequantised and XLA's dot does the rest.
+with precision.kernels off, the weight is dequantised and XLA's dot does the rest.
 """
 
 from __future__ import annotations
@@ -124,12 +124,12 @@ def lookup(table: Any, tokens: jax.Array) -> jax.Array:
     return table[tokens]
 
 
-def matmul(x: jax.Array, w: QWeight, n_contract: int, precision: Any, cpu_kernels: bool
+def matmul(x: jax.Array, w: QWeight, n_contract: int, precision: Any, kernels: bool
            ) -> jax.Array:
     """x [*free, *contract] . w -> [*free, *out], in float32 (x's dtype for the XLA path)."""
     free, out = x.shape[: x.ndim - n_contract], w.scale.shape
     C, O = math.prod(x.shape[x.ndim - n_contract:]), math.prod(out)
-    if not (cpu_kernels and jax.default_backend() == "cpu"):
+    if not (kernels and w.rules.platform == "cpu"):
         deq = dequantize(w, x.dtype).reshape(O, C)
         y = jax.lax.dot_general(x.reshape(*free, C), deq, (((len(free),), (1,)), ((), ())),
                                 precision=precision)

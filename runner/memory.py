@@ -67,8 +67,8 @@ def footprint(s: Settings, model: Model) -> Footprint:
     length = max(g.prefill_buckets or (g.max_prompt_len,)) + g.max_new_tokens
     windows, kv_heads, head_dim = model.module.cache_spec(model.config)
     c_size = np.dtype(s.policy.kv_cache).itemsize
-    axes = ("cache_batch", "cache_seq", "cache_kv_heads", None)
-    kv = sum(2 * _shard_bytes((batch, n, kv_heads, head_dim), axes, rules, c_size)
+    axes = ("cache_batch", "cache_kv_heads", "cache_seq", None)
+    kv = sum(2 * _shard_bytes((batch, kv_heads, n, head_dim), axes, rules, c_size)
              for n in KVCache.lengths(length, windows))
     return Footprint(devices, w_bytes, kv, total, int(s.device_memory_gib * GiB))
 

@@ -104,6 +104,12 @@ class Rules:
     def sharding(self, *logical: str | None, shape: Sequence[int] | None = None) -> NamedSharding:
         return NamedSharding(self.mesh, self.spec(*logical, shape=shape))
 
+    @property
+    def platform(self) -> str:
+        """The mesh's device platform (cpu, tpu, gpu), also for an AOT topology with no devices
+        attached: where the process's default backend may be another."""
+        return self.mesh.devices.flat[0].platform
+
     def shards(self, logical: str | None) -> int:
         """How many pieces the rules cut a dimension with this logical name into."""
         return math.prod(self.mesh.shape[a] for a in self.axes(logical))

@@ -1,5 +1,6 @@
 """AOT compilation for TPU topologies on this CPU-only machine (libtpu's topology descriptions)."""
 
+import dataclasses
 import math
 import os
 import subprocess
@@ -125,3 +126,18 @@ def test_every_shipped_tpu_config_compiles_and_fits(path):
     rows = [line.split() for line in r.stdout.splitlines() if line.strip().startswith(("prefill_", "decode "))]
     assert rows and all(float(row[4].rstrip("%")) <= 100 for row in rows), r.stdout
 
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_decode_attention_compiles_as_the_pallas_kernel_for_tpu(kernels):
+    """With precision.kernels the decode step's attention is the Pallas kernel (a Mosaic custom
+    call in the program compiled for v5e); without, XLA's own attention."""
+    from runner.compile import compile_deployment
+
+    s = tiny_tpu_settings()
+    s = dataclasses.replace(s, policy=dataclasses.replace(s.policy, kernels=kernels))
+    engine, compiled = compile_deployment(s, SMALL)
+    assert "decode" in compiled
+    decode = engine.lower()["decode"].as_text()
+    assert decode.count("tpu_custom_call") == (SMALL.config.num_layers if kernels else 0)
+    assert "tpu_custom_call" not in engine.lower()["prefill_16"].as_text()

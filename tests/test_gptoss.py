@@ -56,7 +56,7 @@ def test_decode_with_the_ring_cache_matches_full_forward(gptoss, mesh_name):
     lengths = np.array([1, 5, 7, 8, 9, 12, 15, 16])
     seqs = rng.randint(0, VOCAB, (B, P + steps)).astype(np.int32)
     cache = model.new_cache(B, P + steps, jnp.float32, rules)
-    assert cache.k[0].shape[1] == 8 and cache.k[1].shape[1] == P + steps  # the window's ring vs full
+    assert cache.k[0].shape[2] == 8 and cache.k[1].shape[2] == P + steps  # the window's ring vs full
     tokens = np.zeros((B, P), np.int32)
     positions = np.full((B, P), -1, np.int32)
     for b, n in enumerate(lengths):

@@ -96,7 +96,7 @@ def test_int8_decode_matches_transformers_on_dequantized_weights(kind, mesh, ker
     ref = dequantized_reference(m)
     model, params = to_podrun(m, rules)
     params = quant.quantize(model.declare(), params, rules)
-    policy = Policy(quantize="int8", cpu_kernels=kernels)
+    policy = Policy(quantize="int8", kernels=kernels)
     rng = np.random.RandomState(3)
     B, P, steps = 4, 12, 5
     lengths = rng.randint(3, P + 1, B)

@@ -1,6 +1,7 @@
 """CPU kernels through XLA's FFI: built from cpu_matmul.cc on first use, then registered with jax.
 
     matmul_nk_s8(x [M, K] f32, q [N, K] int8, scale [N] f32) -> [M, N] f32 = x . (q * scale)^T
+    decode_attention(q, cache k/v and positions, this step's k/v and positions) -> [B, T, N, H]
 
 XLA:CPU has no fast form of a product with int8 weights: converting them to float32 inside the dot
 falls back to a slow loop (37 ms against 2 ms for the float32 dot on a 4096 x 8192 matrix, measured
@@ -26,9 +27,10 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 SOURCE = Path(__file__).with_name("cpu_matmul.cc")
-TARGETS = ("podrun_matmul_kn", "podrun_matmul_nk", "podrun_matmul_nk_s8")
+TARGETS = ("podrun_matmul_kn", "podrun_matmul_nk", "podrun_matmul_nk_s8", "podrun_decode_attention")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 
 
@@ -47,7 +49,7 @@ def _compiler() -> str:
         raise KernelBuildError(
             f"the int8 CPU kernels need a C++ compiler to build {SOURCE.name}, and {cxx!r} is not "
             "on PATH; install g++ (apt-get install g++) or set CXX, or run with "
-            "--config.precision.cpu_kernels=False (much slower int8 through XLA)")
+            "--config.precision.kernels=False (much slower int8 through XLA)")
     return found
 
 
@@ -107,3 +109,18 @@ def matmul_kn(x: jax.Array, w: jax.Array) -> jax.Array:
     register()
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32)
     return jax.ffi.ffi_call("podrun_matmul_kn", out)(x, w)
+
+
+def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, k_pos: jax.Array,
+                     k_new: jax.Array, v_new: jax.Array, new_pos: jax.Array, q_pos: jax.Array,
+                     sinks: jax.Array | None, window: int | None, scale: float) -> jax.Array:
+    """One softmax over the cache (k, v [B, K, S, H], k_pos [B, S]) and this step's keys (k_new,
+    v_new [B, K, T, H], new_pos [B, T]) for q [B, T, N, H] at q_pos [B, T]; float32 throughout.
+    Visibility and sinks as models.layers.attention; a query that sees nothing gives zeros."""
+    register()
+    has_sinks = sinks is not None
+    sinks = jnp.zeros(q.shape[2:3], jnp.float32) if sinks is None else sinks.astype(jnp.float32)
+    i32 = jnp.int32
+    return jax.ffi.ffi_call("podrun_decode_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+        q, k_cache, v_cache, k_pos.astype(i32), k_new, v_new, new_pos.astype(i32), q_pos.astype(i32),
+        sinks, has_sinks=np.int64(has_sinks), scale=np.float32(scale), window=np.int64(window or 0))

@@ -14,11 +14,13 @@
 // Built on first use by models/kernels/cpu.py (g++ -O3 -march=native) and registered with XLA's FFI.
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -234,6 +236,97 @@ ffi::Error MatmulNKS8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   return ffi::Error::Success();
 }
 
+
+// --- decode attention -------------------------------------------------------------------------
+//
+// q [B, T, N, H] attends over two blocks of keys in one softmax: the cache k, v [B, K, S, H] with
+// its slots' positions k_pos [B, S] (-1 = empty), and this step's keys k_new, v_new [B, K, T, H] at
+// new_pos [B, T]. A key is visible when 0 <= k_pos <= q_pos and, with a window, q_pos - k_pos <
+// window. With sinks, each query head n adds one logit sinks[n] that takes probability mass and
+// contributes no value (GPT-OSS). Query heads n = k * G + g share kv head k (grouped-query).
+// One task per (b, k): it reads that head's keys and values once for all G * T queries.
+
+void attend_one(const float* q, const float* kc, const float* vc, const int32_t* kpos,
+                const float* kn, const float* vn, const int32_t* npos, int32_t qpos, int64_t S,
+                int64_t T, int64_t H, int64_t window, float scale, const float* sink,
+                float* scores, float* out) {
+  auto visible = [&](int32_t p) {
+    return p >= 0 && p <= qpos && (window <= 0 || int64_t(qpos) - p < window);
+  };
+  auto dot = [&](const float* k) {
+    int64_t h = 0;
+    vf acc = zero();
+    for (; h + kLanes <= H; h += kLanes) acc = fma(load(q + h), load(k + h), acc);
+    float s = hsum(acc);
+    for (; h < H; ++h) s += q[h] * k[h];
+    return s * scale;
+  };
+  float m = sink ? *sink : -INFINITY;
+  for (int64_t j = 0; j < S; ++j) {
+    scores[j] = visible(kpos[j]) ? dot(kc + j * H) : -INFINITY;
+    m = std::max(m, scores[j]);
+  }
+  for (int64_t j = 0; j < T; ++j) {
+    scores[S + j] = visible(npos[j]) ? dot(kn + j * H) : -INFINITY;
+    m = std::max(m, scores[S + j]);
+  }
+  for (int64_t h = 0; h < H; ++h) out[h] = 0.f;
+  if (m == -INFINITY) return;  // nothing visible and no sink: a padding query; its output is unused
+  float total = sink ? std::exp(*sink - m) : 0.f;
+  auto accumulate = [&](float w, const float* v) {
+    int64_t h = 0;
+    vf wv = splat(w);
+    for (; h + kLanes <= H; h += kLanes) store(out + h, fma(wv, load(v + h), load(out + h)));
+    for (; h < H; ++h) out[h] += w * v[h];
+  };
+  for (int64_t j = 0; j < S + T; ++j) {
+    if (scores[j] == -INFINITY) continue;
+    float w = std::exp(scores[j] - m);
+    total += w;
+    accumulate(w, j < S ? vc + j * H : vn + (j - S) * H);
+  }
+  float inv = 1.f / total;
+  for (int64_t h = 0; h < H; ++h) out[h] *= inv;
+}
+
+ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kc,
+                           ffi::Buffer<ffi::F32> vc, ffi::Buffer<ffi::S32> kpos,
+                           ffi::Buffer<ffi::F32> kn, ffi::Buffer<ffi::F32> vn,
+                           ffi::Buffer<ffi::S32> npos, ffi::Buffer<ffi::S32> qpos,
+                           ffi::Buffer<ffi::F32> sinks, ffi::ResultBuffer<ffi::F32> out,
+                           int64_t has_sinks, float scale, int64_t window) {
+  auto qd = q.dimensions(), cd = kc.dimensions();
+  if (qd.size() != 4 || cd.size() != 4)
+    return ffi::Error::InvalidArgument("podrun_decode_attention: q and the cache must be 4-d");
+  int64_t B = qd[0], T = qd[1], N = qd[2], H = qd[3], K = cd[1], S = cd[2];
+  if (cd[0] != B || cd[3] != H || N % K || kn.dimensions()[2] != T || sinks.dimensions()[0] != N)
+    return ffi::Error::InvalidArgument("podrun_decode_attention: inconsistent shapes");
+  int64_t G = N / K;
+  const float *qp = q.typed_data(), *kcp = kc.typed_data(), *vcp = vc.typed_data();
+  const float *knp = kn.typed_data(), *vnp = vn.typed_data(), *sp = sinks.typed_data();
+  const int32_t *kpp = kpos.typed_data(), *npp = npos.typed_data(), *qpp = qpos.typed_data();
+  float* op = out->typed_data();
+  parallel_for(pool, B * K, 1, [=](int64_t begin, int64_t end) {
+    std::vector<float> scores(S + T);
+    for (int64_t bk = begin; bk < end; ++bk) {
+      int64_t b = bk / K, k = bk % K;
+      const float* kcb = kcp + (b * K + k) * S * H;
+      const float* vcb = vcp + (b * K + k) * S * H;
+      const float* knb = knp + (b * K + k) * T * H;
+      const float* vnb = vnp + (b * K + k) * T * H;
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t g = 0; g < G; ++g) {
+          int64_t n = k * G + g;
+          const float* qv = qp + ((b * T + t) * N + n) * H;
+          attend_one(qv, kcb, vcb, kpp + b * S, knb, vnb, npp + b * T, qpp[b * T + t], S, T, H,
+                     window, scale, has_sinks ? sp + n : nullptr, scores.data(),
+                     op + ((b * T + t) * N + n) * H);
+        }
+    }
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(podrun_matmul_kn, MatmulKN,
@@ -257,3 +350,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(podrun_matmul_nk_s8, MatmulNKS8,
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(podrun_decode_attention, DecodeAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k cache
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // k_pos
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k new
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v new
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // new_pos
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_pos
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sinks
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("has_sinks")
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("window"));

@@ -1,0 +1,121 @@
+"""Pallas TPU kernels. Checked on CPU in interpret mode against the XLA path (tests/test_kernels.py)
+and compiled for TPU v5e ahead of time (python -m runner.compile, tests/test_compile.py).
+
+decode_attention: one decode token per row (T = 1) over the KV cache [B, K, S, H], flash-decoding
+style. The grid walks (row, kv head, block of cache slots); the block's keys and values are read
+from HBM once for all G query heads that share the kv head, with a running max and sum (online
+softmax) in VMEM. The last block also takes this step's key and value (not yet in the cache) and the
+attention sinks, then normalises. Visibility, windows and sinks as models.layers.attention.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+NEG = -1e30  # finite: a block with nothing visible keeps a finite running max
+
+
+def _block(S: int) -> int:
+    """Cache slots per grid step: a multiple of 128 lanes dividing S, else the whole cache."""
+    for bs in (512, 256, 128):
+        if S % bs == 0:
+            return bs
+    return S
+
+
+def _kernel(q_pos_ref, new_pos_ref, q_ref, k_ref, v_ref, k_pos_ref, kn_ref, vn_ref, sink_ref,
+            o_ref, m_ref, l_ref, acc_ref, *, scale: float, window: int, has_sinks: bool):
+    b, s = pl.program_id(0), pl.program_id(2)
+    f32 = jnp.float32
+
+    @pl.when(s == 0)
+    def _init():
+        m_ref[...] = jnp.full(m_ref.shape, NEG, f32)
+        l_ref[...] = jnp.zeros(l_ref.shape, f32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, f32)
+
+    qp = q_pos_ref[b]
+
+    def visible(kp):
+        ok = (kp >= 0) & (kp <= qp)
+        return ok & (qp - kp < window) if window else ok
+
+    def update(scores, seen, v):  # scores [G, n], seen [1, n] or [G, n], v [n, H]
+        scores = jnp.where(seen, scores, NEG)
+        m_prev = m_ref[...]
+        m_new = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))  # [G, 1]
+        p = jnp.where(seen, jnp.exp(scores - m_new), 0.0)
+        alpha = jnp.exp(m_prev - m_new)
+        l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
+        acc_ref[...] = alpha * acc_ref[...] + jnp.dot(p, v, preferred_element_type=f32)
+        m_ref[...] = m_new
+
+    q = q_ref[...].astype(f32)  # [G, H]
+    k = k_ref[...].astype(f32)  # [bs, H]
+    scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=f32) * scale
+    update(scores, visible(k_pos_ref[...]), v_ref[...].astype(f32))  # k_pos [1, bs]
+
+    @pl.when(s == pl.num_programs(2) - 1)
+    def _finish():
+        kn = kn_ref[...].astype(f32)  # [1, H]
+        new_scores = jnp.sum(q * kn, axis=1, keepdims=True) * scale  # [G, 1]
+        seen = jnp.broadcast_to(visible(new_pos_ref[b]), new_scores.shape)
+        update(new_scores, seen, vn_ref[...].astype(f32))
+        total = l_ref[...]
+        if has_sinks:  # one more logit per head, with no value
+            sink = sink_ref[...].astype(f32)  # [G, 1]
+            m = jnp.maximum(m_ref[...], sink)
+            total = total * jnp.exp(m_ref[...] - m) + jnp.exp(sink - m)
+            acc = acc_ref[...] * jnp.exp(m_ref[...] - m)
+        else:
+            acc = acc_ref[...]
+        o_ref[...] = (acc / jnp.where(total > 0, total, 1.0)).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("window", "scale", "interpret"))
+def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, k_pos: jax.Array,
+                     k_new: jax.Array, v_new: jax.Array, new_pos: jax.Array, q_pos: jax.Array,
+                     sinks: jax.Array | None, window: int | None, scale: float,
+                     interpret: bool = False) -> jax.Array:
+    """q [B, 1, N, H] at q_pos [B, 1] over the cache (k, v [B, K, S, H], k_pos [B, S]) and this
+    step's key (k_new, v_new [B, K, 1, H] at new_pos [B, 1]) -> [B, 1, N, H]."""
+    B, T, N, H = q.shape
+    _, K, S, _ = k_cache.shape
+    if T != 1:
+        raise ValueError(f"the Pallas decode attention takes one query per row, got {T}")
+    G = N // K
+    bs = _block(S)
+    has_sinks = sinks is not None
+    sinks = jnp.zeros((N,), jnp.float32) if sinks is None else sinks
+    kernel = functools.partial(_kernel, scale=float(scale), window=int(window or 0),
+                               has_sinks=has_sinks)
+    grid = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2,
+        grid=(B, K, S // bs),
+        in_specs=[
+            pl.BlockSpec((None, None, G, H), lambda b, k, s, *_: (b, k, 0, 0)),  # q [B, K, G, H]
+            pl.BlockSpec((None, None, bs, H), lambda b, k, s, *_: (b, k, s, 0)),  # k cache
+            pl.BlockSpec((None, None, bs, H), lambda b, k, s, *_: (b, k, s, 0)),  # v cache
+            pl.BlockSpec((None, 1, bs), lambda b, k, s, *_: (b, 0, s)),  # k_pos [B, 1, S]
+            pl.BlockSpec((None, None, 1, H), lambda b, k, s, *_: (b, k, 0, 0)),  # k new
+            pl.BlockSpec((None, None, 1, H), lambda b, k, s, *_: (b, k, 0, 0)),  # v new
+            pl.BlockSpec((None, G, 1), lambda b, k, s, *_: (k, 0, 0)),  # sinks [K, G, 1]
+        ],
+        out_specs=pl.BlockSpec((None, None, G, H), lambda b, k, s, *_: (b, k, 0, 0)),
+        scratch_shapes=[pltpu.VMEM((G, 1), jnp.float32), pltpu.VMEM((G, 1), jnp.float32),
+                        pltpu.VMEM((G, H), jnp.float32)],
+    )
+    out = pl.pallas_call(
+        kernel, grid_spec=grid, interpret=interpret,
+        out_shape=jax.ShapeDtypeStruct((B, K, G, H), q.dtype),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary")),
+    )(q_pos[:, 0].astype(jnp.int32), new_pos[:, 0].astype(jnp.int32),
+      q.reshape(B, K, G, H), k_cache, v_cache, k_pos.astype(jnp.int32).reshape(B, 1, S),
+      k_new, v_new, sinks.astype(jnp.float32).reshape(K, G, 1))
+    return out.reshape(B, 1, N, H)

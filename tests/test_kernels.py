@@ -1,0 +1,87 @@
+"""The CPU decode-attention kernel against a numpy softmax, including sinks, windows, empty slots
+and queries that see only this step's keys. (Whole models through it: test_models, test_gptoss.)"""
+
+import jax
+import numpy as np
+import pytest
+
+from models.kernels import cpu
+
+
+def np_attention(q, kc, vc, k_pos, kn, vn, new_pos, q_pos, sinks, window, scale):
+    B, T, N, H = q.shape
+    K = kc.shape[1]
+    G = N // K
+    k_all = np.concatenate([kc, kn], axis=2).astype(np.float64)  # [B, K, S + T, H]
+    v_all = np.concatenate([vc, vn], axis=2).astype(np.float64)
+    pos = np.concatenate([k_pos, new_pos], axis=1)  # [B, S + T]
+    out = np.zeros((B, T, N, H))
+    for b in range(B):
+        for t in range(T):
+            qp = q_pos[b, t]
+            seen = (pos[b] >= 0) & (pos[b] <= qp)
+            if window:
+                seen &= qp - pos[b] < window
+            for n in range(N):
+                s = k_all[b, n // G] @ q[b, t, n].astype(np.float64) * scale
+                logits = list(s[seen]) + ([sinks[n]] if sinks is not None else [])
+                if not logits:
+                    continue
+                m = max(logits)
+                w = np.exp(s[seen] - m)
+                total = w.sum() + (np.exp(sinks[n] - m) if sinks is not None else 0.0)
+                out[b, t, n] = (w[:, None] * v_all[b, n // G][seen]).sum(0) / total
+    return out
+
+
+@pytest.mark.parametrize("T,window,with_sinks", [(1, None, False), (1, 5, True), (3, None, True),
+                                                 (2, 7, False)])
+def test_decode_attention_matches_numpy(T, window, with_sinks):
+    rng = np.random.default_rng(T * 10 + (window or 0))
+    B, K, G, S, H = 3, 2, 3, 20, 40  # H not a multiple of the vector width: the tail loops run
+    N = K * G
+    f32 = np.float32
+    q = rng.standard_normal((B, T, N, H)).astype(f32)
+    kc, vc = (rng.standard_normal((B, K, S, H)).astype(f32) for _ in range(2))
+    kn, vn = (rng.standard_normal((B, K, T, H)).astype(f32) for _ in range(2))
+    k_pos = np.full((B, S), -1, np.int32)
+    k_pos[0, :12] = np.arange(12)  # a row with 12 positions filled
+    k_pos[1, 3:9] = np.arange(6)  # left padding, and empty slots after
+    k_pos[1, 5] = -1  # an overwritten slot in the middle
+    q_pos = np.array([[12 + t for t in range(T)], [6 + t for t in range(T)], [t for t in range(T)]],
+                     np.int32)
+    new_pos = q_pos.copy()
+    new_pos[0, -1] = -1  # a finished row writes nothing visible
+    sinks = rng.standard_normal(N).astype(f32) if with_sinks else None
+    scale = 0.3
+    got = jax.jit(lambda *a: cpu.decode_attention(*a, window, scale))(
+        q, kc, vc, k_pos, kn, vn, new_pos, q_pos, sinks)
+    want = np_attention(q, kc, vc, k_pos, kn, vn, new_pos, q_pos, sinks, window, scale)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("S,window,with_sinks", [(256, None, False), (384, 100, True), (40, 9, True)])
+def test_pallas_decode_attention_matches_numpy_in_interpret_mode(S, window, with_sinks):
+    """The TPU kernel, run by Pallas' interpreter on CPU: several cache blocks (S = 384 is three
+    blocks of 128), a cache shorter than a block (40), windows, sinks, empty and masked slots."""
+    from models.kernels import tpu
+
+    rng = np.random.default_rng(S)
+    B, K, G, H = 3, 2, 4, 64
+    N = K * G
+    f32 = np.float32
+    q = rng.standard_normal((B, 1, N, H)).astype(f32)
+    kc, vc = (rng.standard_normal((B, K, S, H)).astype(f32) for _ in range(2))
+    kn, vn = (rng.standard_normal((B, K, 1, H)).astype(f32) for _ in range(2))
+    k_pos = np.full((B, S), -1, np.int32)
+    k_pos[0, : S - 3] = np.arange(S - 3)
+    k_pos[1, 5: 25] = np.arange(20)
+    k_pos[1, 7] = -1
+    q_pos = np.array([[S - 3], [20], [0]], np.int32)
+    new_pos = q_pos.copy()
+    new_pos[1, 0] = -1  # a finished row
+    sinks = rng.standard_normal(N).astype(f32) if with_sinks else None
+    got = tpu.decode_attention(q, kc, vc, k_pos, kn, vn, new_pos, q_pos, sinks, window, 0.125,
+                               interpret=True)
+    want = np_attention(q, kc, vc, k_pos, kn, vn, new_pos, q_pos, sinks, window, 0.125)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
