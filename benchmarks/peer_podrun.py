@@ -9,7 +9,7 @@ converted once into podrun-<its folder name> beside it ($PEERS_HOME/podrun-model
 `python -m runner.convert` would) unless
 --config.checkpoint.path names a converted checkpoint. The kit's environment applies
 (PEER_BATCHES, PEER_PROMPT_LEN, PEER_NEW_TOKENS, PEER_REPS, PEER_OUT); results go to
-$PEERS_HOME/results/podrun-<params dtype>.json. The kit is found at $PEERS_KIT, default
+$PEERS_HOME/results/podrun-<params dtype>[-int8].json. The kit is found at $PEERS_KIT, default
 ../shared/peers next to this repository.
 """
 
@@ -70,7 +70,8 @@ def main(argv: list[str]) -> None:
         out = engines[len(prompts)].generate([Request(tuple(p), n) for p in prompts], stop_ids=())
         return [c.token_ids for c in out]
 
-    bc.run(f"podrun-{s.policy.params}", gen, {
+    quant = "" if s.policy.quantize == "none" else f"-{s.policy.quantize}"
+    bc.run(f"podrun-{s.policy.params}{quant}", gen, {
         "jax": jax.__version__, "devices": jax.device_count(), "mesh": dict(rules.mesh.shape),
         "precision": dataclasses.asdict(s.policy), "steps_per_dispatch": s.generation.steps_per_dispatch,
         "checkpoint": s.checkpoint_path,

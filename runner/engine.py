@@ -53,6 +53,15 @@ def buckets(max_prompt_len: int, smallest: int = 16) -> tuple[int, ...]:
     return tuple(out) + (max_prompt_len,)
 
 
+def first_max(logits: jax.Array) -> jax.Array:
+    """jnp.argmax over the last axis (ties to the lowest index) as two plain reductions: XLA:CPU
+    runs argmax's paired (value, index) reduction element by element, 600 us for [8, 32000]."""
+    V = logits.shape[-1]
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    return jnp.min(jnp.where(logits == top, ids, V), axis=-1)
+
+
 def sample(logits: jax.Array, seeds: jax.Array, counts: jax.Array, temperature: jax.Array,
            top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """Per-row sampling. logits [B, V]; seeds [B] uint32 and counts [B] int32 (the row's key is its
@@ -63,7 +72,7 @@ def sample(logits: jax.Array, seeds: jax.Array, counts: jax.Array, temperature: 
     some row samples, so a greedy decode step spends nothing on random numbers.
     """
     logits = logits.astype(jnp.float32)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = first_max(logits)
 
     def stochastic() -> jax.Array:
         V = logits.shape[-1]

@@ -1,6 +1,7 @@
 """The generation engine: greedy tokens against transformers, meshes, compile counts, sampling."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -138,3 +139,13 @@ def test_sampling_keeps_to_the_nucleus_and_top_k():
         assert set(draws[:, b]) <= allowed
         assert len(set(draws[:, b])) > 1
     assert set(draws[:, 3]) == {int(np.argmax(logits[3]))}
+
+
+def test_first_max_is_argmax_with_ties_to_the_lowest_index():
+    from runner.engine import first_max
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(-3, 4, (64, 50)).astype(np.float32)  # many ties
+    x[5] = -np.inf
+    x[6, 10] = np.inf
+    np.testing.assert_array_equal(np.asarray(first_max(jnp.asarray(x))), np.argmax(x, axis=-1))

@@ -246,10 +246,31 @@ ffi::Error MatmulNKS8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 // contributes no value (GPT-OSS). Query heads n = k * G + g share kv head k (grouped-query).
 // One task per (b, k): it reads that head's keys and values once for all G * T queries.
 
+constexpr float kMasked = -1e30f;
+
+// e^x for a block of 16 scores (x <= 0 here: scores less their max). 2^(x log2 e) split into an
+// integer power (scalef) and 2^f, f in [-1/2, 1/2], by its degree-7 Taylor polynomial (relative
+// error under 1e-7, as expf). Portable builds call expf.
+inline void exp16(float* x) {
+#if defined(__AVX512F__)
+  const float c[] = {1.f, 0.69314718f, 0.24022651f, 0.05550411f, 0.00961813f, 0.00133336f,
+                     1.5403530e-4f, 1.5252734e-5f};
+  vf t = _mm512_mul_ps(_mm512_max_ps(load(x), splat(-87.3f)), splat(1.44269504f));
+  vf n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  vf f = _mm512_sub_ps(t, n);
+  vf p = splat(c[7]);
+  for (int i = 6; i >= 0; --i) p = fma(p, f, splat(c[i]));
+  store(x, _mm512_scalef_ps(p, n));
+#else
+  for (int i = 0; i < kLanes; ++i) x[i] = std::exp(std::max(x[i], -87.3f));
+#endif
+}
+
+// scores, w: room for S + T rounded up to 16.
 void attend_one(const float* q, const float* kc, const float* vc, const int32_t* kpos,
                 const float* kn, const float* vn, const int32_t* npos, int32_t qpos, int64_t S,
                 int64_t T, int64_t H, int64_t window, float scale, const float* sink,
-                float* scores, float* out) {
+                float* scores, float* w, float* out) {
   auto visible = [&](int32_t p) {
     return p >= 0 && p <= qpos && (window <= 0 || int64_t(qpos) - p < window);
   };
@@ -261,29 +282,27 @@ void attend_one(const float* q, const float* kc, const float* vc, const int32_t*
     for (; h < H; ++h) s += q[h] * k[h];
     return s * scale;
   };
-  float m = sink ? *sink : -INFINITY;
-  for (int64_t j = 0; j < S; ++j) {
-    scores[j] = visible(kpos[j]) ? dot(kc + j * H) : -INFINITY;
+  int64_t n = S + T, padded = (n + kLanes - 1) / kLanes * kLanes;
+  float m = sink ? *sink : kMasked;
+  for (int64_t j = 0; j < n; ++j) {
+    bool seen = j < S ? visible(kpos[j]) : visible(npos[j - S]);
+    scores[j] = seen ? dot(j < S ? kc + j * H : kn + (j - S) * H) : kMasked;
     m = std::max(m, scores[j]);
   }
-  for (int64_t j = 0; j < T; ++j) {
-    scores[S + j] = visible(npos[j]) ? dot(kn + j * H) : -INFINITY;
-    m = std::max(m, scores[S + j]);
-  }
   for (int64_t h = 0; h < H; ++h) out[h] = 0.f;
-  if (m == -INFINITY) return;  // nothing visible and no sink: a padding query; its output is unused
+  if (m == kMasked) return;  // nothing visible and no sink: a padding query; its output is unused
+  for (int64_t j = n; j < padded; ++j) scores[j] = kMasked;
   float total = sink ? std::exp(*sink - m) : 0.f;
-  auto accumulate = [&](float w, const float* v) {
+  for (int64_t j = 0; j < padded; ++j) w[j] = scores[j] == kMasked ? -100.f : scores[j] - m;
+  for (int64_t j = 0; j < padded; j += kLanes) exp16(w + j);  // w = exp(scores - m)
+  for (int64_t j = 0; j < n; ++j) {
+    if (scores[j] == kMasked) continue;
+    total += w[j];
+    const float* v = j < S ? vc + j * H : vn + (j - S) * H;
     int64_t h = 0;
-    vf wv = splat(w);
+    vf wv = splat(w[j]);
     for (; h + kLanes <= H; h += kLanes) store(out + h, fma(wv, load(v + h), load(out + h)));
-    for (; h < H; ++h) out[h] += w * v[h];
-  };
-  for (int64_t j = 0; j < S + T; ++j) {
-    if (scores[j] == -INFINITY) continue;
-    float w = std::exp(scores[j] - m);
-    total += w;
-    accumulate(w, j < S ? vc + j * H : vn + (j - S) * H);
+    for (; h < H; ++h) out[h] += w[j] * v[h];
   }
   float inv = 1.f / total;
   for (int64_t h = 0; h < H; ++h) out[h] *= inv;
@@ -307,7 +326,7 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   const int32_t *kpp = kpos.typed_data(), *npp = npos.typed_data(), *qpp = qpos.typed_data();
   float* op = out->typed_data();
   parallel_for(pool, B * K, 1, [=](int64_t begin, int64_t end) {
-    std::vector<float> scores(S + T);
+    std::vector<float> scores((S + T + kLanes - 1) / kLanes * kLanes), w(scores.size());
     for (int64_t bk = begin; bk < end; ++bk) {
       int64_t b = bk / K, k = bk % K;
       const float* kcb = kcp + (b * K + k) * S * H;
@@ -319,7 +338,7 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
           int64_t n = k * G + g;
           const float* qv = qp + ((b * T + t) * N + n) * H;
           attend_one(qv, kcb, vcb, kpp + b * S, knb, vnb, npp + b * T, qpp[b * T + t], S, T, H,
-                     window, scale, has_sinks ? sp + n : nullptr, scores.data(),
+                     window, scale, has_sinks ? sp + n : nullptr, scores.data(), w.data(),
                      op + ((b * T + t) * N + n) * H);
         }
     }
