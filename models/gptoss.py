@@ -27,10 +27,12 @@ from models.weights import Weight
 from sharding.rules import Rules, constrain
 
 # Logical axes of the expert weights; `declare` and the MoE's shard_map specs both use them.
+# The contracted dimension is last: held [E, D, 2, F], XLA:TPU re-laid out every layer's experts
+# (66 MB per chip for 20b) on every decode step to put D minor for the MXU.
 EXPERT_AXES = {
-    "w_gate_up": ("experts", "embed", None, "mlp"),  # [E, D, 2, F]; [:, :, 0] is the gate
+    "w_gate_up": ("experts", None, "mlp", "embed"),  # [E, 2, F, D]; [:, 0] is the gate
     "b_gate_up": ("experts", None, "mlp"),  # [E, 2, F]
-    "w_down": ("experts", "mlp", "embed"),  # [E, F, D]
+    "w_down": ("experts", "embed", "mlp"),  # [E, D, F]
     "b_down": ("experts", "embed"),  # [E, D]
 }
 YARN = (("beta_fast", 32.0), ("beta_slow", 1.0), ("factor", 32.0),
@@ -127,16 +129,16 @@ def declare(c: Config) -> dict:
         "mlp_norm": Weight((D,), ("embed",), init="ones"),
         "router_w": Weight((D, E), ("embed", None)),  # every shard routes every token
         "router_b": Weight((E,), (None,), init="zeros"),
-        "w_gate_up": Weight((E, D, 2, F), EXPERT_AXES["w_gate_up"]),
+        "w_gate_up": Weight((E, 2, F, D), EXPERT_AXES["w_gate_up"]),
         "b_gate_up": Weight((E, 2, F), EXPERT_AXES["b_gate_up"], init="zeros"),
-        "w_down": Weight((E, F, D), EXPERT_AXES["w_down"]),
+        "w_down": Weight((E, D, F), EXPERT_AXES["w_down"]),
         "b_down": Weight((E, D), EXPERT_AXES["b_down"], init="zeros"),
     }
     return {
         "embed": Weight((V, D), ("vocab", "embed")),  # [V, D]
         "layers": [dict(layer) for _ in range(c.num_layers)],
         "final_norm": Weight((D,), ("embed",), init="ones"),
-        "unembed": Weight((D, V), ("embed", "vocab"), contract=1),  # [D, V]
+        "unembed": Weight((V, D), ("vocab", "embed"), contract=-1),  # [V, D], as lm_head
     }
 
 
@@ -171,8 +173,10 @@ def swiglu(gate_up: jax.Array, c: Config) -> jax.Array:
 def _experts_gathered(x, expert, weight, w, c, policy):
     """Few assignments (decode): gather each assignment's expert weights. x [M, D]; expert,
     weight [M, k] (weight 0 where the expert lives on another shard)."""
-    gate_up = policy.einsum("MD,MKDIF->MKIF", x, w["w_gate_up"][expert]) + w["b_gate_up"][expert]
-    y = policy.einsum("MKF,MKFD->MKD", swiglu(gate_up, c), w["w_down"][expert]) + w["b_down"][expert]
+    wg = w["w_gate_up"][expert]  # [M, k, 2, F, D]
+    gate_up = policy.einsum("MD,MKGD->MKG", x, wg.reshape(*wg.shape[:2], -1, wg.shape[-1]))
+    gate_up = gate_up.reshape(wg.shape[:-1]) + w["b_gate_up"][expert]
+    y = policy.einsum("MKF,MKDF->MKD", swiglu(gate_up, c), w["w_down"][expert]) + w["b_down"][expert]
     return jnp.einsum("MKD,MK->MD", y, weight.astype(y.dtype))
 
 
@@ -191,8 +195,11 @@ def _experts_grouped(x, expert, weight, w, c, policy, capacity):
     slot = jnp.where((sorted_e < E) & (rank < capacity), sorted_e * capacity + rank, E * capacity)
     rows = jnp.zeros((E * capacity + 1, D), x.dtype).at[slot].set(x[token])
     rows = rows[:-1].reshape(E, capacity, D)
-    gate_up = policy.einsum("ECD,EDIF->ECIF", rows, w["w_gate_up"]) + w["b_gate_up"][:, None]
-    y = policy.einsum("ECF,EFD->ECD", swiglu(gate_up, c), w["w_down"]) + w["b_down"][:, None]
+    wg = w["w_gate_up"]  # [E, 2, F, D], one [E, 2F, D] product (a separate 2 axis made XLA:TPU
+    # lay the weights out again on every step)
+    gate_up = policy.einsum("ECD,EGD->ECG", rows, wg.reshape(E, -1, D))
+    gate_up = gate_up.reshape(E, capacity, 2, -1) + w["b_gate_up"][:, None]
+    y = policy.einsum("ECF,EDF->ECD", swiglu(gate_up, c), w["w_down"]) + w["b_down"][:, None]
     y = jnp.concatenate([y.reshape(E * capacity, D), jnp.zeros((1, D), y.dtype)])[slot]
     y = y * weight.reshape(-1)[order][:, None].astype(y.dtype)
     return jnp.zeros((M, D), y.dtype).at[token].add(y)
@@ -271,7 +278,7 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCach
         x = constrain(x + moe_block(p, rms_norm(x, p["mlp_norm"], c.rms_norm_eps), c, rules, policy),
                       rules, "batch", "seq", "act_embed")
     x = rms_norm(x[:, -1:] if last_only else x, params["final_norm"], c.rms_norm_eps)
-    logits = constrain(policy.einsum("BTD,DV->BTV", x, params["unembed"]),
+    logits = constrain(policy.einsum("BTD,VD->BTV", x, params["unembed"]),
                        rules, "batch", "seq", "act_vocab")
     return (logits[:, 0] if last_only else logits), cache
 
@@ -296,9 +303,10 @@ def from_hf(tensors: dict[str, np.ndarray], c: Config) -> dict:
             "sinks": t[a + "sinks"],
             "mlp_norm": t[f"model.layers.{i}.post_attention_layernorm.weight"],
             "router_w": t[m + "router.weight"].T, "router_b": t[m + "router.bias"],
-            "w_gate_up": t[m + "experts.gate_up_proj"].reshape(E, D, F, 2).transpose(0, 1, 3, 2),
+            "w_gate_up": t[m + "experts.gate_up_proj"].reshape(E, D, F, 2).transpose(0, 3, 2, 1),
             "b_gate_up": t[m + "experts.gate_up_proj_bias"].reshape(E, F, 2).transpose(0, 2, 1),
-            "w_down": t[m + "experts.down_proj"], "b_down": t[m + "experts.down_proj_bias"],
+            "w_down": t[m + "experts.down_proj"].transpose(0, 2, 1),
+            "b_down": t[m + "experts.down_proj_bias"],
         })
     return {"embed": t["model.embed_tokens.weight"], "layers": layers,
-            "final_norm": t["model.norm.weight"], "unembed": t["lm_head.weight"].T}
+            "final_norm": t["model.norm.weight"], "unembed": t["lm_head.weight"]}

@@ -198,12 +198,22 @@ class KVCache(NamedTuple):
     pos: [B, S] and ring_pos: [B, W] int32, the position held by each slot, -1 when empty (or
     padding). Masks derive from positions alone, so left padding, ragged prompts and the ring's
     wrap-around need no other bookkeeping.
+    An int8 cache (precision.kv_cache="int8") holds k, v as int8 with one float32 scale per slot
+    and head, k_scale, v_scale [B, K, S] = max |x| over H / 127; otherwise those are None.
     """
 
     k: list[jax.Array]
     v: list[jax.Array]
     pos: jax.Array
     ring_pos: jax.Array  # [B, 0] when no layer is windowed
+    k_scale: list[jax.Array | None]
+    v_scale: list[jax.Array | None]
+
+    @staticmethod
+    def bytes_per_element(dtype: Any, head_dim: int) -> float:
+        """Bytes a cached k or v element takes: an int8 cache adds its per-slot scale."""
+        size = jnp.dtype(dtype).itemsize
+        return size + 4 / head_dim if jnp.dtype(dtype) == jnp.int8 else size
 
     @staticmethod
     def lengths(length: int, windows: tuple[int | None, ...]) -> tuple[int, ...]:
@@ -211,10 +221,12 @@ class KVCache(NamedTuple):
         return tuple(min(w, length) if w else length for w in windows)
 
     @staticmethod
-    def shardings(rules: Rules, num_layers: int) -> KVCache:
+    def shardings(rules: Rules, num_layers: int, quantized: bool = False) -> KVCache:
         kv = rules.sharding("cache_batch", "cache_kv_heads", "cache_seq", None)
         pos = rules.sharding("cache_batch", "cache_seq")
-        return KVCache([kv] * num_layers, [kv] * num_layers, pos, pos)
+        scale = rules.sharding("cache_batch", "cache_kv_heads", "cache_seq") if quantized else None
+        return KVCache([kv] * num_layers, [kv] * num_layers, pos, pos, [scale] * num_layers,
+                       [scale] * num_layers)
 
     @staticmethod
     def create(batch: int, length: int, windows: tuple[int | None, ...], kv_heads: int,
@@ -225,12 +237,16 @@ class KVCache(NamedTuple):
             raise ValueError(f"windowed layers must share one window, got {sorted(rings)}")
         ring = rings.pop() if rings else 0
 
+        quantized = jnp.dtype(dtype) == jnp.int8
+
         def make():
             kv = [jnp.zeros((batch, kv_heads, n, head_dim), dtype) for n in lengths]
+            scale = [jnp.zeros((batch, kv_heads, n), jnp.float32) if quantized else None
+                     for n in lengths]
             return KVCache(kv, list(kv), jnp.full((batch, length), -1, jnp.int32),
-                           jnp.full((batch, ring), -1, jnp.int32))
+                           jnp.full((batch, ring), -1, jnp.int32), scale, list(scale))
 
-        return jax.jit(make, out_shardings=KVCache.shardings(rules, len(lengths)))()
+        return jax.jit(make, out_shardings=KVCache.shardings(rules, len(lengths), quantized))()
 
     def reset(self) -> KVCache:
         """Forgets every position (the k, v left behind are masked out)."""
@@ -246,16 +262,31 @@ class KVCache(NamedTuple):
               rules: Rules) -> KVCache:
         """Writes one layer's new k, v [B, T, K, H] for columns [start, start + T)."""
         with jax.named_scope("cache_write"):
-            ks, vs = list(self.k), list(self.v)
+            ks, vs, kss, vss = list(self.k), list(self.v), list(self.k_scale), list(self.v_scale)
             ring = ks[layer].shape[2] != self.pos.shape[1]
-            for store, new in ((ks, k), (vs, v)):
-                new = jnp.swapaxes(new.astype(store[layer].dtype), 1, 2)  # [B, K, T, H]
+
+            def put(store, new):  # new [B, K, T, ...] into slots [start, start + T) of store
                 if ring:
-                    out = _ring_write(store[layer], new, start, axis=2)
-                else:
-                    out = jax.lax.dynamic_update_slice(store[layer], new, (0, 0, start, 0))
+                    return _ring_write(store, new, start, axis=2)
+                return jax.lax.dynamic_update_slice(store, new, (0, 0, start) + (0,) * (new.ndim - 3))
+
+            for store, scales, new in ((ks, kss, k), (vs, vss, v)):
+                new = jnp.swapaxes(new, 1, 2)  # [B, K, T, H]
+                if scales[layer] is not None:  # int8: one scale per slot and head
+                    new, scale = quantize_rows(new)
+                    scales[layer] = constrain(put(scales[layer], scale), rules, "cache_batch",
+                                              "cache_kv_heads", "cache_seq")
+                out = put(store[layer], new.astype(store[layer].dtype))
                 store[layer] = constrain(out, rules, "cache_batch", "cache_kv_heads", "cache_seq", None)
-            return self._replace(k=ks, v=vs)
+            return self._replace(k=ks, v=vs, k_scale=kss, v_scale=vss)
+
+
+def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [..., H] -> int8 [..., H] and float32 scales [...] = max |x| / 127 (symmetric)."""
+    x = x.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(x), axis=-1) / 127.0
+    safe = jnp.where(scale > 0, scale, 1.0)
+    return jnp.clip(jnp.round(x / safe[..., None]), -127, 127).astype(jnp.int8), scale
 
 
 def _ring_write(ring: jax.Array, new: jax.Array, start: jax.Array | int, axis: int) -> jax.Array:
@@ -292,7 +323,7 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Ar
     XLA:CPU copy every layer's whole cache on every decode step (the write then has two readers).
     """
     new_pos = jax.lax.dynamic_slice_in_dim(cache.pos, start, q.shape[1], axis=1)  # [B, T]
-    new = (jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), new_pos)  # [B, K, T, H]
+    new = (jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), new_pos, None, None)  # [B, K, T, H]
     if isinstance(start, int) and start == 0:
         blocks = [new]
     else:
@@ -300,7 +331,8 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Ar
         k_pos = cache.ring_pos if ring else cache.pos  # [B, S], this step's positions written
         S, T = k_pos.shape[1], q.shape[1]
         overwritten = (jnp.arange(S) - start) % S < T  # slots [start, start + T) (mod S on a ring)
-        blocks = [(cache.k[layer], cache.v[layer], jnp.where(overwritten, -1, k_pos)), new]
+        blocks = [(cache.k[layer], cache.v[layer], jnp.where(overwritten, -1, k_pos),
+                   cache.k_scale[layer], cache.v_scale[layer]), new]
         if _decode_kernel_applies(q, blocks, rules, policy):
             return _decode_kernel(q, positions, blocks, rules, **kw), cache.write(layer, k, v, start, rules)
     out = attention(q, positions, blocks, policy, **kw)
@@ -313,8 +345,9 @@ def _decode_kernel_applies(q: jax.Array, blocks: list, rules: Rules, policy: Pol
     if not policy.kernels or rules.shards("cache_seq") > 1:
         return False
     if rules.platform == "cpu":
-        arrays = [q, blocks[0][0], blocks[0][1], blocks[1][0], blocks[1][1]]
-        return q.shape[1] <= 16 and all(a.dtype == jnp.float32 for a in arrays)
+        (kc, _, _, k_scale, _), (kn, vn, *_) = blocks
+        cache_ok = kc.dtype == jnp.float32 or (kc.dtype == jnp.int8 and k_scale is not None)
+        return q.shape[1] <= 16 and cache_ok and all(a.dtype == jnp.float32 for a in (q, kn, vn))
     return rules.platform == "tpu" and q.shape[1] == 1
 
 
@@ -327,25 +360,31 @@ def _decode_kernel(q: jax.Array, q_pos: jax.Array, blocks: list, rules: Rules, *
     mesh it runs per (batch, kv-head) shard."""
     from models.kernels import cpu, tpu
 
-    (kc, vc, k_pos), (kn, vn, new_pos) = blocks
+    (kc, vc, k_pos, k_scale, v_scale), (kn, vn, new_pos, _, _) = blocks
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     has_sinks = sinks is not None
     sinks = jnp.zeros(q.shape[2:3], jnp.float32) if sinks is None else sinks
 
     kernel = cpu.decode_attention if rules.platform == "cpu" else tpu.decode_attention
 
-    def local(q, kc, vc, k_pos, kn, vn, new_pos, q_pos, sinks):
-        return kernel(q, kc, vc, k_pos, kn, vn, new_pos, q_pos, sinks if has_sinks else None,
-                      window, scale)
+    quantized = k_scale is not None
+    if not quantized:  # placeholders, so that one shard_map signature serves both
+        k_scale = v_scale = jnp.zeros(kc.shape[:3], jnp.float32)
 
-    args = (q, kc, vc, k_pos, kn, vn, new_pos, q_pos, sinks)
+    def local(q, kc, vc, k_pos, kn, vn, new_pos, q_pos, sinks, k_scale, v_scale):
+        scales = (k_scale, v_scale) if quantized else (None, None)
+        return kernel(q, kc, vc, k_pos, kn, vn, new_pos, q_pos, sinks if has_sinks else None,
+                      window, scale, *scales)
+
+    args = (q, kc, vc, k_pos, kn, vn, new_pos, q_pos, sinks, k_scale, v_scale)
     if rules.mesh.size == 1:
         return local(*args)
     b, kv = rules.spec("cache_batch", "cache_kv_heads", None, None, shape=kc.shape)[:2]
     P = jax.sharding.PartitionSpec
-    heads, cache, rows = P(b, None, kv, None), P(b, kv, None, None), P(b, None)
+    heads, cache, rows, slots = P(b, None, kv, None), P(b, kv, None, None), P(b, None), P(b, kv, None)
     return jax.shard_map(local, mesh=rules.mesh, out_specs=heads, check_vma=False,
-                         in_specs=(heads, cache, cache, rows, cache, cache, rows, rows, P(kv)))(*args)
+                         in_specs=(heads, cache, cache, rows, cache, cache, rows, rows, P(kv), slots,
+                                   slots))(*args)
 
 
 # --- attention core ---------------------------------------------------------------------------
@@ -362,7 +401,8 @@ def attention(
 ) -> jax.Array:
     """Grouped-query attention, K/V never repeated, over one softmax across blocks of keys.
 
-    q: [B, T, N, H]; q_pos: [B, T]; each block (k, v [B, K, S, H], k_pos [B, S], -1 = empty slot).
+    q: [B, T, N, H]; q_pos: [B, T]; each block (k, v [B, K, S, H], k_pos [B, S] (-1 = empty
+    slot), k_scale, v_scale [B, K, S] for int8 k, v or None).
     A key is visible when 0 <= k_pos <= q_pos (and q_pos - k_pos < window). Sinks [N], when given,
     are one extra logit per query head that takes probability mass and contributes no value.
     """
@@ -372,8 +412,12 @@ def attention(
         qg = q.reshape(B, T, K, N // K, H)  # [B, T, K, G, H]
         scale = 1.0 / math.sqrt(H) if scale is None else scale
         scores = []
-        for k, _, k_pos in blocks:
+        for k, _, k_pos, k_scale, _ in blocks:
+            if k_scale is not None:  # int8 keys: scale the scores, slot by slot
+                k = k.astype(qg.dtype)
             s = policy.einsum("BTKGH,BKSH->BKGTS", qg, k).astype(jnp.float32) * scale
+            if k_scale is not None:
+                s = s * k_scale[:, :, None, None, :]
             visible = (k_pos[:, None, :] >= 0) & (k_pos[:, None, :] <= q_pos[:, :, None])  # [B, T, S]
             if window is not None:
                 visible &= q_pos[:, :, None] - k_pos[:, None, :] < window
@@ -384,9 +428,11 @@ def attention(
         probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
         out = 0
         offset = 0
-        for _, v, k_pos in blocks:
+        for _, v, k_pos, _, v_scale in blocks:
             S = k_pos.shape[1]
-            p = probs[..., offset: offset + S].astype(v.dtype)
-            out = out + policy.einsum("BKGTS,BKSH->BTKGH", p, v)
+            p = probs[..., offset: offset + S]
+            if v_scale is not None:  # int8 values: fold each slot's scale into its weight
+                p, v = p * v_scale[:, :, None, None, :], v.astype(q.dtype)
+            out = out + policy.einsum("BKGTS,BKSH->BTKGH", p.astype(v.dtype), v)
             offset += S
         return out.reshape(B, T, N, H)

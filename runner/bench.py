@@ -45,6 +45,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from models import quant
+from models.layers import KVCache
 from models.registry import Model
 from models.weights import Weight, is_weight
 from runner.engine import Completion, Engine, Request
@@ -93,32 +94,29 @@ class DecodeCost:
 
 
 def _is_lookup_table(path: tuple, w: Weight) -> bool:
-    """A top-level [rows, D] table that the forward pass indexes (token or position embedding)."""
-    return len(path) == 1 and len(w.shape) == 2 and w.axes[1] == "embed" and w.axes[0] in ("vocab", None)
+    """A top-level [rows, D] table that the forward pass only indexes (token or position
+    embedding); a tied embedding is also a projection (declared with `contract`) and is read whole."""
+    return (len(path) == 1 and len(w.shape) == 2 and w.axes[1] == "embed"
+            and w.axes[0] in ("vocab", None) and w.contract == 0)
 
 
 def decode_cost(model: Model, batch: int, prompt_len: int, new_tokens: int, param_itemsize: int,
-                kv_itemsize: int, quantize: str = "none") -> DecodeCost:
+                kv_itemsize: float, quantize: str = "none") -> DecodeCost:
     """From the model's weight declarations and cache spec alone (nothing is allocated).
 
     Weights: every declared weight once per step, except embedding tables (only the `batch` rows
-    gathered, unless the vocabulary table is also the unembedding: no [embed, vocab] weight is
-    declared) and expert weights (min(batch * k, E) of the E experts; each token uses k).
+    gathered, unless the table is also the unembedding) and expert weights (min(batch * k, E) of
+    the E experts; each token uses k).
     KV cache: step i of the decode (i = 1..N-1) attends over prompt_len + i positions, or the window.
     """
     leaves = jax.tree_util.tree_leaves_with_path(model.declare(), is_leaf=is_weight)
-    tied = not any(w.axes[-1] == "vocab" for _, w in leaves)
     k = getattr(model.config, "experts_per_token", 0)
     weight_bytes = params_per_token = 0.0
     for path, w in leaves:
         size = math.prod(w.shape)
         stored = quant.stored_bytes(w, param_itemsize, quantize)  # int8 + scales, or as restored
         if _is_lookup_table(path, w):
-            if tied and w.axes[0] == "vocab":  # also the unembedding: read whole, one matmul
-                weight_bytes += stored
-                params_per_token += size
-            else:
-                weight_bytes += min(batch, w.shape[0]) * w.shape[1] * param_itemsize
+            weight_bytes += min(batch, w.shape[0]) * w.shape[1] * param_itemsize
         elif "experts" in w.axes:
             experts = w.shape[w.axes.index("experts")]
             weight_bytes += size * min(batch * k, experts) / experts * param_itemsize
@@ -231,7 +229,8 @@ def _timed(engine: Engine, requests: list[Request], n: int) -> tuple[float, list
 def measure(s: Settings, model: Model, params, rules: Rules, w: Workload) -> list[dict]:
     """Timings and roofline counts per (batch size, prompt length); mbu/mfu are filled by `rate`."""
     w.check(model)
-    p_size, kv_size = jnp.dtype(s.policy.params).itemsize, jnp.dtype(s.policy.kv_cache).itemsize
+    p_size = jnp.dtype(s.policy.params).itemsize
+    kv_size = KVCache.bytes_per_element(s.policy.kv_cache, model.module.cache_spec(model.config)[2])
     prompts = {P: w.prompts(P, model.config.vocab_size) for P in w.prompt_lens}
     N, records = w.new_tokens, []
     for B in w.batch_sizes:

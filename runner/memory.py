@@ -66,9 +66,9 @@ def footprint(s: Settings, model: Model) -> Footprint:
     batch = -(-g.batch_size // data) * data
     length = max(g.prefill_buckets or (g.max_prompt_len,)) + g.max_new_tokens
     windows, kv_heads, head_dim = model.module.cache_spec(model.config)
-    c_size = np.dtype(s.policy.kv_cache).itemsize
+    c_size = KVCache.bytes_per_element(s.policy.kv_cache, head_dim)
     axes = ("cache_batch", "cache_kv_heads", "cache_seq", None)
-    kv = sum(2 * _shard_bytes((batch, kv_heads, n, head_dim), axes, rules, c_size)
+    kv = sum(int(2 * _shard_bytes((batch, kv_heads, n, head_dim), axes, rules, 1) * c_size)
              for n in KVCache.lengths(length, windows))
     return Footprint(devices, w_bytes, kv, total, int(s.device_memory_gib * GiB))
 

@@ -34,6 +34,8 @@ if __name__ == "__main__":
     _TEXT = flags.DEFINE_string("text", None, "a UTF-8 text file")
     _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 8192, "tokens of the text to score")
     _WINDOW = flags.DEFINE_integer("window", 512, "tokens per window (the context of a prediction)")
+    _CHUNK = flags.DEFINE_integer("chunk", 0, "feed each window this many tokens at a time, so that "
+                                  "later chunks read the earlier ones from the KV cache (0: at once)")
 
 
 class PerplexityError(ValueError):
@@ -57,8 +59,11 @@ def windows(ids: list[int], max_tokens: int, window: int) -> np.ndarray:
     return out
 
 
-def nll(s: Settings, meta, rules, params, win: np.ndarray) -> tuple[float, int]:
-    """(sum of negative log-likelihoods, number of predicted tokens) over the windows."""
+def nll(s: Settings, meta, rules, params, win: np.ndarray, chunk: int = 0) -> tuple[float, int]:
+    """(sum of negative log-likelihoods, number of predicted tokens) over the windows.
+
+    chunk > 0 feeds each window `chunk` tokens at a time: every chunk after the first attends to
+    the earlier ones through the KV cache, as decoding does, so a cache's precision shows."""
     model = meta.model
     data = rules.shards("batch")
     rows = -(-len(win) // data) * data
@@ -67,10 +72,21 @@ def nll(s: Settings, meta, rules, params, win: np.ndarray) -> tuple[float, int]:
     tokens = np.maximum(padded, 0).astype(np.int32)
     positions = np.where(padded >= 0, np.arange(win.shape[1])[None], -1).astype(np.int32)
 
+    W = win.shape[1]
+    if chunk < 0 or (chunk and W % chunk):
+        raise PerplexityError(f"chunk={chunk} must divide the window of {W} tokens")
+    starts = range(0, W, chunk or W)
+
     @jax.jit
     def score(params, tokens, positions):
-        cache = model.new_cache(tokens.shape[0], tokens.shape[1], jnp.dtype(s.policy.kv_cache), rules)
-        logits, _ = model.forward(params, tokens, positions, cache, 0, rules, s.policy)
+        cache = model.new_cache(tokens.shape[0], W, jnp.dtype(s.policy.kv_cache), rules)
+        parts = []
+        for a in starts:  # a static start: the first chunk attends to itself alone
+            b = a + (chunk or W)
+            out, cache = model.forward(params, tokens[:, a:b], positions[:, a:b], cache, a, rules,
+                                       s.policy)
+            parts.append(out)
+        logits = jnp.concatenate(parts, axis=1)
         logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
         target = tokens[:, 1:]
         picked = jnp.take_along_axis(logp, target[..., None], axis=-1)[..., 0]
@@ -107,12 +123,13 @@ def main(argv: list[str]) -> None:
         # Enough characters for max_tokens (no tokenizer averages under one character a token).
         ids = tokenizer.encode(text[: 8 * (_MAX_TOKENS.value + 1)], add_special_tokens=False)
         win = windows(ids, _MAX_TOKENS.value, _WINDOW.value)
-        total, count = nll(s, meta, rules, params, win)
+        total, count = nll(s, meta, rules, params, win, _CHUNK.value)
     except (*USER_ERRORS, PerplexityError) as e:
         sys.exit(f"podrun perplexity: error: {e}")
     if jax.process_index() == 0:
         print(f"perplexity {math.exp(total / count):.4f} over {count} tokens "
-              f"({len(win)} windows of {_WINDOW.value}; weights {s.policy.params}, quantize "
+              f"({len(win)} windows of {_WINDOW.value}, chunks of {_CHUNK.value or _WINDOW.value}; "
+              f"weights {s.policy.params}, quantize "
               f"{s.policy.quantize}, KV cache {s.policy.kv_cache})")
 
 

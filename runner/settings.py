@@ -97,9 +97,12 @@ def from_config(c: ConfigDict) -> Settings:
             "need temperature >= 0, 0 < top_p <= 1, top_k >= 0"
         )
     p = c.precision
-    for field in ("params", "activations", "kv_cache"):
+    for field in ("params", "activations"):
         if p[field] not in ("float32", "bfloat16", "float16"):
             raise SettingsError(f"precision.{field}={p[field]!r}: use float32, bfloat16 or float16")
+    if p.kv_cache not in ("float32", "bfloat16", "float16", "int8"):
+        raise SettingsError(f"precision.kv_cache={p.kv_cache!r}: use float32, bfloat16, float16 "
+                            "or int8")
     if p.matmul not in ("default", "high", "highest"):
         raise SettingsError(f"precision.matmul={p.matmul!r}: use default, high or highest")
     if p.quantize not in ("none", "int8"):

@@ -85,3 +85,36 @@ def test_pallas_decode_attention_matches_numpy_in_interpret_mode(S, window, with
                                interpret=True)
     want = np_attention(q, kc, vc, k_pos, kn, vn, new_pos, q_pos, sinks, window, 0.125)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+
+
+def quantize_slots(x):
+    """[B, K, S, H] -> int8 and per-slot scales [B, K, S] (numpy, independent of the model code)."""
+    scale = (np.abs(x).max(-1) / np.float32(127)).astype(np.float32)
+    return np.clip(np.round(x / scale[..., None]), -127, 127).astype(np.int8), scale
+
+
+@pytest.mark.parametrize("pallas", [False, True], ids=["cpu", "pallas_interpret"])
+def test_decode_attention_over_an_int8_cache_matches_numpy(pallas):
+    """Both kernels read an int8 cache with per-slot scales exactly as its dequantised values."""
+    from models.kernels import tpu
+
+    rng = np.random.default_rng(7)
+    B, K, G, S, H = 2, 2, 3, 256, 64
+    N = K * G
+    f32 = np.float32
+    q = rng.standard_normal((B, 1, N, H)).astype(f32)
+    (kq, ks), (vq, vs) = (quantize_slots(rng.standard_normal((B, K, S, H)).astype(f32)) for _ in range(2))
+    kn, vn = (rng.standard_normal((B, K, 1, H)).astype(f32) for _ in range(2))
+    k_pos = np.full((B, S), -1, np.int32)
+    k_pos[0, :200] = np.arange(200)
+    k_pos[1, 10:50] = np.arange(40)
+    q_pos = np.array([[200], [40]], np.int32)
+    sinks = rng.standard_normal(N).astype(f32)
+    args = (q, kq, vq, k_pos, kn, vn, q_pos, q_pos, sinks, 30, 0.125, ks, vs)
+    if pallas:
+        got = tpu.decode_attention(*args, interpret=True)
+    else:
+        got = jax.jit(lambda *a: cpu.decode_attention(*a[:9], 30, 0.125, *a[9:]))(*args[:9], ks, vs)
+    want = np_attention(q, kq * ks[..., None], vq * vs[..., None], k_pos, kn, vn, q_pos, q_pos,
+                        sinks, 30, 0.125)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)

@@ -97,17 +97,24 @@ def test_embedded_default_answers_with_real_text(converted, tmp_path):
 
 
 def test_int8_perplexity_within_one_percent_of_float32(converted):
-    """Weight-only int8 (every projection, the tied embedding included) on real English text: the
-    perplexity of SmolLM2-135M stays within 1% of float32's (issue 5's quality bar)."""
+    """Weight-only int8 (every projection, the tied embedding included) and an int8 KV cache on real
+    English text: the perplexity of SmolLM2-135M stays within 1% of float32's (issue 5's quality
+    bar). The cache is only read when a window is fed in chunks (each chunk attends to the earlier
+    ones through it); in float32, chunking must not change the perplexity."""
     text = os.path.join(ROOT, "..", "shared", "data", "tinyshakespeare.txt")
-    ppl = {}
-    for quantize in ("none", "int8"):
+
+    def perplexity(*overrides):
         out = podrun("runner.perplexity", "--config=configs/smollm2_cpu.py",
                      f"--config.checkpoint.path={converted}", "--config.mesh.num_cpu_devices=2",
-                     "--config.mesh.data=2", f"--config.precision.quantize={quantize}",
-                     f"--text={text}", "--max_tokens=4096").stdout
-        line = next(x for x in out.splitlines() if x.startswith("perplexity "))
-        ppl[quantize] = float(line.split()[1])
-    assert 5 < ppl["none"] < 200  # a real model reading real text
-    assert ppl["int8"] != ppl["none"]  # the int8 run really used other weights
-    assert abs(ppl["int8"] / ppl["none"] - 1) < 0.01, ppl
+                     "--config.mesh.data=2", f"--text={text}", "--max_tokens=4096", *overrides).stdout
+        return float(next(x for x in out.splitlines() if x.startswith("perplexity ")).split()[1])
+
+    f32 = perplexity()
+    weights = perplexity("--config.precision.quantize=int8")
+    f32_chunked = perplexity("--chunk=64")
+    cache = perplexity("--chunk=64", "--config.precision.kv_cache=int8")
+    assert 5 < f32 < 200  # a real model reading real text
+    assert abs(f32_chunked / f32 - 1) < 1e-4
+    for ppl, ref in ((weights, f32), (cache, f32_chunked)):
+        assert ppl != ref  # the int8 run really used other numbers
+        assert abs(ppl / ref - 1) < 0.01, (ppl, ref)

@@ -30,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 SOURCE = Path(__file__).with_name("cpu_matmul.cc")
-TARGETS = ("podrun_matmul_kn", "podrun_matmul_nk", "podrun_matmul_nk_s8", "podrun_decode_attention")
+TARGETS = ("podrun_matmul_kn", "podrun_matmul_nk", "podrun_matmul_nk_s8", "podrun_decode_attention",
+           "podrun_decode_attention_s8")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 
 
@@ -113,14 +114,19 @@ def matmul_kn(x: jax.Array, w: jax.Array) -> jax.Array:
 
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, k_pos: jax.Array,
                      k_new: jax.Array, v_new: jax.Array, new_pos: jax.Array, q_pos: jax.Array,
-                     sinks: jax.Array | None, window: int | None, scale: float) -> jax.Array:
+                     sinks: jax.Array | None, window: int | None, scale: float,
+                     k_scale: jax.Array | None = None, v_scale: jax.Array | None = None
+                     ) -> jax.Array:
     """One softmax over the cache (k, v [B, K, S, H], k_pos [B, S]) and this step's keys (k_new,
-    v_new [B, K, T, H], new_pos [B, T]) for q [B, T, N, H] at q_pos [B, T]; float32 throughout.
-    Visibility and sinks as models.layers.attention; a query that sees nothing gives zeros."""
+    v_new [B, K, T, H], new_pos [B, T]) for q [B, T, N, H] at q_pos [B, T]; float32, or an int8
+    cache with k_scale, v_scale [B, K, S]. Visibility and sinks as models.layers.attention; a
+    query that sees nothing gives zeros."""
     register()
     has_sinks = sinks is not None
     sinks = jnp.zeros(q.shape[2:3], jnp.float32) if sinks is None else sinks.astype(jnp.float32)
     i32 = jnp.int32
-    return jax.ffi.ffi_call("podrun_decode_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32))(
-        q, k_cache, v_cache, k_pos.astype(i32), k_new, v_new, new_pos.astype(i32), q_pos.astype(i32),
+    cache = (k_cache, v_cache) if k_scale is None else (k_cache, v_cache, k_scale, v_scale)
+    target = "podrun_decode_attention" if k_scale is None else "podrun_decode_attention_s8"
+    return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+        q, *cache, k_pos.astype(i32), k_new, v_new, new_pos.astype(i32), q_pos.astype(i32),
         sinks, has_sinks=np.int64(has_sinks), scale=np.float32(scale), window=np.int64(window or 0))

@@ -266,28 +266,49 @@ inline void exp16(float* x) {
 #endif
 }
 
-// scores, w: room for S + T rounded up to 16.
-void attend_one(const float* q, const float* kc, const float* vc, const int32_t* kpos,
-                const float* kn, const float* vn, const int32_t* npos, int32_t qpos, int64_t S,
-                int64_t T, int64_t H, int64_t window, float scale, const float* sink,
-                float* scores, float* w, float* out) {
+template <typename C>
+inline vf load_as_float(const C* p) {
+  if constexpr (sizeof(C) == 1) return load_s8(p);
+  else return load(p);
+}
+
+template <typename C>
+inline float dot_row(const float* q, const C* k, int64_t H) {
+  int64_t h = 0;
+  vf acc = zero();
+  for (; h + kLanes <= H; h += kLanes) acc = fma(load(q + h), load_as_float(k + h), acc);
+  float s = hsum(acc);
+  for (; h < H; ++h) s += q[h] * float(k[h]);
+  return s;
+}
+
+template <typename C>
+inline void add_row(float w, const C* v, float* out, int64_t H) {
+  int64_t h = 0;
+  vf wv = splat(w);
+  for (; h + kLanes <= H; h += kLanes) store(out + h, fma(wv, load_as_float(v + h), load(out + h)));
+  for (; h < H; ++h) out[h] += w * float(v[h]);
+}
+
+// One query over the cache's S slots (C = float, or int8 with per-slot scales ks, vs) and this
+// step's T keys (float). scores, w: room for S + T rounded up to 16.
+template <typename C>
+void attend_one(const float* q, const C* kc, const C* vc, const float* ks, const float* vs,
+                const int32_t* kpos, const float* kn, const float* vn, const int32_t* npos,
+                int32_t qpos, int64_t S, int64_t T, int64_t H, int64_t window, float scale,
+                const float* sink, float* scores, float* w, float* out) {
   auto visible = [&](int32_t p) {
     return p >= 0 && p <= qpos && (window <= 0 || int64_t(qpos) - p < window);
   };
-  auto dot = [&](const float* k) {
-    int64_t h = 0;
-    vf acc = zero();
-    for (; h + kLanes <= H; h += kLanes) acc = fma(load(q + h), load(k + h), acc);
-    float s = hsum(acc);
-    for (; h < H; ++h) s += q[h] * k[h];
-    return s * scale;
-  };
   int64_t n = S + T, padded = (n + kLanes - 1) / kLanes * kLanes;
   float m = sink ? *sink : kMasked;
-  for (int64_t j = 0; j < n; ++j) {
-    bool seen = j < S ? visible(kpos[j]) : visible(npos[j - S]);
-    scores[j] = seen ? dot(j < S ? kc + j * H : kn + (j - S) * H) : kMasked;
+  for (int64_t j = 0; j < S; ++j) {
+    scores[j] = visible(kpos[j]) ? dot_row(q, kc + j * H, H) * scale * (ks ? ks[j] : 1.f) : kMasked;
     m = std::max(m, scores[j]);
+  }
+  for (int64_t j = 0; j < T; ++j) {
+    scores[S + j] = visible(npos[j]) ? dot_row(q, kn + j * H, H) * scale : kMasked;
+    m = std::max(m, scores[S + j]);
   }
   for (int64_t h = 0; h < H; ++h) out[h] = 0.f;
   if (m == kMasked) return;  // nothing visible and no sink: a padding query; its output is unused
@@ -298,52 +319,78 @@ void attend_one(const float* q, const float* kc, const float* vc, const int32_t*
   for (int64_t j = 0; j < n; ++j) {
     if (scores[j] == kMasked) continue;
     total += w[j];
-    const float* v = j < S ? vc + j * H : vn + (j - S) * H;
-    int64_t h = 0;
-    vf wv = splat(w[j]);
-    for (; h + kLanes <= H; h += kLanes) store(out + h, fma(wv, load(v + h), load(out + h)));
-    for (; h < H; ++h) out[h] += w[j] * v[h];
+    if (j < S) add_row(w[j] * (vs ? vs[j] : 1.f), vc + j * H, out, H);
+    else add_row(w[j], vn + (j - S) * H, out, H);
   }
   float inv = 1.f / total;
   for (int64_t h = 0; h < H; ++h) out[h] *= inv;
 }
 
-ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kc,
-                           ffi::Buffer<ffi::F32> vc, ffi::Buffer<ffi::S32> kpos,
+template <typename C>
+ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, const C* kcp,
+                           const C* vcp, const float* ksp, const float* vsp,
+                           ffi::Span<const int64_t> cd, ffi::Buffer<ffi::S32> kpos,
                            ffi::Buffer<ffi::F32> kn, ffi::Buffer<ffi::F32> vn,
                            ffi::Buffer<ffi::S32> npos, ffi::Buffer<ffi::S32> qpos,
                            ffi::Buffer<ffi::F32> sinks, ffi::ResultBuffer<ffi::F32> out,
                            int64_t has_sinks, float scale, int64_t window) {
-  auto qd = q.dimensions(), cd = kc.dimensions();
+  auto qd = q.dimensions();
   if (qd.size() != 4 || cd.size() != 4)
     return ffi::Error::InvalidArgument("podrun_decode_attention: q and the cache must be 4-d");
   int64_t B = qd[0], T = qd[1], N = qd[2], H = qd[3], K = cd[1], S = cd[2];
   if (cd[0] != B || cd[3] != H || N % K || kn.dimensions()[2] != T || sinks.dimensions()[0] != N)
     return ffi::Error::InvalidArgument("podrun_decode_attention: inconsistent shapes");
   int64_t G = N / K;
-  const float *qp = q.typed_data(), *kcp = kc.typed_data(), *vcp = vc.typed_data();
-  const float *knp = kn.typed_data(), *vnp = vn.typed_data(), *sp = sinks.typed_data();
+  const float *qp = q.typed_data(), *knp = kn.typed_data(), *vnp = vn.typed_data();
+  const float* sp = sinks.typed_data();
   const int32_t *kpp = kpos.typed_data(), *npp = npos.typed_data(), *qpp = qpos.typed_data();
   float* op = out->typed_data();
   parallel_for(pool, B * K, 1, [=](int64_t begin, int64_t end) {
     std::vector<float> scores((S + T + kLanes - 1) / kLanes * kLanes), w(scores.size());
     for (int64_t bk = begin; bk < end; ++bk) {
       int64_t b = bk / K, k = bk % K;
-      const float* kcb = kcp + (b * K + k) * S * H;
-      const float* vcb = vcp + (b * K + k) * S * H;
+      const C* kcb = kcp + (b * K + k) * S * H;
+      const C* vcb = vcp + (b * K + k) * S * H;
+      const float* ksb = ksp ? ksp + (b * K + k) * S : nullptr;
+      const float* vsb = vsp ? vsp + (b * K + k) * S : nullptr;
       const float* knb = knp + (b * K + k) * T * H;
       const float* vnb = vnp + (b * K + k) * T * H;
       for (int64_t t = 0; t < T; ++t)
         for (int64_t g = 0; g < G; ++g) {
           int64_t n = k * G + g;
-          const float* qv = qp + ((b * T + t) * N + n) * H;
-          attend_one(qv, kcb, vcb, kpp + b * S, knb, vnb, npp + b * T, qpp[b * T + t], S, T, H,
-                     window, scale, has_sinks ? sp + n : nullptr, scores.data(), w.data(),
-                     op + ((b * T + t) * N + n) * H);
+          attend_one<C>(qp + ((b * T + t) * N + n) * H, kcb, vcb, ksb, vsb, kpp + b * S, knb, vnb,
+                        npp + b * T, qpp[b * T + t], S, T, H, window, scale,
+                        has_sinks ? sp + n : nullptr, scores.data(), w.data(),
+                        op + ((b * T + t) * N + n) * H);
         }
     }
   });
   return ffi::Error::Success();
+}
+
+ffi::Error DecodeAttentionF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                              ffi::Buffer<ffi::F32> kc, ffi::Buffer<ffi::F32> vc,
+                              ffi::Buffer<ffi::S32> kpos, ffi::Buffer<ffi::F32> kn,
+                              ffi::Buffer<ffi::F32> vn, ffi::Buffer<ffi::S32> npos,
+                              ffi::Buffer<ffi::S32> qpos, ffi::Buffer<ffi::F32> sinks,
+                              ffi::ResultBuffer<ffi::F32> out, int64_t has_sinks, float scale,
+                              int64_t window) {
+  return DecodeAttention<float>(pool, q, kc.typed_data(), vc.typed_data(), nullptr, nullptr,
+                                kc.dimensions(), kpos, kn, vn, npos, qpos, sinks, out, has_sinks,
+                                scale, window);
+}
+
+ffi::Error DecodeAttentionS8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                             ffi::Buffer<ffi::S8> kc, ffi::Buffer<ffi::S8> vc,
+                             ffi::Buffer<ffi::F32> ks, ffi::Buffer<ffi::F32> vs,
+                             ffi::Buffer<ffi::S32> kpos, ffi::Buffer<ffi::F32> kn,
+                             ffi::Buffer<ffi::F32> vn, ffi::Buffer<ffi::S32> npos,
+                             ffi::Buffer<ffi::S32> qpos, ffi::Buffer<ffi::F32> sinks,
+                             ffi::ResultBuffer<ffi::F32> out, int64_t has_sinks, float scale,
+                             int64_t window) {
+  return DecodeAttention<int8_t>(pool, q, kc.typed_data(), vc.typed_data(), ks.typed_data(),
+                                 vs.typed_data(), kc.dimensions(), kpos, kn, vn, npos, qpos, sinks,
+                                 out, has_sinks, scale, window);
 }
 
 }  // namespace
@@ -370,12 +417,31 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(podrun_matmul_nk_s8, MatmulNKS8,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(podrun_decode_attention, DecodeAttention,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(podrun_decode_attention, DecodeAttentionF32,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k cache
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // k_pos
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k new
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v new
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // new_pos
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_pos
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sinks
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("has_sinks")
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("window"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(podrun_decode_attention_s8, DecodeAttentionS8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::S8>>()  // k cache, int8
+                                  .Arg<ffi::Buffer<ffi::S8>>()  // v cache, int8
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k scales [B, K, S]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v scales
                                   .Arg<ffi::Buffer<ffi::S32>>()  // k_pos
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k new
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v new

@@ -29,7 +29,11 @@ def _block(S: int) -> int:
 
 
 def _kernel(q_pos_ref, new_pos_ref, q_ref, k_ref, v_ref, k_pos_ref, kn_ref, vn_ref, sink_ref,
-            o_ref, m_ref, l_ref, acc_ref, *, scale: float, window: int, has_sinks: bool):
+            *refs, scale: float, window: int, has_sinks: bool, quantized: bool):
+    if quantized:  # int8 cache: per-slot scales [1, bs] for the block's keys and values
+        ks_ref, vs_ref, o_ref, m_ref, l_ref, acc_ref = refs
+    else:
+        o_ref, m_ref, l_ref, acc_ref = refs
     b, s = pl.program_id(0), pl.program_id(2)
     f32 = jnp.float32
 
@@ -45,20 +49,25 @@ def _kernel(q_pos_ref, new_pos_ref, q_ref, k_ref, v_ref, k_pos_ref, kn_ref, vn_r
         ok = (kp >= 0) & (kp <= qp)
         return ok & (qp - kp < window) if window else ok
 
-    def update(scores, seen, v):  # scores [G, n], seen [1, n] or [G, n], v [n, H]
+    def update(scores, seen, v, v_scale=None):  # scores [G, n], seen [1, n] or [G, n], v [n, H]
         scores = jnp.where(seen, scores, NEG)
         m_prev = m_ref[...]
         m_new = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))  # [G, 1]
         p = jnp.where(seen, jnp.exp(scores - m_new), 0.0)
         alpha = jnp.exp(m_prev - m_new)
         l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
-        acc_ref[...] = alpha * acc_ref[...] + jnp.dot(p, v, preferred_element_type=f32)
+        pv = p if v_scale is None else p * v_scale
+        acc_ref[...] = alpha * acc_ref[...] + jnp.dot(pv, v, preferred_element_type=f32)
         m_ref[...] = m_new
 
     q = q_ref[...].astype(f32)  # [G, H]
     k = k_ref[...].astype(f32)  # [bs, H]
     scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=f32) * scale
-    update(scores, visible(k_pos_ref[...]), v_ref[...].astype(f32))  # k_pos [1, bs]
+    v = v_ref[...].astype(f32)
+    if quantized:  # scale each slot's score, and fold each slot's value scale into its weight
+        update(scores * ks_ref[...], visible(k_pos_ref[...]), v, vs_ref[...])
+    else:
+        update(scores, visible(k_pos_ref[...]), v)  # k_pos [1, bs]
 
     @pl.when(s == pl.num_programs(2) - 1)
     def _finish():
@@ -81,9 +90,11 @@ def _kernel(q_pos_ref, new_pos_ref, q_ref, k_ref, v_ref, k_pos_ref, kn_ref, vn_r
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, k_pos: jax.Array,
                      k_new: jax.Array, v_new: jax.Array, new_pos: jax.Array, q_pos: jax.Array,
                      sinks: jax.Array | None, window: int | None, scale: float,
+                     k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
                      interpret: bool = False) -> jax.Array:
-    """q [B, 1, N, H] at q_pos [B, 1] over the cache (k, v [B, K, S, H], k_pos [B, S]) and this
-    step's key (k_new, v_new [B, K, 1, H] at new_pos [B, 1]) -> [B, 1, N, H]."""
+    """q [B, 1, N, H] at q_pos [B, 1] over the cache (k, v [B, K, S, H], k_pos [B, S]; int8 with
+    k_scale, v_scale [B, K, S]) and this step's key (k_new, v_new [B, K, 1, H] at new_pos [B, 1])
+    -> [B, 1, N, H]."""
     B, T, N, H = q.shape
     _, K, S, _ = k_cache.shape
     if T != 1:
@@ -92,8 +103,11 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, k_pos
     bs = _block(S)
     has_sinks = sinks is not None
     sinks = jnp.zeros((N,), jnp.float32) if sinks is None else sinks
+    quantized = k_scale is not None
     kernel = functools.partial(_kernel, scale=float(scale), window=int(window or 0),
-                               has_sinks=has_sinks)
+                               has_sinks=has_sinks, quantized=quantized)
+    slot_scales = [pl.BlockSpec((None, None, 1, bs), lambda b, k, s, *_: (b, k, 0, s))] * 2
+    extra = (k_scale.reshape(B, K, 1, S), v_scale.reshape(B, K, 1, S)) if quantized else ()
     grid = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
         grid=(B, K, S // bs),
@@ -105,7 +119,7 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, k_pos
             pl.BlockSpec((None, None, 1, H), lambda b, k, s, *_: (b, k, 0, 0)),  # k new
             pl.BlockSpec((None, None, 1, H), lambda b, k, s, *_: (b, k, 0, 0)),  # v new
             pl.BlockSpec((None, G, 1), lambda b, k, s, *_: (k, 0, 0)),  # sinks [K, G, 1]
-        ],
+        ] + (slot_scales if quantized else []),
         out_specs=pl.BlockSpec((None, None, G, H), lambda b, k, s, *_: (b, k, 0, 0)),
         scratch_shapes=[pltpu.VMEM((G, 1), jnp.float32), pltpu.VMEM((G, 1), jnp.float32),
                         pltpu.VMEM((G, H), jnp.float32)],
@@ -117,5 +131,5 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, k_pos
             dimension_semantics=("parallel", "parallel", "arbitrary")),
     )(q_pos[:, 0].astype(jnp.int32), new_pos[:, 0].astype(jnp.int32),
       q.reshape(B, K, G, H), k_cache, v_cache, k_pos.astype(jnp.int32).reshape(B, 1, S),
-      k_new, v_new, sinks.astype(jnp.float32).reshape(K, G, 1))
+      k_new, v_new, sinks.astype(jnp.float32).reshape(K, G, 1), *extra)
     return out.reshape(B, 1, N, H)
