@@ -41,6 +41,9 @@ def base_config() -> ConfigDict:
         # (built with g++ on first use), on TPU the Pallas decode attention. False leaves all of
         # it to XLA (same results; slower, much slower for int8 on CPU).
         "kernels": True,
+        # TPU: decode attention in the Pallas kernel (off: XLA's attention, which avoids a copy of
+        # each layer's cache per step that the kernel still causes; see models/layers.Policy).
+        "pallas_attention": False,
     })
     c.generation = ConfigDict({
         "batch_size": 8,

@@ -31,6 +31,10 @@ class Policy:
     matmul: str = "highest"  # default | high | highest (jax.lax.Precision names)
     quantize: str = "none"  # none | int8 (weight-only, per output channel: models/quant.py)
     kernels: bool = True  # podrun's own kernels (models/kernels) where they apply, else XLA's
+    # TPU decode attention in Pallas (models/kernels/tpu.py). Off by default: XLA then copies each
+    # layer's cache on every step, as the kernel reads it while the write updates it in place
+    # (GPT-OSS-20B on v5e: 3.8 GiB of decode temporaries against 0.6 with XLA's attention).
+    pallas_attention: bool = False
 
     @property
     def dtype(self) -> Any:
@@ -348,7 +352,7 @@ def _decode_kernel_applies(q: jax.Array, blocks: list, rules: Rules, policy: Pol
         (kc, _, _, k_scale, _), (kn, vn, *_) = blocks
         cache_ok = kc.dtype == jnp.float32 or (kc.dtype == jnp.int8 and k_scale is not None)
         return q.shape[1] <= 16 and cache_ok and all(a.dtype == jnp.float32 for a in (q, kn, vn))
-    return rules.platform == "tpu" and q.shape[1] == 1
+    return rules.platform == "tpu" and policy.pallas_attention and q.shape[1] == 1
 
 
 def _decode_kernel(q: jax.Array, q_pos: jax.Array, blocks: list, rules: Rules, *,

@@ -75,6 +75,9 @@ def nll(s: Settings, meta, rules, params, win: np.ndarray, chunk: int = 0) -> tu
     W = win.shape[1]
     if chunk < 0 or (chunk and W % chunk):
         raise PerplexityError(f"chunk={chunk} must divide the window of {W} tokens")
+    if chunk and any(model.module.cache_spec(model.config)[0]):
+        # A chunk overwrites ring slots that its own first queries should still see.
+        raise PerplexityError("--chunk needs a model without sliding-window layers")
     starts = range(0, W, chunk or W)
 
     @jax.jit

@@ -131,12 +131,13 @@ def test_every_shipped_tpu_config_compiles_and_fits(path):
 @pytest.mark.parametrize("kernels,kv_cache", [(True, "bfloat16"), (False, "bfloat16"),
                                                (True, "int8"), (False, "int8")])
 def test_decode_attention_compiles_as_the_pallas_kernel_for_tpu(kernels, kv_cache):
-    """With precision.kernels the decode step's attention is the Pallas kernel (a Mosaic custom
-    call in the program compiled for v5e), over a bf16 or an int8 cache; without, XLA's own."""
+    """With precision.pallas_attention the decode step's attention is the Pallas kernel (a Mosaic
+    custom call in the program compiled for v5e), over a bf16 or an int8 cache; without, XLA's."""
     from runner.compile import compile_deployment
 
     s = tiny_tpu_settings()
-    s = dataclasses.replace(s, policy=dataclasses.replace(s.policy, kernels=kernels, kv_cache=kv_cache))
+    s = dataclasses.replace(s, policy=dataclasses.replace(s.policy, pallas_attention=kernels,
+                                                          kv_cache=kv_cache))
     engine, compiled = compile_deployment(s, SMALL)
     assert "decode" in compiled
     decode = engine.lower()["decode"].as_text()

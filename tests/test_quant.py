@@ -205,3 +205,15 @@ def test_int8_kv_cache_decodes_close_to_transformers(kind, mesh, kernels):
             err = np.abs(got[i][b] - ref).max() / (ref.max() - ref.min())
             worst = max(worst, err)
     assert 0 < worst < 0.1, worst
+
+
+def test_chunked_perplexity_refuses_sliding_window_models():
+    from types import SimpleNamespace
+
+    from runner.perplexity import PerplexityError, nll, windows
+
+    rules = rules_for("1dev")
+    model, params = to_podrun(tiny_hf("gptoss"), rules)
+    win = windows(list(range(50)), 40, 20)
+    with pytest.raises(PerplexityError, match="sliding-window"):
+        nll(SimpleNamespace(policy=Policy()), SimpleNamespace(model=model), rules, params, win, 5)
