@@ -84,6 +84,28 @@ def dequantized_reference(m):
     return ref
 
 
+def decode_logits(model, params, rules, policy, cache_dtype, seed, steps):
+    """A left-padded batch prefilled (the literal start 0), then decoded one token at a time:
+    (prompt lengths, token sequences, logits [steps + 1][B, V])."""
+    rng = np.random.RandomState(seed)
+    B, P = 4, 12
+    lengths = rng.randint(3, P + 1, B)
+    seqs = rng.randint(0, VOCAB, (B, P + steps)).astype(np.int32)
+    cache = model.new_cache(B, P + steps, cache_dtype, rules)
+    tokens, positions = np.zeros((B, P), np.int32), np.full((B, P), -1, np.int32)
+    for b, n in enumerate(lengths):
+        tokens[b, P - n:], positions[b, P - n:] = seqs[b, :n], np.arange(n)
+    prefill = jax.jit(lambda p, t, pos, c: model.forward(p, t, pos, c, 0, rules, policy, True))
+    step = jax.jit(lambda p, t, pos, c, s: model.forward(p, t, pos, c, s, rules, policy, True))
+    logits, cache = prefill(params, tokens, positions, cache)
+    got = [np.asarray(logits)]
+    for i in range(steps):
+        tok = np.array([seqs[b, n + i] for b, n in enumerate(lengths)], np.int32)[:, None]
+        logits, cache = step(params, tok, (lengths + i)[:, None].astype(np.int32), cache, np.int32(P + i))
+        got.append(np.asarray(logits))
+    return lengths, seqs, got, cache
+
+
 @pytest.mark.parametrize("kernels", [True, False], ids=["cpu_kernel", "xla"])
 @pytest.mark.parametrize("kind,mesh", [("llama", "1dev"), ("qwen2", "data2_model4"),
                                        ("gpt2", "1dev"), ("llama3", "data2_model4")])
@@ -97,21 +119,8 @@ def test_int8_decode_matches_transformers_on_dequantized_weights(kind, mesh, ker
     model, params = to_podrun(m, rules)
     params = quant.quantize(model.declare(), params, rules)
     policy = Policy(quantize="int8", kernels=kernels)
-    rng = np.random.RandomState(3)
-    B, P, steps = 4, 12, 5
-    lengths = rng.randint(3, P + 1, B)
-    seqs = rng.randint(0, VOCAB, (B, P + steps)).astype(np.int32)
-    cache = model.new_cache(B, P + steps, jnp.float32, rules)
-    tokens, positions = np.zeros((B, P), np.int32), np.full((B, P), -1, np.int32)
-    for b, n in enumerate(lengths):
-        tokens[b, P - n:], positions[b, P - n:] = seqs[b, :n], np.arange(n)
-    fwd = jax.jit(lambda p, t, pos, c, s: model.forward(p, t, pos, c, s, rules, policy, True))
-    logits, cache = fwd(params, tokens, positions, cache, 0)
-    got = [np.asarray(logits)]
-    for i in range(steps):
-        tok = np.array([seqs[b, n + i] for b, n in enumerate(lengths)], np.int32)[:, None]
-        logits, cache = fwd(params, tok, (lengths + i)[:, None].astype(np.int32), cache, np.int32(P + i))
-        got.append(np.asarray(logits))
+    steps = 5
+    lengths, seqs, got, _ = decode_logits(model, params, rules, policy, jnp.float32, 3, steps)
     differs = False
     for b, n in enumerate(lengths):
         want = hf_logits(ref, seqs[b: b + 1, : n + steps])[0]
@@ -180,23 +189,10 @@ def test_int8_kv_cache_decodes_close_to_transformers(kind, mesh, kernels):
                 layer.mlp.router.bias[:2] += 50.0
     model, params = to_podrun(m, rules)
     policy = Policy(kv_cache="int8", kernels=kernels)
-    rng = np.random.RandomState(4)
-    B, P, steps = 4, 12, 12
-    lengths = rng.randint(3, P + 1, B)
-    seqs = rng.randint(0, VOCAB, (B, P + steps)).astype(np.int32)
-    cache = model.new_cache(B, P + steps, jnp.int8, rules)
+    steps = 12
+    lengths, seqs, got, cache = decode_logits(model, params, rules, policy, jnp.int8, 4, steps)
     assert cache.k[0].dtype == jnp.int8 and cache.k_scale[0].shape == cache.k[0].shape[:3]
-    tokens, positions = np.zeros((B, P), np.int32), np.full((B, P), -1, np.int32)
-    for b, n in enumerate(lengths):
-        tokens[b, P - n:], positions[b, P - n:] = seqs[b, :n], np.arange(n)
-    prefill = jax.jit(lambda p, t, pos, c: model.forward(p, t, pos, c, 0, rules, policy, True))
-    step = jax.jit(lambda p, t, pos, c, s: model.forward(p, t, pos, c, s, rules, policy, True))
-    logits, cache = prefill(params, tokens, positions, cache)
-    got = []
-    for i in range(steps):
-        tok = np.array([seqs[b, n + i] for b, n in enumerate(lengths)], np.int32)[:, None]
-        logits, cache = step(params, tok, (lengths + i)[:, None].astype(np.int32), cache, np.int32(P + i))
-        got.append(np.asarray(logits))
+    got = got[1:]  # the decode steps
     worst = 0.0
     for b, n in enumerate(lengths):
         want = hf_logits(m, seqs[b: b + 1, : n + steps])[0]
