@@ -349,6 +349,10 @@ def _decode_kernel_applies(q: jax.Array, blocks: list, rules: Rules, policy: Pol
     if not policy.kernels or rules.shards("cache_seq") > 1:
         return False
     if rules.platform == "cpu":
+        from models.kernels import cpu
+
+        if not cpu.available():
+            return False
         (kc, _, _, k_scale, _), (kn, vn, *_) = blocks
         cache_ok = kc.dtype == jnp.float32 or (kc.dtype == jnp.int8 and k_scale is not None)
         return q.shape[1] <= 16 and cache_ok and all(a.dtype == jnp.float32 for a in (q, kn, vn))

@@ -129,13 +129,13 @@ def matmul(x: jax.Array, w: QWeight, n_contract: int, precision: Any, kernels: b
     """x [*free, *contract] . w -> [*free, *out], in float32 (x's dtype for the XLA path)."""
     free, out = x.shape[: x.ndim - n_contract], w.scale.shape
     C, O = math.prod(x.shape[x.ndim - n_contract:]), math.prod(out)
-    if not (kernels and w.rules.platform == "cpu"):
+    from models.kernels import cpu
+
+    if not (kernels and w.rules.platform == "cpu" and cpu.available()):
         deq = dequantize(w, x.dtype).reshape(O, C)
         y = jax.lax.dot_general(x.reshape(*free, C), deq, (((len(free),), (1,)), ((), ())),
                                 precision=precision)
         return y.reshape(*free, *out)
-    from models.kernels import cpu
-
     rules = w.rules
     free_axes = ("batch", "seq")[: len(free)] if len(free) <= 2 else (None,) * len(free)
     x_spec = rules.spec(*free_axes, *w.contract_axes, shape=x.shape)

@@ -118,3 +118,36 @@ def test_decode_attention_over_an_int8_cache_matches_numpy(pallas):
     want = np_attention(q, kq * ks[..., None], vq * vs[..., None], k_pos, kn, vn, q_pos, q_pos,
                         sinks, 30, 0.125)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+
+
+def test_without_a_compiler_the_kernels_give_way_to_xla(monkeypatch, tmp_path):
+    """No C++ compiler and nothing built yet: one warning, and the model still decodes (through
+    XLA) with the same logits as with the kernels."""
+    from models.layers import Policy
+    from tests.conftest import rules_for
+    from tests.reference import tiny_hf, to_podrun
+
+    rules = rules_for("1dev")
+    model, params = to_podrun(tiny_hf("llama"), rules)
+    tokens = np.arange(12, dtype=np.int32).reshape(2, 6) % 100
+    positions = np.tile(np.arange(6, dtype=np.int32), (2, 1))
+
+    def decode():
+        cache = model.new_cache(2, 8, np.float32, rules)
+        _, cache = model.forward(params, tokens, positions, cache, 0, rules, Policy(), True)
+        step = jax.jit(lambda c, s: model.forward(params, tokens[:, :1], positions[:, :1] + 6, c, s,
+                                                  rules, Policy(), True))
+        return np.asarray(step(cache, np.int32(6))[0])
+
+    with_kernels = decode()
+    monkeypatch.setenv("PODRUN_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    cpu.available.cache_clear()
+    cpu.register.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="no-such-compiler"):
+            assert not cpu.available()
+        np.testing.assert_allclose(decode(), with_kernels, rtol=1e-5, atol=1e-5)
+    finally:
+        cpu.available.cache_clear()
+        cpu.register.cache_clear()

@@ -23,6 +23,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 
 import jax
@@ -77,6 +78,19 @@ def build() -> Path:
                                        f"{done.stderr[-2000:]}")
             os.replace(tmp_out, out)
     return out
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernels can be built and loaded here. When not (no C++ compiler, say), callers
+    fall back to XLA, which gives the same results more slowly; one warning says why."""
+    try:
+        register()
+    except KernelBuildError as e:
+        warnings.warn(f"podrun's CPU kernels are unavailable, XLA runs their work instead: {e}",
+                      RuntimeWarning, stacklevel=2)
+        return False
+    return True
 
 
 @functools.cache
