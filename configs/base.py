@@ -37,9 +37,9 @@ def base_config() -> ConfigDict:
         "matmul": "highest",  # default | high | highest
         # Weight-only int8 for every projection, one scale per output channel: none | int8.
         "quantize": "none",
-        # podrun's own kernels (models/kernels): on CPU the int8 products and decode attention
-        # (built with g++ on first use), on TPU the Pallas decode attention. False leaves all of
-        # it to XLA (same results; slower, much slower for int8 on CPU).
+        # podrun's own CPU kernels (models/kernels): the int8 products and decode attention, built
+        # with g++ on first use (without a compiler: a warning, and XLA). False leaves all of it to
+        # XLA (same results; slower, much slower for int8).
         "kernels": True,
         # TPU: decode attention in the Pallas kernel (off: XLA's attention, which avoids a copy of
         # each layer's cache per step that the kernel still causes; see models/layers.Policy).

@@ -59,7 +59,7 @@ def first_max(logits: jax.Array) -> jax.Array:
     V = logits.shape[-1]
     top = jnp.max(logits, axis=-1, keepdims=True)
     ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
-    return jnp.min(jnp.where(logits == top, ids, V), axis=-1)
+    return jnp.minimum(jnp.min(jnp.where(logits == top, ids, V), axis=-1), V - 1)  # a NaN row: V-1
 
 
 def sample(logits: jax.Array, seeds: jax.Array, counts: jax.Array, temperature: jax.Array,
@@ -133,8 +133,7 @@ class Engine:
         # XLA:CPU's default copy insertion copies every layer's whole cache on every step when a
         # layer's cache is both read (attention) and written in place; region analysis sees that
         # the read comes first (SmolLM2 decode, B=1: 120 copies of [1, 3, 256, 64] per step gone).
-        cpu = rules.mesh.devices.flat[0].platform == "cpu"
-        opts = {"xla_cpu_copy_insertion_use_region_analysis": True} if cpu else None
+        opts = {"xla_cpu_copy_insertion_use_region_analysis": True} if rules.platform == "cpu" else None
         self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,), compiler_options=opts,
                                 out_shardings=(everywhere, row, cache_sh))
         self._decode = jax.jit(self._decode_fn, donate_argnums=(1,), compiler_options=opts,
