@@ -1,5 +1,6 @@
-"""Pallas TPU kernels. Checked on CPU in interpret mode against the XLA path (tests/test_kernels.py)
-and compiled for TPU v5e ahead of time (python -m runner.compile, tests/test_compile.py).
+"""Pallas TPU kernels, used with precision.pallas_attention. Checked on CPU in interpret mode
+against numpy (tests/test_kernels.py) and compiled for TPU v5e ahead of time (tests/test_compile.py;
+python -m runner.compile --config.precision.pallas_attention=True).
 
 decode_attention: one decode token per row (T = 1) over the KV cache [B, K, S, H], flash-decoding
 style. The grid walks (row, kv head, block of cache slots); the block's keys and values are read
