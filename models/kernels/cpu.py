@@ -10,7 +10,8 @@ a quarter of the float32 bytes.
 
 The shared library is compiled with the machine's C++ compiler ($CXX, else g++) for the CPU it runs
 on (-march=native) into ~/.cache/podrun/kernels/ (or $PODRUN_KERNEL_CACHE), keyed by a hash of the
-source, the flags and the jaxlib version, so each machine builds it once (about 3 s).
+source, the flags, the jax version and the CPU's feature flags (a home directory shared by machines
+of different kinds keeps one build per kind), so each machine builds it once (about 3 s).
 """
 
 from __future__ import annotations
@@ -49,10 +50,19 @@ def _compiler() -> str:
     found = shutil.which(cxx)
     if not found:
         raise KernelBuildError(
-            f"the int8 CPU kernels need a C++ compiler to build {SOURCE.name}, and {cxx!r} is not "
+            f"podrun's CPU kernels need a C++ compiler to build {SOURCE.name}, and {cxx!r} is not "
             "on PATH; install g++ (apt-get install g++) or set CXX, or run with "
             "--config.precision.kernels=False (much slower int8 through XLA)")
     return found
+
+
+def _cpu_features() -> bytes:
+    """The CPU's feature flags (what -march=native compiles for); empty where /proc is absent."""
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            return next((line for line in f if line.startswith(b"flags")), b"")
+    except OSError:
+        return b""
 
 
 def build() -> Path:
@@ -60,7 +70,7 @@ def build() -> Path:
     cxx = _compiler()
     source = SOURCE.read_bytes()
     key = hashlib.sha256(source + " ".join(FLAGS).encode() + cxx.encode()
-                         + jax.__version__.encode()).hexdigest()[:16]
+                         + jax.__version__.encode() + _cpu_features()).hexdigest()[:16]
     out = _cache_dir() / f"cpu_matmul-{key}.so"
     if out.exists():
         return out
