@@ -375,24 +375,21 @@ def _decode_kernel(q: jax.Array, q_pos: jax.Array, blocks: list, rules: Rules, *
 
     kernel = cpu.decode_attention if rules.platform == "cpu" else tpu.decode_attention
 
-    quantized = k_scale is not None
-    if not quantized:  # placeholders, so that one shard_map signature serves both
-        k_scale = v_scale = jnp.zeros(kc.shape[:3], jnp.float32)
+    scales = () if k_scale is None else (k_scale, v_scale)  # an int8 cache's, [B, K, S]
 
-    def local(q, kc, vc, k_pos, kn, vn, new_pos, q_pos, sinks, k_scale, v_scale):
-        scales = (k_scale, v_scale) if quantized else (None, None)
+    def local(q, kc, vc, k_pos, kn, vn, new_pos, q_pos, sinks, *scales):
         return kernel(q, kc, vc, k_pos, kn, vn, new_pos, q_pos, sinks if has_sinks else None,
                       window, scale, *scales)
 
-    args = (q, kc, vc, k_pos, kn, vn, new_pos, q_pos, sinks, k_scale, v_scale)
+    args = (q, kc, vc, k_pos, kn, vn, new_pos, q_pos, sinks, *scales)
     if rules.mesh.size == 1:
         return local(*args)
     b, kv = rules.spec("cache_batch", "cache_kv_heads", None, None, shape=kc.shape)[:2]
     P = jax.sharding.PartitionSpec
-    heads, cache, rows, slots = P(b, None, kv, None), P(b, kv, None, None), P(b, None), P(b, kv, None)
+    heads, cache, rows = P(b, None, kv, None), P(b, kv, None, None), P(b, None)
+    specs = (heads, cache, cache, rows, cache, cache, rows, rows, P(kv)) + (P(b, kv, None),) * len(scales)
     return jax.shard_map(local, mesh=rules.mesh, out_specs=heads, check_vma=False,
-                         in_specs=(heads, cache, cache, rows, cache, cache, rows, rows, P(kv), slots,
-                                   slots))(*args)
+                         in_specs=specs)(*args)
 
 
 # --- attention core ---------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from models import weights
 from models.weights import Weight, is_weight
 from sharding.rules import Rules
 
@@ -32,10 +33,6 @@ class QWeight:
     out_axes: tuple[str | None, ...] = dataclasses.field(metadata={"static": True})
     contract_axes: tuple[str | None, ...] = dataclasses.field(metadata={"static": True})
     rules: Rules = dataclasses.field(metadata={"static": True})
-
-    @property
-    def shape(self) -> tuple[int, ...]:  # [*out, *contract], as q
-        return tuple(self.q.shape)
 
 
 def _split(w: Weight) -> tuple[list[int], list[int]]:
@@ -64,12 +61,11 @@ def abstract(w: Weight, rules: Rules) -> QWeight:
 
 def abstract_tree(decl: Any, rules: Rules, dtype: Any, quantize: str) -> Any:
     """What a restore (and `quantize`, when "int8") gives, as ShapeDtypeStructs with shardings."""
-    def one(w: Weight) -> Any:
-        if quantize == "int8" and quantizable(w):
-            return abstract(w, rules)
-        return jax.ShapeDtypeStruct(w.shape, dtype, sharding=rules.sharding(*w.axes))
-
-    return jax.tree.map(one, decl, is_leaf=is_weight)
+    restored = weights.abstract(decl, rules, dtype)
+    if quantize != "int8":
+        return restored
+    return jax.tree.map(lambda w, a: abstract(w, rules) if quantizable(w) else a, decl, restored,
+                        is_leaf=is_weight)
 
 
 def stored_bytes(w: Weight, itemsize: int, quantize: str) -> int:

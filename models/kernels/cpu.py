@@ -32,8 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 SOURCE = Path(__file__).with_name("cpu_matmul.cc")
-TARGETS = ("podrun_matmul_kn", "podrun_matmul_nk", "podrun_matmul_nk_s8", "podrun_decode_attention",
-           "podrun_decode_attention_s8")
+TARGETS = ("podrun_matmul_nk_s8", "podrun_decode_attention", "podrun_decode_attention_s8")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 
 
@@ -120,20 +119,6 @@ def matmul_nk_s8(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
     register()
     out = jax.ShapeDtypeStruct((x.shape[0], q.shape[0]), jnp.float32)
     return jax.ffi.ffi_call("podrun_matmul_nk_s8", out)(x.astype(jnp.float32), q, scale)
-
-
-def matmul_nk(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [M, K] float32, w [N, K] float32 -> [M, N] float32 (for measurements against XLA's dot)."""
-    register()
-    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
-    return jax.ffi.ffi_call("podrun_matmul_nk", out)(x, w)
-
-
-def matmul_kn(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [M, K] float32, w [K, N] float32 -> [M, N] float32 (for measurements against XLA's dot)."""
-    register()
-    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32)
-    return jax.ffi.ffi_call("podrun_matmul_kn", out)(x, w)
 
 
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, k_pos: jax.Array,

@@ -1,15 +1,11 @@
-// Small-M matrix products for decode on CPU: y[M, N] = x[M, K] . W, for the few rows a decode step
-// has (M = batch), where XLA:CPU's dot reaches well under half of the DRAM bandwidth.
+// CPU kernels for decode, where XLA:CPU's own operations are slow, registered with XLA's FFI.
 //
-// A decode step is bound by reading the weights once. These kernels stream each weight exactly once
-// per call, with every row of x (kept in L1/L2) applied to it, and split the output columns over
-// XLA's intra-op thread pool. Two weight layouts and two weight types:
-//   kn: W[K, N] float32 (how podrun declares projections: "BTD,DNH->BTNH")
-//   nk: W[N, K] float32 (a tied embedding used as the unembedding, "BTD,VD->BTV")
-//   nk_s8: W[N, K] int8 with a float32 scale per output row n (weight-only int8), dequantised in
-//          registers, so a step reads one byte per weight.
-// Accumulation is in float32 in the order k = 0..K-1 per lane; results differ from XLA's dot only
-// by float32 rounding of the summation order.
+// matmul_nk_s8: y[M, N] = x[M, K] . W^T for the few rows a decode step has (M = batch), W[N, K]
+// int8 with a float32 scale per output row n (weight-only int8). Each weight byte is read once
+// per call and dequantised in registers, with every row of x (kept in L1/L2) applied to it; the
+// output rows are split over XLA's intra-op thread pool. XLA:CPU's own dot with an int8 operand
+// falls back to a slow loop. Accumulation is in float32 in the order k = 0..K-1 per lane.
+// decode_attention: see its section below.
 //
 // Built on first use by models/kernels/cpu.py (g++ -O3 -march=native) and registered with XLA's FFI.
 
@@ -84,6 +80,12 @@ void parallel_for(ffi::ThreadPool& pool, int64_t total, int64_t grain, Body body
   while (state->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
 }
 
+template <typename C>
+inline vf load_as_float(const C* p) {
+  if constexpr (sizeof(C) == 1) return load_s8(p);
+  else return load(p);
+}
+
 // --- W[N, K]: each output is a dot product over contiguous K ----------------------------------
 
 template <typename W, int MB, int NB>
@@ -94,10 +96,7 @@ void nk_block(const float* x, int64_t ldx, const W* w, const float* scale, float
   int64_t k = 0;
   for (; k + kLanes <= K; k += kLanes) {
     vf wv[NB];
-    for (int j = 0; j < NB; ++j) {
-      if constexpr (sizeof(W) == 1) wv[j] = load_s8(w + (n0 + j) * K + k);
-      else wv[j] = load(w + (n0 + j) * K + k);
-    }
+    for (int j = 0; j < NB; ++j) wv[j] = load_as_float(w + (n0 + j) * K + k);
     for (int i = 0; i < MB; ++i) {
       vf xv = load(x + i * ldx + k);
       for (int j = 0; j < NB; ++j) acc[i][j] = fma(xv, wv[j], acc[i][j]);
@@ -135,88 +134,11 @@ void nk_all(const float* x, const W* w, const float* scale, float* y, int64_t M,
   }
 }
 
-// --- W[K, N]: a block of output columns accumulates over the rows of W ------------------------
-
-template <int MB, int CB>
-void kn_block(const float* x, const float* w, float* y, int64_t N, int64_t K, int64_t c0) {
-  vf acc[MB][CB];
-  for (auto& r : acc) for (auto& a : r) a = zero();
-  for (int64_t k = 0; k < K; ++k) {
-    const float* wr = w + k * N + c0;
-    vf wv[CB];
-    for (int j = 0; j < CB; ++j) wv[j] = load(wr + j * kLanes);
-    for (int i = 0; i < MB; ++i) {
-      vf xv = splat(x[i * K + k]);
-      for (int j = 0; j < CB; ++j) acc[i][j] = fma(xv, wv[j], acc[i][j]);
-    }
-  }
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < CB; ++j) store(y + i * N + c0 + j * kLanes, acc[i][j]);
-}
-
-template <int MB>
-void kn_cols(const float* x, const float* w, float* y, int64_t N, int64_t K, int64_t c_begin,
-             int64_t c_end) {
-  constexpr int CB = MB == 1 ? 8 : MB == 2 ? 4 : 2;
-  int64_t c = c_begin;
-  for (; c + CB * kLanes <= c_end; c += CB * kLanes) kn_block<MB, CB>(x, w, y, N, K, c);
-  for (; c + kLanes <= c_end; c += kLanes) kn_block<MB, 1>(x, w, y, N, K, c);
-  for (; c < c_end; ++c)  // column tail (N not a multiple of 16)
-    for (int i = 0; i < MB; ++i) {
-      float s = 0.f;
-      for (int64_t k = 0; k < K; ++k) s += x[i * K + k] * w[k * N + c];
-      y[i * N + c] = s;
-    }
-}
-
-void kn_all(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K,
-            int64_t c0, int64_t c1) {
-  for (int64_t m = 0; m < M;) {
-    int64_t left = M - m;
-    const float* xm = x + m * K;
-    float* ym = y + m * N;
-    if (left >= 8) { kn_cols<8>(xm, w, ym, N, K, c0, c1); m += 8; }
-    else if (left >= 4) { kn_cols<4>(xm, w, ym, N, K, c0, c1); m += 4; }
-    else if (left >= 2) { kn_cols<2>(xm, w, ym, N, K, c0, c1); m += 2; }
-    else { kn_cols<1>(xm, w, ym, N, K, c0, c1); m += 1; }
-  }
-}
-
 // Chunk sizes: enough chunks per thread to balance, each big enough to amortise the bookkeeping.
 int64_t grain(int64_t n, int64_t unit, int64_t threads) {
   int64_t g = (n + 8 * threads - 1) / (8 * threads);
   g = std::max<int64_t>(unit, (g + unit - 1) / unit * unit);
   return g;
-}
-
-ffi::Error MatmulKN(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                    ffi::ResultBuffer<ffi::F32> y) {
-  auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0])
-    return ffi::Error::InvalidArgument("podrun_matmul_kn: expects x[M, K] and w[K, N]");
-  int64_t M = xd[0], K = xd[1], N = wd[1];
-  const float* xp = x.typed_data();
-  const float* wp = w.typed_data();
-  float* yp = y->typed_data();
-  parallel_for(pool, N, grain(N, 128, pool.num_threads()), [=](int64_t c0, int64_t c1) {
-    kn_all(xp, wp, yp, M, N, K, c0, c1);
-  });
-  return ffi::Error::Success();
-}
-
-ffi::Error MatmulNK(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                    ffi::ResultBuffer<ffi::F32> y) {
-  auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1])
-    return ffi::Error::InvalidArgument("podrun_matmul_nk: expects x[M, K] and w[N, K]");
-  int64_t M = xd[0], K = xd[1], N = wd[0];
-  const float* xp = x.typed_data();
-  const float* wp = w.typed_data();
-  float* yp = y->typed_data();
-  parallel_for(pool, N, grain(N, 16, pool.num_threads()), [=](int64_t n0, int64_t n1) {
-    nk_all<float>(xp, wp, nullptr, yp, M, N, K, n0, n1);
-  });
-  return ffi::Error::Success();
 }
 
 ffi::Error MatmulNKS8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
@@ -264,12 +186,6 @@ inline void exp16(float* x) {
 #else
   for (int i = 0; i < kLanes; ++i) x[i] = std::exp(std::max(x[i], -87.3f));
 #endif
-}
-
-template <typename C>
-inline vf load_as_float(const C* p) {
-  if constexpr (sizeof(C) == 1) return load_s8(p);
-  else return load(p);
 }
 
 template <typename C>
@@ -394,20 +310,6 @@ ffi::Error DecodeAttentionS8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
 }
 
 }  // namespace
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(podrun_matmul_kn, MatmulKN,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(podrun_matmul_nk, MatmulNK,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(podrun_matmul_nk_s8, MatmulNKS8,
                               ffi::Ffi::Bind()
