@@ -19,10 +19,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax.numpy as jnp
 from jax.experimental import topologies
 
-from models import quant
 from models.registry import Model
 from runner.engine import Engine
 from runner.memory import footprint
@@ -49,7 +47,7 @@ def main(path: str, *overrides: str) -> None:
     topo = topologies.get_topology_desc(platform="tpu", topology_name=s.tpu_topology)
     model = Model.named(s.checkpoint_model)
     rules = Rules.make(make_mesh(s.mesh, topo.devices), s.rules)
-    params = quant.abstract_tree(model.declare(), rules, jnp.dtype(s.policy.params), s.policy.quantize)
+    params = model.abstract_params(rules, s.policy)
     g = s.generation
     engine = Engine(model, params, rules, s.policy, g.batch_size, g.max_prompt_len, g.max_new_tokens,
                     1, g.prefill_buckets, allocate=False, prefill_rows=g.prefill_rows)

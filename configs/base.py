@@ -44,6 +44,12 @@ def base_config() -> ConfigDict:
         # TPU: decode attention in the Pallas kernel (off: XLA's attention, which avoids a copy of
         # each layer's cache per step that the kernel still causes; see models/layers.Policy).
         "pallas_attention": False,
+        # q/k/v as one matrix product and gate/up as another (models/fused.py): the checkpoint's
+        # separate weights are fused once after restore. Same results either way; off because it
+        # measured slower: XLA:CPU runs separate products side by side on its two cores (peer
+        # model, batch 1: 4.39 ms per step separate, 5.03 fused), and GPT-OSS-20B decode on v5e
+        # accesses more bytes per step fused (21.5 GB against 20.7, AOT cost analysis).
+        "fuse_projections": False,
     })
     c.generation = ConfigDict({
         "batch_size": 8,

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import quant
+from models import fused, quant
 from models.layers import KVCache, Policy, Rope, apply_rope, cached_attention, rms_norm
 from models.weights import Weight
 from sharding.rules import Rules, constrain
@@ -150,9 +150,7 @@ def cache_spec(c: Config) -> tuple[tuple[int | None, ...], int, int]:
 
 def attention_block(p: dict, x: jax.Array, positions: jax.Array, cache: KVCache, layer: int,
                     start: Any, c: Config, rules: Rules, policy: Policy) -> tuple[jax.Array, KVCache]:
-    q = policy.einsum("BTD,DNH->BTNH", x, p["wq"]) + p["bq"]
-    k = policy.einsum("BTD,DKH->BTKH", x, p["wk"]) + p["bk"]
-    v = policy.einsum("BTD,DKH->BTKH", x, p["wv"]) + p["bv"]
+    q, k, v = fused.qkv(p, x, policy)  # [B, T, N, H], [B, T, K, H] twice
     q = constrain(apply_rope(q, positions, c.rope), rules, "batch", "seq", "act_heads", None)
     k = constrain(apply_rope(k, positions, c.rope), rules, "batch", "seq", "act_kv_heads", None)
     v = constrain(v, rules, "batch", "seq", "act_kv_heads", None)

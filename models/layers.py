@@ -23,7 +23,8 @@ MASKED = -1e30  # finite, so a row with nothing to attend to (a padding query) g
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
-    """Precision policy: what weights, activations and the KV cache are held in, and matmul precision."""
+    """Precision policy: what weights, activations and the KV cache are held in, matmul precision,
+    and how the products run (fused, quantised, in podrun's kernels)."""
 
     params: str = "float32"
     activations: str = "float32"
@@ -35,6 +36,8 @@ class Policy:
     # layer's cache on every step, as the kernel reads it while the write updates it in place
     # (GPT-OSS-20B on v5e: 3.8 GiB of decode temporaries against 0.6 with XLA's attention).
     pallas_attention: bool = False
+    # q/k/v as one product and gate/up as another (models/fused.py), fused after restore.
+    fuse_projections: bool = False
 
     @property
     def dtype(self) -> Any:

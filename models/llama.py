@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import quant
+from models import fused, quant
 from models.layers import KVCache, Policy, Rope, apply_rope, cached_attention, rms_norm
 from models.weights import Weight
 from sharding.rules import Rules, constrain
@@ -156,9 +156,7 @@ def _add(x: jax.Array, b: jax.Array | None) -> jax.Array:
 
 def attention_block(p: dict, x: jax.Array, positions: jax.Array, cache: KVCache, layer: int,
                     start: Any, c: Config, rules: Rules, policy: Policy) -> tuple[jax.Array, KVCache]:
-    q = _add(policy.einsum("BTD,DNH->BTNH", x, p["wq"]), p["bq"])
-    k = _add(policy.einsum("BTD,DKH->BTKH", x, p["wk"]), p["bk"])
-    v = _add(policy.einsum("BTD,DKH->BTKH", x, p["wv"]), p["bv"])
+    q, k, v = fused.qkv(p, x, policy)  # [B, T, N, H], [B, T, K, H] twice
     q = constrain(apply_rope(q, positions, c.rope), rules, "batch", "seq", "act_heads", None)
     k = constrain(apply_rope(k, positions, c.rope), rules, "batch", "seq", "act_kv_heads", None)
     v = constrain(v, rules, "batch", "seq", "act_kv_heads", None)
@@ -167,8 +165,7 @@ def attention_block(p: dict, x: jax.Array, positions: jax.Array, cache: KVCache,
 
 
 def mlp_block(p: dict, x: jax.Array, rules: Rules, policy: Policy) -> jax.Array:
-    gate = _add(policy.einsum("BTD,DF->BTF", x, p["w_gate"]), p["b_gate"])
-    up = _add(policy.einsum("BTD,DF->BTF", x, p["w_up"]), p["b_up"])
+    gate, up = fused.gate_up(p, x, policy)  # [B, T, F] each
     h = constrain(jax.nn.silu(gate) * up, rules, "batch", "seq", "act_mlp")
     return _add(policy.einsum("BTF,FD->BTD", h, p["w_down"]), p["b_down"])
 

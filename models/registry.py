@@ -6,8 +6,11 @@ import dataclasses
 from types import ModuleType
 from typing import Any
 
-from models import gpt2, gptoss, llama
-from models.layers import KVCache
+import jax.numpy as jnp
+
+from models import fused, gpt2, gptoss, llama, quant
+from models.layers import KVCache, Policy
+from sharding.rules import Rules
 
 FAMILIES: dict[str, ModuleType] = {"llama": llama, "gpt2": gpt2, "gptoss": gptoss}
 # transformers' model_type -> family
@@ -24,8 +27,23 @@ class Model:
     def module(self) -> ModuleType:
         return FAMILIES[self.family]
 
-    def declare(self) -> dict:
-        return self.module.declare(self.config)
+    def declare(self, fuse: bool = False) -> dict:
+        """The weights as a checkpoint holds them, or (fuse) as the blocks run them: models/fused.py."""
+        decl = self.module.declare(self.config)
+        return fused.declare(decl) if fuse else decl
+
+    def prepare(self, params: Any, rules: Rules, policy: Policy) -> Any:
+        """Restored weights made ready to run: projections fused, then quantised, as the policy says."""
+        if policy.fuse_projections:
+            params = fused.fuse(self.declare(), params, rules)
+        if policy.quantize == "int8":
+            params = quant.quantize(self.declare(policy.fuse_projections), params, rules)
+        return params
+
+    def abstract_params(self, rules: Rules, policy: Policy) -> Any:
+        """What `prepare` gives, as ShapeDtypeStructs with their shardings (for AOT compiles)."""
+        return quant.abstract_tree(self.declare(policy.fuse_projections), rules,
+                                   jnp.dtype(policy.params), policy.quantize)
 
     def new_cache(self, batch: int, length: int, dtype, rules) -> KVCache:
         """An empty KV cache for `length` columns, sharded by the rules."""

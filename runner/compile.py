@@ -24,11 +24,9 @@ import sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # topology descriptions only, no chips
 
-import jax.numpy as jnp
 from absl import app
 from ml_collections import config_flags
 
-from models import quant
 from models.registry import Model
 from runner.engine import Engine
 from runner.memory import GiB, footprint
@@ -72,7 +70,7 @@ def compile_deployment(s: Settings, model: Model | None = None) -> tuple[Engine,
                          "libtpu==0.0.42.1), and is the name like v5e:2x4?") from e
     model = model or Model.named(s.checkpoint_model)
     rules = Rules.make(make_mesh(s.mesh, topo.devices), s.rules)
-    params = quant.abstract_tree(model.declare(), rules, jnp.dtype(s.policy.params), s.policy.quantize)
+    params = model.abstract_params(rules, s.policy)
     g = s.generation
     engine = Engine(model, params, rules, s.policy, g.batch_size, g.max_prompt_len, g.max_new_tokens,
                     g.steps_per_dispatch, g.prefill_buckets, allocate=False,

@@ -12,7 +12,6 @@ from etils import epath
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
-from models import quant
 from models.weights import check_divisible
 from runner import checkpoint, convert, sources
 from runner.engine import Engine, Request
@@ -93,11 +92,9 @@ def load_model(s: Settings) -> tuple[checkpoint.Metadata, Rules, Any]:
     if s.checkpoint_model:
         checkpoint.check_matches(meta, s.checkpoint_model, s.checkpoint_path)
     rules = Rules.make(make_mesh(s.mesh), s.rules)
-    check_divisible(meta.model.declare(), rules)
+    check_divisible(meta.model.declare(s.policy.fuse_projections), rules)
     params = checkpoint.restore(s.checkpoint_path, meta.model, rules, s.policy.params)
-    if s.policy.quantize == "int8":
-        params = quant.quantize(meta.model.declare(), params, rules)
-    return meta, rules, params
+    return meta, rules, meta.model.prepare(params, rules, s.policy)
 
 
 def run(s: Settings) -> Summary:

@@ -6,6 +6,7 @@ import numpy as np
 import torch
 import transformers
 
+from models.layers import Policy
 from models.registry import Model
 from models.weights import shardings
 from sharding.rules import Rules
@@ -52,12 +53,15 @@ def tiny_hf(kind: str, seed: int = 0, std: float = 0.3):
     return m
 
 
-def to_podrun(m, rules: Rules):
-    """The transformers model's weights mapped through podrun's own name mapping, sharded."""
+def to_podrun(m, rules: Rules, fuse: bool = False):
+    """The transformers model's weights mapped through podrun's own name mapping, sharded (and
+    with q/k/v and gate/up fused as a deployment's load does, when `fuse`)."""
     model = Model.from_hf_config(m.config.to_dict())
     sd = {k: v.detach().numpy() for k, v in m.state_dict().items()}
     params = model.module.from_hf(sd, model.config)
     params = jax.device_put(jax.tree.map(jnp.asarray, params), shardings(model.declare(), rules))
+    if fuse:
+        params = model.prepare(params, rules, Policy(fuse_projections=True))
     return model, params
 
 

@@ -49,7 +49,8 @@ def run_main(root, input_path, output, *overrides, check=True):
                   f"--config.compilation_cache.dir={root / 'xla'}", *overrides, check=check)
 
 
-@pytest.mark.parametrize("mesh", [(), ("--config.mesh.data=2", "--config.mesh.model=4"),
+@pytest.mark.parametrize("mesh", [(), ("--config.mesh.data=2", "--config.mesh.model=4",
+                                      "--config.precision.fuse_projections=true"),
                                   ("--config.mesh.data=2", "--config.mesh.expert=2", "--config.mesh.model=2")])
 def test_greedy_generation_matches_transformers(model_dir, mesh, tmp_path):
     m, root = model_dir

@@ -24,10 +24,12 @@ def gptoss():
     return m
 
 
-@pytest.mark.parametrize("mesh_name", MESH_NAMES)
-def test_logits_match_transformers(gptoss, mesh_name):
+@pytest.mark.parametrize("mesh_name,fuse", [(m, False) for m in MESH_NAMES]
+                         + [("1dev", True), ("data2_model4", True), ("expert2_model2_data2", True)])
+def test_logits_match_transformers(gptoss, mesh_name, fuse):
+    """fuse: q/k/v as one product (models/fused.py), as a deployment loads them by default."""
     rules = rules_for(mesh_name)
-    model, params = to_podrun(gptoss, rules)
+    model, params = to_podrun(gptoss, rules, fuse)
     tokens = np.random.RandomState(1).randint(0, VOCAB, (8, 30)).astype(np.int32)  # 30 > window 8
     logits, _ = full_forward(model, params, tokens, rules)
     np.testing.assert_allclose(np.asarray(logits), hf_logits(gptoss, tokens), atol=2e-4, rtol=1e-4)
@@ -48,9 +50,9 @@ def test_moe_stays_exact_when_routing_overflows_the_capacity(mesh_rules):
 @pytest.mark.parametrize("mesh_name", ["data8", "expert2_model2_data2"])
 def test_decode_with_the_ring_cache_matches_full_forward(gptoss, mesh_name):
     """Ragged prompts around the window size, then decode far past it: the ring wraps several
-    times and every step's logits equal a full forward pass."""
+    times and every step's logits equal a full forward pass (q/k/v fused on the sharded mesh)."""
     rules = rules_for(mesh_name)
-    model, params = to_podrun(gptoss, rules)
+    model, params = to_podrun(gptoss, rules, fuse=mesh_name != "data8")
     rng = np.random.RandomState(3)
     B, P, steps = 8, 16, 20
     lengths = np.array([1, 5, 7, 8, 9, 12, 15, 16])

@@ -19,21 +19,25 @@ def full_forward(model, params, tokens, rules, cache_len=64):
     return fwd(params, tokens, positions, cache)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_logits_match_transformers(kind, mesh_rules):
+FUSED = [(k, False) for k in KINDS] + [(k, True) for k in KINDS if k != "gpt2"]  # gpt2 is fused as released
+
+
+@pytest.mark.parametrize("kind,fuse", FUSED, ids=[f"{k}-{'fused' if f else 'separate'}" for k, f in FUSED])
+def test_logits_match_transformers(kind, fuse, mesh_rules):
     m = tiny_hf(kind)
-    model, params = to_podrun(m, mesh_rules)
+    model, params = to_podrun(m, mesh_rules, fuse)
+    assert ("wqkv" in params["layers"][0]) == (fuse or kind == "gpt2")
     tokens = np.random.RandomState(1).randint(0, VOCAB, (8, 40)).astype(np.int32)
     logits, _ = full_forward(model, params, tokens, mesh_rules)
     np.testing.assert_allclose(np.asarray(logits), hf_logits(m, tokens), atol=2e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
-def test_decode_matches_full_forward(kind, mesh_rules):
+@pytest.mark.parametrize("kind,fuse", [("llama", False), ("llama", True), ("gpt2", False)])
+def test_decode_matches_full_forward(kind, fuse, mesh_rules):
     """Prefill a ragged, left-padded batch, then decode one token at a time through the cache:
     every step's logits equal those of a full forward pass over the unpadded sequence."""
     m = tiny_hf(kind)
-    model, params = to_podrun(m, mesh_rules)
+    model, params = to_podrun(m, mesh_rules, fuse)
     rng = np.random.RandomState(2)
     B, P, steps = 8, 16, 6
     lengths = rng.randint(3, P + 1, B)

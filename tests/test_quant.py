@@ -97,18 +97,21 @@ def decode_logits(model, params, rules, policy, cache_dtype, seed, steps):
 
 
 @pytest.mark.parametrize("kernels", [True, False], ids=["cpu_kernel", "xla"])
-@pytest.mark.parametrize("kind,mesh", [("llama", "1dev"), ("qwen2", "data2_model4"),
-                                       ("gpt2", "1dev"), ("llama3", "data2_model4")])
-def test_int8_decode_matches_transformers_on_dequantized_weights(kind, mesh, kernels):
+@pytest.mark.parametrize("kind,mesh,fuse", [("llama", "1dev", True), ("qwen2", "data2_model4", False),
+                                            ("gpt2", "1dev", False), ("llama3", "data2_model4", True)])
+def test_int8_decode_matches_transformers_on_dequantized_weights(kind, mesh, fuse, kernels):
     """Prefill a left-padded batch, then decode through the cache: each step's logits equal
     transformers' on the same int8 weights. The CPU kernel and XLA's dot both pass, on one device
-    and sharded over data x model (the kernel then runs per shard and psums the contraction)."""
+    and sharded over data x model (the kernel then runs per shard and psums the contraction),
+    with q/k/v and gate/up fused before quantisation (one scale per row of the fused product is
+    the same as per row of each) or left separate."""
     rules = rules_for(mesh)
     m = tiny_hf(kind)
     ref = dequantized_reference(m)
     model, params = to_podrun(m, rules)
-    params = quant.quantize(model.declare(), params, rules)
-    policy = Policy(quantize="int8", kernels=kernels)
+    policy = Policy(quantize="int8", kernels=kernels, fuse_projections=fuse)
+    params = model.prepare(params, rules, policy)
+    assert ("wqkv" in params["layers"][0]) == (fuse or kind == "gpt2")
     steps = 5
     lengths, seqs, got, _ = decode_logits(model, params, rules, policy, jnp.float32, 3, steps)
     differs = False
