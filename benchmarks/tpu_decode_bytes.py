@@ -44,6 +44,9 @@ def main(path: str, *overrides: str) -> None:
         old = c[section][name]
         c[section][name] = value == "True" if isinstance(old, bool) else type(old)(value)
     s = from_config(c)
+    if s.policy.scan_layers:  # XLA's cost analysis counts a loop's body once, not once per trip
+        sys.exit("tpu_decode_bytes: precision.scan_layers=True puts the layers in a loop whose body "
+                 "the cost analysis counts once; measure the unrolled program")
     topo = topologies.get_topology_desc(platform="tpu", topology_name=s.tpu_topology)
     model = Model.named(s.checkpoint_model)
     rules = Rules.make(make_mesh(s.mesh, topo.devices), s.rules)

@@ -50,6 +50,9 @@ def base_config() -> ConfigDict:
         # model, batch 1: 4.39 ms per step separate, 5.03 fused), and GPT-OSS-20B decode on v5e
         # accesses more bytes per step fused (21.5 GB against 20.7, AOT cost analysis).
         "fuse_projections": False,
+        # One loop over the layers (stacked weights and cache, models/scan.py) instead of
+        # unrolling them: compile time stops growing with depth; see the bench for the speed.
+        "scan_layers": False,
     })
     c.generation = ConfigDict({
         "batch_size": 8,

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import quant
+from models import quant, scan
 from models.layers import KVCache, Policy, cached_attention, layer_norm
 from models.weights import Weight
 from sharding.rules import Rules, constrain
@@ -113,12 +113,15 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCach
     x = (quant.lookup(params["wte"], tokens) + params["wpe"][positions]).astype(policy.dtype)  # [B, T, D]
     x = constrain(x, rules, "batch", "seq", "act_embed")
     eps = c.layer_norm_eps
-    for i, p in enumerate(params["layers"]):
+
+    def layer(p, x, cache, i):
         h, cache = attention_block(p, layer_norm(x, p["ln1_w"], p["ln1_b"], eps), positions,
                                    cache, i, start, rules, policy)
         x = constrain(x + h, rules, "batch", "seq", "act_embed")
         h = mlp_block(p, layer_norm(x, p["ln2_w"], p["ln2_b"], eps), rules, policy)
-        x = constrain(x + h, rules, "batch", "seq", "act_embed")
+        return constrain(x + h, rules, "batch", "seq", "act_embed"), cache
+
+    x, cache = scan.run_layers(params, x, cache, start, rules, layer)
     x = layer_norm(x[:, -1:] if last_only else x, params["lnf_w"], params["lnf_b"], eps)
     logits = policy.einsum("BTD,VD->BTV", x, params["wte"])
     logits = constrain(logits, rules, "batch", "seq", "act_vocab")

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import fused, quant
+from models import fused, quant, scan
 from models.layers import KVCache, Policy, Rope, apply_rope, cached_attention, rms_norm
 from models.weights import Weight
 from sharding.rules import Rules, constrain
@@ -269,12 +269,15 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCach
     positions = jnp.maximum(positions, 0)
     x = quant.lookup(params["embed"], tokens).astype(policy.dtype)  # [B, T, D]
     x = constrain(x, rules, "batch", "seq", "act_embed")
-    for i, p in enumerate(params["layers"]):
+
+    def layer(p, x, cache, i):  # i: the layer, or its place in the scanned period (same window)
         h, cache = attention_block(p, rms_norm(x, p["attn_norm"], c.rms_norm_eps), positions,
                                    cache, i, start, c, rules, policy)
         x = constrain(x + h, rules, "batch", "seq", "act_embed")
-        x = constrain(x + moe_block(p, rms_norm(x, p["mlp_norm"], c.rms_norm_eps), c, rules, policy),
-                      rules, "batch", "seq", "act_embed")
+        h = moe_block(p, rms_norm(x, p["mlp_norm"], c.rms_norm_eps), c, rules, policy)
+        return constrain(x + h, rules, "batch", "seq", "act_embed"), cache
+
+    x, cache = scan.run_layers(params, x, cache, start, rules, layer)
     x = rms_norm(x[:, -1:] if last_only else x, params["final_norm"], c.rms_norm_eps)
     logits = constrain(policy.einsum("BTD,VD->BTV", x, params["unembed"]),
                        rules, "batch", "seq", "act_vocab")

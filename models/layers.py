@@ -38,6 +38,8 @@ class Policy:
     pallas_attention: bool = False
     # q/k/v as one product and gate/up as another (models/fused.py), fused after restore.
     fuse_projections: bool = False
+    # One loop over stacked layers instead of unrolled ones (models/scan.py), the cache stacked too.
+    scan_layers: bool = False
 
     @property
     def dtype(self) -> Any:
@@ -207,6 +209,13 @@ class KVCache(NamedTuple):
     wrap-around need no other bookkeeping.
     An int8 cache (precision.kv_cache="int8") holds k, v as int8 with one float32 scale per slot
     and head, k_scale, v_scale [B, K, S] = max |x| over H / 127; otherwise those are None.
+
+    Stacked (for a scan over layers, models/scan.py): with layers in a period of P (GPT-OSS
+    alternates windowed and full layers: P = 2), k[j], v[j] hold layers j, j + P, ... as
+    [B, L/P, K, S, H] (scales [B, L/P, K, S]); the batch stays first.
+    rows, when not None, makes `write` record each layer's new k, v instead of writing them (a
+    view of one period of a stacked cache, inside the scan): one write after the scan then stores
+    them all.
     """
 
     k: list[jax.Array]
@@ -215,6 +224,7 @@ class KVCache(NamedTuple):
     ring_pos: jax.Array  # [B, 0] when no layer is windowed
     k_scale: list[jax.Array | None]
     v_scale: list[jax.Array | None]
+    rows: tuple | None = None
 
     @staticmethod
     def bytes_per_element(dtype: Any, head_dim: int) -> float:
@@ -228,32 +238,37 @@ class KVCache(NamedTuple):
         return tuple(min(w, length) if w else length for w in windows)
 
     @staticmethod
-    def shardings(rules: Rules, num_layers: int, quantized: bool = False) -> KVCache:
-        kv = rules.sharding("cache_batch", "cache_kv_heads", "cache_seq", None)
+    def shardings(rules: Rules, num_layers: int, quantized: bool = False, period: int = 0) -> KVCache:
+        """period > 0: the stacked layout, `period` arrays each holding num_layers / period layers."""
+        stack = (None,) if period else ()
+        kv = rules.sharding("cache_batch", *stack, "cache_kv_heads", "cache_seq", None)
         pos = rules.sharding("cache_batch", "cache_seq")
-        scale = rules.sharding("cache_batch", "cache_kv_heads", "cache_seq") if quantized else None
-        return KVCache([kv] * num_layers, [kv] * num_layers, pos, pos, [scale] * num_layers,
-                       [scale] * num_layers)
+        scale = (rules.sharding("cache_batch", *stack, "cache_kv_heads", "cache_seq")
+                 if quantized else None)
+        n = period or num_layers
+        return KVCache([kv] * n, [kv] * n, pos, pos, [scale] * n, [scale] * n)
 
     @staticmethod
     def create(batch: int, length: int, windows: tuple[int | None, ...], kv_heads: int,
-               head_dim: int, dtype: Any, rules: Rules) -> KVCache:
+               head_dim: int, dtype: Any, rules: Rules, period: int = 0) -> KVCache:
         lengths = KVCache.lengths(length, windows)
         rings = {n for n in lengths if n != length}
         if len(rings) > 1:
             raise ValueError(f"windowed layers must share one window, got {sorted(rings)}")
         ring = rings.pop() if rings else 0
-
         quantized = jnp.dtype(dtype) == jnp.int8
+        stack = (len(lengths) // period,) if period else ()
+        groups = lengths[:period] if period else lengths
 
         def make():
-            kv = [jnp.zeros((batch, kv_heads, n, head_dim), dtype) for n in lengths]
-            scale = [jnp.zeros((batch, kv_heads, n), jnp.float32) if quantized else None
-                     for n in lengths]
+            kv = [jnp.zeros((batch, *stack, kv_heads, n, head_dim), dtype) for n in groups]
+            scale = [jnp.zeros((batch, *stack, kv_heads, n), jnp.float32) if quantized else None
+                     for n in groups]
             return KVCache(kv, list(kv), jnp.full((batch, length), -1, jnp.int32),
                            jnp.full((batch, ring), -1, jnp.int32), scale, list(scale))
 
-        return jax.jit(make, out_shardings=KVCache.shardings(rules, len(lengths), quantized))()
+        out = KVCache.shardings(rules, len(lengths), quantized, period)
+        return jax.jit(make, out_shardings=out)()
 
     def reset(self) -> KVCache:
         """Forgets every position (the k, v left behind are masked out)."""
@@ -265,26 +280,58 @@ class KVCache(NamedTuple):
         ring_pos = _ring_write(self.ring_pos, positions, start, axis=1) if self.ring_pos.shape[1] else self.ring_pos
         return self._replace(pos=pos, ring_pos=ring_pos)
 
+    def layer_view(self, i: jax.Array) -> KVCache:
+        """Of a stacked cache: layers i * P .. i * P + P - 1 as a P-layer cache that records its
+        writes (`rows`) for `write_layers`."""
+        def pick(x):
+            return None if x is None else jax.lax.dynamic_index_in_dim(x, i, axis=1, keepdims=False)
+
+        return KVCache([pick(x) for x in self.k], [pick(x) for x in self.v], self.pos, self.ring_pos,
+                       [pick(x) for x in self.k_scale], [pick(x) for x in self.v_scale],
+                       rows=(None,) * len(self.k))
+
     def write(self, layer: int, k: jax.Array, v: jax.Array, start: jax.Array | int,
               rules: Rules) -> KVCache:
         """Writes one layer's new k, v [B, T, K, H] for columns [start, start + T)."""
+        if self.rows is not None:
+            rows = list(self.rows)
+            rows[layer] = (k, v)
+            return self._replace(rows=tuple(rows))
+        return self._store(layer, k, v, start, rules, stacked=False)
+
+    def write_layers(self, rows: tuple, start: jax.Array | int, rules: Rules) -> KVCache:
+        """Of a stacked cache: rows[j] = (k, v) [L/P, B, T, K, H], the new columns of layers j,
+        j + P, ..., as a scan over layers collected them from `layer_view`s."""
+        cache = self
+        for j, (k, v) in enumerate(rows):
+            cache = cache._store(j, jnp.moveaxis(k, 0, 1), jnp.moveaxis(v, 0, 1), start, rules,
+                                 stacked=True)
+        return cache
+
+    def _store(self, j: int, k: jax.Array, v: jax.Array, start: jax.Array | int, rules: Rules,
+               stacked: bool) -> KVCache:
+        """k, v [B, *stack, T, K, H] into entry j, columns [start, start + T)."""
         with jax.named_scope("cache_write"):
             ks, vs, kss, vss = list(self.k), list(self.v), list(self.k_scale), list(self.v_scale)
-            ring = ks[layer].shape[2] != self.pos.shape[1]
+            stack = (None,) if stacked else ()
+            slot_axis = 2 + len(stack)  # of k, v [B, *stack, K, S, H] and scales [B, *stack, K, S]
+            ring = ks[j].shape[slot_axis] != self.pos.shape[1]
 
-            def put(store, new):  # new [B, K, T, ...] into slots [start, start + T) of store
+            def put(store, new):  # new [B, *stack, K, T, ...] into slots [start, start + T)
                 if ring:
-                    return _ring_write(store, new, start, axis=2)
-                return jax.lax.dynamic_update_slice(store, new, (0, 0, start) + (0,) * (new.ndim - 3))
+                    return _ring_write(store, new, start, axis=slot_axis)
+                index = (0,) * slot_axis + (start,) + (0,) * (new.ndim - slot_axis - 1)
+                return jax.lax.dynamic_update_slice(store, new, index)
 
             for store, scales, new in ((ks, kss, k), (vs, vss, v)):
-                new = jnp.swapaxes(new, 1, 2)  # [B, K, T, H]
-                if scales[layer] is not None:  # int8: one scale per slot and head
+                new = jnp.swapaxes(new, -3, -2)  # [B, *stack, K, T, H]
+                if scales[j] is not None:  # int8: one scale per slot and head
                     new, scale = quantize_rows(new)
-                    scales[layer] = constrain(put(scales[layer], scale), rules, "cache_batch",
-                                              "cache_kv_heads", "cache_seq")
-                out = put(store[layer], new.astype(store[layer].dtype))
-                store[layer] = constrain(out, rules, "cache_batch", "cache_kv_heads", "cache_seq", None)
+                    scales[j] = constrain(put(scales[j], scale), rules, "cache_batch", *stack,
+                                          "cache_kv_heads", "cache_seq")
+                out = put(store[j], new.astype(store[j].dtype))
+                store[j] = constrain(out, rules, "cache_batch", *stack, "cache_kv_heads",
+                                     "cache_seq", None)
             return self._replace(k=ks, v=vs, k_scale=kss, v_scale=vss)
 
 

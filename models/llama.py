@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import fused, quant
+from models import fused, quant, scan
 from models.layers import KVCache, Policy, Rope, apply_rope, cached_attention, rms_norm
 from models.weights import Weight
 from sharding.rules import Rules, constrain
@@ -181,12 +181,15 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCach
     positions = jnp.maximum(positions, 0)
     x = quant.lookup(params["embed"], tokens).astype(policy.dtype)  # [B, T, D]
     x = constrain(x, rules, "batch", "seq", "act_embed")
-    for i, p in enumerate(params["layers"]):
+
+    def layer(p, x, cache, i):
         h, cache = attention_block(p, rms_norm(x, p["attn_norm"], c.rms_norm_eps), positions,
                                    cache, i, start, c, rules, policy)
         x = constrain(x + h, rules, "batch", "seq", "act_embed")
         h = mlp_block(p, rms_norm(x, p["mlp_norm"], c.rms_norm_eps), rules, policy)
-        x = constrain(x + h, rules, "batch", "seq", "act_embed")
+        return constrain(x + h, rules, "batch", "seq", "act_embed"), cache
+
+    x, cache = scan.run_layers(params, x, cache, start, rules, layer)
     x = rms_norm(x[:, -1:] if last_only else x, params["final_norm"], c.rms_norm_eps)
     if params["unembed"] is None:  # tied: the embedding [V, D] itself, never transposed
         logits = policy.einsum("BTD,VD->BTV", x, params["embed"])

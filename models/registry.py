@@ -8,7 +8,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from models import fused, gpt2, gptoss, llama, quant
+from models import fused, gpt2, gptoss, llama, quant, scan
 from models.layers import KVCache, Policy
 from sharding.rules import Rules
 
@@ -33,22 +33,35 @@ class Model:
         return fused.declare(decl) if fuse else decl
 
     def prepare(self, params: Any, rules: Rules, policy: Policy) -> Any:
-        """Restored weights made ready to run: projections fused, then quantised, as the policy says."""
+        """Restored weights made ready to run, as the policy says: projections fused, then
+        quantised, then stacked for a scan over layers. `params` is consumed."""
         if policy.fuse_projections:
             params = fused.fuse(self.declare(), params, rules)
         if policy.quantize == "int8":
             params = quant.quantize(self.declare(policy.fuse_projections), params, rules)
+        if policy.scan_layers:
+            params = scan.stack(params, self.scan_period)
         return params
 
     def abstract_params(self, rules: Rules, policy: Policy) -> Any:
         """What `prepare` gives, as ShapeDtypeStructs with their shardings (for AOT compiles)."""
-        return quant.abstract_tree(self.declare(policy.fuse_projections), rules,
+        tree = quant.abstract_tree(self.declare(policy.fuse_projections), rules,
                                    jnp.dtype(policy.params), policy.quantize)
+        return scan.abstract(tree, self.scan_period) if policy.scan_layers else tree
 
-    def new_cache(self, batch: int, length: int, dtype, rules) -> KVCache:
-        """An empty KV cache for `length` columns, sharded by the rules."""
+    @property
+    def scan_period(self) -> int:
+        """Layers repeat with this period (their attention windows): what a scan loops over."""
+        return scan.period(self.module.cache_spec(self.config)[0])
+
+    def new_cache(self, batch: int, length: int, dtype, rules, stacked: bool = False) -> KVCache:
+        """An empty KV cache for `length` columns, sharded by the rules (stacked: for a scan)."""
         windows, kv_heads, head_dim = self.module.cache_spec(self.config)
-        return KVCache.create(batch, length, windows, kv_heads, head_dim, dtype, rules)
+        return KVCache.create(batch, length, windows, kv_heads, head_dim, dtype, rules,
+                              self.scan_period if stacked else 0)
+
+    def cache_shardings(self, rules, quantized: bool, stacked: bool = False) -> KVCache:
+        return KVCache.shardings(rules, self.num_layers, quantized, self.scan_period if stacked else 0)
 
     @property
     def vocab_size(self) -> int:

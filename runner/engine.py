@@ -117,8 +117,9 @@ class Engine:
         if self.buckets[-1] < max_prompt_len:
             raise ValueError(f"prefill buckets {self.buckets} do not reach max_prompt_len={max_prompt_len}")
         self.cache_len = self.buckets[-1] + max_new_tokens
-        new_cache = partial(model.new_cache, self.batch_size, self.cache_len, jnp.dtype(policy.kv_cache), rules)
-        cache_sh = KVCache.shardings(rules, model.num_layers, jnp.dtype(policy.kv_cache) == jnp.int8)
+        new_cache = partial(model.new_cache, self.batch_size, self.cache_len, jnp.dtype(policy.kv_cache),
+                            rules, policy.scan_layers)
+        cache_sh = model.cache_shardings(rules, jnp.dtype(policy.kv_cache) == jnp.int8, policy.scan_layers)
         if allocate:
             self.cache = new_cache()
         else:  # shapes with their shardings, so donation pairs the cache with the cache alone

@@ -121,7 +121,7 @@ def from_config(c: ConfigDict) -> Settings:
         rules={k: tuple(a.strip() for a in v.split(",") if a.strip()) for k, v in c.rules.items()},
         compilation_cache_dir=_path(c.compilation_cache.dir),
         policy=Policy(p.params, p.activations, p.kv_cache, p.matmul, p.quantize, bool(p.kernels),
-                      bool(p.pallas_attention), bool(p.fuse_projections)),
+                      bool(p.pallas_attention), bool(p.fuse_projections), bool(p.scan_layers)),
         generation=gen,
         sampling=samp,
         input=_path(c.io.input),

@@ -18,8 +18,9 @@ from runner.settings import from_config
 from tests.test_configs import CONFIGS, ROOT, load
 
 
-def tiny_tpu_settings(**generation):
+def tiny_tpu_settings(scan_layers: bool = False, **generation):
     c = base_config()
+    c.precision.scan_layers = scan_layers
     c.checkpoint.update(path="/unused", model="gptoss:tiny")
     c.mesh.update(data=1, expert=2, model=2, num_cpu_devices=0, device_memory_gib=16.0,
                   tpu_topology="v5e:2x2")
@@ -35,12 +36,15 @@ SMALL = Model("gptoss", gptoss.Config(vocab_size=1024, hidden_size=256, intermed
                                       num_experts=4, experts_per_token=2, sliding_window=16))
 
 
-def test_a_small_deployment_compiles_for_a_v5e_topology_with_its_shards_per_chip():
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
+def test_a_small_deployment_compiles_for_a_v5e_topology_with_its_shards_per_chip(scan):
+    """scan: the layers in one loop over stacked weights and caches (what a chip holds is the same)."""
     from runner.compile import compile_deployment, report
     from runner.memory import footprint
 
-    s = tiny_tpu_settings(prefill_rows=2)
-    engine, compiled = compile_deployment(s, SMALL)
+    s = tiny_tpu_settings(scan, prefill_rows=2)
+    model = Model("gptoss", dataclasses.replace(SMALL.config, num_layers=4)) if scan else SMALL
+    engine, compiled = compile_deployment(s, model)
     assert {d.platform for d in engine.rules.mesh.devices.flat} == {"tpu"}
     assert engine.rules.mesh.devices.size == 4
     assert sorted(compiled) == ["decode", "prefill_16", "prefill_32"]
@@ -48,7 +52,6 @@ def test_a_small_deployment_compiles_for_a_v5e_topology_with_its_shards_per_chip
 
     # XLA's own count of a chip's inputs is what the declarations say a chip holds (weights and
     # KV cache, runner.memory), plus a few per-row scalars; everything is on some chip.
-    model = SMALL
     total = sum(math.prod(w.shape) * 2 for w in jax.tree.leaves(model.declare(), is_leaf=is_weight))
     declared = footprint(s, model)
     for c in compiled.values():

@@ -51,7 +51,8 @@ def run_main(root, input_path, output, *overrides, check=True):
 
 @pytest.mark.parametrize("mesh", [(), ("--config.mesh.data=2", "--config.mesh.model=4",
                                       "--config.precision.fuse_projections=true"),
-                                  ("--config.mesh.data=2", "--config.mesh.expert=2", "--config.mesh.model=2")])
+                                  ("--config.mesh.data=2", "--config.mesh.expert=2", "--config.mesh.model=2",
+                                   "--config.precision.scan_layers=true")])
 def test_greedy_generation_matches_transformers(model_dir, mesh, tmp_path):
     m, root = model_dir
     rng = np.random.RandomState(5)
