@@ -34,11 +34,15 @@ def np_attention(q, kc, vc, k_pos, kn, vn, new_pos, q_pos, sinks, window, scale)
     return out
 
 
+@pytest.mark.parametrize("G,H", [(3, 40), (4, 64), (8, 64), (7, 64), (5, 128), (3, 16)],
+                         ids=["H40-query_by_query", "G4-H64", "G8-H64", "G7-H64", "G5-H128", "G3-H16"])
 @pytest.mark.parametrize("T,window,with_sinks", [(1, None, False), (1, 5, True), (3, None, True),
                                                  (2, 7, False)])
-def test_decode_attention_matches_numpy(T, window, with_sinks):
+def test_decode_attention_matches_numpy(T, window, with_sinks, G, H):
+    """head_dim a multiple of 16 takes the grouped path (query heads in blocks of up to 8, 4 or 2
+    as head_dim allows, then what is left); H = 40 the query-by-query one with its tail loops."""
     rng = np.random.default_rng(T * 10 + (window or 0))
-    B, K, G, S, H = 3, 2, 3, 20, 40  # H not a multiple of the vector width: the tail loops run
+    B, K, S = 3, 2, 20
     N = K * G
     f32 = np.float32
     q = rng.standard_normal((B, T, N, H)).astype(f32)
