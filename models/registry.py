@@ -8,7 +8,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from models import fused, gpt2, gptoss, llama, quant, scan
+from models import fused, gpt2, gptoss, llama, quant, scan, weights
 from models.layers import KVCache, Policy
 from sharding.rules import Rules
 
@@ -39,14 +39,16 @@ class Model:
             params = fused.fuse(self.declare(), params, rules)
         if policy.quantize == "int8":
             params = quant.quantize(self.declare(policy.fuse_projections), params, rules)
+        params = weights.pin_tables_row_major(self.declare(policy.fuse_projections), params, rules)
         if policy.scan_layers:
             params = scan.stack(params, self.scan_period)
         return params
 
     def abstract_params(self, rules: Rules, policy: Policy) -> Any:
         """What `prepare` gives, as ShapeDtypeStructs with their shardings (for AOT compiles)."""
-        tree = quant.abstract_tree(self.declare(policy.fuse_projections), rules,
-                                   jnp.dtype(policy.params), policy.quantize)
+        decl = self.declare(policy.fuse_projections)
+        tree = quant.abstract_tree(decl, rules, jnp.dtype(policy.params), policy.quantize)
+        tree = weights.pin_tables_row_major(decl, tree, rules)
         return scan.abstract(tree, self.scan_period) if policy.scan_layers else tree
 
     @property

@@ -47,7 +47,7 @@ from ml_collections import config_flags
 from models import quant
 from models.layers import KVCache
 from models.registry import Model
-from models.weights import Weight, is_weight
+from models.weights import is_lookup_table, is_weight
 from runner.engine import Completion, Engine, Request
 from runner.main import parse_flags, setup_devices
 from runner.run import load_model
@@ -93,13 +93,6 @@ class DecodeCost:
         return self.weight_bytes + self.kv_bytes
 
 
-def _is_lookup_table(path: tuple, w: Weight) -> bool:
-    """A top-level [rows, D] table that the forward pass only indexes (token or position
-    embedding); a tied embedding is also a projection (declared with `contract`) and is read whole."""
-    return (len(path) == 1 and len(w.shape) == 2 and w.axes[1] == "embed"
-            and w.axes[0] in ("vocab", None) and w.contract == 0)
-
-
 def decode_cost(model: Model, batch: int, prompt_len: int, new_tokens: int, param_itemsize: int,
                 kv_itemsize: float, quantize: str = "none") -> DecodeCost:
     """From the model's weight declarations and cache spec alone (nothing is allocated).
@@ -115,7 +108,7 @@ def decode_cost(model: Model, batch: int, prompt_len: int, new_tokens: int, para
     for path, w in leaves:
         size = math.prod(w.shape)
         stored = quant.stored_bytes(w, param_itemsize, quantize)  # int8 + scales, or as restored
-        if _is_lookup_table(path, w):
+        if is_lookup_table(path, w):
             weight_bytes += min(batch, w.shape[0]) * w.shape[1] * param_itemsize
         elif "experts" in w.axes:
             experts = w.shape[w.axes.index("experts")]

@@ -146,3 +146,30 @@ def test_decode_attention_compiles_as_the_pallas_kernel_for_tpu(kernels, kv_cach
     decode = engine.lower()["decode"].as_text()
     assert decode.count("tpu_custom_call") == (SMALL.config.num_layers if kernels else 0)
     assert "tpu_custom_call" not in engine.lower()["prefill_16"].as_text()
+
+
+def test_the_gptoss_embedding_reaches_the_decode_step_row_major_and_is_not_copied():
+    """GPT-OSS-20B's decode step for v5e (one step per call): the embedding table is an input laid
+    out row-major, as its gather reads it. Left to choose, XLA:TPU laid it out column-major and
+    copied the whole table (1.2 GB per chip) back to row-major on every step."""
+    import re
+
+    from jax.experimental import topologies
+
+    from runner.engine import Engine
+    from sharding.mesh import make_mesh
+    from sharding.rules import Rules
+
+    s = from_config(load(os.path.join(ROOT, "configs", "gptoss_v5e.py")).get_config())
+    model = Model.named(s.checkpoint_model)
+    topo = topologies.get_topology_desc(platform="tpu", topology_name=s.tpu_topology)
+    rules = Rules.make(make_mesh(s.mesh, topo.devices), s.rules)
+    g = s.generation
+    engine = Engine(model, model.abstract_params(rules, s.policy), rules, s.policy, g.batch_size,
+                    g.max_prompt_len, g.max_new_tokens, 1, g.prefill_buckets, allocate=False)
+    compiled = engine.lower()["decode"].compile()
+    embed = compiled.input_formats[0][0]["embed"]
+    assert embed.layout.major_to_minor == (0, 1), embed
+    rows = model.config.vocab_size // rules.shards("vocab")
+    table = rf"bf16\[{rows},{model.config.hidden_size}\]"
+    assert not re.search(rf"= {table}\{{[^}}]*\}} copy\(", compiled.as_text())
