@@ -40,6 +40,8 @@ class Policy:
     fuse_projections: bool = False
     # One loop over stacked layers instead of unrolled ones (models/scan.py), the cache stacked too.
     scan_layers: bool = False
+    # TPU prefill attention in the Pallas flash kernel (models/kernels/tpu.flash_prefill).
+    pallas_prefill: bool = True
 
     @property
     def dtype(self) -> Any:
@@ -380,6 +382,9 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Ar
     new = (jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), new_pos, None, None)  # [B, K, T, H]
     if isinstance(start, int) and start == 0:
         blocks = [new]
+        if rules.platform == "tpu" and policy.pallas_prefill and rules.shards("cache_seq") == 1:
+            return _prefill_kernel(q, k, v, positions, new_pos, rules, **kw), cache.write(
+                layer, k, v, start, rules)
     else:
         ring = cache.k[layer].shape[2] != cache.pos.shape[1]
         k_pos = cache.ring_pos if ring else cache.pos  # [B, S], this step's positions written
@@ -440,6 +445,30 @@ def _decode_kernel(q: jax.Array, q_pos: jax.Array, blocks: list, rules: Rules, *
     specs = (heads, cache, cache, rows, cache, cache, rows, rows, P(kv)) + (P(b, kv, None),) * len(scales)
     return jax.shard_map(local, mesh=rules.mesh, out_specs=heads, check_vma=False,
                          in_specs=specs)(*args)
+
+
+def _prefill_kernel(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
+                    rules: Rules, *, window: int | None = None, sinks: jax.Array | None = None,
+                    scale: float | None = None) -> jax.Array:
+    """`attention` of a prompt over its own keys in the Pallas flash kernel (models/kernels/tpu.py):
+    no [T, T] scores in HBM. On a sharded mesh it runs per (batch, kv-head) shard."""
+    from models.kernels import tpu
+
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    has_sinks = sinks is not None
+    sinks = jnp.zeros(q.shape[2:3], jnp.float32) if sinks is None else sinks
+    k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, K, T, H]
+
+    def local(q, k, v, q_pos, k_pos, sinks):
+        return tpu.flash_prefill(q, k, v, q_pos, k_pos, sinks if has_sinks else None, window, scale)
+
+    if rules.mesh.size == 1:
+        return local(q, k, v, q_pos, k_pos, sinks)
+    b, kv = rules.spec("cache_batch", "cache_kv_heads", None, None, shape=k.shape)[:2]
+    P = jax.sharding.PartitionSpec
+    heads, keys, rows = P(b, None, kv, None), P(b, kv, None, None), P(b, None)
+    return jax.shard_map(local, mesh=rules.mesh, out_specs=heads, check_vma=False,
+                         in_specs=(heads, keys, keys, rows, rows, P(kv)))(q, k, v, q_pos, k_pos, sinks)
 
 
 # --- attention core ---------------------------------------------------------------------------

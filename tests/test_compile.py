@@ -173,3 +173,19 @@ def test_the_gptoss_embedding_reaches_the_decode_step_row_major_and_is_not_copie
     rows = model.config.vocab_size // rules.shards("vocab")
     table = rf"bf16\[{rows},{model.config.hidden_size}\]"
     assert not re.search(rf"= {table}\{{[^}}]*\}} copy\(", compiled.as_text())
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
+def test_prefill_attention_compiles_as_the_pallas_flash_kernel_for_tpu(scan):
+    """With precision.pallas_prefill every prefill program's attention is the Pallas flash kernel
+    (a Mosaic custom call in the program compiled for v5e), and decode keeps XLA's attention."""
+    from runner.compile import compile_deployment
+
+    s = tiny_tpu_settings(scan)
+    s = dataclasses.replace(s, policy=dataclasses.replace(s.policy, pallas_prefill=True))
+    engine, compiled = compile_deployment(s, SMALL)
+    lowered = engine.lower()
+    assert sorted(compiled) == ["decode", "prefill_16", "prefill_32"]
+    for name in ("prefill_16", "prefill_32"):
+        assert "tpu_custom_call" in lowered[name].as_text(), name
+    assert "tpu_custom_call" not in lowered["decode"].as_text()

@@ -91,6 +91,32 @@ def test_pallas_decode_attention_matches_numpy_in_interpret_mode(S, window, with
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("T,window,with_sinks", [(40, None, False), (384, 100, True), (256, 16, True),
+                                                 (512, None, True)])
+def test_pallas_flash_prefill_matches_numpy_in_interpret_mode(T, window, with_sinks):
+    """The TPU prefill kernel, run by Pallas' interpreter on CPU: one block (T = 40, 256) or several
+    (384 = 3 x 128, 512 = 1 x 512) with blocks skipped both after the queries and behind their
+    window, left padding, sinks. Padding queries' outputs are never used and are not compared."""
+    from models.kernels import tpu
+
+    rng = np.random.default_rng(T)
+    B, K, G, H = 2, 2, 4, 64
+    N = K * G
+    f32 = np.float32
+    q = rng.standard_normal((B, T, N, H)).astype(f32)
+    k, v = (rng.standard_normal((B, K, T, H)).astype(f32) for _ in range(2))
+    pos = np.tile(np.arange(T, dtype=np.int32), (B, 1))
+    pos[1, :30] = -1  # left padding
+    pos[1, 30:] = np.arange(T - 30)
+    sinks = rng.standard_normal(N).astype(f32) if with_sinks else None
+    got = tpu.flash_prefill(q, k, v, np.maximum(pos, 0), pos, sinks, window, 0.125, interpret=True)
+    empty = np.zeros((B, K, 1, H), f32)
+    want = np_attention(q, empty, empty, np.full((B, 1), -1, np.int32), k, v, pos, pos, sinks,
+                        window, 0.125)
+    real = pos >= 0
+    np.testing.assert_allclose(np.asarray(got)[real], want[real], rtol=1e-4, atol=1e-4)
+
+
 def quantize_slots(x):
     """[B, K, S, H] -> int8 and per-slot scales [B, K, S] (numpy, independent of the model code)."""
     scale = (np.abs(x).max(-1) / np.float32(127)).astype(np.float32)
