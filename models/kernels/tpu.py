@@ -32,6 +32,33 @@ def _block(S: int) -> int:
     return S
 
 
+def _online_update(m_ref, l_ref, acc_ref, scores, seen, v, weight_scale=None):
+    """One block of keys into the running max (m), sum (l) and weighted values (acc) of an online
+    softmax. scores [rows, n] where `seen`; v [n, H]; weight_scale [1, n] scales each key's weight
+    (an int8 cache's value scales)."""
+    f32 = jnp.float32
+    scores = jnp.where(seen, scores, NEG)
+    m_prev = m_ref[...]
+    m_new = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))  # [rows, 1]
+    p = jnp.where(seen, jnp.exp(scores - m_new), 0.0)
+    alpha = jnp.exp(m_prev - m_new)
+    l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
+    pv = p if weight_scale is None else p * weight_scale
+    acc_ref[...] = alpha * acc_ref[...] + jnp.dot(pv, v, preferred_element_type=f32)
+    m_ref[...] = m_new
+
+
+def _normalised(m_ref, l_ref, acc_ref, sink=None):
+    """The softmax-weighted values, with one more logit per row (`sink` [rows, 1]) that takes
+    probability mass and contributes no value; rows that saw nothing give zeros."""
+    total, acc = l_ref[...], acc_ref[...]
+    if sink is not None:
+        m = jnp.maximum(m_ref[...], sink)
+        total = total * jnp.exp(m_ref[...] - m) + jnp.exp(sink - m)
+        acc = acc * jnp.exp(m_ref[...] - m)
+    return acc / jnp.where(total > 0, total, 1.0)
+
+
 def _kernel(q_pos_ref, new_pos_ref, q_ref, k_ref, v_ref, k_pos_ref, kn_ref, vn_ref, sink_ref,
             *refs, scale: float, window: int, has_sinks: bool, quantized: bool):
     if quantized:  # int8 cache: per-slot scales [1, bs] for the block's keys and values
@@ -54,15 +81,7 @@ def _kernel(q_pos_ref, new_pos_ref, q_ref, k_ref, v_ref, k_pos_ref, kn_ref, vn_r
         return ok & (qp - kp < window) if window else ok
 
     def update(scores, seen, v, v_scale=None):  # scores [G, n], seen [1, n] or [G, n], v [n, H]
-        scores = jnp.where(seen, scores, NEG)
-        m_prev = m_ref[...]
-        m_new = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))  # [G, 1]
-        p = jnp.where(seen, jnp.exp(scores - m_new), 0.0)
-        alpha = jnp.exp(m_prev - m_new)
-        l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
-        pv = p if v_scale is None else p * v_scale
-        acc_ref[...] = alpha * acc_ref[...] + jnp.dot(pv, v, preferred_element_type=f32)
-        m_ref[...] = m_new
+        _online_update(m_ref, l_ref, acc_ref, scores, seen, v, v_scale)
 
     q = q_ref[...].astype(f32)  # [G, H]
     k = k_ref[...].astype(f32)  # [bs, H]
@@ -79,15 +98,8 @@ def _kernel(q_pos_ref, new_pos_ref, q_ref, k_ref, v_ref, k_pos_ref, kn_ref, vn_r
         new_scores = jnp.sum(q * kn, axis=1, keepdims=True) * scale  # [G, 1]
         seen = jnp.broadcast_to(visible(new_pos_ref[b]), new_scores.shape)
         update(new_scores, seen, vn_ref[...].astype(f32))
-        total = l_ref[...]
-        if has_sinks:  # one more logit per head, with no value
-            sink = sink_ref[...].astype(f32)  # [G, 1]
-            m = jnp.maximum(m_ref[...], sink)
-            total = total * jnp.exp(m_ref[...] - m) + jnp.exp(sink - m)
-            acc = acc_ref[...] * jnp.exp(m_ref[...] - m)
-        else:
-            acc = acc_ref[...]
-        o_ref[...] = (acc / jnp.where(total > 0, total, 1.0)).astype(o_ref.dtype)
+        sink = sink_ref[...].astype(f32) if has_sinks else None  # [G, 1]
+        o_ref[...] = _normalised(m_ref, l_ref, acc_ref, sink).astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("window", "scale", "interpret"))
@@ -187,25 +199,12 @@ def _prefill_kernel(q_pos_ref, k_pos_ref, q_ref, k_ref, v_ref, sink_ref, o_ref, 
         seen = (kp >= 0) & (kp <= qp)
         if window:
             seen = seen & (qp - kp < window)
-        scores = jnp.where(seen, scores, NEG)
-        m_prev = m_ref[...]
-        m_new = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
-        p = jnp.where(seen, jnp.exp(scores - m_new), 0.0)
-        alpha = jnp.exp(m_prev - m_new)
-        l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
-        acc_ref[...] = alpha * acc_ref[...] + jnp.dot(p, v_ref[...].astype(f32),
-                                                      preferred_element_type=f32)
-        m_ref[...] = m_new
+        _online_update(m_ref, l_ref, acc_ref, scores, seen, v_ref[...].astype(f32))
 
     @pl.when(j == pl.num_programs(3) - 1)
     def _finish():
-        total, acc = l_ref[...], acc_ref[...]
-        if has_sinks:  # one more logit per query head, with no value
-            sink = sink_ref[...]  # [R, 1]
-            m = jnp.maximum(m_ref[...], sink)
-            total = total * jnp.exp(m_ref[...] - m) + jnp.exp(sink - m)
-            acc = acc * jnp.exp(m_ref[...] - m)
-        o_ref[...] = (acc / jnp.where(total > 0, total, 1.0)).astype(o_ref.dtype)
+        sink = sink_ref[...] if has_sinks else None  # [R, 1]
+        o_ref[...] = _normalised(m_ref, l_ref, acc_ref, sink).astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("window", "scale", "interpret"))
