@@ -58,6 +58,8 @@ def base_config() -> ConfigDict:
         # 12.4 GiB per chip against 13.3; all 64 rows at once: 14.6 GiB, where XLA's attention
         # needs 24.8 GiB of temporaries). Checked in interpret mode and compiled AOT for v5e.
         "pallas_prefill": True,
+        # The KV cache donated to each device call and updated in place (False: copied per call).
+        "donate_cache": True,
     })
     c.generation = ConfigDict({
         "batch_size": 8,

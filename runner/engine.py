@@ -135,9 +135,10 @@ class Engine:
         # layer's cache is both read (attention) and written in place; region analysis sees that
         # the read comes first (SmolLM2 decode, B=1: 120 copies of [1, 3, 256, 64] per step gone).
         opts = {"xla_cpu_copy_insertion_use_region_analysis": True} if rules.platform == "cpu" else None
-        self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,), compiler_options=opts,
+        donate = (1,) if policy.donate_cache else ()  # the cache is updated in place, not copied
+        self._prefill = jax.jit(self._prefill_fn, donate_argnums=donate, compiler_options=opts,
                                 out_shardings=(everywhere, row, cache_sh))
-        self._decode = jax.jit(self._decode_fn, donate_argnums=(1,), compiler_options=opts,
+        self._decode = jax.jit(self._decode_fn, donate_argnums=donate, compiler_options=opts,
                                out_shardings=(everywhere, cache_sh, row, row, everywhere, row))
 
     def lower(self) -> dict[str, jax.stages.Lowered]:

@@ -122,7 +122,7 @@ def from_config(c: ConfigDict) -> Settings:
         compilation_cache_dir=_path(c.compilation_cache.dir),
         policy=Policy(p.params, p.activations, p.kv_cache, p.matmul, p.quantize, bool(p.kernels),
                       bool(p.pallas_attention), bool(p.fuse_projections), bool(p.scan_layers),
-                      bool(p.pallas_prefill)),
+                      bool(p.pallas_prefill), bool(p.donate_cache)),
         generation=gen,
         sampling=samp,
         input=_path(c.io.input),

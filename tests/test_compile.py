@@ -190,3 +190,18 @@ def test_prefill_attention_compiles_as_the_pallas_flash_kernel_for_tpu(scan):
     for name in ("prefill_16", "prefill_32"):
         assert "tpu_custom_call" in lowered[name].as_text(), name
     assert "tpu_custom_call" not in lowered["decode"].as_text()
+
+
+def test_without_donation_the_decode_step_writes_a_new_cache():
+    """precision.donate_cache=False: no output of the decode program reuses an input buffer, so a
+    chip holds the cache twice during a call; donated (the default), the cache is aliased."""
+    from runner.compile import compile_deployment
+    from runner.memory import footprint
+
+    s = tiny_tpu_settings()
+    kept = dataclasses.replace(s, policy=dataclasses.replace(s.policy, donate_cache=False))
+    _, donated = compile_deployment(s, SMALL)
+    _, copied = compile_deployment(kept, SMALL)
+    cache = footprint(s, SMALL).kv_cache
+    assert donated["decode"].alias_bytes >= cache and copied["decode"].alias_bytes == 0
+    assert copied["decode"].peak_bytes >= donated["decode"].peak_bytes + cache

@@ -29,18 +29,20 @@ def references(llama, prompts):
     return [hf_greedy(llama, p, STEPS) for p in prompts]
 
 
-def make_engine(m, mesh_name, **kw):
+def make_engine(m, mesh_name, policy=Policy(), **kw):
     rules = rules_for(mesh_name)
     model, params = to_podrun(m, rules)
     args = dict(batch_size=4, max_prompt_len=48, max_new_tokens=STEPS, steps_per_dispatch=8)
     args.update(kw)
-    return Engine(model, params, rules, Policy(), **args)
+    return Engine(model, params, rules, policy, **args)
 
 
-@pytest.mark.parametrize("mesh_name", ["1dev", "data8", "data2_model4"])
-def test_greedy_batches_match_transformers(llama, prompts, references, mesh_name):
-    """Ragged prompts, batches that do not fill (or divide over) the data axis, 32 greedy steps."""
-    engine = make_engine(llama, mesh_name, batch_size=3)
+@pytest.mark.parametrize("mesh_name,donate", [("1dev", True), ("data8", True), ("data2_model4", True),
+                                              ("data2_model4", False)])
+def test_greedy_batches_match_transformers(llama, prompts, references, mesh_name, donate):
+    """Ragged prompts, batches that do not fill (or divide over) the data axis, 32 greedy steps;
+    with the cache donated to each call (updated in place) or not (a new cache per call)."""
+    engine = make_engine(llama, mesh_name, Policy(donate_cache=donate), batch_size=3)
     got = []
     for i in range(0, len(prompts), engine.batch_size):
         got += engine.generate([Request(p, STEPS) for p in prompts[i : i + engine.batch_size]])
