@@ -1,21 +1,26 @@
-"""How fast XLA:CPU runs the matrix-vector products of a decode step alone: a jitted chain of
-SmolLM2-135M's 30 layers x 7 matmuls plus the unembedding, with nothing else (no attention, no
-cache, no sampling), f32, on whatever devices JAX sees first.
+"""How fast XLA:CPU runs the matrix-vector products of a decode step alone: a jitted chain of a
+model's layers x 7 matmuls plus the unembedding, with nothing else (no attention, no cache, no
+sampling), f32, on whatever devices JAX sees first.
 
-    JAX_PLATFORMS=cpu python benchmarks/xla_matvec.py
+    JAX_PLATFORMS=cpu python benchmarks/xla_matvec.py [smollm2 | peer]
 
-The figure bounds what any XLA-only decode step can reach on this machine (see issue 5's notes):
-measured here, 14.5 ms and 37 GB/s at batch 1, 20.7 ms at batch 8, against about 88 GB/s of DRAM
-read bandwidth.
+smollm2: SmolLM2-135M (30 layers); peer: the peer kit's random Llama (../shared/peers: hidden 512,
+8 layers, 8 query / 2 kv heads, MLP 1536, vocab 32000, untied). The figure bounds what any decode
+step that reads f32 weights can reach on this machine. Measured here for the peer model: 3.50 ms
+per step at batch 1 (162 MB at 46 GB/s), that is at most 286 tokens/s; 5.39 ms at batch 8.
 """
 
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-D, F, Q, KV, L, V = 576, 1536, 576, 192, 30, 49152  # SmolLM2-135M
+MODELS = {  # D, F, Q (query width), KV (kv width), layers, vocab
+    "smollm2": (576, 1536, 576, 192, 30, 49152),
+    "peer": (512, 1536, 512, 128, 8, 32000),
+}
 
 
 def step(x, layers, unembed):
@@ -27,7 +32,8 @@ def step(x, layers, unembed):
     return jnp.argmax(x @ unembed, axis=-1)
 
 
-def main() -> None:
+def main(name: str = "smollm2") -> None:
+    D, F, Q, KV, L, V = MODELS[name]
     rng = np.random.default_rng(0)
     shapes = dict(q=(D, Q), k=(D, KV), v=(D, KV), o=(Q, D), g=(D, F), u=(D, F), d=(F, D))
     layers = jax.device_put([{n: rng.random(s, np.float32) for n, s in shapes.items()} for _ in range(L)])
@@ -48,4 +54,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(*sys.argv[1:])

@@ -8,7 +8,7 @@ Convert the HF checkpoint first (MXFP4 experts are dequantised to bf16):
     python -m runner.convert --source=gpt-oss-20b/ --output=gs://BUCKET/gpt-oss-20b --dtype=bfloat16
 Fit, from the declarations (python -m runner.memory --config=configs/gptoss_v5e.py): 6.1 GiB of
 weights + 1.6 GiB of KV cache per chip at batch 64 and 2k tokens (48% of HBM).
-Compiled for v5e:2x4 on a CPU (python -m runner.compile --config=configs/gptoss_v5e.py, 12 min on
+Compiled for v5e:2x4 on a CPU (python -m runner.compile --config=configs/gptoss_v5e.py, 4 min on
 2 cores): peak 12.4 GiB per chip (77% of HBM) for prefill_1024 with prefill_rows=4 and the Pallas
 flash prefill (all 64 rows at once: 14.6 GiB; with XLA's attention they would need 24.8 GiB of
 temporaries), 8.0 GiB (50%) for decode.
