@@ -6,8 +6,9 @@ sampling), f32, on whatever devices JAX sees first.
 
 smollm2: SmolLM2-135M (30 layers); peer: the peer kit's random Llama (../shared/peers: hidden 512,
 8 layers, 8 query / 2 kv heads, MLP 1536, vocab 32000, untied). The figure bounds what any decode
-step that reads f32 weights can reach on this machine. Measured here for the peer model: 3.50 ms
-per step at batch 1 (162 MB at 46 GB/s), that is at most 286 tokens/s; 5.39 ms at batch 8.
+step that reads f32 weights can reach on this machine. Measured here for the peer model over six
+runs: 3.42 to 4.62 ms per step at batch 1 (162 MB at 35 to 47 GB/s; at most 216 to 292 tokens/s),
+5.5 to 6.4 ms at batch 8.
 """
 
 import sys
@@ -29,7 +30,7 @@ def step(x, layers, unembed):
         x = x + a @ w["o"]
         x = x + (jax.nn.silu(x @ w["g"]) * (x @ w["u"])) @ w["d"]
         x = x / jnp.max(jnp.abs(x))
-    return jnp.argmax(x @ unembed, axis=-1)
+    return jnp.sum(x @ unembed, axis=-1)  # a sum, not argmax: XLA:CPU takes ~0.5 ms for an argmax over the vocabulary
 
 
 def main(name: str = "smollm2") -> None:
