@@ -129,9 +129,11 @@ def declare(c: Config) -> dict:
         "mlp_norm": Weight((D,), ("embed",), init="ones"),
         "router_w": Weight((D, E), ("embed", None)),  # every shard routes every token
         "router_b": Weight((E,), (None,), init="zeros"),
-        "w_gate_up": Weight((E, 2, F, D), EXPERT_AXES["w_gate_up"]),
+        # contract=-1: int8 quantisation (precision.quantize) keeps one scale per expert and
+        # output channel, over the contracted (last) dimension
+        "w_gate_up": Weight((E, 2, F, D), EXPERT_AXES["w_gate_up"], contract=-1),
         "b_gate_up": Weight((E, 2, F), EXPERT_AXES["b_gate_up"], init="zeros"),
-        "w_down": Weight((E, D, F), EXPERT_AXES["w_down"]),
+        "w_down": Weight((E, D, F), EXPERT_AXES["w_down"], contract=-1),
         "b_down": Weight((E, D), EXPERT_AXES["b_down"], init="zeros"),
     }
     return {
@@ -168,17 +170,24 @@ def swiglu(gate_up: jax.Array, c: Config) -> jax.Array:
     return gate * jax.nn.sigmoid(c.swiglu_alpha * gate) * (up + 1)
 
 
-def _experts_gathered(x, expert, weight, w, c, policy):
+def _scaled(y, scales, name, index):
+    """int8 experts: their per-expert, per-output scales applied to the product's output."""
+    return y if name not in scales else y * scales[name][index].astype(y.dtype)
+
+
+def _experts_gathered(x, expert, weight, w, scales, c, policy):
     """Few assignments (decode): gather each assignment's expert weights. x [M, D]; expert,
     weight [M, k] (weight 0 where the expert lives on another shard)."""
     wg = w["w_gate_up"][expert]  # [M, k, 2, F, D]
     gate_up = policy.einsum("MD,MKGD->MKG", x, wg.reshape(*wg.shape[:2], -1, wg.shape[-1]))
-    gate_up = gate_up.reshape(wg.shape[:-1]) + w["b_gate_up"][expert]
-    y = policy.einsum("MKF,MKDF->MKD", swiglu(gate_up, c), w["w_down"][expert]) + w["b_down"][expert]
+    gate_up = _scaled(gate_up.reshape(wg.shape[:-1]), scales, "w_gate_up", expert)
+    gate_up = gate_up + w["b_gate_up"][expert]
+    y = policy.einsum("MKF,MKDF->MKD", swiglu(gate_up, c), w["w_down"][expert])
+    y = _scaled(y, scales, "w_down", expert) + w["b_down"][expert]
     return jnp.einsum("MKD,MK->MD", y, weight.astype(y.dtype))
 
 
-def _experts_grouped(x, expert, weight, w, c, policy, capacity):
+def _experts_grouped(x, expert, weight, w, scales, c, policy, capacity):
     """Many assignments (prefill): group them by expert into [E, C] buckets and run one batched
     matmul per projection. Assignments beyond an expert's capacity go to a dropped slot; callers
     choose `capacity` so that none does."""
@@ -196,15 +205,23 @@ def _experts_grouped(x, expert, weight, w, c, policy, capacity):
     wg = w["w_gate_up"]  # [E, 2, F, D], one [E, 2F, D] product (a separate 2 axis made XLA:TPU
     # lay the weights out again on every step)
     gate_up = policy.einsum("ECD,EGD->ECG", rows, wg.reshape(E, -1, D))
-    gate_up = gate_up.reshape(E, capacity, 2, -1) + w["b_gate_up"][:, None]
-    y = policy.einsum("ECF,EDF->ECD", swiglu(gate_up, c), w["w_down"]) + w["b_down"][:, None]
+    experts = (slice(None), None)  # [E, 1, ...]: each bucket's expert
+    gate_up = _scaled(gate_up.reshape(E, capacity, 2, -1), scales, "w_gate_up", experts)
+    gate_up = gate_up + w["b_gate_up"][:, None]
+    y = policy.einsum("ECF,EDF->ECD", swiglu(gate_up, c), w["w_down"])
+    y = _scaled(y, scales, "w_down", experts) + w["b_down"][:, None]
     y = jnp.concatenate([y.reshape(E * capacity, D), jnp.zeros((1, D), y.dtype)])[slot]
     y = y * weight.reshape(-1)[order][:, None].astype(y.dtype)
     return jnp.zeros((M, D), y.dtype).at[token].add(y)
 
 
 def _moe_shard(x, expert, weight, w, *, c: Config, policy: Policy, expert_axes, model_axes):
-    """One device's share: its tokens x [B, T, D] through its experts and its slice of F."""
+    """One device's share: its tokens x [B, T, D] through its experts and its slice of F. int8
+    experts (QWeight, stored as declared: [*out, D] and [*out, F]) enter the products as converted
+    int8, which XLA folds into the products' operands, and their scales multiply the outputs;
+    a dequantised copy of the experts would be written and read again on every step."""
+    scales = {n: a.scale for n, a in w.items() if isinstance(a, quant.QWeight)}
+    w = {n: a.q.astype(x.dtype) if isinstance(a, quant.QWeight) else a for n, a in w.items()}
     B, T, D = x.shape
     E = w["w_down"].shape[0]  # local experts
     first = jax.lax.axis_index(expert_axes) * E if expert_axes else 0
@@ -221,12 +238,13 @@ def _moe_shard(x, expert, weight, w, *, c: Config, policy: Policy, expert_axes, 
     # 17 ms); grouping with a 2x-mean-load capacity beats running every expert densely 4x at
     # M=256..1024 (42 vs 164 ms, 158 vs 660 ms) and jax.lax.ragged_dot by 10x.
     if 4 * local.size <= E:
-        y = _experts_gathered(x, jnp.where(mine.reshape(local.shape), local, 0), weight, w, c, policy)
+        y = _experts_gathered(x, jnp.where(mine.reshape(local.shape), local, 0), weight, w, scales,
+                              c, policy)
     else:
         local = jnp.where(mine.reshape(local.shape), local, E)
         counts = jnp.bincount(local.reshape(-1), length=E + 1)[:E]
         small = min(B * T, max(1, math.ceil(c.capacity_factor * local.size / max(E, 1))))
-        grouped = partial(_experts_grouped, x, local, weight, w, c, policy)
+        grouped = partial(_experts_grouped, x, local, weight, w, scales, c, policy)
         if small >= B * T:
             y = grouped(B * T)
         else:  # exact either way: the small buckets when they hold every assignment
@@ -244,7 +262,7 @@ def moe_block(p: dict, x: jax.Array, c: Config, rules: Rules, policy: Policy) ->
         weight = jax.nn.softmax(top.astype(jnp.float32), axis=-1).astype(x.dtype)
         w = {n: p[n] for n in EXPERT_AXES}
         # inside, every device holds whole rows of D (an FSDP-sharded embed is gathered on entry)
-        specs = {n: rules.spec(*(None if a == "embed" else a for a in axes))
+        specs = {n: quant.spec_like(w[n], rules.spec(*(None if a == "embed" else a for a in axes)))
                  for n, axes in EXPERT_AXES.items()}
         act = rules.spec("batch", "seq", "act_embed", shape=x.shape)
         route = rules.spec("batch", "seq", None, shape=expert.shape)

@@ -113,6 +113,16 @@ def dequantize(w: QWeight, dtype: Any) -> jax.Array:
     return (w.q.astype(jnp.float32) * scale).astype(dtype)
 
 
+def spec_like(w: Any, spec: jax.sharding.PartitionSpec) -> Any:
+    """A shard_map spec for w: `spec` for an array, or for a QWeight stored in its declared order
+    (output dims first, the contracted ones last, as GPT-OSS's experts are declared) the spec of
+    q and the same without its contracted dims for scale."""
+    if not isinstance(w, QWeight):
+        return spec
+    n_out = w.scale.ndim
+    return dataclasses.replace(w, q=spec, scale=jax.sharding.PartitionSpec(*spec[:n_out]))
+
+
 def lookup(table: Any, tokens: jax.Array) -> jax.Array:
     """Rows of an embedding table [V, D] (float, or a QWeight quantised per row)."""
     if isinstance(table, QWeight):
@@ -128,10 +138,13 @@ def matmul(x: jax.Array, w: QWeight, n_contract: int, precision: Any, kernels: b
     from models.kernels import cpu
 
     if not (kernels and w.rules.platform == "cpu" and cpu.available()):
-        deq = dequantize(w, x.dtype).reshape(O, C)
-        y = jax.lax.dot_general(x.reshape(*free, C), deq, (((len(free),), (1,)), ((), ())),
-                                precision=precision)
-        return y.reshape(*free, *out)
+        # the int8 values enter the product converted (exact in bf16 and f32), which XLA folds into
+        # the operand, and the per-output scales multiply the result: no dequantised weight is
+        # written out
+        q = w.q.astype(x.dtype).reshape(O, C)
+        y = jax.lax.dot_general(x.reshape(*free, C), q, (((len(free),), (1,)), ((), ())),
+                                precision=precision, preferred_element_type=jnp.float32)
+        return (y * w.scale.reshape(O)).astype(x.dtype).reshape(*free, *out)
     rules = w.rules
     free_axes = ("batch", "seq")[: len(free)] if len(free) <= 2 else (None,) * len(free)
     x_spec = rules.spec(*free_axes, *w.contract_axes, shape=x.shape)

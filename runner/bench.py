@@ -112,7 +112,7 @@ def decode_cost(model: Model, batch: int, prompt_len: int, new_tokens: int, para
             weight_bytes += min(batch, w.shape[0]) * w.shape[1] * param_itemsize
         elif "experts" in w.axes:
             experts = w.shape[w.axes.index("experts")]
-            weight_bytes += size * min(batch * k, experts) / experts * param_itemsize
+            weight_bytes += stored * min(batch * k, experts) / experts
             params_per_token += size * k / experts
         else:
             weight_bytes += stored
