@@ -8,7 +8,8 @@ held, so a tied embedding is quantised once for both the lookup and the unembedd
 
 Activations, norms, biases and the KV cache stay in their own precision. On CPU the product runs in
 the int8 kernel (in a shard_map over the rules' mesh, psum over a sharded contraction); elsewhere, or
-with precision.kernels off, the weight is dequantised and XLA's dot does the rest.
+with precision.kernels off, XLA's dot takes the int8 values converted and the scales multiply its
+output (GPT-OSS's experts likewise, in models/gptoss.py).
 """
 
 from __future__ import annotations
@@ -104,13 +105,6 @@ def quantize(decl: Any, params: Any, rules: Rules) -> Any:
         t = targets[i]
         result[i] = QWeight(q, scale, t.out_axes, t.contract_axes, rules)
     return jax.tree.unflatten(treedef, result)
-
-
-def dequantize(w: QWeight, dtype: Any) -> jax.Array:
-    """[*out, *contract] in dtype."""
-    n_out = w.scale.ndim
-    scale = w.scale.reshape(w.scale.shape + (1,) * (w.q.ndim - n_out))
-    return (w.q.astype(jnp.float32) * scale).astype(dtype)
 
 
 def spec_like(w: Any, spec: jax.sharding.PartitionSpec) -> Any:
