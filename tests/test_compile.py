@@ -205,3 +205,31 @@ def test_without_donation_the_decode_step_writes_a_new_cache():
     cache = footprint(s, SMALL).kv_cache
     assert donated["decode"].alias_bytes >= cache and copied["decode"].alias_bytes == 0
     assert copied["decode"].peak_bytes >= donated["decode"].peak_bytes + cache
+
+
+def test_pinning_the_lookup_tables_keeps_their_values_and_shards(monkeypatch):
+    """The TPU-only step of Model.prepare and abstract_params, run on CPU arrays with the rules
+    told they are on TPU. Abstract: the GPT-OSS embedding gets an explicit row-major layout (None
+    without the pin). Restored: it is re-placed with that layout (CPU's default already, so what
+    this checks is that the re-placement keeps sharding and values); the unembedding, a product,
+    is left alone."""
+    import jax.numpy as jnp
+
+    from models.layers import Policy
+    from models.weights import pin_tables_row_major
+    from sharding.rules import Rules
+    from tests.conftest import rules_for
+    from tests.reference import tiny_hf, to_podrun
+
+    rules = rules_for("data2_model4")
+    model, params = to_podrun(tiny_hf("gptoss"), rules)
+    before = np.asarray(params["embed"])
+    monkeypatch.setattr(Rules, "platform", property(lambda self: "tpu"))
+    pinned = pin_tables_row_major(model.declare(), params, rules)
+    assert pinned["embed"].format.layout.major_to_minor == (0, 1)
+    assert pinned["embed"].sharding == params["embed"].sharding
+    np.testing.assert_array_equal(np.asarray(pinned["embed"]), before)
+    assert pinned["unembed"] is params["unembed"]
+    abstract = pin_tables_row_major(model.declare(), model.abstract_params(rules, Policy()), rules)
+    assert abstract["embed"].format.layout.major_to_minor == (0, 1)
+    assert abstract["unembed"].dtype == jnp.float32
