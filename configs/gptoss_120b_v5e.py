@@ -6,9 +6,9 @@ heads and expert hidden units over 4.
 
 Fit, from the declarations (python -m runner.memory --config=configs/gptoss_120b_v5e.py): 7.7 GiB
 of weights + 1.2 GiB of KV cache per chip at batch 64 and 2k tokens (56% of HBM).
-Compiled for v5e:4x8 on a CPU (python -m runner.compile --config=configs/gptoss_120b_v5e.py, 9 min
-on 2 cores): peak 13.7 GiB per chip (85% of HBM) for prefill_1024 with prefill_rows=4, 9.6 GiB
-(60%) for decode.
+Compiled for v5e:4x8 on a CPU (python -m runner.compile --config=configs/gptoss_120b_v5e.py, 6 min
+on 2 cores): peak 13.8 GiB per chip (86% of HBM) for prefill_1024 with prefill_rows=4 and the
+Pallas flash prefill, 9.2 GiB (58%) for decode.
 """
 
 from configs.base import base_config
