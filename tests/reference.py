@@ -39,11 +39,11 @@ def tiny_hf(kind: str, seed: int = 0, std: float = 0.3, **overrides):
                                       bos_token_id=0, eos_token_id=0)
         m = transformers.GPT2LMHeadModel(cfg)
     elif kind == "gptoss":  # 8 experts, top-2, sliding window 8 on even layers, random sinks
-        cfg = transformers.GptOssConfig(**{**dict(
-            vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=3,
-            num_attention_heads=8, num_key_value_heads=4, head_dim=16, num_local_experts=8,
-            num_experts_per_tok=2, sliding_window=8, max_position_embeddings=256,
-            attn_implementation="eager"), **overrides})
+        cfg = transformers.GptOssConfig(**{
+            "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 3,
+            "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 16,
+            "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": 8,
+            "max_position_embeddings": 256, "attn_implementation": "eager", **overrides})
         m = transformers.GptOssForCausalLM(cfg)
     else:
         raise ValueError(kind)

@@ -29,12 +29,12 @@ def references(llama, prompts):
     return [hf_greedy(llama, p, STEPS) for p in prompts]
 
 
-def make_engine(m, mesh_name, policy=Policy(), **kw):
+def make_engine(m, mesh_name, policy=None, **kw):
     rules = rules_for(mesh_name)
     model, params = to_podrun(m, rules)
     args = dict(batch_size=4, max_prompt_len=48, max_new_tokens=STEPS, steps_per_dispatch=8)
     args.update(kw)
-    return Engine(model, params, rules, policy, **args)
+    return Engine(model, params, rules, policy or Policy(), **args)
 
 
 @pytest.mark.parametrize("mesh_name,donate", [("1dev", True), ("data8", True), ("data2_model4", True),
