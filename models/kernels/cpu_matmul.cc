@@ -245,8 +245,8 @@ void attend_one(const float* q, const C* kc, const C* vc, const float* ks, const
 
 // The G query heads of one kv head together, for head_dim = 16 * HV: each visible key and value
 // row is loaded once for NG queries at a time, their dot products and weighted sums kept in
-// registers (attend_one re-reads every row for every query and was 4x slower at G = 4).
-// Only the visible rows (idx) are read: empty and masked slots cost nothing.
+// registers, where attend_one re-reads every row for every query (peer model, batch 8, in a decode
+// step: 68 us per call against 82). Only the visible rows (idx) are read.
 
 template <typename C, int HV, int NG>
 void group_scores(const float* q, const C* rows, const float* row_scale, const int32_t* idx,
@@ -319,7 +319,8 @@ void attend_group(const float* q, const C* kc, const C* vc, const float* ks, con
   }
 }
 
-// Every query head of kv head k at one query position: blocks of NG heads, the rest one by one.
+// Every query head of kv head k at one query position, in blocks of NG heads and then the largest
+// block that fits what is left.
 template <typename C, int HV>
 void attend_heads(int64_t G, const float* q, const C* kc, const C* vc, const float* ks,
                   const float* vs, const int32_t* cidx, int64_t nc, const float* kn, const float* vn,
