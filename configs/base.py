@@ -60,6 +60,9 @@ def base_config() -> ConfigDict:
         "pallas_prefill": True,
         # The KV cache donated to each device call and updated in place (False: copied per call).
         "donate_cache": True,
+        # TPU: GPT-OSS's experts, when many tokens are routed (prefill), as ragged groups of a
+        # Pallas grouped matmul (JAX's megablox gmm) instead of buckets padded to a capacity.
+        "pallas_moe": False,
     })
     c.generation = ConfigDict({
         "batch_size": 8,

@@ -215,7 +215,42 @@ def _experts_grouped(x, expert, weight, w, scales, c, policy, capacity):
     return jnp.zeros((M, D), y.dtype).at[token].add(y)
 
 
-def _moe_shard(x, expert, weight, w, *, c: Config, policy: Policy, expert_axes, model_axes):
+def experts_ragged(x, expert, weight, w, scales, c, interpret=False):
+    """Many assignments on TPU (precision.pallas_moe): sorted by expert, each expert's rows one
+    ragged group of a Pallas grouped matmul (JAX's megablox gmm), so no assignment waits in a
+    bucket padded to a capacity. x [M, D]; expert, weight [M, k], expert = E where the expert
+    lives on another shard (those rows are sorted last, left out of every group, and zeroed)."""
+    from jax.experimental.pallas.ops.tpu.megablox import gmm
+
+    M, D = x.shape
+    E = w["w_down"].shape[0]
+    flat_e = expert.reshape(-1)  # [A]
+    order = jnp.argsort(flat_e, stable=True)
+    sorted_e = flat_e[order]
+    token = order // expert.shape[1]
+    A = flat_e.shape[0]
+    padded = -(-A // 128) * 128  # gmm's row tiles
+    sizes = jnp.bincount(flat_e, length=E + 1)[:E].astype(jnp.int32)
+    e = jnp.minimum(sorted_e, E - 1)  # each row's expert (any, for another shard's rows)
+    mine = (sorted_e < E)[:, None]
+
+    def product(rows, weights):  # rows [A, K], weights [E, N, K] -> [A, N]
+        rows = jnp.zeros((padded, rows.shape[1]), rows.dtype).at[:A].set(rows)
+        out = gmm(rows, weights, sizes, preferred_element_type=jnp.float32, transpose_rhs=True,
+                  interpret=interpret)
+        return jnp.where(mine, out[:A], 0.0)  # rows outside every group are never written
+
+    wg = w["w_gate_up"]  # [E, 2, F, D]
+    gate_up = product(x[token], wg.reshape(E, -1, D)).reshape(A, 2, -1).astype(x.dtype)
+    gate_up = _scaled(gate_up, scales, "w_gate_up", e) + w["b_gate_up"][e]
+    y = product(swiglu(gate_up, c), w["w_down"]).astype(x.dtype)  # w_down [E, D, F]
+    y = _scaled(y, scales, "w_down", e) + w["b_down"][e]
+    y = jnp.where(mine, y, 0) * weight.reshape(-1)[order][:, None].astype(y.dtype)
+    return jnp.zeros((M, D), y.dtype).at[token].add(y)
+
+
+def _moe_shard(x, expert, weight, w, *, c: Config, policy: Policy, expert_axes, model_axes,
+               ragged: bool = False):
     """One device's share: its tokens x [B, T, D] through its experts and its slice of F. int8
     experts (QWeight, stored as declared: [*out, D] and [*out, F]) enter the products as converted
     int8, which XLA folds into the products' operands, and their scales multiply the outputs;
@@ -240,6 +275,8 @@ def _moe_shard(x, expert, weight, w, *, c: Config, policy: Policy, expert_axes, 
     if 4 * local.size <= E:
         y = _experts_gathered(x, jnp.where(mine.reshape(local.shape), local, 0), weight, w, scales,
                               c, policy)
+    elif ragged:
+        y = experts_ragged(x, jnp.where(mine.reshape(local.shape), local, E), weight, w, scales, c)
     else:
         local = jnp.where(mine.reshape(local.shape), local, E)
         counts = jnp.bincount(local.reshape(-1), length=E + 1)[:E]
@@ -268,7 +305,8 @@ def moe_block(p: dict, x: jax.Array, c: Config, rules: Rules, policy: Policy) ->
         route = rules.spec("batch", "seq", None, shape=expert.shape)
         expert_axes = tuple(a for a in rules.axes("experts") if rules.mesh.shape[a] > 1)
         model_axes = tuple(a for a in rules.axes("mlp") if rules.mesh.shape[a] > 1)
-        fn = partial(_moe_shard, c=c, policy=policy, expert_axes=expert_axes, model_axes=model_axes)
+        fn = partial(_moe_shard, c=c, policy=policy, expert_axes=expert_axes, model_axes=model_axes,
+                     ragged=policy.pallas_moe and rules.platform == "tpu")
         y = jax.shard_map(
             fn, mesh=rules.mesh, check_vma=False,
             in_specs=(act, route, route, specs),

@@ -42,6 +42,8 @@ class Policy:
     scan_layers: bool = False
     # TPU prefill attention in the Pallas flash kernel (models/kernels/tpu.flash_prefill).
     pallas_prefill: bool = True
+    # TPU: GPT-OSS's experts over many tokens as ragged groups of a Pallas grouped matmul.
+    pallas_moe: bool = False
     # The engine donates the KV cache to every prefill and decode call, which then update it in
     # place; without, each call writes a new cache and the old one lives until it returns.
     donate_cache: bool = True

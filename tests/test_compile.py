@@ -233,3 +233,18 @@ def test_pinning_the_lookup_tables_keeps_their_values_and_shards(monkeypatch):
     abstract = pin_tables_row_major(model.declare(), model.abstract_params(rules, Policy()), rules)
     assert abstract["embed"].format.layout.major_to_minor == (0, 1)
     assert abstract["unembed"].dtype == jnp.float32
+
+
+def test_the_experts_compile_as_the_pallas_grouped_matmul_for_tpu():
+    """With precision.pallas_moe (the attention kernels off) the programs that route many tokens
+    (prefill; decode at batch 4 x 2 experts over 2 local experts) run the experts in megablox's
+    grouped matmul, a Mosaic custom call, in the program compiled for v5e."""
+    from runner.compile import compile_deployment
+
+    s = tiny_tpu_settings()
+    s = dataclasses.replace(s, policy=dataclasses.replace(s.policy, pallas_moe=True,
+                                                          pallas_prefill=False))
+    engine, compiled = compile_deployment(s, SMALL)
+    lowered = engine.lower()
+    for name in ("prefill_16", "prefill_32", "decode"):
+        assert "tpu_custom_call" in lowered[name].as_text(), name
