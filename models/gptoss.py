@@ -187,16 +187,21 @@ def _experts_gathered(x, expert, weight, w, scales, c, policy):
     return jnp.einsum("MKD,MK->MD", y, weight.astype(y.dtype))
 
 
+def _by_expert(expert):
+    """Assignments [M, k] in expert order: (flat experts [A], the order, the sorted experts, each
+    sorted assignment's token)."""
+    flat_e = expert.reshape(-1)
+    order = jnp.argsort(flat_e, stable=True)
+    return flat_e, order, flat_e[order], order // expert.shape[1]
+
+
 def _experts_grouped(x, expert, weight, w, scales, c, policy, capacity):
     """Many assignments (prefill): group them by expert into [E, C] buckets and run one batched
     matmul per projection. Assignments beyond an expert's capacity go to a dropped slot; callers
     choose `capacity` so that none does."""
     M, D = x.shape
     E = w["w_down"].shape[0]
-    flat_e = expert.reshape(-1)  # [A]
-    order = jnp.argsort(flat_e, stable=True)
-    sorted_e = flat_e[order]
-    token = order // expert.shape[1]
+    flat_e, order, sorted_e, token = _by_expert(expert)
     counts = jnp.bincount(flat_e, length=E + 1)  # E = "not on this shard"
     rank = jnp.arange(flat_e.shape[0]) - (jnp.cumsum(counts) - counts)[sorted_e]
     slot = jnp.where((sorted_e < E) & (rank < capacity), sorted_e * capacity + rank, E * capacity)
@@ -224,10 +229,7 @@ def experts_ragged(x, expert, weight, w, scales, c, interpret=False):
 
     M, D = x.shape
     E = w["w_down"].shape[0]
-    flat_e = expert.reshape(-1)  # [A]
-    order = jnp.argsort(flat_e, stable=True)
-    sorted_e = flat_e[order]
-    token = order // expert.shape[1]
+    flat_e, order, sorted_e, token = _by_expert(expert)
     A = flat_e.shape[0]
     padded = -(-A // 128) * 128  # gmm's row tiles
     sizes = jnp.bincount(flat_e, length=E + 1)[:E].astype(jnp.int32)

@@ -32,6 +32,13 @@ def _block(S: int) -> int:
     return S
 
 
+def _reset(m_ref, l_ref, acc_ref):
+    """An online softmax's running max, sum and weighted values, before the first block."""
+    m_ref[...] = jnp.full(m_ref.shape, NEG, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+
 def _online_update(m_ref, l_ref, acc_ref, scores, seen, v, weight_scale=None):
     """One block of keys into the running max (m), sum (l) and weighted values (acc) of an online
     softmax. scores [rows, n] where `seen`; v [n, H]; weight_scale [1, n] scales each key's weight
@@ -68,11 +75,7 @@ def _kernel(q_pos_ref, new_pos_ref, q_ref, k_ref, v_ref, k_pos_ref, kn_ref, vn_r
     b, s = pl.program_id(0), pl.program_id(2)
     f32 = jnp.float32
 
-    @pl.when(s == 0)
-    def _init():
-        m_ref[...] = jnp.full(m_ref.shape, NEG, f32)
-        l_ref[...] = jnp.zeros(l_ref.shape, f32)
-        acc_ref[...] = jnp.zeros(acc_ref.shape, f32)
+    pl.when(s == 0)(lambda: _reset(m_ref, l_ref, acc_ref))
 
     qp = q_pos_ref[b]
 
@@ -179,11 +182,7 @@ def _prefill_kernel(q_pos_ref, k_pos_ref, q_ref, k_ref, v_ref, sink_ref, o_ref, 
     i, j = pl.program_id(2), pl.program_id(3)
     f32 = jnp.float32
 
-    @pl.when(j == 0)
-    def _init():
-        m_ref[...] = jnp.full(m_ref.shape, NEG, f32)
-        l_ref[...] = jnp.zeros(l_ref.shape, f32)
-        acc_ref[...] = jnp.zeros(acc_ref.shape, f32)
+    pl.when(j == 0)(lambda: _reset(m_ref, l_ref, acc_ref))
 
     run = j * bk <= i * bq + bq - 1  # some key of the block is not after every query
     if window:  # and some key is within the window of the block's first query
