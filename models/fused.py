@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from models.layers import add_bias
 from models.weights import Weight, shardings
 from sharding.rules import Rules
 
@@ -95,17 +96,13 @@ def fuse(decl: dict, params: dict, rules: Rules) -> dict:
 
 # --- the products -----------------------------------------------------------------------------
 
-def _add(x: jax.Array, b: jax.Array | None) -> jax.Array:
-    return x if b is None else x + b
-
-
 def qkv(p: dict, x: jax.Array, policy: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
     """x [B, T, D] -> q [B, T, N, H], k and v [B, T, K, H], biases added."""
     if "wqkv" not in p:
-        return (_add(policy.einsum("BTD,DNH->BTNH", x, p["wq"]), p.get("bq")),
-                _add(policy.einsum("BTD,DKH->BTKH", x, p["wk"]), p.get("bk")),
-                _add(policy.einsum("BTD,DKH->BTKH", x, p["wv"]), p.get("bv")))
-    y = _add(policy.einsum("BTD,DKJH->BTKJH", x, p["wqkv"]), p.get("bqkv"))
+        return (add_bias(policy.einsum("BTD,DNH->BTNH", x, p["wq"]), p.get("bq")),
+                add_bias(policy.einsum("BTD,DKH->BTKH", x, p["wk"]), p.get("bk")),
+                add_bias(policy.einsum("BTD,DKH->BTKH", x, p["wv"]), p.get("bv")))
+    y = add_bias(policy.einsum("BTD,DKJH->BTKJH", x, p["wqkv"]), p.get("bqkv"))
     B, T, K, J, H = y.shape
     return y[:, :, :, : J - 2].reshape(B, T, K * (J - 2), H), y[:, :, :, J - 2], y[:, :, :, J - 1]
 
@@ -113,7 +110,7 @@ def qkv(p: dict, x: jax.Array, policy: Any) -> tuple[jax.Array, jax.Array, jax.A
 def gate_up(p: dict, x: jax.Array, policy: Any) -> tuple[jax.Array, jax.Array]:
     """x [B, T, D] -> gate, up [B, T, F], biases added."""
     if "w_gate_up" not in p:
-        return (_add(policy.einsum("BTD,DF->BTF", x, p["w_gate"]), p.get("b_gate")),
-                _add(policy.einsum("BTD,DF->BTF", x, p["w_up"]), p.get("b_up")))
-    y = _add(policy.einsum("BTD,DIF->BTIF", x, p["w_gate_up"]), p.get("b_gate_up"))
+        return (add_bias(policy.einsum("BTD,DF->BTF", x, p["w_gate"]), p.get("b_gate")),
+                add_bias(policy.einsum("BTD,DF->BTF", x, p["w_up"]), p.get("b_up")))
+    y = add_bias(policy.einsum("BTD,DIF->BTIF", x, p["w_gate_up"]), p.get("b_gate_up"))
     return y[:, :, 0], y[:, :, 1]

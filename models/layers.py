@@ -107,6 +107,11 @@ def _projection(spec: str, x_ndim: int, w_ndim: int) -> tuple[int, int, bool] | 
     return None
 
 
+def add_bias(x: jax.Array, b: jax.Array | None) -> jax.Array:
+    """x + b, or x where the weight has no bias."""
+    return x if b is None else x + b
+
+
 # --- norms ------------------------------------------------------------------------------------
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

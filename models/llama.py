@@ -15,7 +15,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from models import fused, quant, scan
-from models.layers import KVCache, Policy, Rope, apply_rope, cached_attention, rms_norm
+from models.layers import (
+    KVCache,
+    Policy,
+    Rope,
+    add_bias,
+    apply_rope,
+    cached_attention,
+    rms_norm,
+)
 from models.weights import Weight
 from sharding.rules import Rules, constrain
 
@@ -150,10 +158,6 @@ def cache_spec(c: Config) -> tuple[tuple[int | None, ...], int, int]:
 
 # --- blocks -----------------------------------------------------------------------------------
 
-def _add(x: jax.Array, b: jax.Array | None) -> jax.Array:
-    return x if b is None else x + b
-
-
 def attention_block(p: dict, x: jax.Array, positions: jax.Array, cache: KVCache, layer: int,
                     start: Any, c: Config, rules: Rules, policy: Policy) -> tuple[jax.Array, KVCache]:
     q, k, v = fused.qkv(p, x, policy)  # [B, T, N, H], [B, T, K, H] twice
@@ -161,13 +165,13 @@ def attention_block(p: dict, x: jax.Array, positions: jax.Array, cache: KVCache,
     k = constrain(apply_rope(k, positions, c.rope), rules, "batch", "seq", "act_kv_heads", None)
     v = constrain(v, rules, "batch", "seq", "act_kv_heads", None)
     out, cache = cached_attention(q, k, v, positions, cache, layer, start, rules, policy)
-    return _add(policy.einsum("BTNH,NHD->BTD", out, p["wo"]), p["bo"]), cache
+    return add_bias(policy.einsum("BTNH,NHD->BTD", out, p["wo"]), p["bo"]), cache
 
 
 def mlp_block(p: dict, x: jax.Array, rules: Rules, policy: Policy) -> jax.Array:
     gate, up = fused.gate_up(p, x, policy)  # [B, T, F] each
     h = constrain(jax.nn.silu(gate) * up, rules, "batch", "seq", "act_mlp")
-    return _add(policy.einsum("BTF,FD->BTD", h, p["w_down"]), p["b_down"])
+    return add_bias(policy.einsum("BTF,FD->BTD", h, p["w_down"]), p["b_down"])
 
 
 def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache, start: Any,

@@ -35,11 +35,12 @@ class Model:
     def prepare(self, params: Any, rules: Rules, policy: Policy) -> Any:
         """Restored weights made ready to run, as the policy says: projections fused, then
         quantised, then stacked for a scan over layers. `params` is consumed."""
+        decl = self.declare(policy.fuse_projections)
         if policy.fuse_projections:
             params = fused.fuse(self.declare(), params, rules)
         if policy.quantize == "int8":
-            params = quant.quantize(self.declare(policy.fuse_projections), params, rules)
-        params = weights.pin_tables_row_major(self.declare(policy.fuse_projections), params, rules)
+            params = quant.quantize(decl, params, rules)
+        params = weights.pin_tables_row_major(decl, params, rules)
         if policy.scan_layers:
             params = scan.stack(params, self.scan_period)
         return params

@@ -50,6 +50,10 @@ def abstract(tree: dict, P: int) -> dict:
     return {**{k: v for k, v in tree.items() if k != "layers"}, "layer_stack": stack}
 
 
+def _stacked(*xs: jax.Array) -> jax.Array:
+    return jnp.stack(xs)
+
+
 def stack(params: dict, P: int) -> dict:
     """params["layers"] (one tree per layer) as params["layer_stack"]; `params` is consumed."""
     out = []
@@ -60,7 +64,7 @@ def stack(params: dict, P: int) -> dict:
         for n in range(len(leaves[0][0])):
             xs = [flat[n] for flat, _ in leaves]
             sharding = _stacked_sharding(xs[0].sharding)
-            stacked.append(jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)(*xs))
+            stacked.append(jax.jit(_stacked, out_shardings=sharding)(*xs))
             for x in xs:
                 x.delete()
         out.append(jax.tree.unflatten(treedef, stacked))
