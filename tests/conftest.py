@@ -27,12 +27,21 @@ MESHES = {
 MOE_MESHES = {
     "expert2_model2_data2": (MeshShape(data=2, expert=2, model=2), 8),
     "expert4_data2": (MeshShape(data=2, expert=4), 8),
+    # with the rules configs/gptoss_v5e.py ships: heads and the vocabulary over model x expert
+    "heads_over_model_expert": (MeshShape(data=2, expert=2, model=2), 8, "gptoss_v5e"),
 }
 
 
 def rules_for(name: str) -> Rules:
-    shape, n = {**MESHES, **MOE_MESHES}[name]
-    return Rules.make(make_mesh(shape, jax.devices()[:n]))
+    shape, n, *config = {**MESHES, **MOE_MESHES}[name]
+    table = None
+    if config:
+        import importlib
+
+        from runner.settings import from_config
+
+        table = from_config(importlib.import_module(f"configs.{config[0]}").get_config()).rules
+    return Rules.make(make_mesh(shape, jax.devices()[:n]), table)
 
 
 @pytest.fixture(params=list(MESHES))

@@ -51,3 +51,20 @@ def test_memory_report_of_the_gptoss_deployments():
         assert abs(f.total_weights / 2 - params) / params < 0.01  # bf16
         assert f.weights < f.total_weights / 4  # experts really are spread out
         assert f.per_device < 0.75 * 16 * 2**30 == f.device_memory * 0.75
+
+
+def test_the_gptoss_20b_deployment_splits_its_kv_cache_over_all_8_chips():
+    """configs/gptoss_v5e.py shards the 8 kv heads over model x expert: each chip holds 1/8 of the
+    cache, counted here from the architecture (a window's ring on the sliding layers), where
+    heads over model alone leave the 4 expert shards each a copy of half of it."""
+    from runner.memory import footprint
+
+    s = from_config(load(os.path.join(ROOT, "configs", "gptoss_v5e.py")).get_config())
+    model = Model.named(s.checkpoint_model)
+    c, g = model.config, s.generation
+    length = g.max_prompt_len + g.max_new_tokens
+    slots = sum(min(c.window(i) or length, length) for i in range(c.num_layers))
+    whole = slots * g.batch_size * c.num_kv_heads * c.head_dim * 2 * 2  # k and v, bf16
+    chips = s.mesh.size()
+    assert chips == 8
+    assert whole / chips <= footprint(s, model).kv_cache < 1.01 * whole / chips
