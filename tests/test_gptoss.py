@@ -24,10 +24,16 @@ def gptoss():
     return m
 
 
-@pytest.mark.parametrize("mesh_name,fuse", [(m, False) for m in MESH_NAMES]
-                         + [("1dev", True), ("data2_model4", True), ("expert2_model2_data2", True)])
-def test_logits_match_transformers(gptoss, mesh_name, fuse):
-    """fuse: q/k/v as one product (models/fused.py), as a deployment loads them by default."""
+@pytest.mark.parametrize("mesh_name,fuse,scatter", [(m, False, False) for m in MESH_NAMES]
+                         + [("1dev", True, False), ("data2_model4", True, False),
+                            ("expert2_model2_data2", True, False), ("expert4_data2", False, True)])
+def test_logits_match_transformers(gptoss, mesh_name, fuse, scatter, monkeypatch):
+    """fuse: q/k/v as one product (models/fused.py). scatter: tokens reach the experts' buckets
+    as scattered rows, as many tokens do, rather than through one-hot products."""
+    from models import gptoss as module
+
+    if scatter:
+        monkeypatch.setattr(module, "ONE_HOT_DISPATCH", 0)
     rules = rules_for(mesh_name)
     model, params = to_podrun(gptoss, rules, fuse)
     tokens = np.random.RandomState(1).randint(0, VOCAB, (8, 30)).astype(np.int32)  # 30 > window 8
@@ -35,8 +41,14 @@ def test_logits_match_transformers(gptoss, mesh_name, fuse):
     np.testing.assert_allclose(np.asarray(logits), hf_logits(gptoss, tokens), atol=2e-4, rtol=1e-4)
 
 
-def test_moe_stays_exact_when_routing_overflows_the_capacity(mesh_rules):
-    """A router bias that sends every token to experts 0 and 1: far above the mean load."""
+@pytest.mark.parametrize("dispatch", ["one_hot", "scatter"])
+def test_moe_stays_exact_when_routing_overflows_the_capacity(mesh_rules, dispatch, monkeypatch):
+    """A router bias that sends every token to experts 0 and 1: far above the mean load. Tokens
+    reach the capacity buckets through one-hot products (few tokens, as in decode) or through a
+    scatter of rows (many)."""
+    from models import gptoss as module
+
+    monkeypatch.setattr(module, "ONE_HOT_DISPATCH", 1 << 30 if dispatch == "one_hot" else 0)
     m = tiny_hf("gptoss", seed=8)
     with torch.no_grad():
         for layer in m.model.layers:
@@ -47,7 +59,7 @@ def test_moe_stays_exact_when_routing_overflows_the_capacity(mesh_rules):
     np.testing.assert_allclose(np.asarray(logits), hf_logits(m, tokens), atol=2e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("mesh_name", ["data8", "expert2_model2_data2"])
+@pytest.mark.parametrize("mesh_name", ["data8", "expert2_model2_data2", "heads_over_model_expert"])
 def test_decode_with_the_ring_cache_matches_full_forward(gptoss, mesh_name):
     """Ragged prompts around the window size, then decode far past it: the ring wraps several
     times and every step's logits equal a full forward pass (q/k/v fused on the sharded mesh)."""
@@ -80,7 +92,8 @@ def test_decode_with_the_ring_cache_matches_full_forward(gptoss, mesh_name):
 
 
 @pytest.mark.parametrize("mesh_name,batch,rows", [("1dev", 1, 0), ("expert4_data2", 4, 0),
-                                                  ("data2_model4", 4, 0), ("expert4_data2", 4, 2)])
+                                                  ("data2_model4", 4, 0), ("expert4_data2", 4, 2),
+                                                  ("heads_over_model_expert", 4, 2)])
 def test_greedy_generation_matches_transformers(gptoss, mesh_name, batch, rows):
     """rows > 0: the batch prefilled a few rows at a time (the ring cache written per group)."""
     rules = rules_for(mesh_name)
