@@ -143,6 +143,64 @@ def test_sampling_keeps_to_the_nucleus_and_top_k():
     assert set(draws[:, 3]) == {int(np.argmax(logits[3]))}
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_top_k_and_top_p_keep_what_transformers_warpers_keep(seed):
+    """The set `nucleus` keeps, against transformers' TopKLogitsWarper then TopPLogitsWarper on
+    the same temperature-scaled logits (continuous values: no ties), over a 3000-token vocabulary
+    with nuclei of 1 to ~2000 tokens."""
+    import torch
+    from transformers import TopKLogitsWarper, TopPLogitsWarper
+
+    from runner.engine import nucleus
+
+    rng = np.random.default_rng(seed)
+    B, V = 8, 3000
+    scaled = (rng.standard_normal((B, V)) * rng.uniform(0.3, 6, (B, 1))).astype(np.float32)
+    top_k = np.array([0, 0, 0, 1, 50, 700, 2999, 0], np.int32)
+    top_p = np.array([0.5, 0.9, 0.99, 0.9, 0.8, 0.95, 1.0, 1.0], np.float32)
+    got = np.isfinite(np.asarray(jax.jit(nucleus)(scaled, top_k, top_p)))
+    for b in range(B):
+        x = torch.from_numpy(scaled[b : b + 1].copy())
+        if top_k[b]:
+            x = TopKLogitsWarper(int(top_k[b]))(None, x)
+        if top_p[b] < 1:
+            x = TopPLogitsWarper(float(top_p[b]))(None, x)
+        want = torch.isfinite(x)[0].numpy()
+        assert (got[b] == want).all(), (b, got[b].sum(), want.sum())
+    assert got.sum(axis=1).min() == 1 and got.sum(axis=1).max() > 1000
+
+
+def test_top_k_and_top_p_keep_every_tie_of_the_last_kept_logit():
+    """bf16-rounded logits (many equal values): numpy over the distinct values; top_k keeps every
+    logit equal to the k-th largest, top_p every logit equal to the smallest in the nucleus."""
+    from runner.engine import nucleus
+
+    rng = np.random.default_rng(3)
+    B, V = 6, 4000
+    scaled = np.asarray(jnp.asarray(rng.standard_normal((B, V)) * 2, jnp.bfloat16).astype(jnp.float32))
+    top_k = np.array([0, 10, 300, 0, 1, 40], np.int32)
+    top_p = np.array([0.7, 1.0, 0.6, 0.0, 0.9, 0.999], np.float32)
+    got = np.isfinite(np.asarray(jax.jit(nucleus)(scaled, top_k, top_p)))
+    ties = 0
+    for b in range(B):
+        z = scaled[b].astype(np.float64)
+        if top_k[b]:
+            z = np.where(z >= np.sort(z)[::-1][top_k[b] - 1], z, -np.inf)
+        p = np.exp(z - z.max())
+        p /= p.sum()
+        values = np.unique(z[np.isfinite(z)])[::-1]  # distinct kept values, largest first
+        smallest = values[0]
+        for v in values:  # grow the nucleus value by value while the mass above v is short
+            if p[z > v].sum() < top_p[b] or top_p[b] >= 1:
+                smallest = v
+            else:
+                break
+        want = z >= smallest
+        assert (got[b] == want).all(), (b, got[b].sum(), want.sum())
+        ties += int((z == smallest).sum() > 1)
+    assert ties >= 2  # rows whose last kept logit is tied: the case at stake
+
+
 def test_first_max_is_argmax_with_ties_to_the_lowest_index():
     from runner.engine import first_max
 
