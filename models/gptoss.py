@@ -164,15 +164,23 @@ def attention_block(p: dict, x: jax.Array, positions: jax.Array, cache: KVCache,
 # --- mixture of experts -----------------------------------------------------------------------
 
 def swiglu(gate_up: jax.Array, c: Config) -> jax.Array:
-    """gate_up [..., 2, F] -> [..., F]: the clamped SwiGLU of the reference, with up shifted by one."""
-    gate = jnp.minimum(gate_up[..., 0, :], c.swiglu_limit)
-    up = jnp.clip(gate_up[..., 1, :], -c.swiglu_limit, c.swiglu_limit)
+    """gate_up [..., 2F] (gate, then up) -> [..., F]: the clamped SwiGLU of the reference, with up
+    shifted by one. Kept flat as the product gives it: on TPU, splitting an F that is no multiple
+    of 128 into its own axis (GPT-OSS's 1440 per shard) copies the whole activation."""
+    F = gate_up.shape[-1] // 2
+    gate = jnp.minimum(gate_up[..., :F], c.swiglu_limit)
+    up = jnp.clip(gate_up[..., F:], -c.swiglu_limit, c.swiglu_limit)
     return gate * jax.nn.sigmoid(c.swiglu_alpha * gate) * (up + 1)
+
+
+def _flat(a: jax.Array, y: jax.Array) -> jax.Array:
+    """A per-output [..., 2, F] (gate/up) or [..., D] array in y's flat layout [..., 2F] or [..., D]."""
+    return a.reshape(*a.shape[: y.ndim - 1], -1)
 
 
 def _scaled(y, scales, name, index):
     """int8 experts: their per-expert, per-output scales applied to the product's output."""
-    return y if name not in scales else y * scales[name][index].astype(y.dtype)
+    return y if name not in scales else y * _flat(scales[name][index], y).astype(y.dtype)
 
 
 def _experts_gathered(x, expert, weight, w, scales, c, policy):
@@ -180,8 +188,8 @@ def _experts_gathered(x, expert, weight, w, scales, c, policy):
     weight [M, k] (weight 0 where the expert lives on another shard)."""
     wg = w["w_gate_up"][expert]  # [M, k, 2, F, D]
     gate_up = policy.einsum("MD,MKGD->MKG", x, wg.reshape(*wg.shape[:2], -1, wg.shape[-1]))
-    gate_up = _scaled(gate_up.reshape(wg.shape[:-1]), scales, "w_gate_up", expert)
-    gate_up = gate_up + w["b_gate_up"][expert]
+    gate_up = _scaled(gate_up, scales, "w_gate_up", expert)  # [M, k, 2F]
+    gate_up = gate_up + _flat(w["b_gate_up"][expert], gate_up)
     y = policy.einsum("MKF,MKDF->MKD", swiglu(gate_up, c), w["w_down"][expert])
     y = _scaled(y, scales, "w_down", expert) + w["b_down"][expert]
     return jnp.einsum("MKD,MK->MD", y, weight.astype(y.dtype))
@@ -225,8 +233,8 @@ def _experts_grouped(x, expert, weight, w, scales, c, policy, capacity):
     # lay the weights out again on every step)
     gate_up = policy.einsum("ECD,EGD->ECG", rows, wg.reshape(E, -1, D))
     experts = (slice(None), None)  # [E, 1, ...]: each bucket's expert
-    gate_up = _scaled(gate_up.reshape(E, capacity, 2, -1), scales, "w_gate_up", experts)
-    gate_up = gate_up + w["b_gate_up"][:, None]
+    gate_up = _scaled(gate_up, scales, "w_gate_up", experts)  # [E, C, 2F]
+    gate_up = gate_up + _flat(w["b_gate_up"][:, None], gate_up)
     y = policy.einsum("ECF,EDF->ECD", swiglu(gate_up, c), w["w_down"])
     y = _scaled(y, scales, "w_down", experts) + w["b_down"][:, None]
     if one_hot:  # out[m] = sum over m's assignments of weight * y[slot]
@@ -262,8 +270,8 @@ def experts_ragged(x, expert, weight, w, scales, c, interpret=False):
         return jnp.where(mine, out[:A], 0.0)  # rows outside every group are never written
 
     wg = w["w_gate_up"]  # [E, 2, F, D]
-    gate_up = product(x[token], wg.reshape(E, -1, D)).reshape(A, 2, -1).astype(x.dtype)
-    gate_up = _scaled(gate_up, scales, "w_gate_up", e) + w["b_gate_up"][e]
+    gate_up = product(x[token], wg.reshape(E, -1, D)).astype(x.dtype)  # [A, 2F]
+    gate_up = _scaled(gate_up, scales, "w_gate_up", e) + _flat(w["b_gate_up"][e], gate_up)
     y = product(swiglu(gate_up, c), w["w_down"]).astype(x.dtype)  # w_down [E, D, F]
     y = _scaled(y, scales, "w_down", e) + w["b_down"][e]
     y = jnp.where(mine, y, 0) * weight.reshape(-1)[order][:, None].astype(y.dtype)
