@@ -516,17 +516,19 @@ def attention(
             if window is not None:
                 visible &= q_pos[:, :, None] - k_pos[:, None, :] < window
             scores.append(jnp.where(visible[:, None, None], s, MASKED))
-        if sinks is not None:
-            scores.append(jnp.broadcast_to(
-                sinks.astype(jnp.float32).reshape(1, K, N // K, 1, 1), (B, K, N // K, T, 1)))
-        probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
+        # one softmax over the blocks, never concatenated (a copy of every block's scores)
+        sink = None if sinks is None else sinks.astype(jnp.float32).reshape(1, K, N // K, 1, 1)
+        top = functools.reduce(jnp.maximum, [jnp.max(s, axis=-1, keepdims=True) for s in scores])
+        if sink is not None:
+            top = jnp.maximum(top, sink)
+        exps = [jnp.exp(s - top) for s in scores]
+        total = sum(jnp.sum(e, axis=-1, keepdims=True) for e in exps)
+        if sink is not None:
+            total = total + jnp.exp(sink - top)
         out = 0
-        offset = 0
-        for _, v, k_pos, _, v_scale in blocks:
-            S = k_pos.shape[1]
-            p = probs[..., offset: offset + S]
+        for e, (_, v, _, _, v_scale) in zip(exps, blocks):
+            p = e / total
             if v_scale is not None:  # int8 values: fold each slot's scale into its weight
                 p, v = p * v_scale[:, :, None, None, :], v.astype(q.dtype)
             out = out + policy.einsum("BKGTS,BKSH->BTKGH", p.astype(v.dtype), v)
-            offset += S
         return out.reshape(B, T, N, H)
