@@ -11,9 +11,10 @@ Fit, from the declarations (python -m runner.memory --config=configs/gptoss_v5e.
 weights + 0.4 GiB of KV cache per chip at batch 64 and 2k tokens (33% of HBM). With heads and the
 vocabulary over model alone, the 4 expert shards each held the same half of the cache and of the
 vocabulary: 6.1 + 1.6 GiB.
-Compiled for v5e:2x4 on a CPU (python -m runner.compile --config=configs/gptoss_v5e.py, 4 min on
-2 cores): peak 7.5 GiB per chip (47% of HBM) for prefill_1024 with prefill_rows=4 and the Pallas
-flash prefill, 5.4 GiB (34%) for decode.
+Compiled for v5e:2x4 on a CPU (python -m runner.compile --config=configs/gptoss_v5e.py, 3.5 min
+on 2 cores): peak 7.4 GiB per chip (46% of HBM) for prefill_1024 with prefill_rows=4 and the
+Pallas flash prefill, 5.4 GiB (34%) for decode. All 64 rows at once (prefill_rows=0) ask for
+15.8 GiB and do not fit.
 """
 
 from configs.base import base_config
