@@ -178,6 +178,13 @@ def _flat(a: jax.Array, y: jax.Array) -> jax.Array:
     return a.reshape(*a.shape[: y.ndim - 1], -1)
 
 
+def _converted(w: dict, dtype) -> dict:
+    """int8 experts enter their products converted where the products are, inside whichever
+    branch runs them: XLA folds the conversion into the product's operand there, while a
+    conversion outside a conditional is a whole dequantised copy of the experts every step."""
+    return {n: a.astype(dtype) for n, a in w.items()}
+
+
 def _scaled(y, scales, name, index):
     """int8 experts: their per-expert, per-output scales applied to the product's output."""
     return y if name not in scales else y * _flat(scales[name][index], y).astype(y.dtype)
@@ -186,6 +193,7 @@ def _scaled(y, scales, name, index):
 def _experts_gathered(x, expert, weight, w, scales, c, policy):
     """Few assignments (decode): gather each assignment's expert weights. x [M, D]; expert,
     weight [M, k] (weight 0 where the expert lives on another shard)."""
+    w = _converted(w, x.dtype)
     wg = w["w_gate_up"][expert]  # [M, k, 2, F, D]
     gate_up = policy.einsum("MD,MKGD->MKG", x, wg.reshape(*wg.shape[:2], -1, wg.shape[-1]))
     gate_up = _scaled(gate_up, scales, "w_gate_up", expert)  # [M, k, 2F]
@@ -211,6 +219,7 @@ def _experts_grouped(x, expert, weight, w, scales, c, policy, capacity):
     buckets and run one batched matmul per projection. Assignments beyond an expert's capacity go to a dropped slot; callers
     choose `capacity` so that none does."""
     M, D = x.shape
+    w = _converted(w, x.dtype)
     E = w["w_down"].shape[0]
     flat_e, order, sorted_e, token = _by_expert(expert)
     counts = jnp.bincount(flat_e, length=E + 1)  # E = "not on this shard"
@@ -258,6 +267,7 @@ def experts_ragged(x, expert, weight, w, scales, c, interpret=False):
     from jax.experimental.pallas.ops.tpu.megablox import gmm
 
     M, D = x.shape
+    w = _converted(w, x.dtype)
     E = w["w_down"].shape[0]
     flat_e, order, sorted_e, token = _by_expert(expert)
     A = flat_e.shape[0]
@@ -288,7 +298,7 @@ def _moe_shard(x, expert, weight, w, *, c: Config, policy: Policy, expert_axes, 
     int8, which XLA folds into the products' operands, and their scales multiply the outputs;
     a dequantised copy of the experts would be written and read again on every step."""
     scales = {n: a.scale for n, a in w.items() if isinstance(a, quant.QWeight)}
-    w = {n: a.q.astype(x.dtype) if isinstance(a, quant.QWeight) else a for n, a in w.items()}
+    w = {n: a.q if isinstance(a, quant.QWeight) else a for n, a in w.items()}  # int8 stays int8 here
     B, T, D = x.shape
     E = w["w_down"].shape[0]  # local experts
     first = jax.lax.axis_index(expert_axes) * E if expert_axes else 0

@@ -149,12 +149,9 @@ def test_decode_attention_compiles_as_the_pallas_kernel_for_tpu(kernels, kv_cach
     assert "tpu_custom_call" not in engine.lower()["prefill_16"].as_text()
 
 
-def test_the_gptoss_embedding_reaches_the_decode_step_row_major_and_is_not_copied():
-    """GPT-OSS-20B's decode step for v5e (one step per call): the embedding table is an input laid
-    out row-major, as its gather reads it. Left to choose, XLA:TPU laid it out column-major and
-    copied the whole table (1.2 GB per chip) back to row-major on every step."""
-    import re
-
+def gptoss_20b_decode(**policy):
+    """configs/gptoss_v5e.py's decode step (one step per call) compiled for v5e, with `policy`
+    changes: (model, rules, compiled)."""
     from jax.experimental import topologies
 
     from runner.engine import Engine
@@ -162,18 +159,50 @@ def test_the_gptoss_embedding_reaches_the_decode_step_row_major_and_is_not_copie
     from sharding.rules import Rules
 
     s = from_config(load(os.path.join(ROOT, "configs", "gptoss_v5e.py")).get_config())
+    s = dataclasses.replace(s, policy=dataclasses.replace(s.policy, **policy))
     model = Model.named(s.checkpoint_model)
     topo = topologies.get_topology_desc(platform="tpu", topology_name=s.tpu_topology)
     rules = Rules.make(make_mesh(s.mesh, topo.devices), s.rules)
     g = s.generation
     engine = Engine(model, model.abstract_params(rules, s.policy), rules, s.policy, g.batch_size,
                     g.max_prompt_len, g.max_new_tokens, 1, g.prefill_buckets, allocate=False)
-    compiled = engine.lower()["decode"].compile()
+    return model, rules, engine.lower()["decode"].compile()
+
+
+def test_the_gptoss_embedding_reaches_the_decode_step_row_major_and_is_not_copied():
+    """GPT-OSS-20B's decode step for v5e (one step per call): the embedding table is an input laid
+    out row-major, as its gather reads it. Left to choose, XLA:TPU laid it out column-major and
+    copied the whole table (1.2 GB per chip) back to row-major on every step."""
+    import re
+
+    model, rules, compiled = gptoss_20b_decode()
     embed = compiled.input_formats[0][0]["embed"]
     assert embed.layout.major_to_minor == (0, 1), embed
     rows = model.config.vocab_size // rules.shards("vocab")
     table = rf"bf16\[{rows},{model.config.hidden_size}\]"
     assert not re.search(rf"= {table}\{{[^}}]*\}} copy\(", compiled.as_text())
+
+
+def test_int8_gptoss_experts_are_not_dequantised_into_a_copy_on_every_decode_step():
+    """GPT-OSS-20B's decode step for v5e with int8 experts: no instruction of the program (outside
+    the fusions, whose insides stay on chip) writes a bf16 tensor as large as a layer's experts on
+    a chip; the conversion stays folded into the products. Converted outside the conditional that
+    picks the capacity, every layer's experts were written out dequantised on every step (14.0 GB
+    accessed per step against 4.3)."""
+    import re
+
+    _, _, compiled = gptoss_20b_decode(quantize="int8")
+    text = compiled.as_text()
+    fused = set(re.findall(r"calls=%([\w.\-]+)", text))
+    largest, computation = 0, None
+    for line in text.splitlines():
+        if (m := re.match(r"(?:ENTRY )?%([\w.\-]+) .*\{$", line)) and "(" in line:
+            computation = m.group(1)
+        elif computation not in fused and (m := re.match(r"\s*(?:ROOT )?%\S+ = bf16\[([\d,]+)\]", line)):
+            if not re.search(r" (parameter|bitcast|get-tuple-element)\(", line):
+                largest = max(largest, math.prod(int(d) for d in m.group(1).split(",")))
+    experts = 8 * 2 * 1440 * 2880  # a layer's w_gate_up on a chip: 8 experts, F over 2
+    assert largest < experts, largest
 
 
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
