@@ -47,6 +47,14 @@ class Policy:
     # The engine donates the KV cache to every prefill and decode call, which then update it in
     # place; without, each call writes a new cache and the old one lives until it returns.
     donate_cache: bool = True
+    # Set by the engine (not a config field) when its mesh is one CPU device: float32 projections
+    # of a few rows then run in podrun's CPU kernel, which takes each weight whole.
+    one_cpu_device: bool = False
+
+    def on(self, rules: Rules) -> Policy:
+        """This policy for computations on `rules`' mesh."""
+        alone = rules.platform == "cpu" and rules.mesh.size == 1
+        return self if alone == self.one_cpu_device else dataclasses.replace(self, one_cpu_device=alone)
 
     @property
     def dtype(self) -> Any:
@@ -80,10 +88,34 @@ class Policy:
             else:  # w: [*out, *contract]
                 out = w.shape[: w.ndim - n_contract]
                 w2, dims = w.reshape(math.prod(out), C), ((x.ndim - n_contract,), (1,))
-            y = jax.lax.dot_general(x.reshape(*free, C), w2, (dims, ((), ())),
-                                    precision=self.precision)
+            rows = math.prod(free)
+            if self._product_kernel_applies(rows, x, w):
+                from models.kernels import cpu
+
+                y = cpu.matmul_f32(x.reshape(rows, C), w2, w_nk=not weight_first)
+            else:
+                y = jax.lax.dot_general(x.reshape(*free, C), w2, (dims, ((), ())),
+                                        precision=self.precision)
             return y.reshape(*free, *out)
         return jnp.einsum(spec, *operands, precision=self.precision)
+
+
+    def _product_kernel_applies(self, rows: int, x: jax.Array, w: jax.Array) -> bool:
+        """podrun's float32 product kernel (models/kernels/cpu.matmul_f32) for a decode step's
+        projections on one CPU device: up to PRODUCT_KERNEL_ROWS rows. XLA:CPU wakes its thread
+        pool for each product and reaches 35-50 GB/s on a batch-1 step's weights; the kernel's
+        threads spin between products (peer model, products alone: 2.3-3.4 ms per step against
+        3.3-3.6 for XLA's dot). From 3 rows on, XLA's dot was as fast or faster."""
+        if not (self.kernels and self.one_cpu_device and rows <= PRODUCT_KERNEL_ROWS):
+            return False
+        if x.dtype != jnp.float32 or w.dtype != jnp.float32:
+            return False
+        from models.kernels import cpu
+
+        return cpu.available()
+
+
+PRODUCT_KERNEL_ROWS = 2
 
 
 @functools.cache

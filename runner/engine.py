@@ -151,7 +151,7 @@ class Engine:
         while self.batch_size % rows:  # a whole number of groups; rows stays a multiple of data
             rows += data
         self.prefill_rows = rows
-        self.model, self.params, self.rules, self.policy = model, params, rules, policy
+        self.model, self.params, self.rules, self.policy = model, params, rules, policy.on(rules)
         self.max_prompt_len, self.max_new_tokens = max_prompt_len, max_new_tokens
         self.steps = max(1, min(steps_per_dispatch, max_new_tokens))
         self.buckets = tuple(sorted(prefill_buckets)) or buckets(max_prompt_len)

@@ -1,5 +1,8 @@
-"""The CPU decode-attention kernel against a numpy softmax, including sinks, windows, empty slots
-and queries that see only this step's keys. (Whole models through it: test_models, test_gptoss.)"""
+"""The CPU kernels against numpy: the float32 product of a decode step's few rows, and decode
+attention with sinks, windows, empty slots and queries that see only this step's keys. (Whole
+models through them: test_models, test_gptoss.)"""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -7,6 +10,34 @@ import numpy as np
 import pytest
 
 from models.kernels import cpu
+
+
+@pytest.mark.parametrize("w_nk", [False, True], ids=["w_KN", "w_NK"])
+@pytest.mark.parametrize("M,K,N", [(1, 576, 6144), (2, 100, 37), (3, 7, 300), (9, 130, 64),
+                                   (1, 1536, 17)])
+def test_f32_product_matches_numpy(M, K, N, w_nk):
+    """Both weight layouts; rows in groups of 8, 4, 2, 1; K not a multiple of the row sweep (8) or
+    of a vector (16); N with columns past the last whole block, and fewer columns than threads."""
+    rng = np.random.default_rng(M * K + N)
+    x = rng.standard_normal((M, K), dtype=np.float32)
+    w = rng.standard_normal((K, N), dtype=np.float32)
+    got = jax.jit(functools.partial(cpu.matmul_f32, w_nk=w_nk))(x, np.ascontiguousarray(w.T) if w_nk else w)
+    np.testing.assert_allclose(np.asarray(got), x.astype(np.float64) @ w, rtol=1e-5, atol=2e-5 * np.sqrt(K))
+
+
+def test_f32_product_called_from_eight_devices_at_once():
+    """Eight simulated devices call the kernel at the same time: one call has the thread team, the
+    others run on their own threads; every shard's product is still right."""
+    P = jax.sharding.PartitionSpec
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("d",))
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((8, 256), dtype=np.float32)
+    w = rng.standard_normal((8 * 256, 4096), dtype=np.float32)
+    f = jax.jit(jax.shard_map(lambda x, w: cpu.matmul_f32(x, w), mesh=mesh, in_specs=(P("d"), P("d")),
+                              out_specs=P("d"), check_vma=False))
+    want = np.stack([x[d].astype(np.float64) @ w[d * 256:(d + 1) * 256] for d in range(8)])
+    for _ in range(5):
+        np.testing.assert_allclose(np.asarray(f(x, w)), want, rtol=1e-5, atol=1e-3)
 
 
 def np_attention(q, kc, vc, k_pos, kn, vn, new_pos, q_pos, sinks, window, scale):

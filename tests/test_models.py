@@ -60,3 +60,32 @@ def test_decode_matches_full_forward(kind, fuse, mesh_rules):
         ref = hf_logits(m, seqs[b : b + 1, : n + steps])[0]
         for i in range(steps + 1):
             np.testing.assert_allclose(got[i][b], ref[n - 1 + i], atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind,fuse", [("llama", False), ("llama3", True), ("qwen2", False),
+                                       ("gpt2", False)])
+@pytest.mark.parametrize("B", [1, 2])
+def test_decode_in_the_cpu_product_kernel_matches_transformers(kind, fuse, B):
+    """On one CPU device the engine's policy (Policy.on) sends a decode step's projections of one
+    or two rows to podrun's float32 product kernel (untied unembedding [D, V] and tied [V, D]
+    alike); its logits step by step against transformers, and the kernel really in the program."""
+    from tests.conftest import rules_for
+
+    rules = rules_for("1dev")
+    policy = Policy().on(rules)
+    assert policy.one_cpu_device and not Policy().on(rules_for("data8")).one_cpu_device
+    m = tiny_hf(kind)
+    model, params = to_podrun(m, rules, fuse)
+    seqs = np.random.RandomState(3).randint(0, VOCAB, (B, 10)).astype(np.int32)
+    P, steps = 6, 4
+    cache = model.new_cache(B, P + steps, jnp.float32, rules)
+    positions = np.tile(np.arange(P, dtype=np.int32), (B, 1))
+    prefill = jax.jit(lambda p, t, pos, c: model.forward(p, t, pos, c, 0, rules, policy, True))
+    step = jax.jit(lambda p, t, pos, c, s: model.forward(p, t, pos, c, s, rules, policy, True))
+    _, cache = prefill(params, seqs[:, :P], positions, cache)
+    hlo = step.lower(params, seqs[:, P:P + 1], positions[:, :1] + P, cache, np.int32(P)).as_text()
+    assert "podrun_matmul_f32" in hlo
+    ref = hf_logits(m, seqs)
+    for i in range(steps):
+        logits, cache = step(params, seqs[:, P + i:P + i + 1], positions[:, :1] + P + i, cache, np.int32(P + i))
+        np.testing.assert_allclose(np.asarray(logits), ref[:, P + i], atol=2e-4, rtol=1e-4)
