@@ -252,29 +252,38 @@ int64_t grain(int64_t n, int64_t unit, int64_t threads) {
 
 constexpr int64_t kKB = 8;
 
+// Columns [c, c + VB * 16) of p over rows [k0, k0 + kb) of w, MB x VB sums in registers.
+template <int MB, int VB>
+inline void kn_block(const float* x, int64_t K, const float* w, int64_t N, float* p, int64_t c,
+                     int64_t k0, int64_t kb, bool first) {
+  vf acc[MB][VB];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < VB; ++j) acc[m][j] = first ? zero() : load(p + m * N + c + j * kLanes);
+  for (int64_t k = k0; k < k0 + kb; ++k) {
+    const float* r = w + k * N + c;
+    vf wv[VB];
+    for (int j = 0; j < VB; ++j) wv[j] = load(r + j * kLanes);
+    for (int m = 0; m < MB; ++m) {
+      vf xv = splat(x[m * K + k]);
+      for (int j = 0; j < VB; ++j) acc[m][j] = fma(wv[j], xv, acc[m][j]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < VB; ++j) store(p + m * N + c + j * kLanes, acc[m][j]);
+}
+
+// Columns [c0, c1): blocks of 256 / MB columns, then of 64 and 16, then single columns.
 template <int MB>
 void kn_sweep(const float* x, int64_t K, const float* w, int64_t N, float* p, int64_t c0,
               int64_t c1, int64_t k0, int64_t kb, bool first) {
-  constexpr int VB = 16 / MB;  // MB x VB accumulators in registers
-  constexpr int64_t CB = VB * kLanes;
+  constexpr int VB = 16 / MB;
   int64_t c = c0;
-  for (; c + CB <= c1; c += CB) {
-    vf acc[MB][VB];
-    for (int m = 0; m < MB; ++m)
-      for (int j = 0; j < VB; ++j) acc[m][j] = first ? zero() : load(p + m * N + c + j * kLanes);
-    for (int64_t k = k0; k < k0 + kb; ++k) {
-      const float* r = w + k * N + c;
-      vf wv[VB];
-      for (int j = 0; j < VB; ++j) wv[j] = load(r + j * kLanes);
-      for (int m = 0; m < MB; ++m) {
-        vf xv = splat(x[m * K + k]);
-        for (int j = 0; j < VB; ++j) acc[m][j] = fma(wv[j], xv, acc[m][j]);
-      }
-    }
-    for (int m = 0; m < MB; ++m)
-      for (int j = 0; j < VB; ++j) store(p + m * N + c + j * kLanes, acc[m][j]);
-  }
-  for (; c < c1; ++c)  // columns past the last whole block
+  for (; c + VB * kLanes <= c1; c += VB * kLanes) kn_block<MB, VB>(x, K, w, N, p, c, k0, kb, first);
+  if constexpr (VB > 4)
+    for (; c + 4 * kLanes <= c1; c += 4 * kLanes) kn_block<MB, 4>(x, K, w, N, p, c, k0, kb, first);
+  if constexpr (VB > 1)
+    for (; c + kLanes <= c1; c += kLanes) kn_block<MB, 1>(x, K, w, N, p, c, k0, kb, first);
+  for (; c < c1; ++c)
     for (int m = 0; m < MB; ++m) {
       float s = first ? 0.f : p[m * N + c];
       for (int64_t k = k0; k < k0 + kb; ++k) s += x[m * K + k] * w[k * N + c];
