@@ -99,13 +99,13 @@ class Policy:
             return y.reshape(*free, *out)
         return jnp.einsum(spec, *operands, precision=self.precision)
 
-
     def _product_kernel_applies(self, rows: int, x: jax.Array, w: jax.Array) -> bool:
         """podrun's float32 product kernel (models/kernels/cpu.matmul_f32) for a decode step's
-        projections on one CPU device: up to PRODUCT_KERNEL_ROWS rows. XLA:CPU wakes its thread
-        pool for each product and reaches 35-50 GB/s on a batch-1 step's weights; the kernel's
-        threads spin between products (peer model, products alone: 2.3-3.4 ms per step against
-        3.3-3.6 for XLA's dot). From 3 rows on, XLA's dot was as fast or faster."""
+        projections on one CPU device: up to PRODUCT_KERNEL_ROWS rows. XLA:CPU's dot ran a
+        batch-1 step's small products on one thread; the kernel splits each over threads that spin
+        between products (peer model, the step's products alone: 2.4-3.4 ms against 3.3-3.6 for
+        XLA's dot; SmolLM2's decode step 15.6 -> 10.2 ms). From 3 rows on, XLA's dot was as fast
+        or faster."""
         if not (self.kernels and self.one_cpu_device and rows <= PRODUCT_KERNEL_ROWS):
             return False
         if x.dtype != jnp.float32 or w.dtype != jnp.float32:
