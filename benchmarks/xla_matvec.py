@@ -5,10 +5,11 @@ sampling), f32, on whatever devices JAX sees first.
     JAX_PLATFORMS=cpu python benchmarks/xla_matvec.py [smollm2 | peer]
 
 smollm2: SmolLM2-135M (30 layers); peer: the peer kit's random Llama (../shared/peers: hidden 512,
-8 layers, 8 query / 2 kv heads, MLP 1536, vocab 32000, untied). The figure bounds what any decode
-step that reads f32 weights can reach on this machine. Measured here for the peer model over six
-runs: 3.42 to 4.62 ms per step at batch 1 (162 MB at 35 to 47 GB/s; at most 216 to 292 tokens/s),
-5.5 to 6.4 ms at batch 8.
+8 layers, 8 query / 2 kv heads, MLP 1536, vocab 32000, untied). The figure bounds a decode step
+whose products XLA's dot runs. Measured here for the peer model over six runs: 3.42 to 4.62 ms per
+step at batch 1 (162 MB at 35 to 47 GB/s; at most 216 to 292 tokens/s), 5.5 to 6.4 ms at batch 8.
+podrun's own product kernel (models/kernels/cpu.matmul_f32), which the engine uses for one or two
+rows on one CPU device, ran the same batch-1 chain in 2.4 to 3.4 ms.
 """
 
 import sys
