@@ -95,7 +95,9 @@ void parallel_for(ffi::ThreadPool& pool, int64_t total, int64_t grain, Body body
 
 // A team of threads for the products of one decode step, which come a few microseconds apart: a
 // helper spins for a while after each product (kSpin) before it sleeps, so the next product finds
-// it awake. The team has one thread per core this process may run on, the caller included. A
+// it awake. The team has one thread per core this process may run on, the caller included, up to
+// kMaxThreads: a few cores already saturate memory bandwidth, and each further thread adds a share
+// of partial sums for the caller to add up (W[K, N] below) and a core spinning between products. A
 // call that finds the team busy (another device's computation, in a process that simulates
 // several) runs on its own thread. After fork, a child has no helpers and runs alone too.
 class Team {
@@ -126,12 +128,13 @@ class Team {
 
  private:
   static constexpr auto kSpin = std::chrono::microseconds(200);
+  static constexpr int kMaxThreads = 8;
 
   Team() : pid_(getpid()) {
     cpu_set_t set;
     int cores = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set)
                                                             : int(std::thread::hardware_concurrency());
-    threads_ = std::max(cores, 1) - 1;
+    threads_ = std::clamp(cores, 1, kMaxThreads) - 1;
     for (unsigned i = 0; i < threads_; ++i) std::thread([this, i] { loop(int(i) + 1); }).detach();
   }
 
