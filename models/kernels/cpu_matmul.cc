@@ -258,7 +258,7 @@ constexpr int64_t kKB = 8;
 
 // Columns [c, c + VB * 16) of p over rows [k0, k0 + kb) of w, MB x VB sums in registers.
 template <int MB, int VB>
-inline void kn_block(const float* x, int64_t K, const float* w, int64_t N, float* p, int64_t c,
+__attribute__((always_inline)) inline void kn_block(const float* x, int64_t K, const float* w, int64_t N, float* p, int64_t c,
                      int64_t k0, int64_t kb, bool first) {
   vf acc[MB][VB];
   for (int m = 0; m < MB; ++m)
