@@ -73,7 +73,7 @@ def main(argv: list[str]) -> None:
     quant = "" if s.policy.quantize == "none" else f"-{s.policy.quantize}"
     bc.run(f"podrun-{s.policy.params}{quant}", gen, {
         "jax": jax.__version__, "devices": jax.device_count(), "mesh": dict(rules.mesh.shape),
-        "precision": dataclasses.asdict(s.policy), "steps_per_dispatch": s.generation.steps_per_dispatch,
+        "precision": dataclasses.asdict(s.policy.on(rules)), "steps_per_dispatch": s.generation.steps_per_dispatch,
         "checkpoint": s.checkpoint_path,
     })
 

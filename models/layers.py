@@ -102,10 +102,12 @@ class Policy:
     def _product_kernel_applies(self, rows: int, x: jax.Array, w: jax.Array) -> bool:
         """podrun's float32 product kernel (models/kernels/cpu.matmul_f32) for a decode step's
         projections on one CPU device: up to PRODUCT_KERNEL_ROWS rows. XLA:CPU's dot ran a
-        batch-1 step's small products on one thread; the kernel splits each over threads that spin
-        between products (peer model, the step's products alone: 2.4-3.4 ms against 3.3-3.6 for
-        XLA's dot; SmolLM2's decode step 15.6 -> 10.2 ms). From 3 rows on, XLA's dot was as fast
-        or faster."""
+        batch-1 step's small products on one thread, and was slower at every row count up to 32
+        measured; the kernel splits each product over threads that spin between products. The
+        peer model's decode products alone, chained (f32, ms per step at 1 / 2 / 4 / 8 rows, two
+        runs): 3.4-3.5 / 3.4-3.7 / 3.8-4.1 / 4.5-5.0 against XLA's 5.0 / 6.5-6.6 / 9.0-10.3 /
+        10.9-12.1. At 64 and 128 rows (prefill) the kernel, which reads W once per 8 rows, lost
+        to XLA in the engine (peer prefill at batch 1: 37.8-38.6 ms against 34.2-34.3)."""
         if not (self.kernels and self.one_cpu_device and rows <= PRODUCT_KERNEL_ROWS):
             return False
         if x.dtype != jnp.float32 or w.dtype != jnp.float32:
@@ -115,7 +117,7 @@ class Policy:
         return cpu.available()
 
 
-PRODUCT_KERNEL_ROWS = 2
+PRODUCT_KERNEL_ROWS = 8
 
 
 @functools.cache

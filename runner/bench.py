@@ -290,7 +290,7 @@ def describe_run(s: Settings, model: Model, rules: Rules) -> dict:
     """What a record was measured with, so runs can be compared."""
     return {
         "model": s.checkpoint_model or model.family, "checkpoint": s.checkpoint_path,
-        "precision": dataclasses.asdict(s.policy),
+        "precision": dataclasses.asdict(s.policy.on(rules)),
         "sampling": dataclasses.asdict(s.sampling),
         "mesh": dict(rules.mesh.shape), "devices": jax.device_count(),
         "platform": jax.devices()[0].platform,

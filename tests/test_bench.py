@@ -91,6 +91,7 @@ def test_bench_writes_a_record_per_batch_and_prompt_len_and_decodes_every_token(
         assert r["new_tokens"] == NEW and r["rows"] == 8  # 8 simulated devices on the data axis
         assert r["generated_tokens"] == r["batch_size"] * NEW
         assert r["precision"]["params"] == "float32"
+        assert r["precision"]["one_cpu_device"] is False  # 8 devices: the one-device kernels stay off
         assert r["bandwidth_gbps"] > 0 and r["peak_rss_gib"] > 0
         want_bytes, want_flops = independent_cost(m, r["batch_size"], r["prompt_len"], NEW, 4)
         assert r["bytes_per_step"] == pytest.approx(want_bytes, rel=1e-12)

@@ -14,11 +14,12 @@ from models.kernels import cpu
 
 @pytest.mark.parametrize("w_nk", [False, True], ids=["w_KN", "w_NK"])
 @pytest.mark.parametrize("M,K,N", [(1, 576, 6144), (2, 100, 37), (3, 7, 300), (9, 130, 64),
-                                   (1, 1536, 17), (1, 576, 592)])
+                                   (1, 1536, 17), (1, 576, 592), (8, 512, 1100), (5, 40, 2000),
+                                   (6, 33, 96), (7, 576, 192), (4, 24, 530)])
 def test_f32_product_matches_numpy(M, K, N, w_nk):
-    """Both weight layouts; rows in groups of 8, 4, 2, 1; K not a multiple of the row sweep (8) or
-    of a vector (16); N in blocks of 256, 64 and 16 columns, single columns past those, and fewer
-    columns than threads."""
+    """Both weight layouts; rows in groups of 8, 4, 2, 1, and 3, 5, 6 or 7 rows padded with zero
+    rows to 4 or 8; K not a multiple of the row sweep (16) or of a vector (16); N in blocks of
+    256 / rows, 64 and 16 columns, single columns past those, and fewer columns than threads."""
     rng = np.random.default_rng(M * K + N)
     x = rng.standard_normal((M, K), dtype=np.float32)
     w = rng.standard_normal((K, N), dtype=np.float32)

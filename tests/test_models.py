@@ -64,10 +64,10 @@ def test_decode_matches_full_forward(kind, fuse, mesh_rules):
 
 @pytest.mark.parametrize("kind,fuse", [("llama", False), ("llama3", True), ("qwen2", False),
                                        ("gpt2", False)])
-@pytest.mark.parametrize("B", [1, 2])
+@pytest.mark.parametrize("B", [1, 3, 8])
 def test_decode_in_the_cpu_product_kernel_matches_transformers(kind, fuse, B):
-    """On one CPU device the engine's policy (Policy.on) sends a decode step's projections of one
-    or two rows to podrun's float32 product kernel (untied unembedding [D, V] and tied [V, D]
+    """On one CPU device the engine's policy (Policy.on) sends a decode step's projections of up
+    to eight rows to podrun's float32 product kernel (untied unembedding [D, V] and tied [V, D]
     alike); its logits step by step against transformers, and the kernel really in the program."""
     from tests.conftest import rules_for
 

@@ -3,7 +3,8 @@
 // matmul_f32: y[M, N] = x[M, K] . W for W[K, N], or x . W^T for W[N, K], float32, the few rows
 // of a decode step, split over a team of threads that spin between products (Team below).
 // XLA:CPU's dot ran a batch-1 step's small products on one thread (210 chained 576 x 576
-// products: 7.5 ms on one core or two alike, 4.2 ms here).
+// products: 7.5 ms on one core or two alike, 4.2 ms here) and was slower at 8 rows too (a
+// peer-model step's products: 10.9-12.1 ms against 4.5-5.0 here).
 // matmul_nk_s8: y[M, N] = x[M, K] . W^T for the few rows a decode step has (M = batch), W[N, K]
 // int8 with a float32 scale per output row n (weight-only int8). Each weight byte is read once
 // per call and dequantised in registers, with every row of x (kept in L1/L2) applied to it; the
@@ -252,19 +253,26 @@ int64_t grain(int64_t n, int64_t unit, int64_t threads) {
 // Each thread reads its own contiguous share of W's rows, kKB rows at a time in sweeps across all
 // N columns (kKB streams of contiguous memory), into its own partial sums p[M, N] (thread 0's are
 // y); the caller adds them up after. Split by columns instead, the threads read interleaved
-// pieces of the same rows, which measured 15-20% slower here.
+// pieces of the same rows, which measured 15-20% slower here. 16 rows per sweep rather than 8
+// (half the reloads of p) and, from 2 rows of x on, each W row prefetched 512 bytes ahead (256
+// at 8 rows): the peer model's decode products, chained, at 2 / 4 / 8 rows took 3.4-3.5 /
+// 3.7-3.9 / 4.4-4.5 ms per step against 4.0-4.3 / 4.6-4.9 / 5.5-6.9 (at 1 row the prefetch
+// measured slower, 3.45-3.6 against 3.2-3.3 ms).
 
-constexpr int64_t kKB = 8;
+constexpr int64_t kKB = 16;
 
 // Columns [c, c + VB * 16) of p over rows [k0, k0 + kb) of w, MB x VB sums in registers.
 template <int MB, int VB>
 __attribute__((always_inline)) inline void kn_block(const float* x, int64_t K, const float* w, int64_t N, float* p, int64_t c,
                      int64_t k0, int64_t kb, bool first) {
+  constexpr int64_t ahead = MB >= 8 ? 64 : 128;  // floats
   vf acc[MB][VB];
   for (int m = 0; m < MB; ++m)
     for (int j = 0; j < VB; ++j) acc[m][j] = first ? zero() : load(p + m * N + c + j * kLanes);
   for (int64_t k = k0; k < k0 + kb; ++k) {
     const float* r = w + k * N + c;
+    if constexpr (MB >= 2)
+      for (int j = 0; j < VB; ++j) __builtin_prefetch(r + ahead + j * kLanes, 0, 3);
     vf wv[VB];
     for (int j = 0; j < VB; ++j) wv[j] = load(r + j * kLanes);
     for (int m = 0; m < MB; ++m) {
@@ -318,27 +326,16 @@ void kn_all(const float* x, const float* w, float* p, int64_t M, int64_t N, int6
   }
 }
 
-ffi::Error MatmulF32(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                     ffi::ResultBuffer<ffi::F32> y, bool w_nk) {
-  auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[w_nk ? 1 : 0])
-    return ffi::Error::InvalidArgument(
-        "podrun_matmul_f32: expects x[M, K] and w[K, N] (or w[N, K] with w_nk)");
-  int64_t M = xd[0], K = xd[1], N = wd[w_nk ? 0 : 1];
-  const float* xp = x.typed_data();
-  const float* wp = w.typed_data();
-  float* yp = y->typed_data();
-  if (K == 0) {
-    std::fill(yp, yp + M * N, 0.f);
-    return ffi::Error::Success();
-  }
+// y[M, N] = x[M, K] . W, over the team.
+void matmul_f32(const float* xp, const float* wp, float* yp, int64_t M, int64_t N, int64_t K,
+                bool w_nk) {
   if (w_nk) {
     auto body = [=](int t, int T) {
       auto [n0, n1] = part(N, kLanes, t, T);
       if (n1 > n0) nk_all<float>(xp, wp, nullptr, yp, M, N, K, n0, n1);
     };
     Team::get().run(body);
-    return ffi::Error::Success();
+    return;
   }
   std::vector<float*> partial(Team::get().size(), nullptr);  // threads 1..: their own sums
   int parts = 1;
@@ -358,6 +355,35 @@ ffi::Error MatmulF32(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
   for (int t = 1; t < parts; ++t)
     if (const float* p = partial[t])
       for (int64_t i = 0; i < M * N; ++i) yp[i] += p[i];
+}
+
+ffi::Error MatmulF32(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                     ffi::ResultBuffer<ffi::F32> y, bool w_nk) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[w_nk ? 1 : 0])
+    return ffi::Error::InvalidArgument(
+        "podrun_matmul_f32: expects x[M, K] and w[K, N] (or w[N, K] with w_nk)");
+  int64_t M = xd[0], K = xd[1], N = wd[w_nk ? 0 : 1];
+  const float* xp = x.typed_data();
+  const float* wp = w.typed_data();
+  float* yp = y->typed_data();
+  if (K == 0) {
+    std::fill(yp, yp + M * N, 0.f);
+    return ffi::Error::Success();
+  }
+  // Rows go in groups of 8, 4, 2 and 1, each group reading all of W: 3, 5, 6 or 7 rows run as 4
+  // or 8 with rows of zeros, so that W is read once rather than two or three times.
+  int64_t padded = M <= 2 ? M : M <= 4 ? 4 : M <= 8 ? 8 : M;
+  if (padded == M) {
+    matmul_f32(xp, wp, yp, M, N, K, w_nk);
+    return ffi::Error::Success();
+  }
+  thread_local std::vector<float> x_pad, y_pad;
+  x_pad.assign(padded * K, 0.f);
+  std::copy(xp, xp + M * K, x_pad.begin());
+  y_pad.resize(padded * N);
+  matmul_f32(x_pad.data(), wp, y_pad.data(), padded, N, K, w_nk);
+  std::copy(y_pad.begin(), y_pad.begin() + M * N, yp);
   return ffi::Error::Success();
 }
 
