@@ -31,16 +31,21 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kLanes = 16;
-
+// kLanes floats per vector register, kVecRegs vector registers: the register blocks below are
+// sized from these, so that their sums stay in registers (sized for AVX-512's 32 registers, the
+// blocks spilled on an AVX2 machine's 16: 8 rows ran 20x slower than 1).
 #if defined(__AVX512F__)
-#include <immintrin.h>
+constexpr int kLanes = 16, kVecRegs = 32;
 typedef __m512 vf;
 inline vf load(const float* p) { return _mm512_loadu_ps(p); }
 inline vf load_s8(const int8_t* p) {
@@ -51,7 +56,24 @@ inline vf splat(float s) { return _mm512_set1_ps(s); }
 inline vf zero() { return _mm512_setzero_ps(); }
 inline vf fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 inline float hsum(vf v) { return _mm512_reduce_add_ps(v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int kLanes = 8, kVecRegs = 16;
+typedef __m256 vf;
+inline vf load(const float* p) { return _mm256_loadu_ps(p); }
+inline vf load_s8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+inline void store(float* p, vf v) { _mm256_storeu_ps(p, v); }
+inline vf splat(float s) { return _mm256_set1_ps(s); }
+inline vf zero() { return _mm256_setzero_ps(); }
+inline vf fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline float hsum(vf v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
 #else  // portable: GCC vector extensions, whatever the target's vectors are
+constexpr int kLanes = 8, kVecRegs = 16;
 typedef float vf __attribute__((vector_size(kLanes * 4), aligned(4)));
 typedef int8_t vb __attribute__((vector_size(kLanes), aligned(1)));
 inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
@@ -220,7 +242,9 @@ void nk_block(const float* x, int64_t ldx, const W* w, const float* scale, float
 template <typename W, int MB>
 void nk_rows(const float* x, const W* w, const float* scale, float* y, int64_t N, int64_t K,
              int64_t n_begin, int64_t n_end) {
-  constexpr int NB = MB == 1 ? 8 : MB == 2 ? 4 : 2;
+  // MB x NB sums and NB rows of W in registers
+  constexpr int NB = kVecRegs >= 32 ? (MB == 1 ? 8 : MB == 2 ? 4 : 2)
+                                    : (MB == 1 ? 4 : MB <= 4 ? 2 : 1);
   int64_t n = n_begin;
   for (; n + NB <= n_end; n += NB) nk_block<W, MB, NB>(x, K, w, scale, y, N, n, K);
   for (; n < n_end; ++n) nk_block<W, MB, 1>(x, K, w, scale, y, N, n, K);
@@ -261,7 +285,7 @@ int64_t grain(int64_t n, int64_t unit, int64_t threads) {
 
 constexpr int64_t kKB = 16;
 
-// Columns [c, c + VB * 16) of p over rows [k0, k0 + kb) of w, MB x VB sums in registers.
+// Columns [c, c + VB * kLanes) of p over rows [k0, k0 + kb) of w, MB x VB sums in registers.
 template <int MB, int VB>
 __attribute__((always_inline)) inline void kn_block(const float* x, int64_t K, const float* w, int64_t N, float* p, int64_t c,
                      int64_t k0, int64_t kb, bool first) {
@@ -272,7 +296,7 @@ __attribute__((always_inline)) inline void kn_block(const float* x, int64_t K, c
   for (int64_t k = k0; k < k0 + kb; ++k) {
     const float* r = w + k * N + c;
     if constexpr (MB >= 2)
-      for (int j = 0; j < VB; ++j) __builtin_prefetch(r + ahead + j * kLanes, 0, 3);
+      for (int j = 0; j < VB * kLanes; j += 16) __builtin_prefetch(r + ahead + j, 0, 3);  // a line each
     vf wv[VB];
     for (int j = 0; j < VB; ++j) wv[j] = load(r + j * kLanes);
     for (int m = 0; m < MB; ++m) {
@@ -284,11 +308,11 @@ __attribute__((always_inline)) inline void kn_block(const float* x, int64_t K, c
     for (int j = 0; j < VB; ++j) store(p + m * N + c + j * kLanes, acc[m][j]);
 }
 
-// Columns [c0, c1): blocks of 256 / MB columns, then of 64 and 16, then single columns.
+// Columns [c0, c1): blocks of VB vectors, then of 4 and 1, then single columns.
 template <int MB>
 void kn_sweep(const float* x, int64_t K, const float* w, int64_t N, float* p, int64_t c0,
               int64_t c1, int64_t k0, int64_t kb, bool first) {
-  constexpr int VB = 16 / MB;
+  constexpr int VB = std::max(1, kVecRegs / 2 / MB);  // MB x VB sums: half the registers
   int64_t c = c0;
   for (; c + VB * kLanes <= c1; c += VB * kLanes) kn_block<MB, VB>(x, K, w, N, p, c, k0, kb, first);
   if constexpr (VB > 4)
@@ -424,19 +448,30 @@ ffi::Error MatmulNKS8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 
 constexpr float kMasked = -1e30f;
 
-// e^x for a block of 16 scores (x <= 0 here: scores less their max). 2^(x log2 e) split into an
-// integer power (scalef) and 2^f, f in [-1/2, 1/2], by its degree-7 Taylor polynomial (relative
-// error under 1e-7, as expf). Portable builds call expf.
-inline void exp16(float* x) {
-#if defined(__AVX512F__)
+// e^x for a vector of scores (x <= 0 here: scores less their max). 2^(x log2 e) split into an
+// integer power and 2^f, f in [-1/2, 1/2], by its degree-7 Taylor polynomial (relative error under
+// 1e-7, as expf). Portable builds call expf.
+inline void exp_lanes(float* x) {
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   const float c[] = {1.f, 0.69314718f, 0.24022651f, 0.05550411f, 0.00961813f, 0.00133336f,
                      1.5403530e-4f, 1.5252734e-5f};
+#if defined(__AVX512F__)
   vf t = _mm512_mul_ps(_mm512_max_ps(load(x), splat(-87.3f)), splat(1.44269504f));
   vf n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   vf f = _mm512_sub_ps(t, n);
+#else
+  vf t = _mm256_mul_ps(_mm256_max_ps(load(x), splat(-87.3f)), splat(1.44269504f));
+  vf n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  vf f = _mm256_sub_ps(t, n);
+#endif
   vf p = splat(c[7]);
   for (int i = 6; i >= 0; --i) p = fma(p, f, splat(c[i]));
+#if defined(__AVX512F__)
   store(x, _mm512_scalef_ps(p, n));
+#else  // 2^n by its exponent bits: n >= -126 (x >= -87.3), a normal float
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  store(x, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+#endif
 #else
   for (int i = 0; i < kLanes; ++i) x[i] = std::exp(std::max(x[i], -87.3f));
 #endif
@@ -461,7 +496,7 @@ inline void add_row(float w, const C* v, float* out, int64_t H) {
 }
 
 // One query over the cache's S slots (C = float, or int8 with per-slot scales ks, vs) and this
-// step's T keys (float). scores, w: room for S + T rounded up to 16.
+// step's T keys (float). scores, w: room for S + T rounded up to kLanes.
 template <typename C>
 void attend_one(const float* q, const C* kc, const C* vc, const float* ks, const float* vs,
                 const int32_t* kpos, const float* kn, const float* vn, const int32_t* npos,
@@ -485,7 +520,7 @@ void attend_one(const float* q, const C* kc, const C* vc, const float* ks, const
   for (int64_t j = n; j < padded; ++j) scores[j] = kMasked;
   float total = sink ? std::exp(*sink - m) : 0.f;
   for (int64_t j = 0; j < padded; ++j) w[j] = scores[j] == kMasked ? -100.f : scores[j] - m;
-  for (int64_t j = 0; j < padded; j += kLanes) exp16(w + j);  // w = exp(scores - m)
+  for (int64_t j = 0; j < padded; j += kLanes) exp_lanes(w + j);  // w = exp(scores - m)
   for (int64_t j = 0; j < n; ++j) {
     if (scores[j] == kMasked) continue;
     total += w[j];
@@ -496,7 +531,7 @@ void attend_one(const float* q, const C* kc, const C* vc, const float* ks, const
   for (int64_t h = 0; h < H; ++h) out[h] *= inv;
 }
 
-// The G query heads of one kv head together, for head_dim = 16 * HV: each visible key and value
+// The G query heads of one kv head together, for head_dim = kLanes * HV: each visible key and value
 // row is loaded once for NG queries at a time, their dot products and weighted sums kept in
 // registers, where attend_one re-reads every row for every query (peer model, batch 8, in a decode
 // step: 68 us per call against 82). Only the visible rows (idx) are read.
@@ -551,7 +586,7 @@ void group_values(const float* w, int64_t ld, const C* rows, const float* row_sc
 }
 
 // NG query heads (q, out: [NG, H]) over the visible cache rows (cidx, nc of them) and new rows
-// (nidx, nn). s: room for NG rows of ld >= nc + nn rounded up to 16.
+// (nidx, nn). s: room for NG rows of ld >= nc + nn rounded up to kLanes.
 template <typename C, int HV, int NG>
 void attend_group(const float* q, const C* kc, const C* vc, const float* ks, const float* vs,
                   const int32_t* cidx, int64_t nc, const float* kn, const float* vn,
@@ -570,7 +605,7 @@ void attend_group(const float* q, const C* kc, const C* vc, const float* ks, con
     int64_t padded = (n + kLanes - 1) / kLanes * kLanes;
     for (int64_t i = 0; i < n; ++i) sg[i] -= m;
     for (int64_t i = n; i < padded; ++i) sg[i] = -100.f;
-    for (int64_t i = 0; i < padded; i += kLanes) exp16(sg + i);
+    for (int64_t i = 0; i < padded; i += kLanes) exp_lanes(sg + i);
     float t = sinks ? std::exp(sinks[g] - m) : 0.f;
     for (int64_t i = 0; i < n; ++i) t += sg[i];
     total[g] = t;
@@ -593,7 +628,9 @@ void attend_heads(int64_t G, const float* q, const C* kc, const C* vc, const flo
                   const int32_t* nidx, int64_t nn, float scale, const float* sinks, float* s,
                   int64_t ld, float* out) {
   constexpr int64_t H = HV * kLanes;
-  constexpr int NG = HV <= 2 ? 8 : HV <= 4 ? 4 : 2;  // accumulators NG * HV within 16 registers
+  // accumulators NG * HV within half the registers
+  constexpr int NG = kVecRegs >= 32 ? (HV <= 2 ? 8 : HV <= 4 ? 4 : 2)
+                                    : (HV <= 1 ? 8 : HV <= 2 ? 4 : HV <= 4 ? 2 : 1);
   auto run = [&](auto ng, int64_t g) {
     attend_group<C, HV, decltype(ng)::value>(q + g * H, kc, vc, ks, vs, cidx, nc, kn, vn, nidx,
                                              nn, scale, sinks ? sinks + g : nullptr, s, ld,
@@ -628,7 +665,7 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, const 
   const float* sp = sinks.typed_data();
   const int32_t *kpp = kpos.typed_data(), *npp = npos.typed_data(), *qpp = qpos.typed_data();
   float* op = out->typed_data();
-  // head_dim 16 * HV (HV <= 8): the grouped path; any other head_dim: query by query
+  // head_dim kLanes * HV (HV <= 8): the grouped path; any other head_dim: query by query
   using Heads = void (*)(int64_t, const float*, const C*, const C*, const float*, const float*,
                          const int32_t*, int64_t, const float*, const float*, const int32_t*,
                          int64_t, float, const float*, float*, int64_t, float*);
