@@ -3,6 +3,10 @@ attention with sinks, windows, empty slots and queries that see only this step's
 models through them: test_models, test_gptoss.)"""
 
 import functools
+import os
+import platform
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -263,3 +267,28 @@ def test_ragged_experts_match_numpy_in_interpret_mode(int8):
                 y = y * sd[e]
             want[m] += weight[m, j] * (y + bd[e])
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
+
+
+# Every vector path of the kernels, whatever this machine builds natively: the kernel tests above
+# and the int8 product's, in a subprocess whose build has the wider vectors switched off.
+OTHER_PATHS = {"avx2": "-mno-avx512f", "portable": "-mno-avx512f -mno-avx2 -mno-fma"}
+
+
+@pytest.mark.parametrize("path", list(OTHER_PATHS) if platform.machine() == "x86_64" else [])
+def test_every_vector_path_matches_numpy(path, tmp_path):
+    env = {**os.environ, "PODRUN_KERNEL_FLAGS": OTHER_PATHS[path],
+           "PODRUN_KERNEL_CACHE": str(tmp_path), "JAX_PLATFORMS": "cpu"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    built = subprocess.run([sys.executable, "-c", "from models.kernels import cpu; print(cpu.vector_path())"],
+                           check=False, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr[-2000:]
+    assert built.stdout.split()[-1] == path
+    tests = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         "tests/test_kernels.py::test_f32_product_matches_numpy",
+         "tests/test_kernels.py::test_decode_attention_matches_numpy",
+         "tests/test_kernels.py::test_decode_attention_over_an_int8_cache_matches_numpy[cpu]",
+         "tests/test_quant.py::test_int8_kernel_matches_numpy"],
+        check=False, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert tests.returncode == 0, tests.stdout[-3000:]
+    assert " passed" in tests.stdout and "failed" not in tests.stdout

@@ -18,6 +18,8 @@ The shared library is compiled with the machine's C++ compiler ($CXX, else g++) 
 on (-march=native) into ~/.cache/podrun/kernels/ (or $PODRUN_KERNEL_CACHE), keyed by a hash of the
 source, the flags, the jax version and the CPU's feature flags (a home directory shared by machines
 of different kinds keeps one build per kind), so each machine builds it once (about 3 s).
+$PODRUN_KERNEL_FLAGS adds compiler flags: `-mno-avx512f` builds the AVX2 path on an AVX-512
+machine, `-mno-avx512f -mno-avx2 -mno-fma` the portable one (the tests check every path so).
 """
 
 from __future__ import annotations
@@ -70,11 +72,16 @@ def _cpu_features() -> bytes:
         return b""
 
 
+def _flags() -> tuple[str, ...]:
+    return FLAGS + tuple(os.environ.get("PODRUN_KERNEL_FLAGS", "").split())
+
+
 def build() -> Path:
     """The compiled library, built now unless this machine already has it."""
     cxx = _compiler()
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(FLAGS).encode() + cxx.encode()
+    flags = _flags()
+    key = hashlib.sha256(source + " ".join(flags).encode() + cxx.encode()
                          + jax.__version__.encode() + _cpu_features()).hexdigest()[:16]
     out = _cache_dir() / f"cpu_matmul-{key}.so"
     if out.exists():
@@ -86,7 +93,7 @@ def build() -> Path:
             return out
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             tmp_out = Path(tmp) / out.name
-            cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(tmp_out)]
+            cmd = [cxx, *flags, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(tmp_out)]
             done = subprocess.run(cmd, check=False, capture_output=True, text=True)
             if done.returncode:
                 raise KernelBuildError(f"building {SOURCE.name} failed ({' '.join(cmd)}):\n"
@@ -106,6 +113,13 @@ def available() -> bool:
                       RuntimeWarning, stacklevel=2)
         return False
     return True
+
+
+def vector_path() -> str:
+    """Which vectors the built kernels use: avx512, avx2 or portable."""
+    fn = ctypes.cdll.LoadLibrary(str(build())).podrun_vector_path
+    fn.restype = ctypes.c_char_p
+    return fn().decode()
 
 
 @functools.cache

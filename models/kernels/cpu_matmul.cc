@@ -46,6 +46,7 @@ namespace {
 // blocks spilled on an AVX2 machine's 16: 8 rows ran 20x slower than 1).
 #if defined(__AVX512F__)
 constexpr int kLanes = 16, kVecRegs = 32;
+constexpr const char* kVectorPath = "avx512";
 typedef __m512 vf;
 inline vf load(const float* p) { return _mm512_loadu_ps(p); }
 inline vf load_s8(const int8_t* p) {
@@ -58,6 +59,7 @@ inline vf fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 inline float hsum(vf v) { return _mm512_reduce_add_ps(v); }
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int kLanes = 8, kVecRegs = 16;
+constexpr const char* kVectorPath = "avx2";
 typedef __m256 vf;
 inline vf load(const float* p) { return _mm256_loadu_ps(p); }
 inline vf load_s8(const int8_t* p) {
@@ -74,6 +76,7 @@ inline float hsum(vf v) {
 }
 #else  // portable: GCC vector extensions, whatever the target's vectors are
 constexpr int kLanes = 8, kVecRegs = 16;
+constexpr const char* kVectorPath = "portable";
 typedef float vf __attribute__((vector_size(kLanes * 4), aligned(4)));
 typedef int8_t vb __attribute__((vector_size(kLanes), aligned(1)));
 inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
@@ -749,6 +752,9 @@ ffi::Error DecodeAttentionS8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
 }
 
 }  // namespace
+
+// Which of the vector paths above this build uses (models/kernels/cpu.vector_path).
+extern "C" const char* podrun_vector_path() { return kVectorPath; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(podrun_matmul_f32, MatmulF32,
                               ffi::Ffi::Bind()
