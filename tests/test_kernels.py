@@ -22,8 +22,9 @@ from models.kernels import cpu
                                    (6, 33, 96), (7, 576, 192), (4, 24, 530)])
 def test_f32_product_matches_numpy(M, K, N, w_nk):
     """Both weight layouts; rows in groups of 8, 4, 2, 1, and 3, 5, 6 or 7 rows padded with zero
-    rows to 4 or 8; K not a multiple of the row sweep (16) or of a vector (16); N in blocks of
-    256 / rows, 64 and 16 columns, single columns past those, and fewer columns than threads."""
+    rows to 4 or 8; K not a multiple of the row sweep (16) or of a vector (8 or 16 lanes); N in
+    register blocks, then blocks of 4 vectors and 1, single columns past those, and fewer columns
+    than threads."""
     rng = np.random.default_rng(M * K + N)
     x = rng.standard_normal((M, K), dtype=np.float32)
     w = rng.standard_normal((K, N), dtype=np.float32)
