@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import sys
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -78,18 +79,21 @@ def nll(s: Settings, meta, rules, params, win: np.ndarray, chunk: int = 0) -> tu
     if chunk and any(model.module.cache_spec(model.config)[0]):
         # A chunk overwrites ring slots that its own first queries should still see.
         raise PerplexityError("--chunk needs a model without sliding-window layers")
-    starts = range(0, W, chunk or W)
+    C = chunk or W
 
     @jax.jit
     def score(params, tokens, positions):
         cache = model.new_cache(tokens.shape[0], W, jnp.dtype(s.policy.kv_cache), rules)
-        parts = []
-        for a in starts:  # a static start: the first chunk attends to itself alone
-            b = a + (chunk or W)
-            out, cache = model.forward(params, tokens[:, a:b], positions[:, a:b], cache, a, rules,
-                                       s.policy)
-            parts.append(out)
-        logits = jnp.concatenate(parts, axis=1)
+        if C == W:  # the whole window at once: it attends to its own keys alone
+            logits, _ = model.forward(params, tokens, positions, cache, 0, rules, s.policy)
+        else:  # one compiled chunk in a loop; each attends to the cache, where later slots are empty
+            def feed(cache, a):
+                window = partial(jax.lax.dynamic_slice_in_dim, start_index=a, slice_size=C, axis=1)
+                out, cache = model.forward(params, window(tokens), window(positions), cache, a, rules,
+                                           s.policy)
+                return cache, out
+            _, parts = jax.lax.scan(feed, cache, jnp.arange(0, W, C))  # [W / C, B, C, V]
+            logits = jnp.moveaxis(parts, 0, 1).reshape(tokens.shape[0], W, -1)
         logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
         target = tokens[:, 1:]
         picked = jnp.take_along_axis(logp, target[..., None], axis=-1)[..., 0]
