@@ -53,8 +53,10 @@ class Compiled:
         return self.argument_bytes + self.temp_bytes + self.output_bytes - self.alias_bytes
 
 
-def compile_deployment(s: Settings, model: Model | None = None) -> tuple[Engine, dict[str, Compiled]]:
-    """Compiles for s.tpu_topology; the model is checkpoint.model's preset unless given."""
+def compile_deployment(s: Settings, model: Model | None = None,
+                       only: tuple[str, ...] = ()) -> tuple[Engine, dict[str, Compiled]]:
+    """Compiles for s.tpu_topology; the model is checkpoint.model's preset unless given. `only`
+    names the programs to compile (e.g. "prefill_512", "decode"); () compiles them all."""
     from jax.experimental import topologies
 
     if not s.tpu_topology:
@@ -77,6 +79,8 @@ def compile_deployment(s: Settings, model: Model | None = None) -> tuple[Engine,
                     prefill_rows=g.prefill_rows)
     out = {}
     for name, lowered in engine.lower().items():
+        if only and name not in only:
+            continue
         c = lowered.compile()
         m, cost = c.memory_analysis(), c.cost_analysis()
         cost = cost[0] if isinstance(cost, list) else cost
