@@ -77,8 +77,11 @@ def compile_deployment(s: Settings, model: Model | None = None,
     engine = Engine(model, params, rules, s.policy, g.batch_size, g.max_prompt_len, g.max_new_tokens,
                     g.steps_per_dispatch, g.prefill_buckets, allocate=False,
                     prefill_rows=g.prefill_rows)
+    programs = engine.lower()
+    if unknown := sorted(set(only) - set(programs)):
+        raise ValueError(f"no program {unknown} to compile; this deployment has {sorted(programs)}")
     out = {}
-    for name, lowered in engine.lower().items():
+    for name, lowered in programs.items():
         if only and name not in only:
             continue
         c = lowered.compile()
