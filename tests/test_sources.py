@@ -24,6 +24,7 @@ from runner.sources import (
     read_hf_folder,
     read_source,
 )
+from tests.reference import transformers_gguf_load
 
 Q = gguf.GGMLQuantizationType
 GGUF_ARCH = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2,
@@ -33,24 +34,9 @@ GGUF_ARCH = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2,
 # --- fixtures and helpers -------------------------------------------------------------------------
 
 
-def transformers_gguf_load(path: str) -> tuple[transformers.PretrainedConfig, dict, dict]:
-    """What `from_pretrained(folder, gguf_file=...)` loads (its legacy GGUF path, which serves
-    llama, qwen2 and gpt2), called directly since from_pretrained wants accelerate for GGUF:
-    (config, {name: float32 array}, tokenizer_config)."""
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    config = transformers.AutoConfig.from_pretrained(os.path.dirname(path),
-                                                     gguf_file=os.path.basename(path))
-    with torch.device("meta"):  # only its parameter names are used, to map GGUF names
-        model = transformers.AutoModelForCausalLM.from_config(config)
-    parsed = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)
-    tensors = {k: v.float().numpy() for k, v in parsed["tensors"].items()}
-    return config, tensors, parsed["tokenizer_config"]
-
-
 @pytest.fixture(scope="module")
-def smollm2(smollm2_gguf):
-    return read_source(smollm2_gguf), *transformers_gguf_load(smollm2_gguf)
+def smollm2(smollm2_gguf, smollm2_transformers):
+    return read_source(smollm2_gguf), *smollm2_transformers.loaded
 
 
 def tiny_hf_model(arch: str, **kw) -> transformers.PreTrainedModel:

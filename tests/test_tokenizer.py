@@ -76,9 +76,8 @@ def smollm2(smollm2_gguf, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def smollm2_hf(smollm2_gguf):
-    folder, name = os.path.split(smollm2_gguf)
-    return transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+def smollm2_hf(smollm2_transformers):
+    return smollm2_transformers.tokenizer
 
 
 @pytest.fixture(scope="module")
