@@ -85,8 +85,8 @@ def test_prefill_in_groups_of_rows_needs_less_memory_than_all_at_once():
     from runner.compile import compile_deployment
 
     def prefill(rows):
-        s = tiny_tpu_settings(prefill_rows=rows, batch_size=8, max_prompt_len=512, prefill_buckets=(512,))
-        return compile_deployment(s, only=("prefill_512",))[1]["prefill_512"]
+        s = tiny_tpu_settings(prefill_rows=rows, batch_size=8, max_prompt_len=256, prefill_buckets=(256,))
+        return compile_deployment(s, only=("prefill_256",))[1]["prefill_256"]
 
     whole, grouped = prefill(0), prefill(2)
     assert grouped.temp_bytes < whole.temp_bytes / 2
