@@ -179,8 +179,11 @@ class Engine:
         donate = (1,) if policy.donate_cache else ()  # the cache is updated in place, not copied
         self._prefill = jax.jit(self._prefill_fn, donate_argnums=donate, compiler_options=opts,
                                 out_shardings=(everywhere, row, cache_sh))
+        # The done flags come back twice: replicated for the host to read, and by rows to feed
+        # the next call as they are, with nothing put back from the host unless it ended a row.
         self._decode = jax.jit(self._decode_fn, donate_argnums=donate, compiler_options=opts,
-                               out_shardings=(everywhere, cache_sh, row, row, everywhere, row))
+                               out_shardings=(everywhere, cache_sh, row, row, everywhere, row, row))
+        self._slots: dict[int, jax.Array] = {}  # cache slot -> that scalar on the devices
 
     def lower(self) -> dict[str, jax.stages.Lowered]:
         """Every function generation runs, lowered for the mesh's devices (which may be an AOT
@@ -251,7 +254,7 @@ class Engine:
 
         (cache, token, pos, done, count), out = jax.lax.scan(
             step, (cache, token, pos, done, count), jnp.arange(self.steps))
-        return out.T, cache, token, pos, done, count
+        return out.T, cache, token, pos, done, count, done
 
     # --- host loop ----------------------------------------------------------------------------
 
@@ -260,6 +263,11 @@ class Engine:
             if b >= length:
                 return b
         raise ValueError(f"prompt of {length} tokens exceeds max_prompt_len={self.max_prompt_len}")
+
+    def _slot(self, slot: int) -> jax.Array:
+        if slot not in self._slots:
+            self._slots[slot] = jax.device_put(np.int32(slot), self._everywhere)
+        return self._slots[slot]
 
     def generate(self, requests: Sequence[Request], stop_ids: Sequence[int] = (),
                  stop_check: Callable[[int, list[int]], bool] | None = None) -> list[Completion]:
@@ -303,23 +311,43 @@ class Engine:
             if not done[b] and stop_check and stop_check(b, out[b]):
                 done[b] = True
                 stopped_on_host.add(b)
-        pos = put(np.array([len(r.prompt) for r in rows], np.int32))
-        count, max_tokens = put(count), put(max_tokens)
+        # Rows that can end only by length (no stop ids, no stop check: ignore-EOS workloads) need
+        # a number of calls the host knows from the start, so each call is queued before the
+        # previous one's tokens are read and the devices never wait for the host between calls.
+        by_length = not stop_ids and stop_check is None
+        calls_left = -(-int((max_tokens - count)[~done].max(initial=0)) // self.steps)
+        state = (token, put(np.array([len(r.prompt) for r in rows], np.int32)), put(done), put(count))
+        max_tokens = put(max_tokens)
         slot = P
-        while not done.all():
-            emitted, self.cache, token, pos, dev_done, count = self._decode(
-                self.params, self.cache, token, pos, jax.device_put(np.int32(slot), self._everywhere),
-                put(done), count, max_tokens, seeds, temperature, top_k, top_p, stops_dev)
+
+        def call(state):
+            nonlocal slot, calls_left
+            token, pos, done_rows, count = state
+            emitted, self.cache, token, pos, dev_done, count, done_rows = self._decode(
+                self.params, self.cache, token, pos, self._slot(slot), done_rows, count, max_tokens,
+                seeds, temperature, top_k, top_p, stops_dev)
+            slot += self.steps
+            calls_left -= 1
+            return emitted, dev_done, (token, pos, done_rows, count)
+
+        running = call(state) if not done.all() else None
+        while running is not None:
+            emitted, dev_done, state = running
+            running = call(state) if by_length and calls_left > 0 else None
             emitted, dev_done = np.asarray(emitted), np.array(dev_done)
+            ended_on_host = False
             for b in range(n):
                 if done[b]:
                     continue
                 out[b].extend(int(t) for t in emitted[b] if t >= 0)
                 if not dev_done[b] and stop_check and stop_check(b, out[b]):
-                    dev_done[b] = True
+                    dev_done[b] = ended_on_host = True
                     stopped_on_host.add(b)
             done = dev_done
-            slot += self.steps
+            if running is None and not done.all():
+                if ended_on_host:
+                    state = (*state[:2], put(done), state[3])
+                running = call(state)
         return [
             Completion(o, "stop" if o[-1] in stop_ids or b in stopped_on_host else "length", ttft)
             for b, o in enumerate(out)

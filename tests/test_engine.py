@@ -81,6 +81,23 @@ def test_host_stop_check_ends_a_row(llama, prompts, references):
     assert len(got[0].token_ids) <= 3 + engine.steps
 
 
+def test_rows_that_end_by_length_queue_exactly_the_calls_they_need(llama, prompts, references):
+    """Without stop ids or a stop check the host queues each decode call before reading the last
+    one's tokens, so it counts the calls itself: rows of 5, 17 and 9 tokens (the first from
+    prefill, 8 per call) take 2 calls, none wasted, and the tokens are transformers'. With a stop
+    id that never comes, the host reads each call's tokens before the next and stops after 2 too."""
+    engine = make_engine(llama, "data8")
+    assert engine.steps == 8
+    calls = []
+    decode = engine._decode
+    engine._decode = lambda *a: calls.append(1) or decode(*a)
+    lengths = (5, 17, 9)
+    for stop_ids in ((), (VOCAB + 1,)):
+        calls.clear()
+        got = engine.generate([Request(p, n) for p, n in zip(prompts, lengths)], stop_ids=stop_ids)
+        assert [c.token_ids for c in got] == [ref[:n] for ref, n in zip(references, lengths)]
+        assert len(calls) == 2
+
 def test_one_compilation_per_bucket_and_one_decode_step(llama, prompts):
     engine = make_engine(llama, "data2_model4", batch_size=2)
     compiles = []
