@@ -4,6 +4,9 @@ them with its greedy agreement against the transformers reference.
 
     python benchmarks/peer_podrun.py [--config=configs/cpu.py] [--config.precision.params=bfloat16 ...]
 
+It runs on one CPU device, as the kit's other engines run in one process, unless the command line
+sets --config.mesh.num_cpu_devices or --config.mesh.data.
+
 The kit's random Llama ($PEER_MODEL, default $PEERS_HOME/model, written by make_model.py) is
 converted once into podrun-<its folder name> beside it ($PEERS_HOME/podrun-model by default, as
 `python -m runner.convert` would) unless
@@ -45,6 +48,11 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         sys.exit(f"peer_podrun: error: unexpected arguments {argv[1:]}")
     c = _CONFIG.value
+    given = {a.split("=")[0].removeprefix("--config.") for a in sys.argv[1:]}
+    if not {"mesh.num_cpu_devices", "mesh.data"} & given:
+        # the kit's engines each run as one process on the machine's cores: one device, not the
+        # config's simulated eight (which run a batch of 1 several times slower)
+        c.mesh.num_cpu_devices, c.mesh.data = 1, 1
     from_kit = not c.checkpoint.path
     if from_kit:
         model_dir = os.path.normpath(bc.MODEL_DIR)
