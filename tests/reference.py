@@ -120,7 +120,8 @@ class GGUFReference:
     @cached_property
     def model(self) -> transformers.PreTrainedModel:
         """The float32 model from those tensors, as `from_pretrained(..., gguf_file=...)` builds it
-        (equal tensors and logits, checked against it for SmolLM2); generation never stops at EOS."""
+        (for SmolLM2 the same state dict and logits as from_pretrained's, compared once by hand, not
+        on every run: that load takes another 15-20 s); generation never stops at EOS."""
         config, tensors, _ = self.loaded
         m = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         missing, unexpected = m.load_state_dict({k: torch.from_numpy(v) for k, v in tensors.items()},
