@@ -98,6 +98,7 @@ def test_rows_that_end_by_length_queue_exactly_the_calls_they_need(llama, prompt
         assert [c.token_ids for c in got] == [ref[:n] for ref, n in zip(references, lengths)]
         assert len(calls) == 2
 
+
 def test_one_compilation_per_bucket_and_one_decode_step(llama, prompts):
     engine = make_engine(llama, "data2_model4", batch_size=2)
     compiles = []

@@ -95,8 +95,8 @@ def test_int8_perplexity_within_one_percent_of_float32(converted):
     """Weight-only int8 (every projection, the tied embedding included) and an int8 KV cache on real
     English text: the perplexity of SmolLM2-135M stays within 1% of float32's (issue 5's quality
     bar). The cache is only read when a window is fed in chunks (each chunk attends to the earlier
-    ones through it); in float32, chunking must not change the perplexity. 2048 tokens (4 windows
-and a part) keep the four runs to about 15 s each here; the issue's figures are over 4096."""
+    ones through it); in float32, chunking must not change the perplexity. 2048 tokens (5 windows
+    of 512) keep the four runs to about 15 s each here; the issue's figures are over 4096."""
     text = os.path.join(ROOT, "..", "shared", "data", "tinyshakespeare.txt")
 
     def perplexity(*overrides):
