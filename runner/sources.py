@@ -277,18 +277,15 @@ def read_gguf(path: str) -> Source:
     """An HF config built from the GGUF metadata, and its tensors in HF names and layout."""
     import gguf  # heavy; only GGUF sources need it
 
+    from runner.gguf_file import GGUFFile
+
     try:
-        reader = gguf.GGUFReader(path)
+        reader = GGUFFile(path)
     except (OSError, ValueError, IndexError, KeyError, struct.error) as e:  # missing, truncated
         raise SourceError(f"{path}: not a readable GGUF file, truncated or corrupt ({e})") from e
 
     def meta(key: str, default=None):
-        field = reader.fields.get(key)
-        if field is None:
-            return default
-        if field.types == [gguf.GGUFValueType.FLOAT32]:  # 1e-5, not 9.999999747378752e-06
-            return float(str(np.float32(field.contents())))
-        return field.contents()
+        return reader.metadata.get(key, default)
 
     arch = meta("general.architecture")
     if arch not in _GGUF_ARCHS:
@@ -300,8 +297,8 @@ def read_gguf(path: str) -> Source:
 
     raw = {t.name: t for t in reader.tensors}
     n_vocab = meta(f"{arch}.vocab_size")
-    if n_vocab is None and "tokenizer.ggml.tokens" in reader.fields:
-        n_vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    if n_vocab is None and "tokenizer.ggml.tokens" in reader.metadata:
+        n_vocab = len(reader.metadata["tokenizer.ggml.tokens"])
     if n_vocab is None and "token_embd.weight" in raw:
         n_vocab = int(raw["token_embd.weight"].shape[-1])  # ggml order: [D, V]
     hidden, heads = meta(f"{arch}.embedding_length"), meta(f"{arch}.attention.head_count")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import struct
 from collections.abc import Sequence
 from datetime import datetime
 from typing import ClassVar
@@ -361,12 +362,11 @@ def tokenizer_json_from_gguf(gguf_path: str) -> tuple[str, dict]:
 
 
 def _gguf_metadata(path: str) -> dict:
-    import gguf
+    from runner.gguf_file import GGUFFile
 
     try:
-        fields = gguf.GGUFReader(path).fields
-        return {k: f.contents() for k, f in fields.items() if k.startswith("tokenizer.")}
-    except (OSError, ValueError, IndexError, KeyError) as e:
+        return {k: v for k, v in GGUFFile(path).metadata.items() if k.startswith("tokenizer.")}
+    except (OSError, ValueError, IndexError, KeyError, struct.error) as e:
         raise TokenizerError(f"{path}: not a readable GGUF file ({_one_line(e)})") from e
 
 

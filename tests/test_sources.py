@@ -18,6 +18,7 @@ import transformers
 
 from models.llama import PRESETS as LLAMA_PRESETS
 from models.registry import Model
+from runner.gguf_file import GGUFFile
 from runner.sources import (
     SourceError,
     read_gguf,
@@ -400,6 +401,46 @@ def test_hf_folder_brings_tokenizer_files_and_chat_template(tmp_path):
                             {"name": "default", "template": "D"}]
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
     assert read_hf_folder(str(tmp_path)).config["podrun_chat_template"] == "D"
+
+
+def test_gguf_file_reads_what_ggufs_own_reader_reads(tmp_path):
+    """runner.gguf_file against gguf.GGUFReader: every metadata value type, a wider alignment, and
+    tensors of float and quantised types, byte for byte."""
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    w.add_custom_alignment(64)
+    for i, (kind, value) in enumerate([("uint8", 200), ("int8", -5), ("uint16", 60000), ("int16", -300),
+                                       ("uint32", 4_000_000_000), ("int32", -70000), ("float32", 1e-5),
+                                       ("uint64", 2**40 + 3), ("int64", -(2**40)), ("float64", 0.1),
+                                       ("bool", True), ("string", "héllo <|im_start|>")]):
+        getattr(w, f"add_{kind}")(f"t.{kind}", value)
+    w.add_array("t.strings", ["a", "", "Ġthe", "\u00e9\u4e2d"])
+    w.add_array("t.ints", [3, -1, 7])
+    w.add_array("t.floats", [0.5, -2.25])
+    w.add_array("t.empty", [])
+    rng = np.random.default_rng(0)
+    a = rng.normal(size=(8, 64)).astype(np.float32)
+    for qtype in (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_1):
+        w.add_tensor(f"x.{qtype.name}", a if qtype == Q.F32 else gguf.quants.quantize(a, qtype),
+                     raw_dtype=None if qtype == Q.F32 else qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    ours, ref = GGUFFile(str(tmp_path / "m.gguf")), gguf.GGUFReader(str(tmp_path / "m.gguf"))
+    fields = {k: f for k, f in ref.fields.items() if not k.startswith("GGUF.")}  # its header, as fields
+    assert list(ours.metadata) == list(fields)
+    for key, field in fields.items():
+        want = field.contents()
+        if field.types == [gguf.GGUFValueType.FLOAT32]:
+            want = float(str(np.float32(want)))
+        assert ours.metadata[key] == want and type(ours.metadata[key]) is type(want), key
+    assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
+    for t, r in zip(ours.tensors, ref.tensors):
+        assert t.shape == tuple(r.shape.tolist()) and t.tensor_type == r.tensor_type, t.name
+        assert t.data.dtype == r.data.dtype and t.data.shape == r.data.shape, t.name
+        assert t.data.tobytes() == r.data.tobytes(), t.name
+    assert ours.metadata["general.alignment"] == 64
 
 
 # --- errors ---------------------------------------------------------------------------------------
