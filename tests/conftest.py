@@ -64,3 +64,20 @@ def smollm2_transformers(smollm2_gguf):
     from tests.reference import GGUFReference
 
     return GGUFReference(smollm2_gguf)
+
+
+# Fixtures that take long to build (transformers' load of the real SmolLM2, the GCS emulator with
+# its checkpoint) are built once per worker under pytest-xdist (`-n 2 --dist loadgroup`, the
+# README's command): the tests that use one run on one worker, so it is built once.
+SHARED_FIXTURES = ("smollm2_transformers", "gcs")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks
+def pytest_collection_modifyitems(items):
+    for item in items:
+        for name in SHARED_FIXTURES:
+            if name in getattr(item, "fixturenames", ()):
+                item.add_marker(pytest.mark.xdist_group(name))
+                break
+    # The groups first: a worker that took one late would run it alone at the end.
+    items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)

@@ -73,6 +73,12 @@ def test_greedy_generation_matches_transformers(model_dir, mesh, tmp_path):
     assert not os.path.exists(str(out) + ".partial")
 
 
+# The runner's handling of requests does not depend on the model: one model by default, each under
+# -m slow.
+ONE_MODEL = ["gptoss", *(pytest.param(k, marks=pytest.mark.slow) for k in ("llama", "qwen2", "gpt2"))]
+
+
+@pytest.mark.parametrize("model_dir", ONE_MODEL, indirect=True)
 def test_bad_requests_get_an_error_and_the_rest_completes(model_dir, tmp_path):
     m, root = model_dir
     lines = [
@@ -96,6 +102,7 @@ def test_bad_requests_get_an_error_and_the_rest_completes(model_dir, tmp_path):
     assert r[6]["token_ids"] == hf_greedy(m, [9], 2)
 
 
+@pytest.mark.parametrize("model_dir", ONE_MODEL, indirect=True)
 def test_a_rerun_skips_what_is_already_done(model_dir, tmp_path):
     """A partial file left by an interrupted run: its results are kept, the rest is generated."""
     m, root = model_dir

@@ -278,7 +278,10 @@ NARROWER_PATHS = ([p for p in OTHER_PATHS if p != "avx2" or b"avx512f" in cpu._c
                   if platform.machine() == "x86_64" else [])
 
 
-@pytest.mark.parametrize("path", NARROWER_PATHS)
+# The portable path (for machines without AVX2) is under -m slow: it builds the kernels from scratch
+# (35 s on a 2-core machine) for a path that x86 machines do not run.
+@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow) if p == "portable" else p
+                                  for p in NARROWER_PATHS])
 def test_every_vector_path_matches_numpy(path, tmp_path):
     env = {**os.environ, "PODRUN_KERNEL_FLAGS": OTHER_PATHS[path],
            "PODRUN_KERNEL_CACHE": str(tmp_path), "JAX_PLATFORMS": "cpu"}
