@@ -22,8 +22,7 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
             12: "<d"}
 _NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<?", 10: "<u8",
           11: "<i8", 12: "<f8"}
-FLOAT32 = 6
-_STRING, _ARRAY = 8, 9
+_FLOAT32, _STRING, _ARRAY = 6, 8, 9
 
 
 @dataclasses.dataclass
@@ -35,8 +34,7 @@ class Tensor:
 
 
 class GGUFFile:
-    """`metadata` {key: value} (strings, ints, floats, bools, lists), `types` {key: GGUF value
-    type}, `tensors` in file order. Raises ValueError (or struct.error) on a file that is not GGUF,
+    """`metadata` {key: value} (strings, ints, floats, bools, lists) and `tensors` in file order. Raises ValueError (or struct.error) on a file that is not GGUF,
     is truncated, or names an unknown type."""
 
     def __init__(self, path: str):
@@ -52,11 +50,10 @@ class GGUFFile:
             raise ValueError(f"GGUF version {version} (big-endian or too old); versions 2 and 3 are read")
         n_tensors, n_kv = struct.unpack_from("<QQ", buf, 8)
         self._pos = 24
-        self.metadata, self.types = {}, {}
+        self.metadata = {}
         for _ in range(n_kv):
             key = self._string()
             (kind,) = self._unpack("<I")
-            self.types[key] = kind
             self.metadata[key] = self._value(kind)
         infos = []
         for _ in range(n_tensors):
@@ -75,12 +72,12 @@ class GGUFFile:
             if start + offset + nbytes > len(buf):
                 raise ValueError(f"tensor {name} runs past the end of the file (truncated)")
             raw = np.frombuffer(buf, np.uint8, nbytes, start + offset)
-            rows = tuple(int(d) for d in reversed(shape[1:]))
+            rows = shape[:0:-1]
             if kind.name in ("F32", "F16"):
                 data = raw.view(np.float32 if kind.name == "F32" else np.float16).reshape(*rows, shape[0])
             else:
                 data = raw.reshape(*rows, shape[0] // block * size)
-            self.tensors.append(Tensor(name, tuple(int(d) for d in shape), kind, data))
+            self.tensors.append(Tensor(name, shape, kind, data))
 
     def _unpack(self, fmt: str) -> tuple:
         out = struct.unpack_from(fmt, self._buf, self._pos)
@@ -112,6 +109,6 @@ class GGUFFile:
         if kind not in _SCALARS:
             raise ValueError(f"unknown GGUF value type {kind}")
         (v,) = self._unpack(_SCALARS[kind])
-        if kind == FLOAT32:  # the float32's shortest spelling: 1e-5, not 9.999999747378752e-06
+        if kind == _FLOAT32:  # the float32's shortest spelling: 1e-5, not 9.999999747378752e-06
             v = float(str(np.float32(v)))
         return v

@@ -408,10 +408,10 @@ def test_gguf_file_reads_what_ggufs_own_reader_reads(tmp_path):
     tensors of float and quantised types, byte for byte."""
     w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
     w.add_custom_alignment(64)
-    for i, (kind, value) in enumerate([("uint8", 200), ("int8", -5), ("uint16", 60000), ("int16", -300),
-                                       ("uint32", 4_000_000_000), ("int32", -70000), ("float32", 1e-5),
-                                       ("uint64", 2**40 + 3), ("int64", -(2**40)), ("float64", 0.1),
-                                       ("bool", True), ("string", "héllo <|im_start|>")]):
+    for kind, value in [("uint8", 200), ("int8", -5), ("uint16", 60000), ("int16", -300),
+                        ("uint32", 4_000_000_000), ("int32", -70000), ("float32", 1e-5),
+                        ("uint64", 2**40 + 3), ("int64", -(2**40)), ("float64", 0.1),
+                        ("bool", True), ("string", "héllo <|im_start|>")]:
         getattr(w, f"add_{kind}")(f"t.{kind}", value)
     w.add_array("t.strings", ["a", "", "Ġthe", "\u00e9\u4e2d"])
     w.add_array("t.ints", [3, -1, 7])
