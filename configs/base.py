@@ -37,10 +37,10 @@ def base_config() -> ConfigDict:
         "matmul": "highest",  # default | high | highest
         # Weight-only int8 for every projection, one scale per output channel: none | int8.
         "quantize": "none",
-        # podrun's own CPU kernels (models/kernels): the int8 products, decode attention and (on one
-        # device) the float32 projections of a decode step of up to 8 rows, built with g++ on first
-        # use (without a compiler: a warning, and XLA). False leaves all of it to XLA (same
-        # results; slower, much slower for int8).
+        # podrun's own CPU kernels (models/kernels): the int8 products, attention (decode steps and
+        # prompts) and (on one device) the float32 projections of a decode step of up to 8 rows,
+        # built with g++ on first use (without a compiler: a warning, and XLA). False leaves all of
+        # it to XLA (same results; slower, much slower for int8).
         "kernels": True,
         # TPU: decode attention in the Pallas kernel (off: XLA's attention, which avoids a copy of
         # each layer's cache per step that the kernel still causes; see models/layers.Policy).

@@ -423,56 +423,70 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Ar
     XLA:CPU copy every layer's whole cache on every decode step (the write then has two readers).
     """
     new_pos = jax.lax.dynamic_slice_in_dim(cache.pos, start, q.shape[1], axis=1)  # [B, T]
-    new = (jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), new_pos, None, None)  # [B, K, T, H]
     if isinstance(start, int) and start == 0:
-        blocks = [new]
         if rules.platform == "tpu" and policy.pallas_prefill and rules.shards("cache_seq") == 1:
             return _prefill_kernel(q, k, v, positions, new_pos, rules, **kw), cache.write(
                 layer, k, v, start, rules)
+        B, _, K, H = k.shape
+        none = jnp.zeros((B, K, 0, H), jnp.float32)
+        cached = (none, none, jnp.zeros((B, 0), jnp.int32), None, None)  # no slot to attend to
     else:
         ring = cache.k[layer].shape[2] != cache.pos.shape[1]
         k_pos = cache.ring_pos if ring else cache.pos  # [B, S], this step's positions written
         S, T = k_pos.shape[1], q.shape[1]
         overwritten = (jnp.arange(S) - start) % S < T  # slots [start, start + T) (mod S on a ring)
-        blocks = [(cache.k[layer], cache.v[layer], jnp.where(overwritten, -1, k_pos),
-                   cache.k_scale[layer], cache.v_scale[layer]), new]
-        if _decode_kernel_applies(q, blocks, rules, policy):
-            return _decode_kernel(q, positions, blocks, rules, **kw), cache.write(layer, k, v, start, rules)
+        cached = (cache.k[layer], cache.v[layer], jnp.where(overwritten, -1, k_pos),
+                  cache.k_scale[layer], cache.v_scale[layer])
+    if _attention_kernel_applies(q, k, v, cached, rules, policy):
+        out = _attention_kernel(q, k, v, positions, new_pos, cached, rules, **kw)
+        return out, cache.write(layer, k, v, start, rules)
+    new = (jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), new_pos, None, None)  # [B, K, T, H]
+    blocks = [cached, new] if cached[0].shape[2] else [new]
     out = attention(q, positions, blocks, policy, **kw)
     return out, cache.write(layer, k, v, start, rules)
 
 
-def _decode_kernel_applies(q: jax.Array, blocks: list, rules: Rules, policy: Policy) -> bool:
-    """podrun's decode-attention kernels take an unsplit cache: on CPU a few float32 queries per
-    row, on TPU (Pallas) one query per row in any precision."""
+def _attention_kernel_applies(q: jax.Array, k: jax.Array, v: jax.Array, cached: tuple,
+                              rules: Rules, policy: Policy) -> bool:
+    """podrun's attention kernels take an unsplit cache: on CPU float32 queries, a decode step's
+    few or a whole prompt's over no cache, over a float32 or int8 cache; on TPU (Pallas) one query
+    per row over the cache, in any precision."""
     if not policy.kernels or rules.shards("cache_seq") > 1:
         return False
+    kc, k_scale, S = cached[0], cached[3], cached[0].shape[2]
     if rules.platform == "cpu":
         from models.kernels import cpu
 
         if not cpu.available():
             return False
-        (kc, _, _, k_scale, _), (kn, vn, *_) = blocks
         cache_ok = kc.dtype == jnp.float32 or (kc.dtype == jnp.int8 and k_scale is not None)
-        return q.shape[1] <= 16 and cache_ok and all(a.dtype == jnp.float32 for a in (q, kn, vn))
-    return rules.platform == "tpu" and policy.pallas_attention and q.shape[1] == 1
+        return ((q.shape[1] <= 16 or S == 0) and cache_ok
+                and all(a.dtype == jnp.float32 for a in (q, k, v)))
+    return rules.platform == "tpu" and policy.pallas_attention and q.shape[1] == 1 and S > 0
 
 
-def _decode_kernel(q: jax.Array, q_pos: jax.Array, blocks: list, rules: Rules, *,
-                   window: int | None = None, sinks: jax.Array | None = None,
-                   scale: float | None = None) -> jax.Array:
-    """`attention` over [cache, new] blocks in models/kernels: on CPU through XLA's FFI (XLA:CPU
-    spends ~45 us on each of a decode step's small attention products, 60 of them per SmolLM2
-    step), on TPU in Pallas (the cache read once per kv head, flash-decoding style). On a sharded
-    mesh it runs per (batch, kv-head) shard."""
+def _attention_kernel(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
+                      new_pos: jax.Array, cached: tuple, rules: Rules, *,
+                      window: int | None = None, sinks: jax.Array | None = None,
+                      scale: float | None = None) -> jax.Array:
+    """`attention` over the cached block and the new keys in models/kernels: on CPU through XLA's
+    FFI (XLA:CPU spends ~45 us on each of a decode step's small attention products, 60 of them
+    per SmolLM2 step, and a prompt's attention went through transposes and masked [T, T] scores),
+    on TPU in Pallas (the cache read once per kv head, flash-decoding style). On a sharded mesh it
+    runs per (batch, kv-head) shard."""
     from models.kernels import cpu, tpu
 
-    (kc, vc, k_pos, k_scale, v_scale), (kn, vn, new_pos, _, _) = blocks
+    kc, vc, k_pos, k_scale, v_scale = cached
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     has_sinks = sinks is not None
     sinks = jnp.zeros(q.shape[2:3], jnp.float32) if sinks is None else sinks
-
-    kernel = cpu.decode_attention if rules.platform == "cpu" else tpu.decode_attention
+    b, kv = rules.spec("cache_batch", "cache_kv_heads", None, None, shape=kc.shape)[:2]
+    P = jax.sharding.PartitionSpec
+    heads, cache, rows = P(b, None, kv, None), P(b, kv, None, None), P(b, None)
+    if rules.platform == "cpu":  # the new keys [B, T, K, H] as they are
+        kernel, new = cpu.decode_attention, heads
+    else:  # [B, K, T, H]
+        kernel, new, k, v = tpu.decode_attention, cache, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
 
     scales = () if k_scale is None else (k_scale, v_scale)  # an int8 cache's, [B, K, S]
 
@@ -480,13 +494,10 @@ def _decode_kernel(q: jax.Array, q_pos: jax.Array, blocks: list, rules: Rules, *
         return kernel(q, kc, vc, k_pos, kn, vn, new_pos, q_pos, sinks if has_sinks else None,
                       window, scale, *scales)
 
-    args = (q, kc, vc, k_pos, kn, vn, new_pos, q_pos, sinks, *scales)
+    args = (q, kc, vc, k_pos, k, v, new_pos, q_pos, sinks, *scales)
     if rules.mesh.size == 1:
         return local(*args)
-    b, kv = rules.spec("cache_batch", "cache_kv_heads", None, None, shape=kc.shape)[:2]
-    P = jax.sharding.PartitionSpec
-    heads, cache, rows = P(b, None, kv, None), P(b, kv, None, None), P(b, None)
-    specs = (heads, cache, cache, rows, cache, cache, rows, rows, P(kv)) + (P(b, kv, None),) * len(scales)
+    specs = (heads, cache, cache, rows, new, new, rows, rows, P(kv)) + (P(b, kv, None),) * len(scales)
     return jax.shard_map(local, mesh=rules.mesh, out_specs=heads, check_vma=False,
                          in_specs=specs)(*args)
 

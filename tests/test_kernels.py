@@ -98,8 +98,35 @@ def test_decode_attention_matches_numpy(T, window, with_sinks, G, H):
     sinks = rng.standard_normal(N).astype(f32) if with_sinks else None
     scale = 0.3
     got = jax.jit(lambda *a: cpu.decode_attention(*a, window, scale))(
-        q, kc, vc, k_pos, kn, vn, new_pos, q_pos, sinks)
+        q, kc, vc, k_pos, as_projected(kn), as_projected(vn), new_pos, q_pos, sinks)
     want = np_attention(q, kc, vc, k_pos, kn, vn, new_pos, q_pos, sinks, window, scale)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+def as_projected(x):
+    """[B, K, T, H] (np_attention's layout) -> [B, T, K, H], as the CPU kernel takes new keys."""
+    return np.ascontiguousarray(x.transpose(0, 2, 1, 3))
+
+
+@pytest.mark.parametrize("B,K,G,H,T,window,with_sinks", [
+    (2, 2, 4, 64, 37, None, False), (2, 2, 4, 64, 130, 24, True), (1, 1, 3, 40, 20, None, True),
+    (1, 2, 7, 64, 100, 9, False)],
+    ids=["runs_of_16", "window_sinks", "one_kv_head-H40-team", "G7-window"])
+def test_prefill_attention_matches_numpy(B, K, G, H, T, window, with_sinks):
+    """A prompt over its own keys, no cache (S = 0): causal by position, left padding (-1)
+    attended by nothing, split into runs of up to 16 query positions per kv head."""
+    rng = np.random.default_rng(T + K)
+    N, f32 = K * G, np.float32
+    q = rng.standard_normal((B, T, N, H)).astype(f32)
+    k, v = (rng.standard_normal((B, K, T, H)).astype(f32) for _ in range(2))
+    pos = np.tile(np.arange(T, dtype=np.int32), (B, 1))
+    pos[-1, :5] = -1  # the last row left-padded by 5
+    pos[-1, 5:] = np.arange(T - 5)
+    none, no_pos = np.zeros((B, K, 0, H), f32), np.zeros((B, 0), np.int32)
+    sinks = rng.standard_normal(N).astype(f32) if with_sinks else None
+    got = jax.jit(lambda *a: cpu.decode_attention(*a, window, 0.2))(
+        q, none, none, no_pos, as_projected(k), as_projected(v), pos, np.maximum(pos, 0), sinks)
+    want = np_attention(q, none, none, no_pos, k, v, pos, np.maximum(pos, 0), sinks, window, 0.2)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
@@ -183,7 +210,8 @@ def test_decode_attention_over_an_int8_cache_matches_numpy(pallas):
     if pallas:
         got = tpu.decode_attention(*args, interpret=True)
     else:
-        got = jax.jit(lambda *a: cpu.decode_attention(*a[:9], 30, 0.125, *a[9:]))(*args[:9], ks, vs)
+        cpu_args = args[:4] + (as_projected(kn), as_projected(vn)) + args[6:9]
+        got = jax.jit(lambda *a: cpu.decode_attention(*a[:9], 30, 0.125, *a[9:]))(*cpu_args, ks, vs)
     want = np_attention(q, kq * ks[..., None], vq * vs[..., None], k_pos, kn, vn, q_pos, q_pos,
                         sinks, 30, 0.125)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)

@@ -2,7 +2,8 @@
 
     matmul_f32(x [M, K], w [K, N] (or [N, K], w_nk)) -> [M, N], float32, for a few rows of x
     matmul_nk_s8(x [M, K] f32, q [N, K] int8, scale [N] f32) -> [M, N] f32 = x . (q * scale)^T
-    decode_attention(q, cache k/v and positions, this step's k/v and positions) -> [B, T, N, H]
+    decode_attention(q, cache k/v and positions, this step's k/v and positions) -> [B, T, N, H],
+        for decode steps and for prefills (an empty cache)
 
 A batch-1 decode step is tens or hundreds of products one after another, a few microseconds
 apart. XLA:CPU's dot ran the small ones on one thread (as fast on one core as on two) and read the
@@ -155,9 +156,10 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, k_pos
                      k_scale: jax.Array | None = None, v_scale: jax.Array | None = None
                      ) -> jax.Array:
     """One softmax over the cache (k, v [B, K, S, H], k_pos [B, S]) and this step's keys (k_new,
-    v_new [B, K, T, H], new_pos [B, T]) for q [B, T, N, H] at q_pos [B, T]; float32, or an int8
-    cache with k_scale, v_scale [B, K, S]. Visibility and sinks as models.layers.attention; a
-    query that sees nothing gives zeros."""
+    v_new [B, T, K, H] as the projections give them, new_pos [B, T]) for q [B, T, N, H] at q_pos
+    [B, T]; float32, or an int8 cache with k_scale, v_scale [B, K, S]. Visibility and sinks as
+    models.layers.attention; a query that sees nothing gives zeros. A decode step has a few
+    queries per row; a prefill passes an empty cache (S = 0) and the whole prompt."""
     register()
     has_sinks = sinks is not None
     sinks = jnp.zeros(q.shape[2:3], jnp.float32) if sinks is None else sinks.astype(jnp.float32)

@@ -443,11 +443,13 @@ ffi::Error MatmulNKS8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 // --- decode attention -------------------------------------------------------------------------
 //
 // q [B, T, N, H] attends over two blocks of keys in one softmax: the cache k, v [B, K, S, H] with
-// its slots' positions k_pos [B, S] (-1 = empty), and this step's keys k_new, v_new [B, K, T, H] at
-// new_pos [B, T]. A key is visible when 0 <= k_pos <= q_pos and, with a window, q_pos - k_pos <
+// its slots' positions k_pos [B, S] (-1 = empty), and this step's keys k_new, v_new [B, T, K, H]
+// (as the projections give them: no transpose) at new_pos [B, T]. A key is visible when 0 <= k_pos <= q_pos and, with a window, q_pos - k_pos <
 // window. With sinks, each query head n adds one logit sinks[n] that takes probability mass and
 // contributes no value (GPT-OSS). Query heads n = k * G + g share kv head k (grouped-query).
-// One task per (b, k): it reads that head's keys and values once for all G * T queries.
+// One task per (b, k) and run of up to kQueries query positions: in decode it reads that head's
+// keys and values once for all G * T queries; a prefill (a prompt over its own keys, S = 0) splits
+// into runs so that both cores share even one row's one kv head.
 
 constexpr float kMasked = -1e30f;
 
@@ -499,12 +501,13 @@ inline void add_row(float w, const C* v, float* out, int64_t H) {
 }
 
 // One query over the cache's S slots (C = float, or int8 with per-slot scales ks, vs) and this
-// step's T keys (float). scores, w: room for S + T rounded up to kLanes.
+// step's T keys (float, nstride floats apart). scores, w: room for S + T rounded up to kLanes.
 template <typename C>
 void attend_one(const float* q, const C* kc, const C* vc, const float* ks, const float* vs,
-                const int32_t* kpos, const float* kn, const float* vn, const int32_t* npos,
-                int32_t qpos, int64_t S, int64_t T, int64_t H, int64_t window, float scale,
-                const float* sink, float* scores, float* w, float* out) {
+                const int32_t* kpos, const float* kn, const float* vn, int64_t nstride,
+                const int32_t* npos, int32_t qpos, int64_t S, int64_t T, int64_t H,
+                int64_t window, float scale, const float* sink, float* scores, float* w,
+                float* out) {
   auto visible = [&](int32_t p) {
     return p >= 0 && p <= qpos && (window <= 0 || int64_t(qpos) - p < window);
   };
@@ -515,7 +518,7 @@ void attend_one(const float* q, const C* kc, const C* vc, const float* ks, const
     m = std::max(m, scores[j]);
   }
   for (int64_t j = 0; j < T; ++j) {
-    scores[S + j] = visible(npos[j]) ? dot_row(q, kn + j * H, H) * scale : kMasked;
+    scores[S + j] = visible(npos[j]) ? dot_row(q, kn + j * nstride, H) * scale : kMasked;
     m = std::max(m, scores[S + j]);
   }
   for (int64_t h = 0; h < H; ++h) out[h] = 0.f;
@@ -528,7 +531,7 @@ void attend_one(const float* q, const C* kc, const C* vc, const float* ks, const
     if (scores[j] == kMasked) continue;
     total += w[j];
     if (j < S) add_row(w[j] * (vs ? vs[j] : 1.f), vc + j * H, out, H);
-    else add_row(w[j], vn + (j - S) * H, out, H);
+    else add_row(w[j], vn + (j - S) * nstride, out, H);
   }
   float inv = 1.f / total;
   for (int64_t h = 0; h < H; ++h) out[h] *= inv;
@@ -661,7 +664,9 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, const 
   if (qd.size() != 4 || cd.size() != 4)
     return ffi::Error::InvalidArgument("podrun_decode_attention: q and the cache must be 4-d");
   int64_t B = qd[0], T = qd[1], N = qd[2], H = qd[3], K = cd[1], S = cd[2];
-  if (cd[0] != B || cd[3] != H || N % K || kn.dimensions()[2] != T || sinks.dimensions()[0] != N)
+  auto nd = kn.dimensions();
+  if (cd[0] != B || cd[3] != H || N % K || nd.size() != 4 || nd[0] != B || nd[1] != T ||
+      nd[2] != K || nd[3] != H || sinks.dimensions()[0] != N)
     return ffi::Error::InvalidArgument("podrun_decode_attention: inconsistent shapes");
   int64_t G = N / K;
   const float *qp = q.typed_data(), *knp = kn.typed_data(), *vnp = vn.typed_data();
@@ -676,27 +681,30 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, const 
                                        attend_heads<C, 3>, attend_heads<C, 4>, attend_heads<C, 5>,
                                        attend_heads<C, 6>, attend_heads<C, 7>, attend_heads<C, 8>};
   Heads grouped = H % kLanes == 0 && H / kLanes <= 8 ? kGrouped[H / kLanes] : nullptr;
+  constexpr int64_t kQueries = 16;
+  int64_t runs = (T + kQueries - 1) / kQueries, per = T <= kQueries ? T : kQueries;
   auto heads = [=](int64_t begin, int64_t end) {
     int64_t ld = (S + T + kLanes - 1) / kLanes * kLanes;
     std::vector<float> scores(grouped ? 8 * ld : ld), w(ld);
     std::vector<int32_t> cidx(S), nidx(T);
-    for (int64_t bk = begin; bk < end; ++bk) {
+    for (int64_t task = begin; task < end; ++task) {
+      int64_t bk = task / runs, t0 = task % runs * per, t1 = std::min(T, t0 + per);
       int64_t b = bk / K, k = bk % K;
       const C* kcb = kcp + (b * K + k) * S * H;
       const C* vcb = vcp + (b * K + k) * S * H;
       const float* ksb = ksp ? ksp + (b * K + k) * S : nullptr;
       const float* vsb = vsp ? vsp + (b * K + k) * S : nullptr;
-      const float* knb = knp + (b * K + k) * T * H;
-      const float* vnb = vnp + (b * K + k) * T * H;
-      for (int64_t t = 0; t < T; ++t) {
+      const float* knb = knp + (b * T * K + k) * H;  // key j at knb + j * K * H
+      const float* vnb = vnp + (b * T * K + k) * H;
+      for (int64_t t = t0; t < t1; ++t) {
         const float* qt = qp + ((b * T + t) * N + k * G) * H;
         float* ot = op + ((b * T + t) * N + k * G) * H;
         const float* sinks = has_sinks ? sp + k * G : nullptr;
         int32_t qpos = qpp[b * T + t];
         if (!grouped) {
           for (int64_t g = 0; g < G; ++g)
-            attend_one<C>(qt + g * H, kcb, vcb, ksb, vsb, kpp + b * S, knb, vnb, npp + b * T,
-                          qpos, S, T, H, window, scale, sinks ? sinks + g : nullptr,
+            attend_one<C>(qt + g * H, kcb, vcb, ksb, vsb, kpp + b * S, knb, vnb, K * H,
+                          npp + b * T, qpos, S, T, H, window, scale, sinks ? sinks + g : nullptr,
                           scores.data(), w.data(), ot + g * H);
           continue;
         }
@@ -705,23 +713,26 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, const 
         };
         int64_t nc = 0, nn = 0;
         for (int64_t j = 0; j < S; ++j) if (visible(kpp[b * S + j])) cidx[nc++] = int32_t(j);
-        for (int64_t j = 0; j < T; ++j) if (visible(npp[b * T + j])) nidx[nn++] = int32_t(j);
+        for (int64_t j = 0; j < T; ++j)  // rows of knb in units of H: key j is row j * K
+          if (visible(npp[b * T + j])) nidx[nn++] = int32_t(j * K);
         grouped(G, qt, kcb, vcb, ksb, vsb, cidx.data(), nc, knb, vnb, nidx.data(), nn, scale,
                 sinks, scores.data(), ld, ot);
       }
     }
   };
-  // A few (row, kv head) tasks (batch 1) go to the team, which the products keep awake: peer
-  // model, batch 1, decode step 3.02-3.70 -> 2.55-3.45 ms (three alternating runs each); XLA's
-  // pool took longer to wake than the work was worth, so they had run on this thread alone.
-  if (B * K < 4) {
+  // A few (row, kv head) tasks of a decode step (batch 1) go to the team, which the products keep
+  // awake: peer model, batch 1, decode step 3.02-3.70 -> 2.55-3.45 ms (three alternating runs
+  // each); XLA's pool took longer to wake than the work was worth, so they had run on this thread
+  // alone. A prefill's runs go to XLA's pool, taken one at a time (later runs see more keys).
+  int64_t tasks = B * K * runs;
+  if (tasks < 4) {
     auto body = [&](int t, int n) {
-      auto [begin, end] = part(B * K, 1, t, n);
+      auto [begin, end] = part(tasks, 1, t, n);
       if (end > begin) heads(begin, end);
     };
     Team::get().run(body);
   } else {
-    parallel_for(pool, B * K, 1, heads);
+    parallel_for(pool, tasks, 1, heads);
   }
   return ffi::Error::Success();
 }
