@@ -444,9 +444,9 @@ ffi::Error MatmulNKS8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 //
 // q [B, T, N, H] attends over two blocks of keys in one softmax: the cache k, v [B, K, S, H] with
 // its slots' positions k_pos [B, S] (-1 = empty), and this step's keys k_new, v_new [B, T, K, H]
-// (as the projections give them: no transpose) at new_pos [B, T]. A key is visible when 0 <= k_pos <= q_pos and, with a window, q_pos - k_pos <
-// window. With sinks, each query head n adds one logit sinks[n] that takes probability mass and
-// contributes no value (GPT-OSS). Query heads n = k * G + g share kv head k (grouped-query).
+// (as the projections give them: no transpose) at new_pos [B, T]. A key is visible when
+// 0 <= k_pos <= q_pos and, with a window, q_pos - k_pos < window. With sinks, each query head n
+// adds one logit sinks[n] that takes probability mass and contributes no value (GPT-OSS). Query heads n = k * G + g share kv head k (grouped-query).
 // One task per (b, k) and run of up to kQueries query positions: in decode it reads that head's
 // keys and values once for all G * T queries; a prefill (a prompt over its own keys, S = 0) splits
 // into runs so that both cores share even one row's one kv head.
