@@ -56,6 +56,7 @@ inline void store(float* p, vf v) { _mm512_storeu_ps(p, v); }
 inline vf splat(float s) { return _mm512_set1_ps(s); }
 inline vf zero() { return _mm512_setzero_ps(); }
 inline vf fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
 inline float hsum(vf v) { return _mm512_reduce_add_ps(v); }
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int kLanes = 8, kVecRegs = 16;
@@ -69,6 +70,7 @@ inline void store(float* p, vf v) { _mm256_storeu_ps(p, v); }
 inline vf splat(float s) { return _mm256_set1_ps(s); }
 inline vf zero() { return _mm256_setzero_ps(); }
 inline vf fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
 inline float hsum(vf v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -88,6 +90,7 @@ inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 inline vf splat(float s) { return vf{} + s; }
 inline vf zero() { return vf{}; }
 inline vf fma(vf a, vf b, vf c) { return a * b + c; }
+inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 inline float hsum(vf v) {
   float s = 0.f;
   for (int i = 0; i < kLanes; ++i) s += v[i];
@@ -446,10 +449,12 @@ ffi::Error MatmulNKS8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 // its slots' positions k_pos [B, S] (-1 = empty), and this step's keys k_new, v_new [B, T, K, H]
 // (as the projections give them: no transpose) at new_pos [B, T]. A key is visible when
 // 0 <= k_pos <= q_pos and, with a window, q_pos - k_pos < window. With sinks, each query head n
-// adds one logit sinks[n] that takes probability mass and contributes no value (GPT-OSS). Query heads n = k * G + g share kv head k (grouped-query).
+// adds one logit sinks[n] that takes probability mass and contributes no value (GPT-OSS). Query
+// heads n = k * G + g share kv head k (grouped-query).
 // One task per (b, k) and run of up to kQueries query positions: in decode it reads that head's
 // keys and values once for all G * T queries; a prefill (a prompt over its own keys, S = 0) splits
-// into runs so that both cores share even one row's one kv head.
+// into runs so that both cores share even one row's one kv head, each run's queries together
+// (prefill_run, below).
 
 constexpr float kMasked = -1e30f;
 
@@ -652,6 +657,136 @@ void attend_heads(int64_t G, const float* q, const C* kc, const C* vc, const flo
   }
 }
 
+// --- a prompt over its own keys (prefill: no cache) -------------------------------------------
+//
+// The queries of one run (up to kQueries positions x G heads of kv head k) against the keys they
+// can see, as small matrix products rather than one query at a time: the keys transposed into
+// kt [H, n] so that scores for 4 queries x 3 vectors of keys accumulate in 12 registers with no
+// horizontal sums, then the values weighted for 4 queries x 2 vectors of head_dim at a time.
+// Rows of the run's range that a query cannot see (causal, window, padding) are masked after.
+// Peer model, a 2048-token prompt at batch 1 (two alternated runs each): 1.59 / 1.33 s against
+// 1.77 / 1.90 s through the grouped one-query-at-a-time path below, and 4.0 s in XLA's attention.
+
+template <int QB>
+void run_scores(const float* const* q, const float* kt, int64_t ld, int64_t n, int64_t H,
+                float scale, float* s) {
+  constexpr int RB = 3;  // vectors of keys
+  for (int64_t r = 0; r < n; r += RB * kLanes) {
+    vf acc[QB][RB];
+    for (auto& a : acc) for (auto& v : a) v = zero();
+    for (int64_t h = 0; h < H; ++h) {
+      vf kv[RB];
+      for (int j = 0; j < RB; ++j) kv[j] = load(kt + h * ld + r + j * kLanes);
+      for (int i = 0; i < QB; ++i) {
+        vf qv = splat(q[i][h]);
+        for (int j = 0; j < RB; ++j) acc[i][j] = fma(qv, kv[j], acc[i][j]);
+      }
+    }
+    vf sc = splat(scale);
+    for (int i = 0; i < QB; ++i)
+      for (int j = 0; j < RB; ++j) store(s + i * ld + r + j * kLanes, fma(acc[i][j], sc, zero()));
+  }
+}
+
+template <int QB>
+void run_values(const float* p, int64_t ld, const float* v, int64_t stride, int64_t n, int64_t H,
+                float* const* out) {
+  int64_t h = 0;
+  auto chunk = [&](auto hb) {
+    constexpr int HB = decltype(hb)::value;
+    vf acc[QB][HB];
+    for (auto& a : acc) for (auto& x : a) x = zero();
+    for (int64_t r = 0; r < n; ++r) {
+      vf vv[HB];
+      for (int j = 0; j < HB; ++j) vv[j] = load(v + r * stride + h + j * kLanes);
+      for (int i = 0; i < QB; ++i) {
+        vf w = splat(p[i * ld + r]);
+        for (int j = 0; j < HB; ++j) acc[i][j] = fma(w, vv[j], acc[i][j]);
+      }
+    }
+    for (int i = 0; i < QB; ++i)
+      for (int j = 0; j < HB; ++j) store(out[i] + h + j * kLanes, acc[i][j]);
+    h += HB * kLanes;
+  };
+  while (h + 2 * kLanes <= H) chunk(std::integral_constant<int, 2>{});
+  if (h < H) chunk(std::integral_constant<int, 1>{});
+}
+
+// s[j] = fill where key j (at position pos[j]) is hidden from a query at `at`.
+inline void mask(float* s, const int32_t* pos, int64_t n, int32_t at, int32_t window, float fill) {
+  for (int64_t j = 0; j < n; ++j) {
+    int32_t p = pos[j];
+    bool seen = (p >= 0) & (p <= at) & (at - p < window);
+    s[j] = seen ? s[j] : fill;
+  }
+}
+
+// Queries (Q of them: q[i], at positions qpos[i], sink[i] or none, writing out[i]) over the new
+// keys k, v (row j at j * stride, position npos[j], T rows); kt, s: scratch the caller keeps.
+void prefill_run(int64_t Q, const float* const* q, const int32_t* qpos, const float* const* sink,
+                 float* const* out, const float* k, const float* v, int64_t stride,
+                 const int32_t* npos, int64_t T, int64_t H, int64_t window, float scale,
+                 std::vector<float>& kt, std::vector<float>& s) {
+  int32_t win = window > 0 ? int32_t(std::min<int64_t>(window, INT32_MAX)) : INT32_MAX;
+  int32_t first = *std::min_element(qpos, qpos + Q), last = *std::max_element(qpos, qpos + Q);
+  int64_t lo = T, hi = 0;  // rows from the first to the last any query may see (mask() is exact)
+  for (int64_t j = 0; j < T; ++j)
+    if (npos[j] >= 0 && npos[j] <= last && first - npos[j] < win) lo = std::min(lo, j), hi = j + 1;
+  int64_t n = hi > lo ? hi - lo : 0;
+  int64_t ld = std::max<int64_t>((n + 3 * kLanes - 1) / (3 * kLanes) * (3 * kLanes), 3 * kLanes);
+  kt.assign(H * ld, 0.f);
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t h = 0; h < H; ++h) kt[h * ld + j] = k[(lo + j) * stride + h];
+  s.resize(4 * ld);
+  for (int64_t i0 = 0; i0 < Q; i0 += 4) {
+    int64_t qb = std::min<int64_t>(4, Q - i0);
+    switch (qb) {
+      case 4: run_scores<4>(q + i0, kt.data(), ld, n, H, scale, s.data()); break;
+      case 3: run_scores<3>(q + i0, kt.data(), ld, n, H, scale, s.data()); break;
+      case 2: run_scores<2>(q + i0, kt.data(), ld, n, H, scale, s.data()); break;
+      default: run_scores<1>(q + i0, kt.data(), ld, n, H, scale, s.data());
+    }
+    float total[4];
+    for (int64_t i = 0; i < qb; ++i) {  // each query's softmax over what it sees, and its sink
+      float* si = s.data() + i * ld;
+      int32_t at = qpos[i0 + i];
+      const float* sk = sink[i0 + i];
+      mask(si, npos + lo, n, at, win, kMasked);  // branch-free loops, vectorised by the compiler
+      for (int64_t j = n; j < ld; ++j) si[j] = kMasked;
+      vf mv = splat(sk ? *sk : kMasked);
+      for (int64_t j = 0; j < ld; j += kLanes) mv = vmax(mv, load(si + j));
+      float lanes[kLanes];
+      store(lanes, mv);
+      float m = *std::max_element(lanes, lanes + kLanes);
+      if (m == kMasked) m = 0.f;  // nothing visible, no sink: a padding query, output zero
+      vf mneg = splat(-m), floor = splat(-100.f), one = splat(1.f);
+      for (int64_t j = 0; j < ld; j += kLanes) {
+        store(si + j, vmax(fma(load(si + j), one, mneg), floor));
+        exp_lanes(si + j);
+      }
+      mask(si, npos + lo, n, at, win, 0.f);  // exactly no weight on what it does not see
+      vf tv = zero();
+      int64_t whole = n / kLanes * kLanes;
+      for (int64_t j = 0; j < whole; j += kLanes) tv = fma(load(si + j), one, tv);
+      float t = hsum(tv) + (sk ? std::exp(*sk - m) : 0.f);
+      for (int64_t j = whole; j < n; ++j) t += si[j];
+      total[i] = t;
+    }
+    const float* vlo = v + lo * stride;
+    switch (qb) {
+      case 4: run_values<4>(s.data(), ld, vlo, stride, n, H, out + i0); break;
+      case 3: run_values<3>(s.data(), ld, vlo, stride, n, H, out + i0); break;
+      case 2: run_values<2>(s.data(), ld, vlo, stride, n, H, out + i0); break;
+      default: run_values<1>(s.data(), ld, vlo, stride, n, H, out + i0);
+    }
+    for (int64_t i = 0; i < qb; ++i) {
+      vf inv = splat(total[i] > 0.f ? 1.f / total[i] : 0.f);
+      float* o = out[i0 + i];
+      for (int64_t h = 0; h < H; h += kLanes) store(o + h, fma(load(o + h), inv, zero()));
+    }
+  }
+}
+
 template <typename C>
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, const C* kcp,
                            const C* vcp, const float* ksp, const float* vsp,
@@ -687,6 +822,10 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, const 
     int64_t ld = (S + T + kLanes - 1) / kLanes * kLanes;
     std::vector<float> scores(grouped ? 8 * ld : ld), w(ld);
     std::vector<int32_t> cidx(S), nidx(T);
+    std::vector<const float*> qs, sks;  // a prompt's run: its queries, sinks, outputs, positions
+    std::vector<float*> outs;
+    std::vector<int32_t> qps;
+    std::vector<float> kt, ps;  // its keys transposed, its scores
     for (int64_t task = begin; task < end; ++task) {
       int64_t bk = task / runs, t0 = task % runs * per, t1 = std::min(T, t0 + per);
       int64_t b = bk / K, k = bk % K;
@@ -696,6 +835,19 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, const 
       const float* vsb = vsp ? vsp + (b * K + k) * S : nullptr;
       const float* knb = knp + (b * T * K + k) * H;  // key j at knb + j * K * H
       const float* vnb = vnp + (b * T * K + k) * H;
+      if (S == 0 && H % kLanes == 0) {  // a prompt: the run's queries as small products
+        int64_t Q = (t1 - t0) * G;
+        qs.resize(Q), outs.resize(Q), sks.resize(Q), qps.resize(Q);
+        for (int64_t t = t0; t < t1; ++t)
+          for (int64_t g = 0; g < G; ++g) {
+            int64_t i = (t - t0) * G + g, at = ((b * T + t) * N + k * G + g) * H;
+            qs[i] = qp + at, outs[i] = op + at, qps[i] = qpp[b * T + t];
+            sks[i] = has_sinks ? sp + k * G + g : nullptr;
+          }
+        prefill_run(Q, qs.data(), qps.data(), sks.data(), outs.data(), knb, vnb, K * H,
+                    npp + b * T, T, H, window, scale, kt, ps);
+        continue;
+      }
       for (int64_t t = t0; t < t1; ++t) {
         const float* qt = qp + ((b * T + t) * N + k * G) * H;
         float* ot = op + ((b * T + t) * N + k * G) * H;
