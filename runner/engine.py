@@ -41,7 +41,8 @@ class Request:
 class Completion:
     token_ids: list[int]
     finish_reason: str  # stop | length
-    ttft_s: float = 0.0
+    ttft_s: float = 0.0  # from the call to the first tokens on the host
+    decode_s: float = 0.0  # from then to the last tokens on the host (the same for every row)
 
 
 def buckets(max_prompt_len: int, smallest: int = 16) -> tuple[int, ...]:
@@ -348,7 +349,9 @@ class Engine:
                 if ended_on_host:
                     state = (*state[:2], put(done), state[3])
                 running = call(state)
+        decode = time.perf_counter() - t0 - ttft
         return [
-            Completion(o, "stop" if o[-1] in stop_ids or b in stopped_on_host else "length", ttft)
+            Completion(o, "stop" if o[-1] in stop_ids or b in stopped_on_host else "length", ttft,
+                       decode)
             for b, o in enumerate(out)
         ]

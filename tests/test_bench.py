@@ -98,6 +98,8 @@ def test_bench_writes_a_record_per_batch_and_prompt_len_and_decodes_every_token(
         assert r["mbu"] == pytest.approx(want_bytes / r["decode_step_s"] / (r["bandwidth_gbps"] * 1e9))
         assert r["mfu"] == pytest.approx(want_flops / r["decode_step_s"] / (r["peak_gflops"] * 1e9))
         assert r["decode_tokens_per_s"] == pytest.approx(r["batch_size"] * (NEW - 1) / r["decode_s"])
+        # one rep: the engine's clocks (first tokens, then the rest) lie inside the run's wall time
+        assert 0 < r["ttft_s"] and 0 < r["decode_s"] and r["ttft_s"] + r["decode_s"] <= r["total_s"]
     table = p.stdout.splitlines()
     assert len([line for line in table if line.split()[:1] in (["1"], ["3"])]) == len(records)
 
