@@ -103,6 +103,29 @@ def test_decode_attention_matches_numpy(T, window, with_sinks, G, H):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("G,H,T,window", [(4, 64, 1, None), (8, 64, 2, 50), (3, 128, 1, None),
+                                           (5, 32, 3, 70)])
+def test_decode_attention_over_a_long_cache_matches_numpy(G, H, T, window):
+    """A long cache (up to 140 visible slots, one overwritten), several query heads per kv head,
+    one to three query positions."""
+    rng = np.random.default_rng(G * H + T)
+    B, K, S, f32 = 2, 2, 150, np.float32
+    N = K * G
+    q = rng.standard_normal((B, T, N, H)).astype(f32)
+    kc, vc = (rng.standard_normal((B, K, S, H)).astype(f32) for _ in range(2))
+    kn, vn = (rng.standard_normal((B, K, T, H)).astype(f32) for _ in range(2))
+    k_pos = np.full((B, S), -1, np.int32)
+    k_pos[0, :140] = np.arange(140)
+    k_pos[1, 20:120] = np.arange(100)
+    k_pos[1, 60] = -1  # an overwritten slot among them
+    q_pos = np.array([[140 + t for t in range(T)], [100 + t for t in range(T)]], np.int32)
+    sinks = rng.standard_normal(N).astype(f32)
+    got = jax.jit(lambda *a: cpu.decode_attention(*a, window, 0.125))(
+        q, kc, vc, k_pos, as_projected(kn), as_projected(vn), q_pos, q_pos, sinks)
+    want = np_attention(q, kc, vc, k_pos, kn, vn, q_pos, q_pos, sinks, window, 0.125)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
 def as_projected(x):
     """[B, K, T, H] (np_attention's layout) -> [B, T, K, H], as the CPU kernel takes new keys."""
     return np.ascontiguousarray(x.transpose(0, 2, 1, 3))
@@ -324,6 +347,7 @@ def test_every_vector_path_matches_numpy(path, tmp_path):
          "tests/test_kernels.py::test_decode_attention_matches_numpy",
          "tests/test_kernels.py::test_decode_attention_over_an_int8_cache_matches_numpy[cpu]",
          "tests/test_kernels.py::test_prefill_attention_matches_numpy",
+         "tests/test_kernels.py::test_decode_attention_over_a_long_cache_matches_numpy",
          "tests/test_quant.py::test_int8_kernel_matches_numpy"],
         check=False, cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert tests.returncode == 0, tests.stdout[-3000:]
