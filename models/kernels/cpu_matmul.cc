@@ -734,9 +734,11 @@ void prefill_run(int64_t Q, const float* const* q, const int32_t* qpos, const fl
     if (npos[j] >= 0 && npos[j] <= last && first - npos[j] < win) lo = std::min(lo, j), hi = j + 1;
   int64_t n = hi > lo ? hi - lo : 0;
   int64_t ld = std::max<int64_t>((n + 3 * kLanes - 1) / (3 * kLanes) * (3 * kLanes), 3 * kLanes);
-  kt.assign(H * ld, 0.f);
+  kt.resize(H * ld);
   for (int64_t j = 0; j < n; ++j)
     for (int64_t h = 0; h < H; ++h) kt[h * ld + j] = k[(lo + j) * stride + h];
+  for (int64_t h = 0; h < H; ++h)  // the padding columns
+    std::fill(kt.begin() + h * ld + n, kt.begin() + (h + 1) * ld, 0.f);
   s.resize(4 * ld);
   for (int64_t i0 = 0; i0 < Q; i0 += 4) {
     int64_t qb = std::min<int64_t>(4, Q - i0);
@@ -818,10 +820,11 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, const 
   Heads grouped = H % kLanes == 0 && H / kLanes <= 8 ? kGrouped[H / kLanes] : nullptr;
   constexpr int64_t kQueries = 16;
   int64_t runs = (T + kQueries - 1) / kQueries, per = T <= kQueries ? T : kQueries;
+  bool prompt = S == 0 && H % kLanes == 0;  // every task a prompt's run (prefill_run)
   auto heads = [=](int64_t begin, int64_t end) {
-    int64_t ld = (S + T + kLanes - 1) / kLanes * kLanes;
+    int64_t ld = prompt ? 0 : (S + T + kLanes - 1) / kLanes * kLanes;  // the per-query scratch
     std::vector<float> scores(grouped ? 8 * ld : ld), w(ld);
-    std::vector<int32_t> cidx(S), nidx(T);
+    std::vector<int32_t> cidx(S), nidx(prompt ? 0 : T);
     std::vector<const float*> qs, sks;  // a prompt's run: its queries, sinks, outputs, positions
     std::vector<float*> outs;
     std::vector<int32_t> qps;
@@ -835,7 +838,7 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, const 
       const float* vsb = vsp ? vsp + (b * K + k) * S : nullptr;
       const float* knb = knp + (b * T * K + k) * H;  // key j at knb + j * K * H
       const float* vnb = vnp + (b * T * K + k) * H;
-      if (S == 0 && H % kLanes == 0) {  // a prompt: the run's queries as small products
+      if (prompt) {  // the run's queries as small products
         int64_t Q = (t1 - t0) * G;
         qs.resize(Q), outs.resize(Q), sks.resize(Q), qps.resize(Q);
         for (int64_t t = t0; t < t1; ++t)
