@@ -49,11 +49,13 @@ def run_main(root, input_path, output, *overrides, check=True):
                   f"--config.compilation_cache.dir={root / 'xla'}", *overrides, check=check)
 
 
-# One device; a sharded mesh with scan over layers and fused projections; and (slow: the same paths
-# as test_engine and test_models check in-process) data x model alone.
-@pytest.mark.parametrize("mesh", [(), ("--config.mesh.data=2", "--config.mesh.expert=2", "--config.mesh.model=2",
-                                       "--config.precision.scan_layers=true",
-                                       "--config.precision.fuse_projections=true"),
+# A sharded mesh with scan over layers and fused projections; and (slow: the same paths as
+# test_engine and test_models check in-process, and the other tests here run one device through
+# runner.main) one device, and data x model alone.
+@pytest.mark.parametrize("mesh", [pytest.param((), marks=pytest.mark.slow),
+                                  ("--config.mesh.data=2", "--config.mesh.expert=2", "--config.mesh.model=2",
+                                   "--config.precision.scan_layers=true",
+                                   "--config.precision.fuse_projections=true"),
                                   pytest.param(("--config.mesh.data=2", "--config.mesh.model=4"),
                                                marks=pytest.mark.slow)])
 def test_greedy_generation_matches_transformers(model_dir, mesh, tmp_path):

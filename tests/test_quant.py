@@ -181,10 +181,15 @@ def test_perplexity_nll_matches_transformers():
     assert want["int8"] != want["none"]
 
 
-@pytest.mark.parametrize("kernels", [True, False], ids=["kernel", "xla"])
-@pytest.mark.parametrize("kind,mesh,scan", [("llama", "data2_model4", False),
-                                            ("gptoss", "expert2_model2_data2", False),
-                                            ("gptoss", "expert2_model2_data2", True)])
+# GPT-OSS through the kernel with its layers scanned and through XLA unscanned; the other two
+# pairings under -m slow.
+@pytest.mark.parametrize("kind,mesh,scan,kernels", [
+    ("llama", "data2_model4", False, True), ("llama", "data2_model4", False, False),
+    ("gptoss", "expert2_model2_data2", True, True), ("gptoss", "expert2_model2_data2", False, False),
+    pytest.param("gptoss", "expert2_model2_data2", False, True, marks=pytest.mark.slow),
+    pytest.param("gptoss", "expert2_model2_data2", True, False, marks=pytest.mark.slow)],
+    ids=["llama-kernel", "llama-xla", "gptoss-scanned-kernel", "gptoss-xla", "gptoss-kernel",
+         "gptoss-scanned-xla"])
 def test_int8_kv_cache_decodes_close_to_transformers(kind, mesh, scan, kernels):
     """An int8 cache (one scale per slot and head) through prefill and 12 decode steps, the
     GPT-OSS ring wrapping: every step's logits stay within 10% of their spread of transformers'
