@@ -579,19 +579,22 @@ void group_scores(const float* q, const C* rows, const float* row_scale, const i
   }
 }
 
-template <typename C, int HV, int NG>
+// Columns [h0, h0 + HB) vectors of the weighted sum of value rows into acc (HB = HV: all of them,
+// each row asked for kAhead rows ahead).
+template <typename C, int HV, int NG, int HB>
 void group_values(const float* w, int64_t ld, const C* rows, const float* row_scale,
-                  const int32_t* idx, int64_t n, vf (&acc)[NG][HV]) {
+                  const int32_t* idx, int64_t n, int h0, vf (&acc)[NG][HB]) {
   constexpr int64_t H = HV * kLanes;
   for (int64_t i = 0; i < n; ++i) {
-    const C* r = rows + idx[i] * H;
-    if (i + kAhead < n) prefetch_row(rows + idx[i + kAhead] * H, H);
-    vf vv[HV];
-    for (int h = 0; h < HV; ++h) vv[h] = load_as_float(r + h * kLanes);
+    const C* r = rows + idx[i] * H + h0 * kLanes;
+    if constexpr (HB == HV)
+      if (i + kAhead < n) prefetch_row(rows + idx[i + kAhead] * H, H);
+    vf vv[HB];
+    for (int h = 0; h < HB; ++h) vv[h] = load_as_float(r + h * kLanes);
     float sc = row_scale ? row_scale[idx[i]] : 1.f;
     for (int g = 0; g < NG; ++g) {
       vf wv = splat(w[g * ld + i] * sc);
-      for (int h = 0; h < HV; ++h) acc[g][h] = fma(wv, vv[h], acc[g][h]);
+      for (int h = 0; h < HB; ++h) acc[g][h] = fma(wv, vv[h], acc[g][h]);
     }
   }
 }
@@ -613,27 +616,6 @@ void softmax_rows(float* s, int64_t ld, int64_t n, const float* sinks, float (&i
     for (int64_t i = 0; i < n; ++i) t += sg[i];
     inv[g] = t > 0.f ? 1.f / t : 0.f;
   }
-}
-
-// NG query heads (q, out: [NG, H]) over the visible cache rows (cidx, nc of them) and new rows
-// (nidx, nn). s: room for NG rows of ld >= nc + nn rounded up to kLanes.
-template <typename C, int HV, int NG>
-void attend_group(const float* q, const C* kc, const C* vc, const float* ks, const float* vs,
-                  const int32_t* cidx, int64_t nc, const float* kn, const float* vn,
-                  const int32_t* nidx, int64_t nn, float scale, const float* sinks, float* s,
-                  int64_t ld, float* out) {
-  constexpr int64_t H = HV * kLanes;
-  int64_t n = nc + nn;
-  group_scores<C, HV, NG>(q, kc, ks, cidx, nc, scale, s, ld, vc);  // and asks for the values
-  group_scores<float, HV, NG>(q, kn, nullptr, nidx, nn, scale, s + nc, ld);
-  float inv[NG];
-  softmax_rows<NG>(s, ld, n, sinks, inv);
-  vf acc[NG][HV];
-  for (auto& a : acc) for (auto& v : a) v = zero();
-  group_values<C, HV, NG>(s, ld, vc, vs, cidx, nc, acc);
-  group_values<float, HV, NG>(s + nc, ld, vn, nullptr, nidx, nn, acc);
-  for (int g = 0; g < NG; ++g)
-    for (int h = 0; h < HV; ++h) store(out + g * H + h * kLanes, fma(acc[g][h], splat(inv[g]), zero()));
 }
 
 // Wide heads (head_dim of HV vectors, HV too large for several queries' sums in registers: 64
@@ -670,40 +652,32 @@ void wide_scores(const float* q, const C* rows, const float* row_scale, const in
   }
 }
 
-template <typename C, int HV, int NG, int HB>
-void wide_values(const float* w, int64_t ld, const C* rows, const float* row_scale,
-                 const int32_t* idx, int64_t n, int h0, vf (&acc)[NG][HB]) {
+// NG query heads (q, out: [NG, H]) over the visible cache rows (cidx, nc of them) and new rows
+// (nidx, nn). s: room for NG rows of ld >= nc + nn rounded up to kLanes. Wide: wide_scores, and the
+// values in column blocks of HB vectors (NG x HB sums within half the registers, HB dividing HV);
+// else the queries and all of head_dim's sums in registers.
+template <typename C, int HV, int NG, bool Wide>
+void attend_group(const float* q, const C* kc, const C* vc, const float* ks, const float* vs,
+                  const int32_t* cidx, int64_t nc, const float* kn, const float* vn,
+                  const int32_t* nidx, int64_t nn, float scale, const float* sinks, float* s,
+                  int64_t ld, float* out) {
   constexpr int64_t H = HV * kLanes;
-  for (int64_t i = 0; i < n; ++i) {
-    const C* r = rows + idx[i] * H + h0 * kLanes;
-    vf vv[HB];
-    for (int h = 0; h < HB; ++h) vv[h] = load_as_float(r + h * kLanes);
-    float sc = row_scale ? row_scale[idx[i]] : 1.f;
-    for (int g = 0; g < NG; ++g) {
-      vf wv = splat(w[g * ld + i] * sc);
-      for (int h = 0; h < HB; ++h) acc[g][h] = fma(wv, vv[h], acc[g][h]);
-    }
-  }
-}
-
-template <typename C, int HV, int NG>
-void wide_group(const float* q, const C* kc, const C* vc, const float* ks, const float* vs,
-                const int32_t* cidx, int64_t nc, const float* kn, const float* vn,
-                const int32_t* nidx, int64_t nn, float scale, const float* sinks, float* s,
-                int64_t ld, float* out) {
-  constexpr int64_t H = HV * kLanes;
-  // NG x HB sums within half the registers, HB dividing HV
   constexpr int fit = std::max(1, kVecRegs / 2 / NG);
-  constexpr int HB = fit >= 4 && HV % 4 == 0 ? 4 : fit >= 2 && HV % 2 == 0 ? 2 : 1;
-  wide_scores<C, HV, NG>(q, kc, ks, cidx, nc, scale, s, ld, vc);  // and asks for the values
-  wide_scores<float, HV, NG>(q, kn, nullptr, nidx, nn, scale, s + nc, ld);
+  constexpr int HB = !Wide ? HV : fit >= 4 && HV % 4 == 0 ? 4 : fit >= 2 && HV % 2 == 0 ? 2 : 1;
+  if constexpr (Wide) {
+    wide_scores<C, HV, NG>(q, kc, ks, cidx, nc, scale, s, ld, vc);  // and asks for the values
+    wide_scores<float, HV, NG>(q, kn, nullptr, nidx, nn, scale, s + nc, ld);
+  } else {
+    group_scores<C, HV, NG>(q, kc, ks, cidx, nc, scale, s, ld, vc);  // and asks for the values
+    group_scores<float, HV, NG>(q, kn, nullptr, nidx, nn, scale, s + nc, ld);
+  }
   float inv[NG];
   softmax_rows<NG>(s, ld, nc + nn, sinks, inv);
   for (int h0 = 0; h0 < HV; h0 += HB) {
     vf acc[NG][HB];
     for (auto& a : acc) for (auto& v : a) v = zero();
-    wide_values<C, HV, NG, HB>(s, ld, vc, vs, cidx, nc, h0, acc);
-    wide_values<float, HV, NG, HB>(s + nc, ld, vn, nullptr, nidx, nn, h0, acc);
+    group_values<C, HV, NG, HB>(s, ld, vc, vs, cidx, nc, h0, acc);
+    group_values<float, HV, NG, HB>(s + nc, ld, vn, nullptr, nidx, nn, h0, acc);
     for (int g = 0; g < NG; ++g)
       for (int h = 0; h < HB; ++h)
         store(out + g * H + (h0 + h) * kLanes, fma(acc[g][h], splat(inv[g]), zero()));
@@ -721,33 +695,26 @@ void attend_heads(int64_t G, const float* q, const C* kc, const C* vc, const flo
   // accumulators NG * HV within half the registers
   constexpr int NG = kVecRegs >= 32 ? (HV <= 2 ? 8 : HV <= 4 ? 4 : 2)
                                     : (HV <= 1 ? 8 : HV <= 2 ? 4 : HV <= 4 ? 2 : 1);
+  // Wide heads (fewer than 4 queries' sums fit in registers): blocks of up to 8 heads all the same
+  bool wide = G > NG && NG < 4;
+  int top = wide ? 8 : NG;
   auto run = [&](auto ng, int64_t g) {
-    attend_group<C, HV, decltype(ng)::value>(q + g * H, kc, vc, ks, vs, cidx, nc, kn, vn, nidx,
-                                             nn, scale, sinks ? sinks + g : nullptr, s, ld,
-                                             out + g * H);
-  };
-  if (G > NG && NG < 4) {  // wide heads: up to 8 query heads per read of the rows
-    auto wide = [&](auto ng, int64_t g) {
-      wide_group<C, HV, decltype(ng)::value>(q + g * H, kc, vc, ks, vs, cidx, nc, kn, vn, nidx,
-                                             nn, scale, sinks ? sinks + g : nullptr, s, ld,
-                                             out + g * H);
+    constexpr int B = decltype(ng)::value;
+    auto go = [&](auto w) {
+      attend_group<C, HV, B, decltype(w)::value>(q + g * H, kc, vc, ks, vs, cidx, nc, kn, vn, nidx,
+                                                nn, scale, sinks ? sinks + g : nullptr, s, ld,
+                                                out + g * H);
     };
-    for (int64_t g = 0; g < G;) {
-      int64_t left = G - g;
-      if (left >= 8) { wide(std::integral_constant<int, 8>{}, g); g += 8; }
-      else if (left >= 4) { wide(std::integral_constant<int, 4>{}, g); g += 4; }
-      else if (left == 3) { wide(std::integral_constant<int, 3>{}, g); g += 3; }
-      else if (left == 2) { wide(std::integral_constant<int, 2>{}, g); g += 2; }
-      else { run(std::integral_constant<int, 1>{}, g); g += 1; }
-    }
-    return;
-  }
+    if constexpr (B <= NG)
+      if (!wide) return go(std::false_type{});
+    go(std::true_type{});
+  };
   for (int64_t g = 0; g < G;) {  // the largest block that fits what is left (G = 3: 3 at once)
     int64_t left = G - g;
-    if (left >= NG) { run(std::integral_constant<int, NG>{}, g); g += NG; }
-    else if (NG > 4 && left >= 4) { run(std::integral_constant<int, 4>{}, g); g += 4; }
-    else if (NG >= 4 && left >= 3) { run(std::integral_constant<int, 3>{}, g); g += 3; }
-    else if (left == 2) { run(std::integral_constant<int, 2>{}, g); g += 2; }
+    if (top >= 8 && left >= 8) { run(std::integral_constant<int, 8>{}, g); g += 8; }
+    else if (top >= 4 && left >= 4) { run(std::integral_constant<int, 4>{}, g); g += 4; }
+    else if (top >= 4 && left >= 3) { run(std::integral_constant<int, 3>{}, g); g += 3; }
+    else if (top >= 2 && left >= 2) { run(std::integral_constant<int, 2>{}, g); g += 2; }
     else { run(std::integral_constant<int, 1>{}, g); g += 1; }
   }
 }
