@@ -14,6 +14,9 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
 import pytest  # noqa: E402
 
 from sharding.mesh import MeshShape, make_mesh  # noqa: E402
@@ -81,3 +84,27 @@ def pytest_collection_modifyitems(items):
                 break
     # The groups first: a worker that took one late would run it alone at the end.
     items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)
+
+
+# Many tests compile the same programs (the same tiny models, shapes and meshes). A persistent
+# compilation cache for this run alone, made by the first pytest process and shared with its
+# pytest-xdist workers through the environment, lets a later test load what an earlier one compiled
+# (tests/test_engine.py and tests/test_scan.py: 125 s -> 107 s here). It is removed at the end of
+# the run. Programs that runner.main and the other subprocesses compile keep to their own settings,
+# and a TPU program compiled ahead of time is written to it but cannot be read back without a TPU
+# client: jax warns and compiles it again (tests/test_compile.py leaves that warning out).
+_JIT_CACHE = "PODRUN_TEST_JIT_CACHE"
+
+
+def pytest_configure(config):
+    if not os.environ.get(_JIT_CACHE):
+        os.environ[_JIT_CACHE] = tempfile.mkdtemp(prefix="podrun-test-jit-")
+        config._podrun_jit_cache_owner = True
+    jax.config.update("jax_compilation_cache_dir", os.environ[_JIT_CACHE])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_unconfigure(config):
+    if getattr(config, "_podrun_jit_cache_owner", False):
+        shutil.rmtree(os.environ.pop(_JIT_CACHE), ignore_errors=True)
