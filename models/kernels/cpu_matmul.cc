@@ -618,9 +618,9 @@ void softmax_rows(float* s, int64_t ld, int64_t n, const float* sinks, float (&i
   }
 }
 
-// Wide heads (head_dim of HV vectors, HV too large for several queries' sums in registers: 64
-// floats and up on AVX2, as the peer model, SmolLM2 and GPT-OSS): NG query heads still share each
-// row, read once. Each score is one query against the row in registers, the queries read from L1;
+// Wide heads (head_dim of HV vectors, too many for 4 queries' sums in registers: 24 floats and up
+// on AVX2, as the 64 of the peer model, SmolLM2 and GPT-OSS; 80 and up on AVX-512): NG query heads
+// still share each row, read once. Each score is one query against the row in registers, the queries read from L1;
 // the values go in column blocks of HB vectors, NG x HB sums in registers per pass over the rows,
 // so each pass reads its own cache lines of every row (L2 after the scores asked for them). The
 // keys are left to the hardware prefetcher: with the values asked for too, prefetching the keys
