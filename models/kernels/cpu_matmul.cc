@@ -579,8 +579,8 @@ void group_scores(const float* q, const C* rows, const float* row_scale, const i
   }
 }
 
-// Columns [h0, h0 + HB) vectors of the weighted sum of value rows into acc (HB = HV: all of them,
-// each row asked for kAhead rows ahead).
+// The weighted sum of value rows into acc, for head_dim's vectors h0 .. h0 + HB - 1 (HB = HV: all
+// of them, and each row asked for kAhead rows ahead).
 template <typename C, int HV, int NG, int HB>
 void group_values(const float* w, int64_t ld, const C* rows, const float* row_scale,
                   const int32_t* idx, int64_t n, int h0, vf (&acc)[NG][HB]) {
