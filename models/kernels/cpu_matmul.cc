@@ -280,16 +280,23 @@ int64_t grain(int64_t n, int64_t unit, int64_t threads) {
 
 // --- W[K, N]: each output accumulates over rows of W -------------------------------------------
 //
-// Each thread reads its own contiguous share of W's rows, kKB rows at a time in sweeps across all
-// N columns (kKB streams of contiguous memory), into its own partial sums p[M, N] (thread 0's are
-// y); the caller adds them up after. Split by columns instead, the threads read interleaved
-// pieces of the same rows, which measured 15-20% slower here. 16 rows per sweep rather than 8
-// (half the reloads of p) and, from 2 rows of x on, each W row prefetched 512 bytes ahead (256
-// at 8 rows): the peer model's decode products, chained, at 2 / 4 / 8 rows took 3.4-3.5 /
-// 3.7-3.9 / 4.4-4.5 ms per step against 4.0-4.3 / 4.6-4.9 / 5.5-6.9 (at 1 row the prefetch
-// measured slower, 3.45-3.6 against 3.2-3.3 ms).
+// Each thread reads its own contiguous share of W's rows (in multiples of kKB), a few rows at a
+// time in sweeps across all N columns (one stream of contiguous memory per row), into its own
+// partial sums p[M, N] (thread 0's are y); the caller adds them up after. Split by columns
+// instead, the threads read interleaved pieces of the same rows, which measured 15-20% slower
+// here. From 2 rows of x on, each W row is prefetched 512 bytes ahead (256 at 8 rows): the peer
+// model's decode products, chained, at 2 / 4 / 8 rows took 3.4-3.5 / 3.7-3.9 / 4.4-4.5 ms per
+// step against 4.0-4.3 / 4.6-4.9 / 5.5-6.9 without (at 1 row the prefetch measured slower,
+// 3.45-3.6 against 3.2-3.3 ms).
+// Rows per sweep (kn_sweep_rows): 8 up to 4 rows of x, 16 at 8, where the reloads of p cost
+// more than the extra streams. In one process, sweeps of 16 and of 8 rows alternated pass by
+// pass (medians of 40-80 passes, ms per pass of the peer model's decode products): 1 row of x
+// 9.65 / 8.80, 9.19 / 8.40 and 8.07 / 7.26; 2 rows 8.68 / 7.59; with q/k/v and gate/up fused, 4
+// rows 10.46 / 9.39 and 8 rows 13.22 / 15.12. 4 rows per sweep measured as 8, 32 slower.
 
 constexpr int64_t kKB = 16;
+
+constexpr int64_t kn_sweep_rows(int MB) { return MB >= 8 ? 16 : 8; }
 
 // Columns [c, c + VB * kLanes) of p over rows [k0, k0 + kb) of w, MB x VB sums in registers.
 template <int MB, int VB>
@@ -337,10 +344,10 @@ void kn_sweep(const float* x, int64_t K, const float* w, int64_t N, float* p, in
 template <int MB>
 void kn_rows(const float* x, const float* w, float* p, int64_t N, int64_t K, int64_t k0,
              int64_t k1) {
-  constexpr int64_t chunk = 16384 / MB;
+  constexpr int64_t chunk = 16384 / MB, rows = kn_sweep_rows(MB);
   for (int64_t c0 = 0; c0 < N; c0 += chunk)
-    for (int64_t k = k0; k < k1; k += kKB)
-      kn_sweep<MB>(x, K, w, N, p, c0, std::min(N, c0 + chunk), k, std::min(kKB, k1 - k), k == k0);
+    for (int64_t k = k0; k < k1; k += rows)
+      kn_sweep<MB>(x, K, w, N, p, c0, std::min(N, c0 + chunk), k, std::min(rows, k1 - k), k == k0);
 }
 
 void kn_all(const float* x, const float* w, float* p, int64_t M, int64_t N, int64_t K, int64_t k0,
