@@ -1,4 +1,5 @@
-"""CPU kernels through XLA's FFI: built from cpu_matmul.cc on first use, then registered with jax.
+"""CPU kernels through XLA's FFI: built from cpu_matmul.cc (products) and cpu_attention.cc
+(attention), which share cpu_kernels.h, into one library on first use, then registered with jax.
 
     matmul_f32(x [M, K], w [K, N] (or [N, K], w_nk)) -> [M, N], float32, for a few rows of x
     matmul_nk_s8(x [M, K] f32, q [N, K] int8, scale [N] f32) -> [M, N] f32 = x . (q * scale)^T
@@ -40,7 +41,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-SOURCE = Path(__file__).with_name("cpu_matmul.cc")
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_matmul.cc", "cpu_attention.cc"))
+HEADERS = (Path(__file__).with_name("cpu_kernels.h"),)
 TARGETS = ("podrun_matmul_f32", "podrun_matmul_nk_s8", "podrun_decode_attention", "podrun_decode_attention_s8")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 
@@ -58,7 +60,7 @@ def _compiler() -> str:
     found = shutil.which(cxx)
     if not found:
         raise KernelBuildError(
-            f"podrun's CPU kernels need a C++ compiler to build {SOURCE.name}, and {cxx!r} is not "
+            f"podrun's CPU kernels need a C++ compiler to build {' and '.join(p.name for p in SOURCES)}, and {cxx!r} is not "
             "on PATH; install g++ (apt-get install g++) or set CXX, or run with "
             "--config.precision.kernels=False (much slower int8 through XLA)")
     return found
@@ -80,11 +82,11 @@ def _flags() -> tuple[str, ...]:
 def build() -> Path:
     """The compiled library, built now unless this machine already has it."""
     cxx = _compiler()
-    source = SOURCE.read_bytes()
+    source = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
     flags = _flags()
     key = hashlib.sha256(source + " ".join(flags).encode() + cxx.encode()
                          + jax.__version__.encode() + _cpu_features()).hexdigest()[:16]
-    out = _cache_dir() / f"cpu_matmul-{key}.so"
+    out = _cache_dir() / f"cpu_kernels-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -94,10 +96,10 @@ def build() -> Path:
             return out
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             tmp_out = Path(tmp) / out.name
-            cmd = [cxx, *flags, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(tmp_out)]
+            cmd = [cxx, *flags, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(tmp_out)]
             done = subprocess.run(cmd, check=False, capture_output=True, text=True)
             if done.returncode:
-                raise KernelBuildError(f"building {SOURCE.name} failed ({' '.join(cmd)}):\n"
+                raise KernelBuildError(f"building the CPU kernels failed ({' '.join(cmd)}):\n"
                                        f"{done.stderr[-2000:]}")
             os.replace(tmp_out, out)
     return out

@@ -1,0 +1,589 @@
+// Attention on CPU, for decode (a step's few queries over the KV cache) and prefill (a prompt over
+// its own keys), registered with XLA's FFI beside the products of cpu_matmul.cc.
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#include "cpu_kernels.h"
+
+namespace {
+
+using namespace podrun;
+
+// --- decode attention -------------------------------------------------------------------------
+//
+// q [B, T, N, H] attends over two blocks of keys in one softmax: the cache k, v [B, K, S, H] with
+// its slots' positions k_pos [B, S] (-1 = empty), and this step's keys k_new, v_new [B, T, K, H]
+// (as the projections give them: no transpose) at new_pos [B, T]. A key is visible when
+// 0 <= k_pos <= q_pos and, with a window, q_pos - k_pos < window. With sinks, each query head n
+// adds one logit sinks[n] that takes probability mass and contributes no value (GPT-OSS). Query
+// heads n = k * G + g share kv head k (grouped-query).
+// One task per (b, k) and run of up to kQueries query positions: in decode it reads that head's
+// keys and values once for all G * T queries; a prefill (a prompt over its own keys, S = 0) splits
+// into runs so that both cores share even one row's one kv head, each run's queries together
+// (prefill_run, below).
+
+constexpr float kMasked = -1e30f;
+
+// e^x for a vector of scores (x <= 0 here: scores less their max). 2^(x log2 e) split into an
+// integer power and 2^f, f in [-1/2, 1/2], by its degree-7 Taylor polynomial (relative error under
+// 1e-7, as expf). Portable builds call expf.
+inline void exp_lanes(float* x) {
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  const float c[] = {1.f, 0.69314718f, 0.24022651f, 0.05550411f, 0.00961813f, 0.00133336f,
+                     1.5403530e-4f, 1.5252734e-5f};
+#if defined(__AVX512F__)
+  vf t = _mm512_mul_ps(_mm512_max_ps(load(x), splat(-87.3f)), splat(1.44269504f));
+  vf n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  vf f = _mm512_sub_ps(t, n);
+#else
+  vf t = _mm256_mul_ps(_mm256_max_ps(load(x), splat(-87.3f)), splat(1.44269504f));
+  vf n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  vf f = _mm256_sub_ps(t, n);
+#endif
+  vf p = splat(c[7]);
+  for (int i = 6; i >= 0; --i) p = fma(p, f, splat(c[i]));
+#if defined(__AVX512F__)
+  store(x, _mm512_scalef_ps(p, n));
+#else  // 2^n by its exponent bits: n >= -126 (x >= -87.3), a normal float
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  store(x, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+#endif
+#else
+  for (int i = 0; i < kLanes; ++i) x[i] = std::exp(std::max(x[i], -87.3f));
+#endif
+}
+
+template <typename C>
+inline float dot_row(const float* q, const C* k, int64_t H) {
+  int64_t h = 0;
+  vf acc = zero();
+  for (; h + kLanes <= H; h += kLanes) acc = fma(load(q + h), load_as_float(k + h), acc);
+  float s = hsum(acc);
+  for (; h < H; ++h) s += q[h] * float(k[h]);
+  return s;
+}
+
+template <typename C>
+inline void add_row(float w, const C* v, float* out, int64_t H) {
+  int64_t h = 0;
+  vf wv = splat(w);
+  for (; h + kLanes <= H; h += kLanes) store(out + h, fma(wv, load_as_float(v + h), load(out + h)));
+  for (; h < H; ++h) out[h] += w * float(v[h]);
+}
+
+// One query over the cache's S slots (C = float, or int8 with per-slot scales ks, vs) and this
+// step's T keys (float, nstride floats apart). scores, w: room for S + T rounded up to kLanes.
+template <typename C>
+void attend_one(const float* q, const C* kc, const C* vc, const float* ks, const float* vs,
+                const int32_t* kpos, const float* kn, const float* vn, int64_t nstride,
+                const int32_t* npos, int32_t qpos, int64_t S, int64_t T, int64_t H,
+                int64_t window, float scale, const float* sink, float* scores, float* w,
+                float* out) {
+  auto visible = [&](int32_t p) {
+    return p >= 0 && p <= qpos && (window <= 0 || int64_t(qpos) - p < window);
+  };
+  int64_t n = S + T, padded = (n + kLanes - 1) / kLanes * kLanes;
+  float m = sink ? *sink : kMasked;
+  for (int64_t j = 0; j < S; ++j) {
+    scores[j] = visible(kpos[j]) ? dot_row(q, kc + j * H, H) * scale * (ks ? ks[j] : 1.f) : kMasked;
+    m = std::max(m, scores[j]);
+  }
+  for (int64_t j = 0; j < T; ++j) {
+    scores[S + j] = visible(npos[j]) ? dot_row(q, kn + j * nstride, H) * scale : kMasked;
+    m = std::max(m, scores[S + j]);
+  }
+  for (int64_t h = 0; h < H; ++h) out[h] = 0.f;
+  if (m == kMasked) return;  // nothing visible and no sink: a padding query; its output is unused
+  for (int64_t j = n; j < padded; ++j) scores[j] = kMasked;
+  float total = sink ? std::exp(*sink - m) : 0.f;
+  for (int64_t j = 0; j < padded; ++j) w[j] = scores[j] == kMasked ? -100.f : scores[j] - m;
+  for (int64_t j = 0; j < padded; j += kLanes) exp_lanes(w + j);  // w = exp(scores - m)
+  for (int64_t j = 0; j < n; ++j) {
+    if (scores[j] == kMasked) continue;
+    total += w[j];
+    if (j < S) add_row(w[j] * (vs ? vs[j] : 1.f), vc + j * H, out, H);
+    else add_row(w[j], vn + (j - S) * nstride, out, H);
+  }
+  float inv = 1.f / total;
+  for (int64_t h = 0; h < H; ++h) out[h] *= inv;
+}
+
+// The G query heads of one kv head together, for head_dim = kLanes * HV: each visible key and value
+// row is loaded once for NG queries at a time, their dot products and weighted sums kept in
+// registers, where attend_one re-reads every row for every query (peer model, batch 8, in a decode
+// step: 68 us per call against 82). Only the visible rows (idx) are read.
+
+// Rows are read kAhead rows ahead of use: at batch 1 a layer's cache arrives cold from DRAM on a
+// single thread, and the hardware prefetcher alone leaves most of the bandwidth unused.
+constexpr int64_t kAhead = 8;
+
+template <int Locality = 3, typename C>
+inline void prefetch_row(const C* r, int64_t H) {
+  for (int64_t b = 0; b < H * int64_t(sizeof(C)); b += 64)
+    __builtin_prefetch(reinterpret_cast<const char*>(r) + b, 0, Locality);
+}
+
+template <typename C, int HV, int NG>
+void group_scores(const float* q, const C* rows, const float* row_scale, const int32_t* idx,
+                  int64_t n, float scale, float* s, int64_t ld, const C* ahead = nullptr) {
+  constexpr int64_t H = HV * kLanes;
+  vf qv[NG][HV];
+  for (int g = 0; g < NG; ++g)
+    for (int h = 0; h < HV; ++h) qv[g][h] = load(q + g * H + h * kLanes);
+  for (int64_t i = 0; i < n; ++i) {
+    const C* r = rows + idx[i] * H;
+    if (i + kAhead < n) prefetch_row(rows + idx[i + kAhead] * H, H);
+    if (ahead) prefetch_row<2>(ahead + idx[i] * H, H);  // into L2 for the value pass
+    vf kv[HV];
+    for (int h = 0; h < HV; ++h) kv[h] = load_as_float(r + h * kLanes);
+    float sc = row_scale ? scale * row_scale[idx[i]] : scale;
+    for (int g = 0; g < NG; ++g) {
+      vf a = zero();
+      for (int h = 0; h < HV; ++h) a = fma(qv[g][h], kv[h], a);
+      s[g * ld + i] = hsum(a) * sc;
+    }
+  }
+}
+
+// The weighted sum of value rows into acc, for head_dim's vectors h0 .. h0 + HB - 1 (HB = HV: all
+// of them, and each row asked for kAhead rows ahead).
+template <typename C, int HV, int NG, int HB>
+void group_values(const float* w, int64_t ld, const C* rows, const float* row_scale,
+                  const int32_t* idx, int64_t n, int h0, vf (&acc)[NG][HB]) {
+  constexpr int64_t H = HV * kLanes;
+  for (int64_t i = 0; i < n; ++i) {
+    const C* r = rows + idx[i] * H + h0 * kLanes;
+    if constexpr (HB == HV)
+      if (i + kAhead < n) prefetch_row(rows + idx[i + kAhead] * H, H);
+    vf vv[HB];
+    for (int h = 0; h < HB; ++h) vv[h] = load_as_float(r + h * kLanes);
+    float sc = row_scale ? row_scale[idx[i]] : 1.f;
+    for (int g = 0; g < NG; ++g) {
+      vf wv = splat(w[g * ld + i] * sc);
+      for (int h = 0; h < HB; ++h) acc[g][h] = fma(wv, vv[h], acc[g][h]);
+    }
+  }
+}
+
+// Rows g < NG of s (n scores each, ld apart) become exp(score - max), the max taken with the sink
+// where there is one; inv[g] = 1 / (their sum + the sink's exp), or 0 where nothing is visible.
+template <int NG>
+void softmax_rows(float* s, int64_t ld, int64_t n, const float* sinks, float (&inv)[NG]) {
+  for (int g = 0; g < NG; ++g) {
+    float* sg = s + g * ld;
+    float m = sinks ? sinks[g] : kMasked;
+    for (int64_t i = 0; i < n; ++i) m = std::max(m, sg[i]);
+    if (m == kMasked) m = 0.f;  // nothing visible, no sink: a padding query, output zero
+    int64_t padded = (n + kLanes - 1) / kLanes * kLanes;
+    for (int64_t i = 0; i < n; ++i) sg[i] -= m;
+    for (int64_t i = n; i < padded; ++i) sg[i] = -100.f;
+    for (int64_t i = 0; i < padded; i += kLanes) exp_lanes(sg + i);
+    float t = sinks ? std::exp(sinks[g] - m) : 0.f;
+    for (int64_t i = 0; i < n; ++i) t += sg[i];
+    inv[g] = t > 0.f ? 1.f / t : 0.f;
+  }
+}
+
+// Wide heads (head_dim of HV vectors, too many for 4 queries' sums in registers: 24 floats and up
+// on AVX2, as the 64 of the peer model, SmolLM2 and GPT-OSS; 80 and up on AVX-512): NG query heads
+// still share each row, read once. Each score is one query against the row in registers, the queries read from L1;
+// the values go in column blocks of HB vectors, NG x HB sums in registers per pass over the rows,
+// so each pass reads its own cache lines of every row (L2 after the scores asked for them). The
+// keys are left to the hardware prefetcher: with the values asked for too, prefetching the keys
+// (kAhead, as above) measured 10-20% slower. One call over 2048 cold cache slots at batch 1 (32
+// layers' caches in turn, more than L3; two alternated runs), against one query head at a time:
+//   peer model (2 kv heads x 4 query heads):   323-337 ->  222-234 us
+//   SmolLM2 (3 x 3):                           446-483 ->  336-348 us
+//   GPT-OSS-20B's heads (8 x 8):             1533-1585 -> 1072-1128 us
+template <typename C, int HV, int NG>
+void wide_scores(const float* q, const C* rows, const float* row_scale, const int32_t* idx,
+                 int64_t n, float scale, float* s, int64_t ld, const C* ahead = nullptr) {
+  constexpr int64_t H = HV * kLanes;
+  for (int64_t i = 0; i < n; ++i) {
+    const C* r = rows + idx[i] * H;
+    if (ahead) prefetch_row<2>(ahead + idx[i] * H, H);  // into L2 for the value passes
+    vf kv[HV];
+    for (int h = 0; h < HV; ++h) kv[h] = load_as_float(r + h * kLanes);
+    float sc = row_scale ? scale * row_scale[idx[i]] : scale;
+    for (int g = 0; g < NG; ++g) {
+      vf a = zero(), b = zero();  // two chains
+      int h = 0;
+      for (; h + 1 < HV; h += 2) {
+        a = fma(load(q + g * H + h * kLanes), kv[h], a);
+        b = fma(load(q + g * H + (h + 1) * kLanes), kv[h + 1], b);
+      }
+      if (h < HV) a = fma(load(q + g * H + h * kLanes), kv[h], a);
+      s[g * ld + i] = hsum(a + b) * sc;
+    }
+  }
+}
+
+// NG query heads (q, out: [NG, H]) over the visible cache rows (cidx, nc of them) and new rows
+// (nidx, nn). s: room for NG rows of ld >= nc + nn rounded up to kLanes. Wide: wide_scores, and the
+// values in column blocks of HB vectors (NG x HB sums within half the registers, HB dividing HV);
+// else the queries and all of head_dim's sums in registers.
+template <typename C, int HV, int NG, bool Wide>
+void attend_group(const float* q, const C* kc, const C* vc, const float* ks, const float* vs,
+                  const int32_t* cidx, int64_t nc, const float* kn, const float* vn,
+                  const int32_t* nidx, int64_t nn, float scale, const float* sinks, float* s,
+                  int64_t ld, float* out) {
+  constexpr int64_t H = HV * kLanes;
+  constexpr int fit = std::max(1, kVecRegs / 2 / NG);
+  constexpr int HB = !Wide ? HV : fit >= 4 && HV % 4 == 0 ? 4 : fit >= 2 && HV % 2 == 0 ? 2 : 1;
+  if constexpr (Wide) {
+    wide_scores<C, HV, NG>(q, kc, ks, cidx, nc, scale, s, ld, vc);  // and asks for the values
+    wide_scores<float, HV, NG>(q, kn, nullptr, nidx, nn, scale, s + nc, ld);
+  } else {
+    group_scores<C, HV, NG>(q, kc, ks, cidx, nc, scale, s, ld, vc);  // and asks for the values
+    group_scores<float, HV, NG>(q, kn, nullptr, nidx, nn, scale, s + nc, ld);
+  }
+  float inv[NG];
+  softmax_rows<NG>(s, ld, nc + nn, sinks, inv);
+  for (int h0 = 0; h0 < HV; h0 += HB) {
+    vf acc[NG][HB];
+    for (auto& a : acc) for (auto& v : a) v = zero();
+    group_values<C, HV, NG, HB>(s, ld, vc, vs, cidx, nc, h0, acc);
+    group_values<float, HV, NG, HB>(s + nc, ld, vn, nullptr, nidx, nn, h0, acc);
+    for (int g = 0; g < NG; ++g)
+      for (int h = 0; h < HB; ++h)
+        store(out + g * H + (h0 + h) * kLanes, fma(acc[g][h], splat(inv[g]), zero()));
+  }
+}
+
+// Every query head of kv head k at one query position, in blocks of NG heads and then the largest
+// block that fits what is left.
+template <typename C, int HV>
+void attend_heads(int64_t G, const float* q, const C* kc, const C* vc, const float* ks,
+                  const float* vs, const int32_t* cidx, int64_t nc, const float* kn, const float* vn,
+                  const int32_t* nidx, int64_t nn, float scale, const float* sinks, float* s,
+                  int64_t ld, float* out) {
+  constexpr int64_t H = HV * kLanes;
+  // accumulators NG * HV within half the registers
+  constexpr int NG = kVecRegs >= 32 ? (HV <= 2 ? 8 : HV <= 4 ? 4 : 2)
+                                    : (HV <= 1 ? 8 : HV <= 2 ? 4 : HV <= 4 ? 2 : 1);
+  // Wide heads (fewer than 4 queries' sums fit in registers): blocks of up to 8 heads all the same
+  bool wide = G > NG && NG < 4;
+  int top = wide ? 8 : NG;
+  auto run = [&](auto ng, int64_t g) {
+    constexpr int B = decltype(ng)::value;
+    auto go = [&](auto w) {
+      attend_group<C, HV, B, decltype(w)::value>(q + g * H, kc, vc, ks, vs, cidx, nc, kn, vn, nidx,
+                                                nn, scale, sinks ? sinks + g : nullptr, s, ld,
+                                                out + g * H);
+    };
+    if constexpr (B <= NG)
+      if (!wide) return go(std::false_type{});
+    go(std::true_type{});
+  };
+  for (int64_t g = 0; g < G;) {  // the largest block that fits what is left (G = 3: 3 at once)
+    int64_t left = G - g;
+    if (top >= 8 && left >= 8) { run(std::integral_constant<int, 8>{}, g); g += 8; }
+    else if (top >= 4 && left >= 4) { run(std::integral_constant<int, 4>{}, g); g += 4; }
+    else if (top >= 4 && left >= 3) { run(std::integral_constant<int, 3>{}, g); g += 3; }
+    else if (top >= 2 && left >= 2) { run(std::integral_constant<int, 2>{}, g); g += 2; }
+    else { run(std::integral_constant<int, 1>{}, g); g += 1; }
+  }
+}
+
+// --- a prompt over its own keys (prefill: no cache) -------------------------------------------
+//
+// The queries of one run (up to kQueries positions x G heads of kv head k) against the keys they
+// can see, as small matrix products rather than one query at a time: the keys transposed into
+// kt [H, n] so that scores for 4 queries x 3 vectors of keys accumulate in 12 registers with no
+// horizontal sums, then the values weighted for 4 queries x 2 vectors of head_dim at a time.
+// Rows of the run's range that a query cannot see (causal, window, padding) are masked after.
+// Peer model, a 2048-token prompt at batch 1 (two alternated runs each): 1.59 / 1.33 s against
+// 1.77 / 1.90 s through the grouped one-query-at-a-time path below, and 4.0 s in XLA's attention.
+
+template <int QB>
+void run_scores(const float* const* q, const float* kt, int64_t ld, int64_t n, int64_t H,
+                float scale, float* s) {
+  constexpr int RB = 3;  // vectors of keys
+  for (int64_t r = 0; r < n; r += RB * kLanes) {
+    vf acc[QB][RB];
+    for (auto& a : acc) for (auto& v : a) v = zero();
+    for (int64_t h = 0; h < H; ++h) {
+      vf kv[RB];
+      for (int j = 0; j < RB; ++j) kv[j] = load(kt + h * ld + r + j * kLanes);
+      for (int i = 0; i < QB; ++i) {
+        vf qv = splat(q[i][h]);
+        for (int j = 0; j < RB; ++j) acc[i][j] = fma(qv, kv[j], acc[i][j]);
+      }
+    }
+    vf sc = splat(scale);
+    for (int i = 0; i < QB; ++i)
+      for (int j = 0; j < RB; ++j) store(s + i * ld + r + j * kLanes, fma(acc[i][j], sc, zero()));
+  }
+}
+
+template <int QB>
+void run_values(const float* p, int64_t ld, const float* v, int64_t stride, int64_t n, int64_t H,
+                float* const* out) {
+  int64_t h = 0;
+  auto chunk = [&](auto hb) {
+    constexpr int HB = decltype(hb)::value;
+    vf acc[QB][HB];
+    for (auto& a : acc) for (auto& x : a) x = zero();
+    for (int64_t r = 0; r < n; ++r) {
+      vf vv[HB];
+      for (int j = 0; j < HB; ++j) vv[j] = load(v + r * stride + h + j * kLanes);
+      for (int i = 0; i < QB; ++i) {
+        vf w = splat(p[i * ld + r]);
+        for (int j = 0; j < HB; ++j) acc[i][j] = fma(w, vv[j], acc[i][j]);
+      }
+    }
+    for (int i = 0; i < QB; ++i)
+      for (int j = 0; j < HB; ++j) store(out[i] + h + j * kLanes, acc[i][j]);
+    h += HB * kLanes;
+  };
+  while (h + 2 * kLanes <= H) chunk(std::integral_constant<int, 2>{});
+  if (h < H) chunk(std::integral_constant<int, 1>{});
+}
+
+// s[j] = fill where key j (at position pos[j]) is hidden from a query at `at`.
+inline void mask(float* s, const int32_t* pos, int64_t n, int32_t at, int32_t window, float fill) {
+  for (int64_t j = 0; j < n; ++j) {
+    int32_t p = pos[j];
+    bool seen = (p >= 0) & (p <= at) & (at - p < window);
+    s[j] = seen ? s[j] : fill;
+  }
+}
+
+// Queries (Q of them: q[i], at positions qpos[i], sink[i] or none, writing out[i]) over the new
+// keys k, v (row j at j * stride, position npos[j], T rows); kt, s: scratch the caller keeps.
+void prefill_run(int64_t Q, const float* const* q, const int32_t* qpos, const float* const* sink,
+                 float* const* out, const float* k, const float* v, int64_t stride,
+                 const int32_t* npos, int64_t T, int64_t H, int64_t window, float scale,
+                 std::vector<float>& kt, std::vector<float>& s) {
+  int32_t win = window > 0 ? int32_t(std::min<int64_t>(window, INT32_MAX)) : INT32_MAX;
+  int32_t first = *std::min_element(qpos, qpos + Q), last = *std::max_element(qpos, qpos + Q);
+  int64_t lo = T, hi = 0;  // rows from the first to the last any query may see (mask() is exact)
+  for (int64_t j = 0; j < T; ++j)
+    if (npos[j] >= 0 && npos[j] <= last && first - npos[j] < win) lo = std::min(lo, j), hi = j + 1;
+  int64_t n = hi > lo ? hi - lo : 0;
+  int64_t ld = std::max<int64_t>((n + 3 * kLanes - 1) / (3 * kLanes) * (3 * kLanes), 3 * kLanes);
+  kt.resize(H * ld);
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t h = 0; h < H; ++h) kt[h * ld + j] = k[(lo + j) * stride + h];
+  for (int64_t h = 0; h < H; ++h)  // the padding columns
+    std::fill(kt.begin() + h * ld + n, kt.begin() + (h + 1) * ld, 0.f);
+  s.resize(4 * ld);
+  for (int64_t i0 = 0; i0 < Q; i0 += 4) {
+    int64_t qb = std::min<int64_t>(4, Q - i0);
+    switch (qb) {
+      case 4: run_scores<4>(q + i0, kt.data(), ld, n, H, scale, s.data()); break;
+      case 3: run_scores<3>(q + i0, kt.data(), ld, n, H, scale, s.data()); break;
+      case 2: run_scores<2>(q + i0, kt.data(), ld, n, H, scale, s.data()); break;
+      default: run_scores<1>(q + i0, kt.data(), ld, n, H, scale, s.data());
+    }
+    float total[4];
+    for (int64_t i = 0; i < qb; ++i) {  // each query's softmax over what it sees, and its sink
+      float* si = s.data() + i * ld;
+      int32_t at = qpos[i0 + i];
+      const float* sk = sink[i0 + i];
+      mask(si, npos + lo, n, at, win, kMasked);  // branch-free loops, vectorised by the compiler
+      for (int64_t j = n; j < ld; ++j) si[j] = kMasked;
+      vf mv = splat(sk ? *sk : kMasked);
+      for (int64_t j = 0; j < ld; j += kLanes) mv = vmax(mv, load(si + j));
+      float lanes[kLanes];
+      store(lanes, mv);
+      float m = *std::max_element(lanes, lanes + kLanes);
+      if (m == kMasked) m = 0.f;  // nothing visible, no sink: a padding query, output zero
+      vf mneg = splat(-m), floor = splat(-100.f), one = splat(1.f);
+      for (int64_t j = 0; j < ld; j += kLanes) {
+        store(si + j, vmax(fma(load(si + j), one, mneg), floor));
+        exp_lanes(si + j);
+      }
+      mask(si, npos + lo, n, at, win, 0.f);  // exactly no weight on what it does not see
+      vf tv = zero();
+      int64_t whole = n / kLanes * kLanes;
+      for (int64_t j = 0; j < whole; j += kLanes) tv = fma(load(si + j), one, tv);
+      float t = hsum(tv) + (sk ? std::exp(*sk - m) : 0.f);
+      for (int64_t j = whole; j < n; ++j) t += si[j];
+      total[i] = t;
+    }
+    const float* vlo = v + lo * stride;
+    switch (qb) {
+      case 4: run_values<4>(s.data(), ld, vlo, stride, n, H, out + i0); break;
+      case 3: run_values<3>(s.data(), ld, vlo, stride, n, H, out + i0); break;
+      case 2: run_values<2>(s.data(), ld, vlo, stride, n, H, out + i0); break;
+      default: run_values<1>(s.data(), ld, vlo, stride, n, H, out + i0);
+    }
+    for (int64_t i = 0; i < qb; ++i) {
+      vf inv = splat(total[i] > 0.f ? 1.f / total[i] : 0.f);
+      float* o = out[i0 + i];
+      for (int64_t h = 0; h < H; h += kLanes) store(o + h, fma(load(o + h), inv, zero()));
+    }
+  }
+}
+
+template <typename C>
+ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, const C* kcp,
+                           const C* vcp, const float* ksp, const float* vsp,
+                           ffi::Span<const int64_t> cd, ffi::Buffer<ffi::S32> kpos,
+                           ffi::Buffer<ffi::F32> kn, ffi::Buffer<ffi::F32> vn,
+                           ffi::Buffer<ffi::S32> npos, ffi::Buffer<ffi::S32> qpos,
+                           ffi::Buffer<ffi::F32> sinks, ffi::ResultBuffer<ffi::F32> out,
+                           int64_t has_sinks, float scale, int64_t window) {
+  auto qd = q.dimensions();
+  if (qd.size() != 4 || cd.size() != 4)
+    return ffi::Error::InvalidArgument("podrun_decode_attention: q and the cache must be 4-d");
+  int64_t B = qd[0], T = qd[1], N = qd[2], H = qd[3], K = cd[1], S = cd[2];
+  auto nd = kn.dimensions();
+  if (cd[0] != B || cd[3] != H || N % K || nd.size() != 4 || nd[0] != B || nd[1] != T ||
+      nd[2] != K || nd[3] != H || sinks.dimensions()[0] != N)
+    return ffi::Error::InvalidArgument("podrun_decode_attention: inconsistent shapes");
+  int64_t G = N / K;
+  const float *qp = q.typed_data(), *knp = kn.typed_data(), *vnp = vn.typed_data();
+  const float* sp = sinks.typed_data();
+  const int32_t *kpp = kpos.typed_data(), *npp = npos.typed_data(), *qpp = qpos.typed_data();
+  float* op = out->typed_data();
+  // head_dim kLanes * HV (HV <= 8): the grouped path; any other head_dim: query by query
+  using Heads = void (*)(int64_t, const float*, const C*, const C*, const float*, const float*,
+                         const int32_t*, int64_t, const float*, const float*, const int32_t*,
+                         int64_t, float, const float*, float*, int64_t, float*);
+  static constexpr Heads kGrouped[] = {nullptr, attend_heads<C, 1>, attend_heads<C, 2>,
+                                       attend_heads<C, 3>, attend_heads<C, 4>, attend_heads<C, 5>,
+                                       attend_heads<C, 6>, attend_heads<C, 7>, attend_heads<C, 8>};
+  Heads grouped = H % kLanes == 0 && H / kLanes <= 8 ? kGrouped[H / kLanes] : nullptr;
+  constexpr int64_t kQueries = 16;
+  int64_t runs = (T + kQueries - 1) / kQueries, per = T <= kQueries ? T : kQueries;
+  bool prompt = S == 0 && H % kLanes == 0;  // every task a prompt's run (prefill_run)
+  auto heads = [=](int64_t begin, int64_t end) {
+    int64_t ld = prompt ? 0 : (S + T + kLanes - 1) / kLanes * kLanes;  // the per-query scratch
+    std::vector<float> scores(grouped ? 8 * ld : ld), w(ld);
+    std::vector<int32_t> cidx(S), nidx(prompt ? 0 : T);
+    std::vector<const float*> qs, sks;  // a prompt's run: its queries, sinks, outputs, positions
+    std::vector<float*> outs;
+    std::vector<int32_t> qps;
+    std::vector<float> kt, ps;  // its keys transposed, its scores
+    for (int64_t task = begin; task < end; ++task) {
+      int64_t bk = task / runs, t0 = task % runs * per, t1 = std::min(T, t0 + per);
+      int64_t b = bk / K, k = bk % K;
+      const C* kcb = kcp + (b * K + k) * S * H;
+      const C* vcb = vcp + (b * K + k) * S * H;
+      const float* ksb = ksp ? ksp + (b * K + k) * S : nullptr;
+      const float* vsb = vsp ? vsp + (b * K + k) * S : nullptr;
+      const float* knb = knp + (b * T * K + k) * H;  // key j at knb + j * K * H
+      const float* vnb = vnp + (b * T * K + k) * H;
+      if (prompt) {  // the run's queries as small products
+        int64_t Q = (t1 - t0) * G;
+        qs.resize(Q), outs.resize(Q), sks.resize(Q), qps.resize(Q);
+        for (int64_t t = t0; t < t1; ++t)
+          for (int64_t g = 0; g < G; ++g) {
+            int64_t i = (t - t0) * G + g, at = ((b * T + t) * N + k * G + g) * H;
+            qs[i] = qp + at, outs[i] = op + at, qps[i] = qpp[b * T + t];
+            sks[i] = has_sinks ? sp + k * G + g : nullptr;
+          }
+        prefill_run(Q, qs.data(), qps.data(), sks.data(), outs.data(), knb, vnb, K * H,
+                    npp + b * T, T, H, window, scale, kt, ps);
+        continue;
+      }
+      for (int64_t t = t0; t < t1; ++t) {
+        const float* qt = qp + ((b * T + t) * N + k * G) * H;
+        float* ot = op + ((b * T + t) * N + k * G) * H;
+        const float* sinks = has_sinks ? sp + k * G : nullptr;
+        int32_t qpos = qpp[b * T + t];
+        if (!grouped) {
+          for (int64_t g = 0; g < G; ++g)
+            attend_one<C>(qt + g * H, kcb, vcb, ksb, vsb, kpp + b * S, knb, vnb, K * H,
+                          npp + b * T, qpos, S, T, H, window, scale, sinks ? sinks + g : nullptr,
+                          scores.data(), w.data(), ot + g * H);
+          continue;
+        }
+        auto visible = [&](int32_t p) {
+          return p >= 0 && p <= qpos && (window <= 0 || int64_t(qpos) - p < window);
+        };
+        int64_t nc = 0, nn = 0;
+        for (int64_t j = 0; j < S; ++j) if (visible(kpp[b * S + j])) cidx[nc++] = int32_t(j);
+        for (int64_t j = 0; j < T; ++j)  // rows of knb in units of H: key j is row j * K
+          if (visible(npp[b * T + j])) nidx[nn++] = int32_t(j * K);
+        grouped(G, qt, kcb, vcb, ksb, vsb, cidx.data(), nc, knb, vnb, nidx.data(), nn, scale,
+                sinks, scores.data(), ld, ot);
+      }
+    }
+  };
+  // A few (row, kv head) tasks of a decode step (batch 1) go to the team, which the products keep
+  // awake: peer model, batch 1, decode step 3.02-3.70 -> 2.55-3.45 ms (three alternating runs
+  // each); XLA's pool took longer to wake than the work was worth, so they had run on this thread
+  // alone. A prefill's runs go to XLA's pool, taken one at a time (later runs see more keys).
+  int64_t tasks = B * K * runs;
+  if (tasks < 4) {
+    auto body = [&](int t, int n) {
+      auto [begin, end] = part(tasks, 1, t, n);
+      if (end > begin) heads(begin, end);
+    };
+    Team::get().run(body);
+  } else {
+    parallel_for(pool, tasks, 1, heads);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error DecodeAttentionF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                              ffi::Buffer<ffi::F32> kc, ffi::Buffer<ffi::F32> vc,
+                              ffi::Buffer<ffi::S32> kpos, ffi::Buffer<ffi::F32> kn,
+                              ffi::Buffer<ffi::F32> vn, ffi::Buffer<ffi::S32> npos,
+                              ffi::Buffer<ffi::S32> qpos, ffi::Buffer<ffi::F32> sinks,
+                              ffi::ResultBuffer<ffi::F32> out, int64_t has_sinks, float scale,
+                              int64_t window) {
+  return DecodeAttention<float>(pool, q, kc.typed_data(), vc.typed_data(), nullptr, nullptr,
+                                kc.dimensions(), kpos, kn, vn, npos, qpos, sinks, out, has_sinks,
+                                scale, window);
+}
+
+ffi::Error DecodeAttentionS8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                             ffi::Buffer<ffi::S8> kc, ffi::Buffer<ffi::S8> vc,
+                             ffi::Buffer<ffi::F32> ks, ffi::Buffer<ffi::F32> vs,
+                             ffi::Buffer<ffi::S32> kpos, ffi::Buffer<ffi::F32> kn,
+                             ffi::Buffer<ffi::F32> vn, ffi::Buffer<ffi::S32> npos,
+                             ffi::Buffer<ffi::S32> qpos, ffi::Buffer<ffi::F32> sinks,
+                             ffi::ResultBuffer<ffi::F32> out, int64_t has_sinks, float scale,
+                             int64_t window) {
+  return DecodeAttention<int8_t>(pool, q, kc.typed_data(), vc.typed_data(), ks.typed_data(),
+                                 vs.typed_data(), kc.dimensions(), kpos, kn, vn, npos, qpos, sinks,
+                                 out, has_sinks, scale, window);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(podrun_decode_attention, DecodeAttentionF32,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k cache
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // k_pos
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k new
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v new
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // new_pos
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_pos
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sinks
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("has_sinks")
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("window"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(podrun_decode_attention_s8, DecodeAttentionS8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::S8>>()  // k cache, int8
+                                  .Arg<ffi::Buffer<ffi::S8>>()  // v cache, int8
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k scales [B, K, S]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v scales
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // k_pos
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k new
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v new
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // new_pos
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_pos
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sinks
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("has_sinks")
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("window"));

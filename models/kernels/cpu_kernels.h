@@ -1,0 +1,213 @@
+// What podrun's CPU kernels (cpu_matmul.cc, cpu_attention.cc) share: the vectors of the widest
+// path this build's target has (AVX-512, AVX2 or portable), XLA's intra-op pool split into chunks,
+// and the team of threads that runs a decode step's products (one team per process: Team::get).
+
+#pragma once
+
+#include <sched.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace podrun {
+
+// kLanes floats per vector register, kVecRegs vector registers: the register blocks below are
+// sized from these, so that their sums stay in registers (sized for AVX-512's 32 registers, the
+// blocks spilled on an AVX2 machine's 16: a product of 8 rows ran 7x slower than of 1 row).
+#if defined(__AVX512F__)
+constexpr int kLanes = 16, kVecRegs = 32;
+constexpr const char* kVectorPath = "avx512";
+typedef __m512 vf;
+inline vf load(const float* p) { return _mm512_loadu_ps(p); }
+inline vf load_s8(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+inline void store(float* p, vf v) { _mm512_storeu_ps(p, v); }
+inline vf splat(float s) { return _mm512_set1_ps(s); }
+inline vf zero() { return _mm512_setzero_ps(); }
+inline vf fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline float hsum(vf v) { return _mm512_reduce_add_ps(v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int kLanes = 8, kVecRegs = 16;
+constexpr const char* kVectorPath = "avx2";
+typedef __m256 vf;
+inline vf load(const float* p) { return _mm256_loadu_ps(p); }
+inline vf load_s8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+inline void store(float* p, vf v) { _mm256_storeu_ps(p, v); }
+inline vf splat(float s) { return _mm256_set1_ps(s); }
+inline vf zero() { return _mm256_setzero_ps(); }
+inline vf fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+inline float hsum(vf v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#else  // portable: GCC vector extensions, whatever the target's vectors are
+constexpr int kLanes = 8, kVecRegs = 16;
+constexpr const char* kVectorPath = "portable";
+typedef float vf __attribute__((vector_size(kLanes * 4), aligned(4)));
+typedef int8_t vb __attribute__((vector_size(kLanes), aligned(1)));
+inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+inline vf load_s8(const int8_t* p) {
+  vb b; std::memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(b, vf);
+}
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+inline vf splat(float s) { return vf{} + s; }
+inline vf zero() { return vf{}; }
+inline vf fma(vf a, vf b, vf c) { return a * b + c; }
+inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+inline float hsum(vf v) {
+  float s = 0.f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+#endif
+
+// Runs body(begin, end) over [0, total) in chunks of `grain`, on the caller and on the pool's other
+// threads. A helper that starts after the work is gone finds no chunk and returns; the caller waits
+// only for chunks that were taken, so it never waits on a helper that has not started.
+template <typename Body>
+void parallel_for(ffi::ThreadPool& pool, int64_t total, int64_t grain, Body body) {
+  int64_t chunks = (total + grain - 1) / grain;
+  int64_t helpers = std::min<int64_t>(pool.num_threads(), chunks) - 1;
+  if (helpers <= 0) { body(0, total); return; }
+  struct State {
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto state = std::make_shared<State>();
+  auto work = [state, chunks, total, grain, body]() {
+    for (int64_t c; (c = state->next.fetch_add(1)) < chunks;) {
+      body(c * grain, std::min(total, (c + 1) * grain));
+      state->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  for (int64_t h = 0; h < helpers; ++h) pool.Schedule(decltype(work)(work));
+  work();
+  while (state->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
+}
+
+
+// A team of threads for the products of one decode step, which come a few microseconds apart: a
+// helper spins for a while after each product (kSpin) before it sleeps, so the next product finds
+// it awake. The team has one thread per core this process may run on, the caller included, up to
+// kMaxThreads: a few cores already saturate memory bandwidth, and each further thread adds a share
+// of partial sums for the caller to add up (W[K, N] below) and a core spinning between products. A
+// call that finds the team busy (another device's computation, in a process that simulates
+// several) runs on its own thread. After fork, a child has no helpers and runs alone too.
+class Team {
+ public:
+  static Team& get() {
+    static Team* team = new Team();  // never destroyed: helpers may be asleep at exit
+    return *team;
+  }
+
+  int size() const { return int(threads_) + 1; }
+
+  // body(t, T) for every t in [0, T): this thread takes t = 0, each helper one other t.
+  template <typename Body>
+  void run(Body& body) {
+    std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
+    if (threads_ == 0 || !busy.owns_lock() || getpid() != pid_) { body(0, 1); return; }
+    fn_ = [](void* b, int t, int T) { (*static_cast<Body*>(b))(t, T); };
+    ctx_ = &body;
+    pending_.store(int(threads_));
+    gen_.fetch_add(1);  // seq_cst, as the sleepers' count below (see wait)
+    if (sleepers_.load() > 0) {
+      std::lock_guard<std::mutex> l(mu_);
+      cv_.notify_all();
+    }
+    body(0, int(threads_) + 1);
+    while (pending_.load(std::memory_order_acquire) > 0) pause();
+  }
+
+ private:
+  static constexpr auto kSpin = std::chrono::microseconds(200);
+  static constexpr int kMaxThreads = 8;
+
+  Team() : pid_(getpid()) {
+    cpu_set_t set;
+    int cores = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set)
+                                                            : int(std::thread::hardware_concurrency());
+    threads_ = std::clamp(cores, 1, kMaxThreads) - 1;
+    for (unsigned i = 0; i < threads_; ++i) std::thread([this, i] { loop(int(i) + 1); }).detach();
+  }
+
+  static void pause() {
+#if defined(__x86_64__)
+    __builtin_ia32_pause();
+#endif
+  }
+
+  void loop(int id) {
+    uint64_t seen = 0;
+    for (;;) {
+      seen = wait(seen);
+      fn_(ctx_, id, int(threads_) + 1);
+      pending_.fetch_sub(1, std::memory_order_release);
+    }
+  }
+
+  // The next generation after `seen`: spinning for kSpin, then asleep until run() wakes us.
+  uint64_t wait(uint64_t seen) {
+    auto until = std::chrono::steady_clock::now() + kSpin;
+    for (int i = 0;; ++i) {
+      uint64_t g = gen_.load(std::memory_order_acquire);
+      if (g != seen) return g;
+      pause();
+      if ((i & 255) == 255 && std::chrono::steady_clock::now() > until) break;
+    }
+    std::unique_lock<std::mutex> l(mu_);
+    sleepers_.fetch_add(1);  // seq_cst: run() either sees us here or we see its new generation
+    cv_.wait(l, [&] { return gen_.load() != seen; });
+    sleepers_.fetch_sub(1);
+    return gen_.load();
+  }
+
+  pid_t pid_;
+  unsigned threads_ = 0;
+  std::mutex busy_, mu_;
+  std::condition_variable cv_;
+  std::atomic<uint64_t> gen_{0};
+  std::atomic<int> pending_{0}, sleepers_{0};
+  void (*fn_)(void*, int, int) = nullptr;
+  void* ctx_ = nullptr;
+};
+
+// [begin, end) of `total` split T ways in multiples of `unit`: part t.
+inline std::pair<int64_t, int64_t> part(int64_t total, int64_t unit, int t, int T) {
+  int64_t per = (total / T + unit - 1) / unit * unit;
+  int64_t begin = std::min(total, per * t), end = t == T - 1 ? total : std::min(total, per * (t + 1));
+  return {begin, end};
+}
+
+template <typename C>
+inline vf load_as_float(const C* p) {
+  if constexpr (sizeof(C) == 1) return load_s8(p);
+  else return load(p);
+}
+
+}  // namespace podrun
