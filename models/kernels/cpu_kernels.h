@@ -30,7 +30,7 @@ namespace ffi = xla::ffi;
 
 namespace podrun {
 
-// kLanes floats per vector register, kVecRegs vector registers: the register blocks below are
+// kLanes floats per vector register, kVecRegs vector registers: the kernels' register blocks are
 // sized from these, so that their sums stay in registers (sized for AVX-512's 32 registers, the
 // blocks spilled on an AVX2 machine's 16: a product of 8 rows ran 7x slower than of 1 row).
 #if defined(__AVX512F__)
@@ -115,7 +115,7 @@ void parallel_for(ffi::ThreadPool& pool, int64_t total, int64_t grain, Body body
 // helper spins for a while after each product (kSpin) before it sleeps, so the next product finds
 // it awake. The team has one thread per core this process may run on, the caller included, up to
 // kMaxThreads: a few cores already saturate memory bandwidth, and each further thread adds a share
-// of partial sums for the caller to add up (W[K, N] below) and a core spinning between products. A
+// of partial sums for the caller to add up (W[K, N] in cpu_matmul.cc) and a core spinning between products. A
 // call that finds the team busy (another device's computation, in a process that simulates
 // several) runs on its own thread. After fork, a child has no helpers and runs alone too.
 class Team {

@@ -1,7 +1,7 @@
 // CPU kernels for decode, where XLA:CPU's own operations are slow, registered with XLA's FFI.
 //
 // matmul_f32: y[M, N] = x[M, K] . W for W[K, N], or x . W^T for W[N, K], float32, the few rows
-// of a decode step, split over a team of threads that spin between products (Team below).
+// of a decode step, split over a team of threads that spin between products (Team, cpu_kernels.h).
 // XLA:CPU's dot ran a batch-1 step's small products on one thread (210 chained 576 x 576
 // products: 7.5 ms on one core or two alike, 4.2 ms here) and was slower at 8 rows too (a
 // peer-model step's products: 10.9-12.1 ms against 4.5-5.0 here).
