@@ -115,9 +115,9 @@ void parallel_for(ffi::ThreadPool& pool, int64_t total, int64_t grain, Body body
 // helper spins for a while after each product (kSpin) before it sleeps, so the next product finds
 // it awake. The team has one thread per core this process may run on, the caller included, up to
 // kMaxThreads: a few cores already saturate memory bandwidth, and each further thread adds a share
-// of partial sums for the caller to add up (W[K, N] in cpu_matmul.cc) and a core spinning between products. A
-// call that finds the team busy (another device's computation, in a process that simulates
-// several) runs on its own thread. After fork, a child has no helpers and runs alone too.
+// of partial sums for the caller to add up (W[K, N] in cpu_matmul.cc) and a core spinning between
+// products. A call that finds the team busy (another device's computation, in a process that
+// simulates several) runs on its own thread. After fork, a child has no helpers and runs alone too.
 class Team {
  public:
   static Team& get() {
