@@ -47,6 +47,41 @@ def test_f32_product_called_from_eight_devices_at_once():
         np.testing.assert_allclose(np.asarray(f(x, w)), want, rtol=1e-5, atol=1e-3)
 
 
+@pytest.mark.parametrize("chain,single_rows", [(True, True), (False, False), (True, False), (False, True)])
+def test_chained_products_match_numpy_with_each_product_option(chain, single_rows):
+    """A step's products called again and again, as decode calls them: the kernels learn their
+    order and the helpers read the next product's weights ahead (cpu_matmul.cc's Chain), and one
+    row over short rows of W sweeps them a row at a time; with each of these on or off the sums
+    are numpy's."""
+    rng = np.random.default_rng(7)
+    kn = [rng.standard_normal((K, N), dtype=np.float32) for K, N in [(64, 96), (96, 520), (520, 64)]]
+    nk = rng.standard_normal((200, 64), dtype=np.float32)  # [N, K]
+    q = rng.integers(-127, 128, size=(300, 200), dtype=np.int8)
+    scale = rng.uniform(0.01, 0.02, size=300).astype(np.float32)
+
+    def step(x):
+        for w in kn:
+            x = cpu.matmul_f32(x, w)
+        x = cpu.matmul_f32(x, nk, w_nk=True)
+        return cpu.matmul_nk_s8(x, q, scale)
+
+    def want(x):
+        x = x.astype(np.float64)
+        for w in kn:
+            x = x @ w
+        return (x @ nk.T) @ (q * scale[:, None]).T.astype(np.float64)
+
+    x = rng.standard_normal((1, 64), dtype=np.float32)
+    f = jax.jit(step)
+    try:
+        cpu.set_product_options(chain, single_rows)
+        for _ in range(4):
+            got = np.asarray(f(x))
+            np.testing.assert_allclose(got, want(x), rtol=1e-4, atol=1e-3 * np.abs(want(x)).max())
+    finally:
+        cpu.set_product_options()
+
+
 def np_attention(q, kc, vc, k_pos, kn, vn, new_pos, q_pos, sinks, window, scale):
     B, T, N, H = q.shape
     K = kc.shape[1]

@@ -111,6 +111,13 @@ void parallel_for(ffi::ThreadPool& pool, int64_t total, int64_t grain, Body body
 }
 
 
+// [begin, end) of `total` split T ways in multiples of `unit`: part t.
+inline std::pair<int64_t, int64_t> part(int64_t total, int64_t unit, int t, int T) {
+  int64_t per = (total / T + unit - 1) / unit * unit;
+  int64_t begin = std::min(total, per * t), end = t == T - 1 ? total : std::min(total, per * (t + 1));
+  return {begin, end};
+}
+
 // A team of threads for the products of one decode step, which come a few microseconds apart: a
 // helper spins for a while after each product (kSpin) before it sleeps, so the next product finds
 // it awake. The team has one thread per core this process may run on, the caller included, up to
@@ -127,13 +134,26 @@ class Team {
 
   int size() const { return int(threads_) + 1; }
 
-  // body(t, T) for every t in [0, T): this thread takes t = 0, each helper one other t.
+  // Memory for the helpers to read ahead once their share of a call is done: `rows` rows of
+  // `row_bytes` from `base`, split among the team as part(rows, unit, t, T) splits a product.
+  struct Ahead {
+    const char* base = nullptr;
+    int64_t rows = 0, unit = 1, row_bytes = 0;
+  };
+
+  // body(t, T) for every t in [0, T): this thread takes t = 0, each helper one other t. Helpers
+  // that finish then ask for the first kAheadBytes of every thread's share of `ahead` (the
+  // product expected next), until the next call starts.
   template <typename Body>
-  void run(Body& body) {
+  void run(Body& body, Ahead ahead = {}) {
     std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
     if (threads_ == 0 || !busy.owns_lock() || getpid() != pid_) { body(0, 1); return; }
     fn_ = [](void* b, int t, int T) { (*static_cast<Body*>(b))(t, T); };
     ctx_ = &body;
+    ahead_base_.store(ahead.base, std::memory_order_relaxed);
+    ahead_rows_.store(ahead.rows, std::memory_order_relaxed);
+    ahead_unit_.store(ahead.unit, std::memory_order_relaxed);
+    ahead_row_bytes_.store(ahead.row_bytes, std::memory_order_relaxed);
     pending_.store(int(threads_));
     gen_.fetch_add(1);  // seq_cst, as the sleepers' count below (see wait)
     if (sleepers_.load() > 0) {
@@ -147,6 +167,7 @@ class Team {
  private:
   static constexpr auto kSpin = std::chrono::microseconds(200);
   static constexpr int kMaxThreads = 8;
+  static constexpr int64_t kAheadBytes = 256 << 10;
 
   Team() : pid_(getpid()) {
     cpu_set_t set;
@@ -167,7 +188,29 @@ class Team {
     for (;;) {
       seen = wait(seen);
       fn_(ctx_, id, int(threads_) + 1);
+      constexpr auto relaxed = std::memory_order_relaxed;
+      Ahead a{ahead_base_.load(relaxed), ahead_rows_.load(relaxed), ahead_unit_.load(relaxed),
+              ahead_row_bytes_.load(relaxed)};
       pending_.fetch_sub(1, std::memory_order_release);
+      if (a.base) read_ahead(a, seen);
+    }
+  }
+
+  // A line at a time from the start of every thread's share of `a`, until the next call starts
+  // (the caller meanwhile runs XLA's operations between two products, with memory idle).
+  void read_ahead(const Ahead& a, uint64_t seen) {
+    int T = int(threads_) + 1;
+    const char* start[kMaxThreads];
+    int64_t bytes[kMaxThreads];
+    for (int t = 0; t < T; ++t) {
+      auto [b, e] = part(a.rows, a.unit, t, T);
+      start[t] = a.base + b * a.row_bytes;
+      bytes[t] = std::min(kAheadBytes, (e - b) * a.row_bytes);
+    }
+    for (int64_t at = 0; at < kAheadBytes; at += 64) {
+      if ((at & 1023) == 0 && gen_.load(std::memory_order_relaxed) != seen) return;
+      for (int t = 0; t < T; ++t)
+        if (at < bytes[t]) __builtin_prefetch(start[t] + at, 0, 3);
     }
   }
 
@@ -195,14 +238,9 @@ class Team {
   std::atomic<int> pending_{0}, sleepers_{0};
   void (*fn_)(void*, int, int) = nullptr;
   void* ctx_ = nullptr;
+  std::atomic<const char*> ahead_base_{nullptr};
+  std::atomic<int64_t> ahead_rows_{0}, ahead_unit_{1}, ahead_row_bytes_{0};
 };
-
-// [begin, end) of `total` split T ways in multiples of `unit`: part t.
-inline std::pair<int64_t, int64_t> part(int64_t total, int64_t unit, int t, int T) {
-  int64_t per = (total / T + unit - 1) / unit * unit;
-  int64_t begin = std::min(total, per * t), end = t == T - 1 ? total : std::min(total, per * (t + 1));
-  return {begin, end};
-}
 
 template <typename C>
 inline vf load_as_float(const C* p) {

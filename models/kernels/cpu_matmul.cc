@@ -16,7 +16,9 @@
 // one library, and registered with XLA's FFI.
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <mutex>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -102,7 +104,7 @@ int64_t grain(int64_t n, int64_t unit, int64_t threads) {
 // here. From 2 rows of x on, each W row is prefetched 512 bytes ahead (256 at 8 rows): the peer
 // model's decode products, chained, at 2 / 4 / 8 rows took 3.4-3.5 / 3.7-3.9 / 4.4-4.5 ms per
 // step against 4.0-4.3 / 4.6-4.9 / 5.5-6.9 without (at 1 row the prefetch measured slower,
-// 3.45-3.6 against 3.2-3.3 ms).
+// 3.45-3.6 against 3.2-3.3 ms; and short rows go one at a time there, kSingleRows).
 // Rows per sweep (kn_sweep_rows): 8 up to 4 rows of x, 16 at 8, where the reloads of p cost
 // more than the extra streams. In one process, sweeps of 16 and of 8 rows alternated pass by
 // pass (medians of 40-80 passes, ms per pass of the peer model's decode products): 1 row of x
@@ -112,6 +114,21 @@ int64_t grain(int64_t n, int64_t unit, int64_t threads) {
 constexpr int64_t kKB = 16;
 
 constexpr int64_t kn_sweep_rows(int MB) { return MB >= 8 ? 16 : 8; }
+
+// Two ways of reading W that benchmarks/product_options.py measures on and off in one process
+// (podrun_set_product_options; both on by default): kChain, the team's helpers ask for the next
+// product's weights between products (Chain, below); kSingleRows, one row of x over rows of W of
+// at most kNarrow floats sweeps them a row at a time, a single stream of memory per thread. In
+// sweeps of 8 such rows each stream ends after a few lines, before the hardware prefetcher has
+// followed it. Chained products alone, in one process, GB/s with sweeps of 8 / of 1 row (two
+// alternated runs each): [K, N] = [1536, 576] 22.9 / 28.8, 22.4 / 26.5; [576, 576] 22.7 / 29.7,
+// 23.5 / 26.0; [576, 192] 22.3 / 31.9, 22.5 / 31.7; [512, 512] 23.9 / 29.5, 23.6 / 26.7. Wider
+// rows kept their sweeps of 8: [768, 768] 22.8 / 25.8, 24.3 / 23.6; [512, 1024] 25.5 / 23.7,
+// 25.1 / 24.2; [576, 1536] 27.7 / 25.5; the unembedding [512, 32000] 34.6 / 24.2. At 2 rows of x
+// single rows lost for N = 128-192 (25.9 / 22.6) and gained 10-15% for N = 512-576.
+constexpr int kChain = 1, kSingleRows = 2;
+std::atomic<int> options{kChain | kSingleRows};
+constexpr int64_t kNarrow = 640;
 
 // Columns [c, c + VB * kLanes) of p over rows [k0, k0 + kb) of w, MB x VB sums in registers.
 template <int MB, int VB>
@@ -159,10 +176,13 @@ void kn_sweep(const float* x, int64_t K, const float* w, int64_t N, float* p, in
 template <int MB>
 void kn_rows(const float* x, const float* w, float* p, int64_t N, int64_t K, int64_t k0,
              int64_t k1) {
-  constexpr int64_t chunk = 16384 / MB, rows = kn_sweep_rows(MB);
+  constexpr int64_t chunk = 16384 / MB;
+  // one row of x over short rows of W: a row at a time (see kNarrow)
+  int64_t sweep = MB == 1 && N <= kNarrow && options.load(std::memory_order_relaxed) & kSingleRows
+                      ? 1 : kn_sweep_rows(MB);
   for (int64_t c0 = 0; c0 < N; c0 += chunk)
-    for (int64_t k = k0; k < k1; k += rows)
-      kn_sweep<MB>(x, K, w, N, p, c0, std::min(N, c0 + chunk), k, std::min(rows, k1 - k), k == k0);
+    for (int64_t k = k0; k < k1; k += sweep)
+      kn_sweep<MB>(x, K, w, N, p, c0, std::min(N, c0 + chunk), k, std::min(sweep, k1 - k), k == k0);
 }
 
 void kn_all(const float* x, const float* w, float* p, int64_t M, int64_t N, int64_t K, int64_t k0,
@@ -178,6 +198,61 @@ void kn_all(const float* x, const float* w, float* p, int64_t M, int64_t N, int6
   }
 }
 
+// The products of a decode step come in the same order every step, over weights that stay put: each
+// call records which weights followed the previous call's, and hands the team the weights that
+// followed its own last time (Team::Ahead), whose first bytes the helpers ask for once done, while
+// XLA runs the operations between two products and memory would idle. A wrong guess (a first
+// step, another device's calls in between) only reads memory in vain; calls that find the chain in
+// use skip it. benchmarks/product_options.py, alternating the settings round by round in one
+// process, ms per batch-1 decode step (median over rounds; median ratio to 'neither' in the same
+// round), on a machine whose step swung 20% between rounds:
+//   peer model, 30 rounds:  neither 5.90, chain 5.76 (0.981x), single rows 5.62 (0.931x), both
+//                           5.51 (0.951x)
+//   SmolLM2, 16 rounds:     neither 24.28, chain 23.64 (0.968x), single rows 23.05 (0.971x), both
+//                           23.36 (0.947x)
+// The peer model's products alone in a C++ loop, 4 us between them (13 us after v, for
+// attention), the chain on and off: 6.74 against 7.23 ms and 6.91 against 7.13.
+class Chain {
+ public:
+  static Team::Ahead next(const Team::Ahead& self) {
+    if (!(options.load(std::memory_order_relaxed) & kChain)) return {};
+    static Chain* chain = new Chain();
+    std::unique_lock<std::mutex> l(chain->mu_, std::try_to_lock);
+    if (!l.owns_lock()) return {};
+    if (Entry* e = chain->find(chain->last_, true)) e->next = self;
+    chain->last_ = self.base;
+    Entry* mine = chain->find(self.base, false);
+    return mine ? mine->next : Team::Ahead{};
+  }
+
+ private:
+  struct Entry {
+    const char* key = nullptr;
+    Team::Ahead next;
+  };
+  static constexpr size_t kSlots = 4096;  // products a step, at most (then no more are learnt)
+
+  // The entry of `key` (open addressing), made when `add` and there is room; null otherwise.
+  Entry* find(const char* key, bool add) {
+    if (!key) return nullptr;
+    size_t h = (reinterpret_cast<uintptr_t>(key) >> 6) * 0x9E3779B97F4A7C15ull >> 52;
+    for (size_t i = 0; i < 64; ++i) {
+      Entry& e = slots_[(h + i) % kSlots];
+      if (e.key == key) return &e;
+      if (!e.key) {
+        if (!add) return nullptr;
+        e.key = key;
+        return &e;
+      }
+    }
+    return nullptr;
+  }
+
+  std::mutex mu_;
+  const char* last_ = nullptr;
+  std::vector<Entry> slots_ = std::vector<Entry>(kSlots);
+};
+
 // y[M, N] = x[M, K] . W, over the team.
 void matmul_f32(const float* xp, const float* wp, float* yp, int64_t M, int64_t N, int64_t K,
                 bool w_nk) {
@@ -186,7 +261,7 @@ void matmul_f32(const float* xp, const float* wp, float* yp, int64_t M, int64_t 
       auto [n0, n1] = part(N, kLanes, t, T);
       if (n1 > n0) nk_all<float>(xp, wp, nullptr, yp, M, N, K, n0, n1);
     };
-    Team::get().run(body);
+    Team::get().run(body, Chain::next({reinterpret_cast<const char*>(wp), N, kLanes, K * 4}));
     return;
   }
   std::vector<float*> partial(Team::get().size(), nullptr);  // threads 1..: their own sums
@@ -203,7 +278,7 @@ void matmul_f32(const float* xp, const float* wp, float* yp, int64_t M, int64_t 
     }
     kn_all(xp, wp, p, M, N, K, k0, k1);
   };
-  Team::get().run(body);
+  Team::get().run(body, Chain::next({reinterpret_cast<const char*>(wp), K, kKB, N * 4}));
   for (int t = 1; t < parts; ++t)
     if (const float* p = partial[t])
       for (int64_t i = 0; i < M * N; ++i) yp[i] += p[i];
@@ -255,7 +330,7 @@ ffi::Error MatmulNKS8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
       auto [n0, n1] = part(N, kLanes, t, T);
       if (n1 > n0) nk_all<int8_t>(xp, wp, sp, yp, M, N, K, n0, n1);
     };
-    Team::get().run(body);
+    Team::get().run(body, Chain::next({reinterpret_cast<const char*>(wp), N, kLanes, K}));
     return ffi::Error::Success();
   }
   parallel_for(pool, N, grain(N, 16, pool.num_threads()), [=](int64_t n0, int64_t n1) {
@@ -265,6 +340,9 @@ ffi::Error MatmulNKS8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 }
 
 }  // namespace
+
+// kChain | kSingleRows by default (benchmarks/product_options.py measures them on and off).
+extern "C" void podrun_set_product_options(int what) { options.store(what); }
 
 // Which vector path of cpu_kernels.h this build uses (models/kernels/cpu.vector_path).
 extern "C" const char* podrun_vector_path() { return kVectorPath; }

@@ -1,0 +1,85 @@
+"""How the CPU products read their weights (models/kernels/cpu_matmul.cc: kChain, the next product's
+weights asked for between products; kSingleRows, short rows of W swept one at a time at batch 1),
+each on and off, alternated round by round in one process, so that the machine's swings of speed
+from one minute to the next fall on every setting alike.
+
+    python benchmarks/product_options.py --config=configs/cpu.py:<checkpoint> [--batch_size=1] \
+        [--prompt_len=128] [--new_tokens=128] [--rounds=8] [--config.precision.quantize=int8]
+
+One CPU device unless the command line sets the mesh (these belong to the one-device product
+kernel). Per round and setting: one warm generation, then one timed; prints the median
+decode step (the engine's clock, as runner.bench's decode_step_s) of each setting over the rounds,
+and the median over rounds of its step against 'neither' in the same round.
+Random prompts, no stop ids.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from runner import bench  # noqa: E402
+from runner.main import parse_flags, setup_devices  # noqa: E402
+from runner.run import load_model  # noqa: E402
+from runner.settings import from_config  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "deployment config file", lock_config=True,
+                                          allow_override=True)  # runner.main defines one too
+_BATCH = flags.DEFINE_integer("batch_size", 1, "rows")
+_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 128, "prompt length (tokens)")
+_NEW_TOKENS = flags.DEFINE_integer("new_tokens", 128, "tokens generated per row")
+_ROUNDS = flags.DEFINE_integer("rounds", 8, "rounds of every setting")
+
+SETTINGS = {"neither": (False, False), "chain": (True, False), "single_rows": (False, True),
+            "both": (True, True)}
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        sys.exit(f"product_options: error: unexpected arguments {argv[1:]}")
+    if _CONFIG.value is None:
+        sys.exit("product_options: error: --config=configs/<deployment>.py is required")
+    c = _CONFIG.value
+    given = {a.split("=")[0].removeprefix("--config.") for a in sys.argv[1:]}
+    if not {"mesh.num_cpu_devices", "mesh.data"} & given:
+        c.mesh.num_cpu_devices, c.mesh.data = 1, 1
+    s = from_config(c)
+    setup_devices(s)
+    from models.kernels import cpu
+
+    if not cpu.available():
+        sys.exit("product_options: error: podrun's CPU kernels cannot be built here")
+    meta, rules, params = load_model(s)
+    n = _NEW_TOKENS.value
+    engine = bench.make_engine(s, meta.model, params, rules, _BATCH.value, (_PROMPT_LEN.value,), n)
+    workload = bench.Workload((_BATCH.value,), (_PROMPT_LEN.value,), n)
+    prompts = workload.prompts(_PROMPT_LEN.value, meta.model.config.vocab_size)
+    requests = bench.greedy_requests(prompts, n, s)
+    steps: dict[str, list[float]] = {name: [] for name in SETTINGS}
+    engine.generate(requests, stop_ids=())  # compiles
+    for _ in range(_ROUNDS.value):
+        for name, (chain, single_rows) in SETTINGS.items():
+            cpu.set_product_options(chain, single_rows)
+            engine.generate(requests, stop_ids=())  # the chain learns this setting's order
+            done = engine.generate(requests, stop_ids=())
+            steps[name].append(done[0].decode_s / (n - 1) * 1e3)
+    cpu.set_product_options()
+    print(f"{meta.model.family}, batch {_BATCH.value}, {_PROMPT_LEN.value}-token prompts, {n} new tokens, "
+          f"{_ROUNDS.value} rounds; ms per decode step:")
+    base = steps["neither"]
+    for name, ms in steps.items():
+        paired = statistics.median(m / b for m, b in zip(ms, base))  # round by round: robust to drift
+        print(f"  {name:11s} median {statistics.median(ms):7.3f}, {paired:.3f}x neither's in the same "
+              f"round (median)   [{', '.join(f'{x:.2f}' for x in ms)}]")
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=parse_flags)
