@@ -31,8 +31,8 @@ from runner.main import parse_flags, setup_devices  # noqa: E402
 from runner.run import load_model  # noqa: E402
 from runner.settings import from_config  # noqa: E402
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "deployment config file", lock_config=True,
-                                          allow_override=True)  # runner.main defines one too
+_CONFIG = config_flags.DEFINE_config_file(  # runner.main defines one too
+    "config", None, "deployment config file", lock_config=True, allow_override=True)
 _BATCH = flags.DEFINE_integer("batch_size", 1, "rows")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 128, "prompt length (tokens)")
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 128, "tokens generated per row")
@@ -72,13 +72,14 @@ def main(argv: list[str]) -> None:
             done = engine.generate(requests, stop_ids=())
             steps[name].append(done[0].decode_s / (n - 1) * 1e3)
     cpu.set_product_options()
-    print(f"{meta.model.family}, batch {_BATCH.value}, {_PROMPT_LEN.value}-token prompts, {n} new tokens, "
-          f"{_ROUNDS.value} rounds; ms per decode step:")
+    print(f"{meta.model.family}, batch {_BATCH.value}, {_PROMPT_LEN.value}-token prompts, "
+          f"{n} new tokens, {_ROUNDS.value} rounds; ms per decode step:")
     base = steps["neither"]
     for name, ms in steps.items():
-        paired = statistics.median(m / b for m, b in zip(ms, base))  # round by round: robust to drift
-        print(f"  {name:11s} median {statistics.median(ms):7.3f}, {paired:.3f}x neither's in the same "
-              f"round (median)   [{', '.join(f'{x:.2f}' for x in ms)}]")
+        paired = statistics.median(m / b for m, b in zip(ms, base))  # robust to the machine's drift
+        rounds = ", ".join(f"{x:.2f}" for x in ms)
+        print(f"  {name:11s} median {statistics.median(ms):7.3f}, {paired:.3f}x neither's in the "
+              f"same round (median)   [{rounds}]")
 
 
 if __name__ == "__main__":

@@ -59,9 +59,10 @@ def _compiler() -> str:
     cxx = os.environ.get("CXX") or "g++"
     found = shutil.which(cxx)
     if not found:
+        sources = " and ".join(p.name for p in SOURCES)
         raise KernelBuildError(
-            f"podrun's CPU kernels need a C++ compiler to build {' and '.join(p.name for p in SOURCES)}, and {cxx!r} is not "
-            "on PATH; install g++ (apt-get install g++) or set CXX, or run with "
+            f"podrun's CPU kernels need a C++ compiler to build {sources}, "
+            f"and {cxx!r} is not on PATH; install g++ (apt-get install g++) or set CXX, or run with "
             "--config.precision.kernels=False (much slower int8 through XLA)")
     return found
 
