@@ -254,21 +254,29 @@ class Chain {
   std::vector<Entry> slots_ = std::vector<Entry>(kSlots);
 };
 
+// body(t, T, begin, end) for the team's shares of W's `rows` rows (of `row_bytes` each), split in
+// multiples of `unit`; the same split tells the helpers what to read ahead of the next product.
+template <typename Body>
+void over_rows(const void* w, int64_t rows, int64_t unit, int64_t row_bytes, Body body) {
+  auto share = [&](int t, int T) {
+    auto [begin, end] = part(rows, unit, t, T);
+    body(t, T, begin, end);
+  };
+  Team::get().run(share, Chain::next({static_cast<const char*>(w), rows, unit, row_bytes}));
+}
+
 // y[M, N] = x[M, K] . W, over the team.
 void matmul_f32(const float* xp, const float* wp, float* yp, int64_t M, int64_t N, int64_t K,
                 bool w_nk) {
   if (w_nk) {
-    auto body = [=](int t, int T) {
-      auto [n0, n1] = part(N, kLanes, t, T);
+    over_rows(wp, N, kLanes, K * 4, [=](int, int, int64_t n0, int64_t n1) {
       if (n1 > n0) nk_all<float>(xp, wp, nullptr, yp, M, N, K, n0, n1);
-    };
-    Team::get().run(body, Chain::next({reinterpret_cast<const char*>(wp), N, kLanes, K * 4}));
+    });
     return;
   }
   std::vector<float*> partial(Team::get().size(), nullptr);  // threads 1..: their own sums
   int parts = 1;
-  auto body = [&](int t, int T) {
-    auto [k0, k1] = part(K, kKB, t, T);
+  over_rows(wp, K, kKB, N * 4, [&](int t, int T, int64_t k0, int64_t k1) {
     if (t == 0) parts = T;
     if (k1 <= k0) return;
     float* p = yp;
@@ -278,8 +286,7 @@ void matmul_f32(const float* xp, const float* wp, float* yp, int64_t M, int64_t 
       p = partial[t] = mine.data();
     }
     kn_all(xp, wp, p, M, N, K, k0, k1);
-  };
-  Team::get().run(body, Chain::next({reinterpret_cast<const char*>(wp), K, kKB, N * 4}));
+  });
   for (int t = 1; t < parts; ++t)
     if (const float* p = partial[t])
       for (int64_t i = 0; i < M * N; ++i) yp[i] += p[i];
@@ -327,11 +334,9 @@ ffi::Error MatmulNKS8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   const float* sp = scale.typed_data();
   float* yp = y->typed_data();
   if (M <= 2) {  // a decode step of one or two rows: the team, as matmul_f32
-    auto body = [=](int t, int T) {
-      auto [n0, n1] = part(N, kLanes, t, T);
+    over_rows(wp, N, kLanes, K, [=](int, int, int64_t n0, int64_t n1) {
       if (n1 > n0) nk_all<int8_t>(xp, wp, sp, yp, M, N, K, n0, n1);
-    };
-    Team::get().run(body, Chain::next({reinterpret_cast<const char*>(wp), N, kLanes, K}));
+    });
     return ffi::Error::Success();
   }
   parallel_for(pool, N, grain(N, 16, pool.num_threads()), [=](int64_t n0, int64_t n1) {
