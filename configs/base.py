@@ -35,7 +35,9 @@ def base_config() -> ConfigDict:
         "activations": "float32",
         "kv_cache": "float32",
         "matmul": "highest",  # default | high | highest
-        # Weight-only int8 for every projection, one scale per output channel: none | int8.
+        # Weight-only quantisation of every projection (models/quant.py): none | int8 (one scale
+        # per output channel) | int4 (groups of 32 with a float16 scale and minimum, as GGUF's
+        # Q4_1; the embedding, unembedding and GPT-OSS's experts stay int8).
         "quantize": "none",
         # podrun's own CPU kernels (models/kernels): the int8 products, attention (decode steps and
         # prompts) and (on one device) the float32 projections of a decode step of up to 8 rows,

@@ -30,7 +30,7 @@ class Policy:
     activations: str = "float32"
     kv_cache: str = "float32"
     matmul: str = "highest"  # default | high | highest (jax.lax.Precision names)
-    quantize: str = "none"  # none | int8 (weight-only, per output channel: models/quant.py)
+    quantize: str = "none"  # none | int8 | int4 (weight-only: models/quant.py)
     kernels: bool = True  # podrun's own kernels (models/kernels) where they apply, else XLA's
     # TPU decode attention in Pallas (models/kernels/tpu.py). Off by default: XLA then copies each
     # layer's cache on every step, as the kernel reads it while the write updates it in place
@@ -73,7 +73,7 @@ class Policy:
         is. Left to einsum, XLA may instead transpose a weight inside the decode loop, a copy of
         the whole matrix every step, to suit the layout of a small activation.
         """
-        if isinstance(operands[-1], quant.QWeight):  # stored [*out, *contract] whatever the spec
+        if isinstance(operands[-1], (quant.QWeight, quant.Q4Weight)):  # stored [*out, *contract] whatever the spec
             x, w = operands
             return quant.matmul(x, w, len(w.contract_axes), self.precision, self.kernels)
         if len(operands) == 2 and (plan := _projection(spec, operands[0].ndim, operands[1].ndim)):

@@ -1,4 +1,5 @@
-"""Weight-only int8 with one scale per output channel (precision.quantize="int8").
+"""Weight-only int8 with one scale per output channel (precision.quantize="int8"), or int4 in
+groups of 32 along the contraction with a float16 scale and minimum each (precision.quantize="int4").
 
 A projection W (declared with `contract`, see models/weights.py) is stored as
     q[*out, *contract] = round(W / scale) in [-127, 127],  scale[*out] = max |W| over contract / 127
@@ -10,6 +11,18 @@ Activations, norms, biases and the KV cache stay in their own precision. On CPU 
 the int8 kernel (in a shard_map over the rules' mesh, psum over a sharded contraction); elsewhere, or
 with precision.kernels off, XLA's dot takes the int8 values converted and the scales multiply its
 output (GPT-OSS's experts likewise, in models/gptoss.py).
+
+int4 (Q4Weight) holds [*out, C], the contracted dimensions flattened into C, in groups of
+GROUP = 32 along C:
+    u = round((W - m) / d) in [0, 15],  d = (max - min) / 15,  m = min over the group,
+with d and m in float16, two u to a byte (byte i of a group: u[i] in the low nibble, u[i + 16] in
+the high one): 0.625 bytes a weight, the numbers and bits of GGUF's Q4_1 blocks. A Q4_1 checkpoint
+(SmolLM2's GGUF), dequantised by the converter, comes back to the same d, m and u. On CPU the CPU
+kernel takes the nibbles; elsewhere the weight is unpacked and dequantised for XLA's dot. The
+vocabulary's tables stay int8 under int4, as GGUF's 4-bit files keep them in 6 or 8 bits:
+SmolLM2-135M's perplexity on tinyshakespeare (4096 tokens) rose 5.9% over float32 with its tied
+embedding in 4 bits. So do GPT-OSS's experts (their products, models/gptoss.py, take per-channel
+scales).
 """
 
 from __future__ import annotations
@@ -36,6 +49,20 @@ class QWeight:
     rules: Rules = dataclasses.field(metadata={"static": True})
 
 
+GROUP = 32  # int4 weights along the last contracted dimension
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Q4Weight:
+    q: jax.Array  # uint8 [*out, C / 2] (C: the contracted dims flattened), two 4-bit values a byte
+    d: jax.Array  # float16 [*out, C / GROUP], each group's step
+    m: jax.Array  # float16 [*out, C / GROUP], each group's minimum
+    out_axes: tuple[str | None, ...] = dataclasses.field(metadata={"static": True})
+    contract_axes: tuple[str | None, ...] = dataclasses.field(metadata={"static": True})
+    rules: Rules = dataclasses.field(metadata={"static": True})
+
+
 def _split(w: Weight) -> tuple[list[int], list[int]]:
     """(output dims, contracted dims) of a projection's declaration, as indices into w.shape."""
     n, c = len(w.shape), w.contract
@@ -47,6 +74,35 @@ def quantizable(w: Any) -> bool:
     return is_weight(w) and w.contract != 0
 
 
+def takes_int4(w: Weight) -> bool:
+    """Whether precision.quantize="int4" holds w in 4 bits: every projection but the vocabulary's
+    (the embedding and unembedding) and GPT-OSS's experts, which stay int8."""
+    return quantizable(w) and "experts" not in w.axes and "vocab" not in w.axes
+
+
+class QuantizeError(ValueError):
+    """A weight cannot be held as precision.quantize asks."""
+
+
+def _int4_layout(w: Weight, rules: Rules) -> tuple[tuple[int, ...], tuple[int, ...], tuple]:
+    """Shapes of q and of d, m for w, and their logical axes; a clear error where the groups of
+    32 do not fit its shards."""
+    out, contract = _split(w)
+    C = math.prod(w.shape[i] for i in contract)
+    shards = [rules.shards(w.axes[i]) if rules.spec(w.axes[i], shape=(w.shape[i],))[0] else 1
+              for i in contract]
+    where = f"a weight of shape {w.shape} (axes {w.axes})"
+    if any(n > 1 for n in shards[1:]):
+        raise QuantizeError(f"precision.quantize=int4 cannot hold {where}: its contraction is "
+                            f"sharded on an inner dimension; use int8 for this model or mesh")
+    if C % (GROUP * shards[0]):
+        raise QuantizeError(
+            f"precision.quantize=int4 holds the contraction of a projection in groups of {GROUP}, "
+            f"whole on every shard: {where} contracts {C} over {shards[0]} shard(s); use int8 "
+            f"for this model or mesh")
+    lead = tuple(w.shape[i] for i in out)
+    axes = tuple(w.axes[i] for i in out) + (w.axes[contract[0]],)
+    return lead + (C // 2,), lead + (C // GROUP,), axes
 def abstract(w: Weight, rules: Rules) -> QWeight:
     """The int8 form of one projection as ShapeDtypeStructs with their shardings."""
     out, contract = _split(w)
@@ -60,18 +116,42 @@ def abstract(w: Weight, rules: Rules) -> QWeight:
         s_axes, tuple(w.axes[i] for i in contract), rules)
 
 
+def abstract4(w: Weight, rules: Rules) -> Q4Weight:
+    """The int4 form of one projection as ShapeDtypeStructs with their shardings."""
+    out, contract = _split(w)
+    q_shape, d_shape, axes = _int4_layout(w, rules)
+    half = jnp.float16
+    return Q4Weight(
+        jax.ShapeDtypeStruct(q_shape, jnp.uint8, sharding=rules.sharding(*axes, shape=q_shape)),
+        jax.ShapeDtypeStruct(d_shape, half, sharding=rules.sharding(*axes, shape=d_shape)),
+        jax.ShapeDtypeStruct(d_shape, half, sharding=rules.sharding(*axes, shape=d_shape)),
+        tuple(w.axes[i] for i in out), tuple(w.axes[i] for i in contract), rules)
+
+
+def _target(w: Weight, rules: Rules, quantize: str) -> QWeight | Q4Weight | None:
+    """What `quantize` makes of w, abstractly: None where w stays as restored."""
+    if quantize == "int4" and takes_int4(w):
+        return abstract4(w, rules)
+    if quantize in ("int8", "int4") and quantizable(w):
+        return abstract(w, rules)
+    return None
+
+
 def abstract_tree(decl: Any, rules: Rules, dtype: Any, quantize: str) -> Any:
-    """What a restore (and `quantize`, when "int8") gives, as ShapeDtypeStructs with shardings."""
+    """What a restore (and `quantize`, when not "none") gives, as ShapeDtypeStructs with shardings."""
     restored = weights.abstract(decl, rules, dtype)
-    if quantize != "int8":
+    if quantize == "none":
         return restored
-    return jax.tree.map(lambda w, a: abstract(w, rules) if quantizable(w) else a, decl, restored,
+    return jax.tree.map(lambda w, a: _target(w, rules, quantize) or a, decl, restored,
                         is_leaf=is_weight)
 
 
 def stored_bytes(w: Weight, itemsize: int, quantize: str) -> int:
-    """Bytes a weight takes as held: int8 plus its scales, or itemsize per element."""
-    return nbytes(w) if quantize == "int8" and quantizable(w) else math.prod(w.shape) * itemsize
+    """Bytes a weight takes as held: int8 plus its scales, int4 plus its groups' float16 scales
+    and minima, or itemsize per element."""
+    if quantize == "int4" and takes_int4(w):
+        return math.prod(w.shape) // 2 + 4 * math.prod(w.shape) // GROUP
+    return nbytes(w) if quantize in ("int8", "int4") and quantizable(w) else math.prod(w.shape) * itemsize
 
 
 def nbytes(w: Weight) -> int:
@@ -79,16 +159,45 @@ def nbytes(w: Weight) -> int:
     return math.prod(w.shape) + 4 * math.prod(w.shape[i] for i in out)
 
 
-def quantize(decl: Any, params: Any, rules: Rules) -> Any:
-    """params with every projection replaced by its QWeight, computed in place on its shards."""
+def quantize_int4(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [..., C] (C a multiple of GROUP) -> q uint8 [..., C / 2], d, m float16 [..., C / GROUP]:
+    each group's minimum and step (max - min) / 15, rounded to float16 before the values are
+    rounded against them, so that d * u + m is what the products use."""
+    x = x.astype(jnp.float32)
+    g = x.reshape(*x.shape[:-1], x.shape[-1] // GROUP, GROUP)
+    lo, hi = jnp.min(g, axis=-1), jnp.max(g, axis=-1)
+    # times the float32 nearest 1/15, which XLA computes as written (a division by 15 it may turn
+    # into this product or not)
+    d, m = ((hi - lo) * jnp.float32(1 / 15)).astype(jnp.float16), lo.astype(jnp.float16)
+    d32, m32 = d.astype(jnp.float32)[..., None], m.astype(jnp.float32)[..., None]
+    u = jnp.where(d32 > 0, jnp.round((g - m32) / jnp.where(d32 > 0, d32, 1.0)), 0.0)
+    u = jnp.clip(u, 0, 15).astype(jnp.uint8)
+    q = u[..., : GROUP // 2] | (u[..., GROUP // 2:] << 4)
+    return q.reshape(*x.shape[:-1], x.shape[-1] // 2), d, m
+
+
+def dequantize_int4(q: jax.Array, d: jax.Array, m: jax.Array, dtype: Any) -> jax.Array:
+    """The weights [..., C] that q, d, m hold (quantize_int4's layout), in dtype."""
+    b = q.reshape(*q.shape[:-1], d.shape[-1], GROUP // 2)
+    u = jnp.concatenate([b & 15, b >> 4], axis=-1).astype(jnp.float32)
+    w = u * d.astype(jnp.float32)[..., None] + m.astype(jnp.float32)[..., None]
+    return w.reshape(*q.shape[:-1], q.shape[-1] * 2).astype(dtype)
+
+
+def quantize(decl: Any, params: Any, rules: Rules, how: str = "int8") -> Any:
+    """params with every projection replaced by its QWeight (or, `how` = "int4", Q4Weight),
+    computed in place on its shards."""
     leaves, treedef = jax.tree.flatten(decl, is_leaf=is_weight)
     flat = treedef.flatten_up_to(params)
-    picked = [i for i, w in enumerate(leaves) if quantizable(w) and flat[i] is not None]
-    targets = {i: abstract(leaves[i], rules) for i in picked}
+    targets = {i: t for i, w in enumerate(leaves)
+               if flat[i] is not None and (t := _target(w, rules, how)) is not None}
+    picked = list(targets)
 
-    def one(w: Weight, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def one(w: Weight, x: jax.Array, target: Any) -> tuple[jax.Array, ...]:
         out, contract = _split(w)
         x = jnp.transpose(x.astype(jnp.float32), out + contract)  # [*out, *contract]
+        if isinstance(target, Q4Weight):
+            return quantize_int4(x.reshape(*x.shape[: len(out)], -1))
         axes = tuple(range(len(out), x.ndim))
         scale = jnp.max(jnp.abs(x), axis=axes) / 127.0
         safe = jnp.where(scale > 0, scale, 1.0)
@@ -96,14 +205,18 @@ def quantize(decl: Any, params: Any, rules: Rules) -> Any:
         return q, scale
 
     def all_of(xs):
-        return [one(leaves[i], x) for i, x in zip(picked, xs)]
+        return [one(leaves[i], x, targets[i]) for i, x in zip(picked, xs)]
 
-    shardings = [(targets[i].q.sharding, targets[i].scale.sharding) for i in picked]
+    def arrays(t: Any) -> tuple:
+        return (t.q, t.d, t.m) if isinstance(t, Q4Weight) else (t.q, t.scale)
+
+    shardings = [tuple(a.sharding for a in arrays(targets[i])) for i in picked]
     done = jax.jit(all_of, out_shardings=shardings)([flat[i] for i in picked])
     result = list(flat)
-    for i, (q, scale) in zip(picked, done):
+    for i, made in zip(picked, done):
         t = targets[i]
-        result[i] = QWeight(q, scale, t.out_axes, t.contract_axes, rules)
+        kind = Q4Weight if isinstance(t, Q4Weight) else QWeight
+        result[i] = kind(*made, t.out_axes, t.contract_axes, rules)
     return jax.tree.unflatten(treedef, result)
 
 
@@ -118,20 +231,27 @@ def spec_like(w: Any, spec: jax.sharding.PartitionSpec) -> Any:
 
 
 def lookup(table: Any, tokens: jax.Array) -> jax.Array:
-    """Rows of an embedding table [V, D] (float, or a QWeight quantised per row)."""
+    """Rows of an embedding table [V, D] (float, a QWeight quantised per row, or a Q4Weight)."""
+    if isinstance(table, Q4Weight):
+        return dequantize_int4(table.q[tokens], table.d[tokens], table.m[tokens], jnp.float32)
     if isinstance(table, QWeight):
         return table.q[tokens].astype(jnp.float32) * table.scale[tokens][..., None]
     return table[tokens]
 
 
-def matmul(x: jax.Array, w: QWeight, n_contract: int, precision: Any, kernels: bool
+def matmul(x: jax.Array, w: QWeight | Q4Weight, n_contract: int, precision: Any, kernels: bool
            ) -> jax.Array:
     """x [*free, *contract] . w -> [*free, *out], in float32 (x's dtype for the XLA path)."""
-    free, out = x.shape[: x.ndim - n_contract], w.scale.shape
+    free, out = x.shape[: x.ndim - n_contract], tuple(w.q.shape[: len(w.out_axes)])
     C, O = math.prod(x.shape[x.ndim - n_contract:]), math.prod(out)
+    int4 = isinstance(w, Q4Weight)
     from models.kernels import cpu
 
     if not (kernels and w.rules.platform == "cpu" and cpu.available()):
+        if int4:  # dequantised for the dot (XLA has no product over packed nibbles)
+            q = dequantize_int4(w.q, w.d, w.m, x.dtype).reshape(O, C)
+            return jax.lax.dot_general(x.reshape(*free, C), q, (((len(free),), (1,)), ((), ())),
+                                       precision=precision).reshape(*free, *out)
         # the int8 values enter the product converted (exact in bf16 and f32), which XLA folds into
         # the operand, and the per-output scales multiply the result: no dequantised weight is
         # written out
@@ -142,20 +262,30 @@ def matmul(x: jax.Array, w: QWeight, n_contract: int, precision: Any, kernels: b
     rules = w.rules
     free_axes = ("batch", "seq")[: len(free)] if len(free) <= 2 else (None,) * len(free)
     x_spec = rules.spec(*free_axes, *w.contract_axes, shape=x.shape)
-    q_spec = rules.spec(*w.out_axes, *w.contract_axes, shape=w.q.shape)
-    s_spec = rules.spec(*w.out_axes, shape=w.scale.shape)
+    q_axes = (*w.out_axes, *w.contract_axes[: 1 if int4 else None])  # int4: C flattened
+    q_spec = rules.spec(*q_axes, shape=w.q.shape)
     reduce_axes = tuple(a for p in q_spec[len(out):] if p for a in ((p,) if isinstance(p, str) else p))
     y_spec = jax.sharding.PartitionSpec(*x_spec[: len(free)], *q_spec[: len(out)])
+    if int4:
+        s_spec = rules.spec(*q_axes, shape=w.d.shape)
+        scales, s_specs = (w.d, w.m), (s_spec, s_spec)
+    else:
+        scales, s_specs = (w.scale,), (rules.spec(*w.out_axes, shape=w.scale.shape),)
 
-    def local(x, q, scale):
-        lf, lo = x.shape[: len(free)], scale.shape
-        y = cpu.matmul_nk_s8(x.reshape(math.prod(lf), -1), q.reshape(math.prod(lo), -1),
-                             scale.reshape(-1))
+    def local(x, q, *scales):
+        lf, lo = x.shape[: len(free)], q.shape[: len(out)]
+        rows, n = math.prod(lf), math.prod(lo)
+        x2 = x.reshape(rows, -1)
+        if int4:
+            d, m = (s.reshape(n, -1) for s in scales)
+            y = cpu.matmul_nk_s4(x2, q.reshape(n, -1), d, m)
+        else:
+            y = cpu.matmul_nk_s8(x2, q.reshape(n, -1), scales[0].reshape(-1))
         y = y.reshape(*lf, *lo)
         return jax.lax.psum(y, reduce_axes) if reduce_axes else y
 
     if rules.mesh.size == 1:
-        return local(x, w.q, w.scale).astype(x.dtype)
-    y = jax.shard_map(local, mesh=rules.mesh, in_specs=(x_spec, q_spec, s_spec), out_specs=y_spec,
-                      check_vma=False)(x, w.q, w.scale)
+        return local(x, w.q, *scales).astype(x.dtype)
+    y = jax.shard_map(local, mesh=rules.mesh, in_specs=(x_spec, q_spec, *s_specs),
+                      out_specs=y_spec, check_vma=False)(x, w.q, *scales)
     return y.astype(x.dtype)

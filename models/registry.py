@@ -38,8 +38,8 @@ class Model:
         decl = self.declare(policy.fuse_projections)
         if policy.fuse_projections:
             params = fused.fuse(self.declare(), params, rules)
-        if policy.quantize == "int8":
-            params = quant.quantize(decl, params, rules)
+        if policy.quantize != "none":
+            params = quant.quantize(decl, params, rules, policy.quantize)
         params = weights.pin_tables_row_major(decl, params, rules)
         if policy.scan_layers:
             params = scan.stack(params, self.scan_period)

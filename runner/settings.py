@@ -105,8 +105,8 @@ def from_config(c: ConfigDict) -> Settings:
                             "or int8")
     if p.matmul not in ("default", "high", "highest"):
         raise SettingsError(f"precision.matmul={p.matmul!r}: use default, high or highest")
-    if p.quantize not in ("none", "int8"):
-        raise SettingsError(f"precision.quantize={p.quantize!r}: use none or int8")
+    if p.quantize not in ("none", "int8", "int4"):
+        raise SettingsError(f"precision.quantize={p.quantize!r}: use none, int8 or int4")
     if not c.checkpoint.path:
         raise SettingsError("checkpoint.path is empty: pass --config.checkpoint.path=<converted checkpoint>")
     return Settings(

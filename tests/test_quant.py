@@ -1,6 +1,8 @@
-"""Weight-only int8: the CPU kernel against numpy, and whole models against transformers running
-the same int8 weights dequantised. The int8 weights of the reference are made here, in numpy,
-independently of models/quant.py: one scale per output channel, max |w| / 127."""
+"""Weight-only int8 and int4: the CPU kernels against numpy, and whole models against transformers
+running the same weights dequantised. The reference's quantised weights are made here, in numpy,
+independently of models/quant.py: int8 with one scale per output channel, max |w| / 127; int4 in
+groups of 32 along the contraction, step (max - min) x float32(1 / 15) and minimum in float16
+(GGUF's Q4_1)."""
 
 import copy
 
@@ -22,6 +24,42 @@ def np_quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     scale = (np.abs(w).max(axis=1) / np.float32(127)).astype(np.float32)
     q = np.clip(np.round(w / scale[:, None]), -127, 127).astype(np.int8)
     return q, scale
+
+
+def np_quantize_int4(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """rows [out, C] -> q uint8 [out, C / 2] (byte i of a group: value i low, value i + 16 high),
+    d, m float16 [out, C / 32]."""
+    g = rows.astype(np.float32).reshape(rows.shape[0], -1, 32)
+    lo, hi = g.min(axis=-1), g.max(axis=-1)
+    d, m = ((hi - lo) * np.float32(1 / 15)).astype(np.float16), lo.astype(np.float16)
+    d32, m32 = d.astype(np.float32)[..., None], m.astype(np.float32)[..., None]
+    u = np.round((g - m32) / np.where(d32 > 0, d32, np.float32(1)))
+    u = np.clip(np.where(d32 > 0, u, 0), 0, 15).astype(np.uint8)
+    return (u[..., :16] | (u[..., 16:] << 4)).reshape(rows.shape[0], -1), d, m
+
+
+def np_dequantize_int4(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
+    b = q.reshape(q.shape[0], -1, 16)
+    u = np.concatenate([b & 15, b >> 4], axis=-1).astype(np.float64)
+    w = u * d.astype(np.float64)[..., None] + m.astype(np.float64)[..., None]
+    return w.reshape(q.shape[0], -1)
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 5, 8, 13, 40])
+def test_int4_kernel_matches_numpy(M):
+    """x . W^T for W in numpy's int4 groups, every row count's path (one row: the nibbles times x,
+    then each group's scale; more: the weights made in registers and shared by the rows)."""
+    rng = np.random.default_rng(M)
+    for N, K in [(1, 32), (7, 96), (37, 576), (192, 64), (300, 1536)]:
+        x = rng.standard_normal((M, K)).astype(np.float32)
+        w = rng.standard_normal((N, K)).astype(np.float32) * rng.uniform(0.1, 3, (N, 1)).astype(np.float32)
+        q, d, m = np_quantize_int4(w)
+        deq = np_dequantize_int4(q, d, m)
+        assert 0.02 < np.abs(deq - w).max() / np.abs(w).max() < 0.1  # 4 bits, really
+        want = x.astype(np.float64) @ deq.T
+        got = np.asarray(jax.jit(cpu.matmul_nk_s4)(x, q, d, m))
+        assert got.shape == (M, N)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
 @pytest.mark.parametrize("M", [1, 2, 3, 5, 8, 13, 40])
@@ -56,10 +94,65 @@ def test_quantize_matches_numpy():
                                   np.asarray(params["layers"][0]["attn_norm"]))
 
 
-def dequantized_reference(m):
-    """A copy of the transformers model whose projection weights are numpy's int8, dequantised.
-    GPT-OSS: its experts too (gate_up_proj [E, D, 2F] and down_proj [E, F, D], one scale per
-    expert and output column over the contracted middle dimension), not its router."""
+def test_quantize_int4_matches_numpy():
+    """Under int4 every projection of a llama holds numpy's int4 groups bit for bit, output dims
+    first and the contraction flattened (the attention output's heads x head_dim); the unembedding
+    is int8, norms and an untied embedding stay as they were."""
+    rules = rules_for("1dev")
+    m = tiny_hf("llama")
+    model, params = to_podrun(m, rules)
+    got = quant.quantize(model.declare(), params, rules, "int4")
+    layer, qlayer = params["layers"][1], got["layers"][1]
+    for name, contract in [("wq", 1), ("wk", 1), ("wv", 1), ("wo", 2), ("w_gate", 1), ("w_down", 1)]:
+        w = np.asarray(layer[name])
+        rows = np.moveaxis(w.reshape(int(np.prod(w.shape[:contract])), -1), 0, 1)  # [out, in]
+        want = np_quantize_int4(rows)
+        held = qlayer[name]
+        assert isinstance(held, quant.Q4Weight) and held.q.dtype == jnp.uint8
+        assert held.d.dtype == held.m.dtype == jnp.float16
+        for a, b in zip((held.q, held.d, held.m), want):
+            np.testing.assert_array_equal(np.asarray(a).reshape(b.shape), b)
+    assert isinstance(got["unembed"], quant.QWeight)  # the vocabulary's tables: int8
+    assert not isinstance(got["embed"], (quant.QWeight, quant.Q4Weight))
+    np.testing.assert_array_equal(np.asarray(got["layers"][0]["attn_norm"]),
+                                  np.asarray(params["layers"][0]["attn_norm"]))
+
+
+def test_int4_refuses_shards_that_split_its_groups():
+    """The tiny llama's MLP contracts 96 values, 24 per shard over model=4: not whole groups of
+    32. The error names the weight and the way out."""
+    rules = rules_for("data2_model4")
+    model, params = to_podrun(tiny_hf("llama"), rules)
+    with pytest.raises(quant.QuantizeError, match=r"shape \(96, 64\).*contracts 96 over 4 shard.*int8"):
+        model.prepare(params, rules, Policy(quantize="int4"))
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["cpu_kernel", "xla"])
+def test_int4_product_sharded_over_its_contraction_matches_numpy(kernels):
+    """A [F, D] projection with F over model=4 (64 values, two groups, a shard): each device's
+    kernel (or XLA's dot) takes its groups and the partial sums are added over the mesh."""
+    from models.weights import Weight
+
+    rules = rules_for("data2_model4")
+    decl = {"w": Weight((256, 64), ("mlp", "embed"), contract=1)}
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((256, 64)).astype(np.float32)
+    x = rng.standard_normal((2, 3, 256)).astype(np.float32)
+    placed = {"w": jax.device_put(w, rules.sharding("mlp", "embed"))}
+    held = quant.quantize(decl, placed, rules, "int4")["w"]
+    assert held.q.sharding.spec[1] == "model"  # q [D, F / 2]: the contraction stays sharded
+    policy = Policy(quantize="int4", kernels=kernels)
+    got = jax.jit(lambda x, w: policy.einsum("BTF,FD->BTD", x, w))(
+        jax.device_put(x, rules.sharding("batch", "seq", "mlp")), held)
+    want = x.astype(np.float64) @ np_dequantize_int4(*np_quantize_int4(w.T)).T
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def dequantized_reference(m, how: str = "int8"):
+    """A copy of the transformers model whose projection weights are numpy's int8 (or int4),
+    dequantised. GPT-OSS: its experts too, in int8 either way (gate_up_proj [E, D, 2F] and
+    down_proj [E, F, D], one scale per expert and output column over the contracted middle
+    dimension), not its router."""
     ref = copy.deepcopy(m)
     with torch.no_grad():
         for name, mod in ref.named_modules():
@@ -78,8 +171,12 @@ def dequantized_reference(m):
                 continue  # GPT-OSS's router stays in full precision
             rows = w.numpy()
             conv1d = type(mod).__name__ == "Conv1D"  # GPT-2 stores [in, out]
-            q, scale = np_quantize(rows.T if conv1d else rows)
-            deq = q.astype(np.float32) * scale[:, None]
+            rows = rows.T if conv1d else rows  # [out, in]
+            if how == "int4" and not name.endswith(("lm_head", "embed_tokens", "wte")):
+                deq = np_dequantize_int4(*np_quantize_int4(rows)).astype(np.float32)
+            else:
+                q, scale = np_quantize(rows)
+                deq = q.astype(np.float32) * scale[:, None]
             w.copy_(torch.from_numpy(deq.T.copy() if conv1d else deq))
     return ref
 
@@ -138,6 +235,36 @@ def test_int8_decode_matches_transformers_on_dequantized_weights(kind, mesh, fus
         for i in range(steps + 1):
             np.testing.assert_allclose(got[i][b], want[n - 1 + i], atol=3e-4, rtol=1e-4)
     assert differs  # the int8 weights really change the logits, so the match is not by accident
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["cpu_kernel", "xla"])
+@pytest.mark.parametrize("kind,mesh,fuse,scan", [
+    ("llama", "1dev", True, False), ("qwen2", "1dev", False, True), ("gpt2", "1dev", False, True),
+    ("gptoss", "1dev", False, False)])
+def test_int4_decode_matches_transformers_on_dequantized_weights(kind, mesh, fuse, scan, kernels):
+    """As the int8 test: prefill and decode steps on int4 weights give transformers' logits on the
+    same weights dequantised (the vocabulary's and GPT-OSS's experts in int8), through the CPU
+    kernel and XLA's dot."""
+    rules = rules_for(mesh)
+    m = tiny_hf(kind)
+    ref = dequantized_reference(m, "int4")
+    model, params = to_podrun(m, rules)
+    policy = Policy(quantize="int4", kernels=kernels, fuse_projections=fuse, scan_layers=scan)
+    params = model.prepare(params, rules, policy)
+    layer = params["layer_stack"][0] if scan else params["layers"][0]
+    assert isinstance(layer["wo"], quant.Q4Weight)
+    if kind == "gptoss":
+        assert isinstance(layer["w_down"], quant.QWeight)
+    steps = 5
+    lengths, seqs, got, _ = decode_logits(model, params, rules, policy, jnp.float32, 3, steps)
+    differs = False
+    for b, n in enumerate(lengths):
+        want = hf_logits(ref, seqs[b: b + 1, : n + steps])[0]
+        unquantized = hf_logits(m, seqs[b: b + 1, : n + steps])[0]
+        differs |= not np.allclose(want, unquantized, atol=1e-2)
+        for i in range(steps + 1):
+            np.testing.assert_allclose(got[i][b], want[n - 1 + i], atol=3e-4, rtol=1e-4)
+    assert differs  # 4 bits change the logits, so the match is not by accident
 
 
 def test_windows_predict_every_token_once():

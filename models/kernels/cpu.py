@@ -3,6 +3,8 @@
 
     matmul_f32(x [M, K], w [K, N] (or [N, K], w_nk)) -> [M, N], float32, for a few rows of x
     matmul_nk_s8(x [M, K] f32, q [N, K] int8, scale [N] f32) -> [M, N] f32 = x . (q * scale)^T
+    matmul_nk_s4(x [M, K] f32, q [N, K / 2] uint8, d, m [N, K / 32] f16) -> [M, N] f32, for int4
+        weights in groups of 32 (models/quant.py's layout: d * u + m)
     decode_attention(q, cache k/v and positions, this step's k/v and positions) -> [B, T, N, H],
         for decode steps and for prefills (an empty cache)
 
@@ -43,7 +45,7 @@ import numpy as np
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_matmul.cc", "cpu_attention.cc"))
 HEADERS = (Path(__file__).with_name("cpu_kernels.h"),)
-TARGETS = ("podrun_matmul_f32", "podrun_matmul_nk_s8", "podrun_decode_attention", "podrun_decode_attention_s8")
+TARGETS = ("podrun_matmul_f32", "podrun_matmul_nk_s8", "podrun_matmul_nk_s4", "podrun_decode_attention", "podrun_decode_attention_s8")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 
 
@@ -158,6 +160,13 @@ def matmul_nk_s8(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
     register()
     out = jax.ShapeDtypeStruct((x.shape[0], q.shape[0]), jnp.float32)
     return jax.ffi.ffi_call("podrun_matmul_nk_s8", out)(x.astype(jnp.float32), q, scale)
+
+
+def matmul_nk_s4(x: jax.Array, q: jax.Array, d: jax.Array, m: jax.Array) -> jax.Array:
+    """x [M, K] float32, q [N, K / 2] uint8, d, m [N, K / 32] float16 -> [M, N] float32."""
+    register()
+    out = jax.ShapeDtypeStruct((x.shape[0], q.shape[0]), jnp.float32)
+    return jax.ffi.ffi_call("podrun_matmul_nk_s4", out)(x.astype(jnp.float32), q, d, m)
 
 
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, k_pos: jax.Array,

@@ -34,12 +34,22 @@ namespace podrun {
 // sized from these, so that their sums stay in registers (sized for AVX-512's 32 registers, the
 // blocks spilled on an AVX2 machine's 16: a product of 8 rows ran 7x slower than of 1 row).
 #if defined(__AVX512F__)
+#define PODRUN_VECTOR_F16 1
 constexpr int kLanes = 16, kVecRegs = 32;
 constexpr const char* kVectorPath = "avx512";
 typedef __m512 vf;
 inline vf load(const float* p) { return _mm512_loadu_ps(p); }
 inline vf load_s8(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+// kLanes bytes of 4-bit pairs: the low nibbles as floats (lo), the high ones (hi)
+inline void load_u4(const uint8_t* p, vf& lo, vf& hi) {
+  __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+  lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+  hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+}
+inline vf load_f16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
 }
 inline void store(float* p, vf v) { _mm512_storeu_ps(p, v); }
 inline vf splat(float s) { return _mm512_set1_ps(s); }
@@ -55,6 +65,15 @@ inline vf load(const float* p) { return _mm256_loadu_ps(p); }
 inline vf load_s8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
 }
+inline void load_u4(const uint8_t* p, vf& lo, vf& hi) {
+  __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+  lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+  hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+}
+#if defined(__F16C__)
+inline vf load_f16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+#define PODRUN_VECTOR_F16 1
+#endif
 inline void store(float* p, vf v) { _mm256_storeu_ps(p, v); }
 inline vf splat(float s) { return _mm256_set1_ps(s); }
 inline vf zero() { return _mm256_setzero_ps(); }
@@ -74,6 +93,14 @@ inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
 inline vf load_s8(const int8_t* p) {
   vb b; std::memcpy(&b, p, sizeof b);
   return __builtin_convertvector(b, vf);
+}
+typedef uint8_t vu8 __attribute__((vector_size(kLanes), aligned(1)));
+typedef int32_t vi __attribute__((vector_size(kLanes * 4)));
+inline void load_u4(const uint8_t* p, vf& lo, vf& hi) {
+  vu8 b; std::memcpy(&b, p, sizeof b);
+  vi w = __builtin_convertvector(b, vi);
+  lo = __builtin_convertvector(w & 15, vf);
+  hi = __builtin_convertvector(w >> 4, vf);
 }
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 inline vf splat(float s) { return vf{} + s; }
@@ -241,6 +268,30 @@ class Team {
   std::atomic<const char*> ahead_base_{nullptr};
   std::atomic<int64_t> ahead_rows_{0}, ahead_unit_{1}, ahead_row_bytes_{0};
 };
+
+// IEEE half-precision values as floats (the int4 weights' scales and minima)
+inline float half_to_float(uint16_t h) {
+  uint32_t sign = uint32_t(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023, bits;
+  if (exp == 31) bits = sign | 0x7F800000u | (man << 13);  // inf, nan
+  else if (exp) bits = sign | ((exp + 112) << 23) | (man << 13);
+  else if (!man) bits = sign;
+  else {  // subnormal: normalise
+    int e = -1;
+    do { ++e; man <<= 1; } while (!(man & 1024));
+    bits = sign | (uint32_t(112 - e) << 23) | ((man & 1023) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline void halves_to_floats(const uint16_t* h, float* f, int64_t n) {
+  int64_t i = 0;
+#if defined(PODRUN_VECTOR_F16)
+  for (; i + kLanes <= n; i += kLanes) store(f + i, load_f16(h + i));
+#endif
+  for (; i < n; ++i) f[i] = half_to_float(h[i]);
+}
 
 template <typename C>
 inline vf load_as_float(const C* p) {

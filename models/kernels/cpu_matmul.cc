@@ -88,6 +88,102 @@ void nk_all(const float* x, const W* w, const float* scale, float* y, int64_t M,
   }
 }
 
+// --- W[N, K] in 4 bits: groups of kGroup weights along K, each with an f16 scale and minimum -----
+//
+// q[N, K / 2] bytes, d and m [N, K / kGroup] f16: weight k of row n is d[n, g] * u + m[n, g], where
+// g = k / kGroup and u in [0, 15] is the low nibble of byte 16 g + k % 16 for k % 32 < 16, else its
+// high nibble (GGUF's Q4_1 blocks hold the same numbers). So
+//   y[n] = sum_g d[n, g] (x[g] . u[n, g]) + sum_g m[n, g] sum(x[g])
+// for one row of x, the second term one short dot product per row of W (the sums of x by group,
+// xsum, computed once a call); for more rows, each vector of weights is made once (d u + m) and
+// applied to every row of x.
+constexpr int64_t kGroup = 32;
+
+// Rows [n0, n0 + NB) of W; ds, ms: their scales and minima as floats.
+template <int MB, int NB>
+void nk4_block(const float* x, int64_t K, const float* xsum, const uint8_t* q, const float* ds,
+               const float* ms, float* y, int64_t ldy, int64_t n0) {
+  constexpr int H = 16 / kLanes;  // vectors of nibbles in a group's 16 bytes
+  const int64_t G = K / kGroup, rb = K / 2;
+  float base[MB][NB] = {};  // one row of x: the minimum terms, sum_g m[n, g] xsum[g]
+  if constexpr (MB == 1)
+    for (int j = 0; j < NB; ++j) {
+      const float* mj = ms + j * G;
+      vf a = zero();
+      int64_t g = 0;
+      for (; g + kLanes <= G; g += kLanes) a = fma(load(mj + g), load(xsum + g), a);
+      float s = hsum(a);
+      for (; g < G; ++g) s += mj[g] * xsum[g];
+      base[0][j] = s;
+    }
+  vf acc[MB][NB];
+  for (auto& r : acc) for (auto& a : r) a = zero();
+  const char* next = reinterpret_cast<const char*>(q + (n0 + NB) * rb);
+  for (int64_t g = 0; g < G; ++g) {
+    for (int b = 0; b < NB * 16; b += 64) __builtin_prefetch(next + g * NB * 16 + b, 0, 3);
+    vf lo[NB][H], hi[NB][H];
+    for (int j = 0; j < NB; ++j)
+      for (int h = 0; h < H; ++h) load_u4(q + (n0 + j) * rb + g * 16 + h * kLanes, lo[j][h], hi[j][h]);
+    if constexpr (MB == 1) {  // the nibbles times x, then the group's scale: 3 operations a vector
+      const float* xg = x + g * kGroup;
+      vf xl[H], xh[H];
+      for (int h = 0; h < H; ++h) xl[h] = load(xg + h * kLanes), xh[h] = load(xg + 16 + h * kLanes);
+      for (int j = 0; j < NB; ++j) {
+        vf t = xl[0] * lo[j][0];
+        t = fma(xh[0], hi[j][0], t);
+        for (int h = 1; h < H; ++h) t = fma(xl[h], lo[j][h], fma(xh[h], hi[j][h], t));
+        acc[0][j] = fma(t, splat(ds[j * G + g]), acc[0][j]);
+      }
+    } else {  // the weights themselves (d u + m), then one product a vector for each row of x
+      for (int j = 0; j < NB; ++j) {
+        vf dj = splat(ds[j * G + g]), mj = splat(ms[j * G + g]);
+        for (int h = 0; h < H; ++h) lo[j][h] = fma(lo[j][h], dj, mj), hi[j][h] = fma(hi[j][h], dj, mj);
+      }
+      for (int i = 0; i < MB; ++i) {
+        const float* xg = x + i * K + g * kGroup;
+        for (int h = 0; h < H; ++h) {
+          vf xl = load(xg + h * kLanes), xh = load(xg + 16 + h * kLanes);
+          for (int j = 0; j < NB; ++j) acc[i][j] = fma(xh, hi[j][h], fma(xl, lo[j][h], acc[i][j]));
+        }
+      }
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) y[i * ldy + n0 + j] = hsum(acc[i][j]) + base[i][j];
+}
+
+template <int MB>
+void nk4_rows(const float* x, const float* xsum, const uint8_t* q, const float* ds,
+              const float* ms, float* y, int64_t N, int64_t K, int64_t n_begin, int64_t n_end) {
+  constexpr int NB = kVecRegs >= 32 ? (MB == 1 ? 8 : MB == 2 ? 4 : 2)
+                                    : (MB == 1 ? 4 : MB <= 4 ? 2 : 1);
+  const int64_t G = K / kGroup;
+  int64_t n = n_begin;
+  auto at = [&](const float* p) { return p + (n - n_begin) * G; };
+  for (; n + NB <= n_end; n += NB) nk4_block<MB, NB>(x, K, xsum, q, at(ds), at(ms), y, N, n);
+  for (; n < n_end; ++n) nk4_block<MB, 1>(x, K, xsum, q, at(ds), at(ms), y, N, n);
+}
+
+void nk4_all(const float* x, const float* xsum, const uint8_t* q, const uint16_t* d,
+             const uint16_t* mn, float* y, int64_t M, int64_t N, int64_t K, int64_t n0,
+             int64_t n1) {
+  const int64_t G = K / kGroup;
+  thread_local std::vector<float> buf;  // the scales and minima of rows [n0, n1) as floats
+  if (buf.size() < size_t(2 * (n1 - n0) * G)) buf.resize(2 * (n1 - n0) * G);
+  float *ds = buf.data(), *ms = ds + (n1 - n0) * G;
+  halves_to_floats(d + n0 * G, ds, (n1 - n0) * G);
+  halves_to_floats(mn + n0 * G, ms, (n1 - n0) * G);
+  for (int64_t m = 0; m < M;) {
+    int64_t left = M - m;
+    const float *xm = x + m * K, *sm = xsum + m * G;
+    float* ym = y + m * N;
+    if (left >= 8) { nk4_rows<8>(xm, sm, q, ds, ms, ym, N, K, n0, n1); m += 8; }
+    else if (left >= 4) { nk4_rows<4>(xm, sm, q, ds, ms, ym, N, K, n0, n1); m += 4; }
+    else if (left >= 2) { nk4_rows<2>(xm, sm, q, ds, ms, ym, N, K, n0, n1); m += 2; }
+    else { nk4_rows<1>(xm, sm, q, ds, ms, ym, N, K, n0, n1); m += 1; }
+  }
+}
+
 // Chunk sizes: enough chunks per thread to balance, each big enough to amortise the bookkeeping.
 int64_t grain(int64_t n, int64_t unit, int64_t threads) {
   int64_t g = (n + 8 * threads - 1) / (8 * threads);
@@ -345,6 +441,46 @@ ffi::Error MatmulNKS8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   return ffi::Error::Success();
 }
 
+// y[M, N] = x[M, K] . W^T for 4-bit W (nk4_block): the team for one or two rows, as
+// MatmulNKS8, else XLA's pool (when given).
+void matmul_s4(ffi::ThreadPool* pool, const float* xp, const uint8_t* qp, const uint16_t* dp,
+               const uint16_t* mp, float* yp, int64_t M, int64_t N, int64_t K) {
+  const int64_t G = K / kGroup;
+  thread_local std::vector<float> sums;
+  sums.resize(M * G);
+  float* xs = sums.data();
+  for (int64_t i = 0; i < M * G; ++i) {
+    const float* xg = xp + i * kGroup;
+    vf a = zero();
+    for (int64_t k = 0; k < kGroup; k += kLanes) a = a + load(xg + k);
+    xs[i] = hsum(a);
+  }
+  if (M <= 2 || !pool) {
+    over_rows(qp, N, kLanes, K / 2, [=](int, int, int64_t n0, int64_t n1) {
+      if (n1 > n0) nk4_all(xp, xs, qp, dp, mp, yp, M, N, K, n0, n1);
+    });
+    return;
+  }
+  parallel_for(*pool, N, grain(N, 16, pool->num_threads()), [=](int64_t n0, int64_t n1) {
+    nk4_all(xp, xs, qp, dp, mp, yp, M, N, K, n0, n1);
+  });
+}
+
+ffi::Error MatmulNKS4(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> q,
+                      ffi::Buffer<ffi::F16> d, ffi::Buffer<ffi::F16> m,
+                      ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), qd = q.dimensions(), dd = d.dimensions(), md = m.dimensions();
+  if (xd.size() != 2 || qd.size() != 2 || dd.size() != 2 || md.size() != 2 ||
+      xd[1] % kGroup != 0 || qd[1] * 2 != xd[1] || dd[0] != qd[0] || dd[1] != xd[1] / kGroup ||
+      md[0] != dd[0] || md[1] != dd[1])
+    return ffi::Error::InvalidArgument(
+        "podrun_matmul_nk_s4: expects x[M, K] with K a multiple of 32, q[N, K / 2] uint8 and "
+        "d, m[N, K / 32] float16");
+  matmul_s4(&pool, x.typed_data(), q.typed_data(), d.typed_data(), m.typed_data(),
+            y->typed_data(), xd[0], qd[0], xd[1]);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 // kChain | kSingleRows by default (benchmarks/product_options.py measures them on and off).
@@ -366,4 +502,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(podrun_matmul_nk_s8, MatmulNKS8,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(podrun_matmul_nk_s4, MatmulNKS4,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
