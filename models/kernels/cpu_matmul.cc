@@ -29,8 +29,11 @@ using namespace podrun;
 
 // --- W[N, K]: each output is a dot product over contiguous K ----------------------------------
 
-// NB rows of W at a time, with the next NB rows prefetched as they go: the rows of a block are
-// contiguous, and each pass over k asks for the next block's share (NB x kLanes values) of memory.
+// NB rows of W at a time, with the rows two blocks on prefetched as they go: the rows of a block are
+// contiguous, and each pass over k asks for that block's share (NB x kLanes values) of memory. The
+// next block was too close to hide memory's latency at one row of x: SmolLM2's decode products in
+// int8 chained in C++ (alternated builds, 3 rounds), 22.1-25.4 GB/s asking one block ahead,
+// 25.9-30.2 two ahead, 24.8-27.8 three; no change at 2 and 8 rows of x nor for float32 W.
 // Rows of a few hundred bytes (int8 weights, head-sized K) are too short for the hardware
 // prefetcher to follow. SmolLM2's decode products chained, one row of x (medians of 10-20 passes
 // with and without, alternated in one process): int8 9.4 against 19.3 ms per step, float32 34.1
@@ -41,7 +44,7 @@ void nk_block(const float* x, int64_t ldx, const W* w, const float* scale, float
               int64_t n0, int64_t K) {
   vf acc[MB][NB];
   for (auto& r : acc) for (auto& a : r) a = zero();
-  const char* next = reinterpret_cast<const char*>(w + (n0 + NB) * K);
+  const char* next = reinterpret_cast<const char*>(w + (n0 + 2 * NB) * K);
   int64_t k = 0;
   for (; k + kLanes <= K; k += kLanes) {
     for (size_t b = 0; b < NB * kLanes * sizeof(W); b += 64)  // a line at a time (never faults,
@@ -118,7 +121,7 @@ void nk4_block(const float* x, int64_t K, const float* xsum, const uint8_t* q, c
     }
   vf acc[MB][NB];
   for (auto& r : acc) for (auto& a : r) a = zero();
-  const char* next = reinterpret_cast<const char*>(q + (n0 + NB) * rb);
+  const char* next = reinterpret_cast<const char*>(q + (n0 + 2 * NB) * rb);  // as nk_block
   for (int64_t g = 0; g < G; ++g) {
     for (int b = 0; b < NB * 16; b += 64) __builtin_prefetch(next + g * NB * 16 + b, 0, 3);
     vf lo[NB][H], hi[NB][H];
