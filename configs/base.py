@@ -39,10 +39,10 @@ def base_config() -> ConfigDict:
         # per output channel) | int4 (groups of 32 with a float16 scale and minimum, as GGUF's
         # Q4_1; the embedding, unembedding and GPT-OSS's experts stay int8).
         "quantize": "none",
-        # podrun's own CPU kernels (models/kernels): the int8 products, attention (decode steps and
-        # prompts) and (on one device) the float32 projections of a decode step of up to 8 rows,
-        # built with g++ on first use (without a compiler: a warning, and XLA). False leaves all of
-        # it to XLA (same results; slower, much slower for int8).
+        # podrun's own CPU kernels (models/kernels): the int8 and int4 products, attention (decode
+        # steps and prompts) and (on one device) the float32 projections of a decode step of up to
+        # 8 rows, built with g++ on first use (without a compiler: a warning, and XLA). False leaves
+        # all of it to XLA (same results; slower, much slower for int8 and int4).
         "kernels": True,
         # TPU: decode attention in the Pallas kernel (off: XLA's attention, which avoids a copy of
         # each layer's cache per step that the kernel still causes; see models/layers.Policy).
