@@ -91,10 +91,15 @@ def cache_spec(c: Config) -> tuple[tuple[int | None, ...], int, int]:
 
 
 def attention_block(p: dict, x: jax.Array, positions: jax.Array, cache: KVCache, layer: int,
-                    start: Any, rules: Rules, policy: Policy) -> tuple[jax.Array, KVCache]:
+                    start: Any, rules: Rules, policy: Policy, last: bool = False
+                    ) -> tuple[jax.Array, KVCache]:
+    """last: the output of the last position alone (scan.run_layers); every position's keys and
+    values still go to the cache, and attention runs for every query (as the prompt kernels take
+    them), the rest of the block for the last."""
     qkv = policy.einsum("BTD,DINH->BTINH", x, p["wqkv"]) + p["bqkv"]  # I indexes q, k, v
     q, k, v = (constrain(qkv[:, :, i], rules, "batch", "seq", "act_heads", None) for i in range(3))
     out, cache = cached_attention(q, k, v, positions, cache, layer, start, rules, policy)
+    out = out[:, -1:] if last else out
     return policy.einsum("BTNH,NHD->BTD", out, p["wo"]) + p["bo"], cache
 
 
@@ -105,8 +110,8 @@ def mlp_block(p: dict, x: jax.Array, rules: Rules, policy: Policy) -> jax.Array:
 
 
 def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache, start: Any,
-            c: Config, rules: Rules, policy: Policy, last_only: bool = False
-            ) -> tuple[jax.Array, KVCache]:
+            c: Config, rules: Rules, policy: Policy, last_only: bool = False,
+            trim: bool = True) -> tuple[jax.Array, KVCache]:
     """As llama.forward: tokens, positions [B, T] (-1 = padding) -> logits, updated cache."""
     cache = cache.write_positions(positions, start)
     positions = jnp.maximum(positions, 0)
@@ -114,14 +119,14 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCach
     x = constrain(x, rules, "batch", "seq", "act_embed")
     eps = c.layer_norm_eps
 
-    def layer(p, x, cache, i):
+    def layer(p, x, cache, i, last):
         h, cache = attention_block(p, layer_norm(x, p["ln1_w"], p["ln1_b"], eps), positions,
-                                   cache, i, start, rules, policy)
-        x = constrain(x + h, rules, "batch", "seq", "act_embed")
+                                   cache, i, start, rules, policy, last)
+        x = constrain((x[:, -1:] if last else x) + h, rules, "batch", "seq", "act_embed")
         h = mlp_block(p, layer_norm(x, p["ln2_w"], p["ln2_b"], eps), rules, policy)
         return constrain(x + h, rules, "batch", "seq", "act_embed"), cache
 
-    x, cache = scan.run_layers(params, x, cache, start, rules, layer)
+    x, cache = scan.run_layers(params, x, cache, start, rules, layer, last_only and trim)
     x = layer_norm(x[:, -1:] if last_only else x, params["lnf_w"], params["lnf_b"], eps)
     logits = policy.einsum("BTD,VD->BTV", x, params["wte"])
     logits = constrain(logits, rules, "batch", "seq", "act_vocab")

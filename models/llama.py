@@ -159,12 +159,17 @@ def cache_spec(c: Config) -> tuple[tuple[int | None, ...], int, int]:
 # --- blocks -----------------------------------------------------------------------------------
 
 def attention_block(p: dict, x: jax.Array, positions: jax.Array, cache: KVCache, layer: int,
-                    start: Any, c: Config, rules: Rules, policy: Policy) -> tuple[jax.Array, KVCache]:
+                    start: Any, c: Config, rules: Rules, policy: Policy, last: bool = False
+                    ) -> tuple[jax.Array, KVCache]:
+    """last: the output of the last position alone (scan.run_layers); every position's keys and
+    values still go to the cache, and attention runs for every query (as the prompt kernels take
+    them), the rest of the block for the last."""
     q, k, v = fused.qkv(p, x, policy)  # [B, T, N, H], [B, T, K, H] twice
     q = constrain(apply_rope(q, positions, c.rope), rules, "batch", "seq", "act_heads", None)
     k = constrain(apply_rope(k, positions, c.rope), rules, "batch", "seq", "act_kv_heads", None)
     v = constrain(v, rules, "batch", "seq", "act_kv_heads", None)
     out, cache = cached_attention(q, k, v, positions, cache, layer, start, rules, policy)
+    out = out[:, -1:] if last else out
     return add_bias(policy.einsum("BTNH,NHD->BTD", out, p["wo"]), p["bo"]), cache
 
 
@@ -175,25 +180,27 @@ def mlp_block(p: dict, x: jax.Array, rules: Rules, policy: Policy) -> jax.Array:
 
 
 def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache, start: Any,
-            c: Config, rules: Rules, policy: Policy, last_only: bool = False
-            ) -> tuple[jax.Array, KVCache]:
+            c: Config, rules: Rules, policy: Policy, last_only: bool = False,
+            trim: bool = True) -> tuple[jax.Array, KVCache]:
     """tokens, positions: [B, T] (position -1 marks padding); start: first cache slot written.
 
-    Returns logits [B, T, V] (or [B, V] for the last position) and the updated cache.
+    Returns logits [B, T, V] (or [B, V] for the last position) and the updated cache. With
+    last_only and trim, the final layer's output projection and MLP run for the last position
+    alone (scan.run_layers).
     """
     cache = cache.write_positions(positions, start)
     positions = jnp.maximum(positions, 0)
     x = quant.lookup(params["embed"], tokens).astype(policy.dtype)  # [B, T, D]
     x = constrain(x, rules, "batch", "seq", "act_embed")
 
-    def layer(p, x, cache, i):
+    def layer(p, x, cache, i, last):
         h, cache = attention_block(p, rms_norm(x, p["attn_norm"], c.rms_norm_eps), positions,
-                                   cache, i, start, c, rules, policy)
-        x = constrain(x + h, rules, "batch", "seq", "act_embed")
+                                   cache, i, start, c, rules, policy, last)
+        x = constrain((x[:, -1:] if last else x) + h, rules, "batch", "seq", "act_embed")
         h = mlp_block(p, rms_norm(x, p["mlp_norm"], c.rms_norm_eps), rules, policy)
         return constrain(x + h, rules, "batch", "seq", "act_embed"), cache
 
-    x, cache = scan.run_layers(params, x, cache, start, rules, layer)
+    x, cache = scan.run_layers(params, x, cache, start, rules, layer, last_only and trim)
     x = rms_norm(x[:, -1:] if last_only else x, params["final_norm"], c.rms_norm_eps)
     if params["unembed"] is None:  # tied: the embedding [V, D] itself, never transposed
         logits = policy.einsum("BTD,VD->BTV", x, params["embed"])

@@ -74,9 +74,10 @@ class Model:
     def num_layers(self) -> int:
         return len(self.module.cache_spec(self.config)[0])
 
-    def forward(self, params, tokens, positions, cache, start, rules, policy, last_only=False):
+    def forward(self, params, tokens, positions, cache, start, rules, policy, last_only=False,
+                trim=True):
         return self.module.forward(params, tokens, positions, cache, start, self.config, rules,
-                                   policy, last_only)
+                                   policy, last_only, trim)
 
     def to_json(self) -> dict:
         return {"family": self.family, "config": dataclasses.asdict(self.config)}
