@@ -203,6 +203,21 @@ def decode_logits(model, params, rules, policy, cache_dtype, seed, steps):
     return lengths, seqs, got, cache
 
 
+def assert_decodes_as(ref, m, model, params, rules, policy, changed_by: float, steps: int = 5):
+    """decode_logits' prefill and steps give the logits of transformers' `ref` (the weights
+    dequantised), which differ from the unquantised `m`'s by more than `changed_by` somewhere, so
+    that the match is not by accident."""
+    lengths, seqs, got, _ = decode_logits(model, params, rules, policy, jnp.float32, 3, steps)
+    differs = False
+    for b, n in enumerate(lengths):
+        want = hf_logits(ref, seqs[b: b + 1, : n + steps])[0]
+        unquantized = hf_logits(m, seqs[b: b + 1, : n + steps])[0]
+        differs |= not np.allclose(want, unquantized, atol=changed_by)
+        for i in range(steps + 1):
+            np.testing.assert_allclose(got[i][b], want[n - 1 + i], atol=3e-4, rtol=1e-4)
+    assert differs
+
+
 @pytest.mark.parametrize("kernels", [True, False], ids=["cpu_kernel", "xla"])
 @pytest.mark.parametrize("kind,mesh,fuse,scan", [
     ("llama", "1dev", True, False), ("qwen2", "data2_model4", False, False), ("gpt2", "1dev", False, True),
@@ -225,16 +240,7 @@ def test_int8_decode_matches_transformers_on_dequantized_weights(kind, mesh, fus
     assert isinstance(layer["wo"], quant.QWeight) and layer["wo"].q.ndim == (4 if scan else 3)
     if kind == "gptoss":  # the experts too, stored as declared: [E, 2, F, D] and [E, D, F]
         assert [layer[n].q.shape for n in ("w_gate_up", "w_down")] == [(8, 2, 64, 64), (8, 64, 64)]
-    steps = 5
-    lengths, seqs, got, _ = decode_logits(model, params, rules, policy, jnp.float32, 3, steps)
-    differs = False
-    for b, n in enumerate(lengths):
-        want = hf_logits(ref, seqs[b: b + 1, : n + steps])[0]
-        unquantized = hf_logits(m, seqs[b: b + 1, : n + steps])[0]
-        differs |= not np.allclose(want, unquantized, atol=1e-3)
-        for i in range(steps + 1):
-            np.testing.assert_allclose(got[i][b], want[n - 1 + i], atol=3e-4, rtol=1e-4)
-    assert differs  # the int8 weights really change the logits, so the match is not by accident
+    assert_decodes_as(ref, m, model, params, rules, policy, changed_by=1e-3)
 
 
 @pytest.mark.parametrize("kernels", [True, False], ids=["cpu_kernel", "xla"])
@@ -255,16 +261,7 @@ def test_int4_decode_matches_transformers_on_dequantized_weights(kind, mesh, fus
     assert isinstance(layer["wo"], quant.Q4Weight)
     if kind == "gptoss":
         assert isinstance(layer["w_down"], quant.QWeight)
-    steps = 5
-    lengths, seqs, got, _ = decode_logits(model, params, rules, policy, jnp.float32, 3, steps)
-    differs = False
-    for b, n in enumerate(lengths):
-        want = hf_logits(ref, seqs[b: b + 1, : n + steps])[0]
-        unquantized = hf_logits(m, seqs[b: b + 1, : n + steps])[0]
-        differs |= not np.allclose(want, unquantized, atol=1e-2)
-        for i in range(steps + 1):
-            np.testing.assert_allclose(got[i][b], want[n - 1 + i], atol=3e-4, rtol=1e-4)
-    assert differs  # 4 bits change the logits, so the match is not by accident
+    assert_decodes_as(ref, m, model, params, rules, policy, changed_by=1e-2)
 
 
 def test_windows_predict_every_token_once():
