@@ -20,11 +20,10 @@ the high one): 0.625 bytes a weight, the numbers and bits of GGUF's Q4_1 blocks.
 (SmolLM2's GGUF), dequantised by the converter, comes back to the same d, m and u. On CPU the CPU
 kernel takes the nibbles; elsewhere the weight is unpacked and dequantised for XLA's dot, which on
 TPU writes it out first (GPT-OSS-20B on v5e, AOT: 5.18 GB a step per chip against 4.27 in int8;
-README), so there int4 saves memory, not traffic. The
-vocabulary's tables stay int8 under int4, as GGUF's 4-bit files keep them in 6 or 8 bits:
-SmolLM2-135M's perplexity on tinyshakespeare (4096 tokens) rose 5.9% over float32 with its tied
-embedding in 4 bits. So do GPT-OSS's experts (their products, models/gptoss.py, take per-channel
-scales).
+README), so there int4 saves memory, not traffic. The vocabulary's tables stay int8 under int4, as
+GGUF's 4-bit files keep them in 6 or 8 bits: SmolLM2-135M's perplexity on tinyshakespeare (4096
+tokens) rose 5.9% over float32 with its tied embedding in 4 bits. So do GPT-OSS's experts (their
+products, models/gptoss.py, take per-channel scales).
 """
 
 from __future__ import annotations
@@ -51,7 +50,7 @@ class QWeight:
     rules: Rules = dataclasses.field(metadata={"static": True})
 
 
-GROUP = 32  # int4 weights along the last contracted dimension
+GROUP = 32  # int4 weights a group, along the flattened contraction
 
 
 @jax.tree_util.register_dataclass
@@ -105,6 +104,8 @@ def _int4_layout(w: Weight, rules: Rules) -> tuple[tuple[int, ...], tuple[int, .
     lead = tuple(w.shape[i] for i in out)
     axes = tuple(w.axes[i] for i in out) + (w.axes[contract[0]],)
     return lead + (C // 2,), lead + (C // GROUP,), axes
+
+
 def abstract(w: Weight, rules: Rules) -> QWeight:
     """The int8 form of one projection as ShapeDtypeStructs with their shardings."""
     out, contract = _split(w)

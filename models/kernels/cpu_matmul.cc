@@ -11,6 +11,13 @@
 // output rows are split over the team for one or two rows (SmolLM2 int8, batch 1: 5.8 against
 // 6.1-6.2 ms per step), over XLA's intra-op thread pool for more. XLA:CPU's own dot with an int8 operand
 // falls back to a slow loop. Accumulation is in float32 in the order k = 0..K-1 per lane.
+// matmul_nk_s4: the same for W in 4 bits, groups of 32 along K with a float16 step and minimum
+// each (GGUF's Q4_1 numbers, precision.quantize=int4); activations and sums stay float32, so each
+// weight costs a conversion and an FMA: on the Zen 4 machine it runs out of compute (38 G weights
+// a second from cache, 54 for int8) before memory, and SmolLM2's batch-1 step is no faster than in
+// int8 (6.2-6.5 against 6.2-7.0 ms), in 104 against 144 MB. Tried and not kept: x as 24-bit
+// integers per group through vpdpwssd (AVX-512 VNNI), 1.33x the float32 rate on one thread with
+// the weights in cache, but 0.979x SmolLM2's int4 step (10 rounds alternated in one process).
 //
 // Built on first use by models/kernels/cpu.py (g++ -O3 -march=native) with cpu_attention.cc into
 // one library, and registered with XLA's FFI.
