@@ -73,7 +73,7 @@ class Policy:
         is. Left to einsum, XLA may instead transpose a weight inside the decode loop, a copy of
         the whole matrix every step, to suit the layout of a small activation.
         """
-        if isinstance(operands[-1], (quant.QWeight, quant.Q4Weight)):  # stored [*out, *contract] whatever the spec
+        if isinstance(operands[-1], (quant.QWeight, quant.Q4Weight)):  # stored output dims first
             x, w = operands
             return quant.matmul(x, w, len(w.contract_axes), self.precision, self.kernels)
         if len(operands) == 2 and (plan := _projection(spec, operands[0].ndim, operands[1].ndim)):

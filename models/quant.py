@@ -234,9 +234,8 @@ def spec_like(w: Any, spec: jax.sharding.PartitionSpec) -> Any:
 
 
 def lookup(table: Any, tokens: jax.Array) -> jax.Array:
-    """Rows of an embedding table [V, D] (float, a QWeight quantised per row, or a Q4Weight)."""
-    if isinstance(table, Q4Weight):
-        return dequantize_int4(table.q[tokens], table.d[tokens], table.m[tokens], jnp.float32)
+    """Rows of an embedding table [V, D] (float, or a QWeight quantised per row: tables stay
+    int8 under int4 too)."""
     if isinstance(table, QWeight):
         return table.q[tokens].astype(jnp.float32) * table.scale[tokens][..., None]
     return table[tokens]

@@ -83,8 +83,8 @@ def run_layers(params: dict, x: jax.Array, cache: KVCache, start: Any, rules: Ru
     last_only: only the last position's output is wanted (a prompt's first token). Unrolled, the
     final layer is then called with last=True: it writes every position's keys and values to the
     cache and attends for every query, but takes the rest of its work (output projection, MLP)
-    for the last position alone, returning x [B, 1, D]. The peer kit's 8-layer model spends about a tenth of a 128-token
-    prompt's flops there. Scanned, every layer runs every position.
+    for the last position alone, returning x [B, 1, D]. The peer kit's 8-layer model spends about
+    a tenth of a 128-token prompt's flops there. Scanned, every layer runs every position.
     """
     if "layers" in params:
         n = len(params["layers"])
