@@ -264,6 +264,25 @@ def _experts_grouped(x, expert, weight, w, scales, c, policy, capacity):
     return jnp.zeros((M, D), y.dtype).at[token].add(y)
 
 
+def _experts_dense(x, expert, weight, w, scales, c, policy):
+    """Every local expert on every token: what grouping with a capacity of M rows per expert
+    computes, without moving tokens into buckets and back. The fallback when an expert's load
+    may reach M (the bound of the conditional below); on TPU its step reads and writes [E, M, *]
+    twice where the buckets did four times, plus the dispatch. x [M, D]; expert, weight [M, k],
+    expert = E where the expert lives on another shard."""
+    M, D = x.shape
+    w = _converted(w, x.dtype)
+    E = w["w_down"].shape[0]
+    experts = (slice(None), None)  # [E, 1, ...]
+    gate_up = policy.einsum("MD,EGD->EMG", x, w["w_gate_up"].reshape(E, -1, D))
+    gate_up = _scaled(gate_up, scales, "w_gate_up", experts) + _flat(w["b_gate_up"][:, None], gate_up)
+    y = policy.einsum("EMF,EDF->EMD", swiglu(gate_up, c), w["w_down"])
+    y = _scaled(y, scales, "w_down", experts) + w["b_down"][:, None]
+    share = jnp.einsum("MK,MKE->ME", weight, jax.nn.one_hot(expert, E, dtype=weight.dtype))
+    return jnp.einsum("EMD,ME->MD", y, share.astype(y.dtype), precision=policy.precision,
+                      preferred_element_type=jnp.float32).astype(y.dtype)
+
+
 def experts_ragged(x, expert, weight, w, scales, c, interpret=False):
     """Many assignments on TPU (precision.pallas_moe): sorted by expert, each expert's rows one
     ragged group of a Pallas grouped matmul (JAX's megablox gmm), so no assignment waits in a
@@ -329,11 +348,12 @@ def _moe_shard(x, expert, weight, w, *, c: Config, policy: Policy, expert_axes, 
         counts = jnp.bincount(local.reshape(-1), length=E + 1)[:E]
         # the mean load of an expert: the assignments over all experts, not this shard's E
         small = min(B * T, max(1, math.ceil(c.capacity_factor * local.size / c.num_experts)))
-        grouped = partial(_experts_grouped, x, local, weight, w, scales, c, policy)
+        dense = partial(_experts_dense, x, local, weight, w, scales, c, policy)
         if small >= B * T:
-            y = grouped(B * T)
+            y = dense()
         else:  # exact either way: the small buckets when they hold every assignment
-            y = jax.lax.cond(jnp.max(counts) <= small, lambda: grouped(small), lambda: grouped(B * T))
+            y = jax.lax.cond(jnp.max(counts) <= small,
+                             lambda: _experts_grouped(x, local, weight, w, scales, c, policy, small), dense)
     axes = tuple(expert_axes) + tuple(model_axes)
     if axes:
         y = jax.lax.psum(y, axes)

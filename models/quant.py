@@ -19,7 +19,7 @@ with d and m in float16, two u to a byte (byte i of a group: u[i] in the low nib
 the high one): 0.625 bytes a weight, the numbers and bits of GGUF's Q4_1 blocks. A Q4_1 checkpoint
 (SmolLM2's GGUF), dequantised by the converter, comes back to the same d, m and u. On CPU the CPU
 kernel takes the nibbles; elsewhere the weight is unpacked and dequantised for XLA's dot, which on
-TPU writes it out first (GPT-OSS-20B on v5e, AOT: 5.18 GB a step per chip against 4.27 in int8;
+TPU writes it out first (GPT-OSS-20B on v5e, AOT: 4.75 GB a step per chip against 3.84 in int8;
 README), so there int4 saves memory, not traffic. The vocabulary's tables stay int8 under int4, as
 GGUF's 4-bit files keep them in 6 or 8 bits: SmolLM2-135M's perplexity on tinyshakespeare (4096
 tokens) rose 5.9% over float32 with its tied embedding in 4 bits. So do GPT-OSS's experts (their
