@@ -19,10 +19,12 @@ from models.layers import (
     KVCache,
     Policy,
     Rope,
+    RopeTable,
     add_bias,
     apply_rope,
     cached_attention,
     rms_norm,
+    rope_table,
 )
 from models.weights import Weight
 from sharding.rules import Rules, constrain
@@ -158,15 +160,15 @@ def cache_spec(c: Config) -> tuple[tuple[int | None, ...], int, int]:
 
 # --- blocks -----------------------------------------------------------------------------------
 
-def attention_block(p: dict, x: jax.Array, positions: jax.Array, cache: KVCache, layer: int,
-                    start: Any, c: Config, rules: Rules, policy: Policy, last: bool = False
-                    ) -> tuple[jax.Array, KVCache]:
+def attention_block(p: dict, x: jax.Array, positions: jax.Array, table: RopeTable, cache: KVCache,
+                    layer: int, start: Any, c: Config, rules: Rules, policy: Policy,
+                    last: bool = False) -> tuple[jax.Array, KVCache]:
     """last: the output of the last position alone (scan.run_layers); every position's keys and
     values still go to the cache, and attention runs for every query (as the prompt kernels take
     them), the rest of the block for the last."""
     q, k, v = fused.qkv(p, x, policy)  # [B, T, N, H], [B, T, K, H] twice
-    q = constrain(apply_rope(q, positions, c.rope), rules, "batch", "seq", "act_heads", None)
-    k = constrain(apply_rope(k, positions, c.rope), rules, "batch", "seq", "act_kv_heads", None)
+    q = constrain(apply_rope(q, table), rules, "batch", "seq", "act_heads", None)
+    k = constrain(apply_rope(k, table), rules, "batch", "seq", "act_kv_heads", None)
     v = constrain(v, rules, "batch", "seq", "act_kv_heads", None)
     out, cache = cached_attention(q, k, v, positions, cache, layer, start, rules, policy)
     out = out[:, -1:] if last else out
@@ -190,12 +192,13 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCach
     """
     cache = cache.write_positions(positions, start)
     positions = jnp.maximum(positions, 0)
+    table = rope_table(positions, c.rope, policy.dtype)
     x = quant.lookup(params["embed"], tokens).astype(policy.dtype)  # [B, T, D]
     x = constrain(x, rules, "batch", "seq", "act_embed")
 
     def layer(p, x, cache, i, last):
         h, cache = attention_block(p, rms_norm(x, p["attn_norm"], c.rms_norm_eps), positions,
-                                   cache, i, start, c, rules, policy, last)
+                                   table, cache, i, start, c, rules, policy, last)
         x = constrain((x[:, -1:] if last else x) + h, rules, "batch", "seq", "act_embed")
         h = mlp_block(p, rms_norm(x, p["mlp_norm"], c.rms_norm_eps), rules, policy)
         return constrain(x + h, rules, "batch", "seq", "act_embed"), cache
