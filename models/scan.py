@@ -80,12 +80,14 @@ def run_layers(params: dict, x: jax.Array, cache: KVCache, start: Any, rules: Ru
     one period, 0..P-1, and `cache` is a view of that period's layers: the windows of layers i and
     i + P agree, so whatever `layer` derives from i statically holds for every period.
 
-    last_only: only the last position's output is wanted (a prompt's first token). Unrolled, the
-    final layer is then called with last=True: it writes every position's keys and values to the
-    cache and attends for every query, but takes the rest of its work (output projection, MLP)
-    for the last position alone, returning x [B, 1, D]. The peer kit's 8-layer model spends about
-    a tenth of a 128-token prompt's flops there. Scanned, every layer runs every position.
+    last_only: only the last position's output is wanted (a prompt's first token). The final
+    layer is then called with last=True: it writes every position's keys and values to the cache
+    and attends for every query, but takes the rest of its work (output projection, MLP) for the
+    last position alone, returning x [B, 1, D]. The peer kit's 8-layer model spends about a tenth
+    of a 128-token prompt's flops there. Scanned, the loop stops one period short and the final
+    period runs after it, unrolled.
     """
+    last_only = last_only and x.shape[1] > 1  # one position (decode): nothing to trim
     if "layers" in params:
         n = len(params["layers"])
         for i, p in enumerate(params["layers"]):
@@ -94,12 +96,22 @@ def run_layers(params: dict, x: jax.Array, cache: KVCache, start: Any, rules: Ru
     groups = params["layer_stack"]
     depth = jax.tree.leaves(groups[0])[0].shape[0]
 
-    def body(x, xs):
-        ps, i = xs
+    def period_at(i):  # period i's weights, one tree per layer of the period
+        return [jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), g)
+                for g in groups]
+
+    def body(x, i):
         view = cache.layer_view(i)
-        for j, p in enumerate(ps):
+        for j, p in enumerate(period_at(i)):
             x, view = layer(p, x, view, j, False)
         return x, view.rows
 
-    x, rows = jax.lax.scan(body, x, (groups, jnp.arange(depth)))
+    looped = depth - 1 if last_only else depth
+    x, rows = jax.lax.scan(body, x, jnp.arange(looped))
+    if last_only:
+        view = cache.layer_view(looped)
+        ps = period_at(looped)
+        for j, p in enumerate(ps):
+            x, view = layer(p, x, view, j, j == len(ps) - 1)
+        rows = jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), rows, view.rows)
     return x, cache.write_layers(rows, start, rules)
