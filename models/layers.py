@@ -47,6 +47,8 @@ class Policy:
     # The engine donates the KV cache to every prefill and decode call, which then update it in
     # place; without, each call writes a new cache and the old one lives until it returns.
     donate_cache: bool = True
+    # CPU: the engine moves its weights and KV cache onto 2 MiB pages (runner/hugepages.py).
+    huge_pages: bool = True
     # Set by the engine (not a config field) when its mesh is one CPU device: float32 projections
     # of a few rows then run in podrun's CPU kernel, which takes each weight whole.
     one_cpu_device: bool = False

@@ -52,6 +52,7 @@ from models import quant
 from models.layers import KVCache
 from models.registry import Model
 from models.weights import is_lookup_table, is_weight
+from runner import hugepages
 from runner.engine import Completion, Engine, Request
 from runner.main import parse_flags, setup_devices
 from runner.run import load_model
@@ -154,10 +155,13 @@ def read_bandwidth_gbps(mib: int) -> float:
     """Bytes read per second from a `mib` MiB f32 array split over every local device, by the
     faster of two readers: XLA's sum, and on CPU podrun's product kernel (ones[1, R] . W[R, 4096],
     its threads each streaming a contiguous share), which reads faster than XLA's reduction there
-    (this 2-core machine: 72-77 GB/s where the sum read 45-68)."""
+    (this 2-core machine: 72-77 GB/s where the sum read 45-68). On CPU the array sits on 2 MiB
+    pages where the system gives them, as the engine's weights do (runner/hugepages.py)."""
     n = max(1, mib * 2**20 // 4 // len(jax.local_devices()))
     n -= n % 4096 if n > 4096 else 0
     x = _over_devices((n,))
+    if x.sharding.mesh.devices.flat[0].platform == "cpu":
+        hugepages.collapse(x)
     seconds = _best_of(jax.jit(jnp.sum), x)
     if x.sharding.mesh.devices.flat[0].platform == "cpu" and n % 4096 == 0:
         from models.kernels import cpu
@@ -276,7 +280,7 @@ def measure(s: Settings, model: Model, params, rules: Rules, w: Workload) -> lis
                 "bytes_per_step": cost.bytes, "weight_bytes_per_step": cost.weight_bytes,
                 "kv_bytes_per_step": cost.kv_bytes, "flops_per_step": cost.flops,
                 "peak_rss_gib": peak_rss_gib(), "prefill_all_s": t1s, "total_all_s": tns,
-                "decode_all_s": decodes,
+                "decode_all_s": decodes, "huge_page_bytes": engine.huge_pages[0],
                 "loadavg_before_after": [load_before, os.getloadavg()[0]],
             })
         del engine
@@ -367,7 +371,8 @@ def main(argv: list[str]) -> None:
               f"precision {run['precision']}, {records[0]['steps_per_dispatch']} steps per dispatch")
         print(f"machine: read bandwidth {bandwidth:.1f} GB/s, peak {gflops:.0f} GFLOP/s "
               f"({'measured' if not _BANDWIDTH.value else 'given'} / "
-              f"{'measured' if not _PEAK.value else 'given'}); load average {os.getloadavg()[0]:.2f}")
+              f"{'measured' if not _PEAK.value else 'given'}); load average {os.getloadavg()[0]:.2f}; "
+              f"weights and cache on 2 MiB pages: {records[0]['huge_page_bytes'] / 2**20:.0f} MiB")
         print(table(records))
         if _OUTPUT.value:
             tmp = _OUTPUT.value + ".tmp"

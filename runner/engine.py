@@ -20,6 +20,7 @@ import numpy as np
 
 from models.layers import KVCache, Policy
 from models.registry import Model
+from runner import hugepages
 from sharding.rules import Rules
 
 MAX_STOP_IDS = 16  # stop ids are passed as a fixed-size array, so their number never recompiles
@@ -167,6 +168,10 @@ class Engine:
         else:  # shapes with their shardings, so donation pairs the cache with the cache alone
             self.cache = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                                       jax.eval_shape(new_cache), cache_sh)
+        # (bytes on 2 MiB pages, bytes asked) of the weights and cache: CPU only, and only where
+        # the system gives huge pages (Linux 6.1 on); (0, 0) when not asked
+        self.huge_pages = (hugepages.collapse((self.params, self.cache))
+                           if allocate and policy.huge_pages and rules.platform == "cpu" else (0, 0))
         # Every array crossing the jit boundary has a fixed sharding, so no call recompiles. What the
         # host reads back (new tokens, done flags) is replicated, so every process of a multi-host
         # run can read all of it and take the same decisions.

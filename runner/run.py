@@ -105,6 +105,9 @@ def run(s: Settings) -> Summary:
     g = s.generation
     engine = Engine(meta.model, params, rules, s.policy, g.batch_size, g.max_prompt_len,
                     g.max_new_tokens, g.steps_per_dispatch, g.prefill_buckets, prefill_rows=g.prefill_rows)
+    if engine.huge_pages[1]:
+        say(f"weights and KV cache: {engine.huge_pages[0] / 2**20:.0f} of "
+            f"{engine.huge_pages[1] / 2**20:.0f} MiB on 2 MiB pages")
     render_chat, parse_chat, chat_stops = chat_format(meta.model, tokenizer, s)
     # Harmony's own stops replace the tokenizer's guesses: a gpt-oss chat template mentions
     # <|end|>, which closes the analysis message, not the answer.

@@ -125,7 +125,7 @@ def from_config(c: ConfigDict) -> Settings:
                       pallas_attention=bool(p.pallas_attention),
                       fuse_projections=bool(p.fuse_projections), scan_layers=bool(p.scan_layers),
                       pallas_prefill=bool(p.pallas_prefill), pallas_moe=bool(p.pallas_moe),
-                      donate_cache=bool(p.donate_cache)),
+                      donate_cache=bool(p.donate_cache), huge_pages=bool(p.huge_pages)),
         generation=gen,
         sampling=samp,
         input=_path(c.io.input),

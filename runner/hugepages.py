@@ -1,0 +1,79 @@
+"""Weights and KV cache on transparent huge pages (CPU, Linux): `collapse`.
+
+A decode step streams every weight from memory. On 4 KiB pages that stream crosses a page every
+4 KiB, each a TLB miss, and in a virtual machine each miss walks two page tables. XLA:CPU's own
+buffers get no huge pages where the system leaves them to madvise (the common default), so after
+the engine has placed its arrays, `collapse` asks the kernel to move them onto 2 MiB pages now
+(madvise MADV_COLLAPSE, Linux 6.1 and later): the contents and addresses stay as they are.
+
+Measured on the 2-core Zen 4 VM, each pair alternated in one process: a plain read of 162 MB by
+two threads 27.5 -> 35 GB/s (36 -> 55 and 39 -> 62 in quieter minutes); podrun's product kernel
+over chained weights of SmolLM2's and the peer kit's shapes 1.05-1.12x as fast; the batch-1 decode
+step (precision.huge_pages on against off, 12 rounds each) 0.89-0.99x the time for the peer kit's
+model (median 0.98x of 7 runs), 0.998x and 0.957x for SmolLM2, 0.954x for SmolLM2 in int8. The
+products read well under what the memory gives a plain read, so most of the gain stays unused.
+Prefill, compute-bound: 1.000x and 0.994x over 40 rounds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+from typing import Any
+
+import jax
+
+MADV_COLLAPSE = 25  # linux/mman.h
+HUGE = 2 << 20
+
+
+def _madvise():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+    fn = libc.madvise
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def regions(tree: Any) -> list[tuple[int, int]]:
+    """The 2 MiB-aligned regions [start, end) that hold the CPU buffers of `tree`'s arrays (those
+    on this process), merged where they touch."""
+    spans = []
+    for leaf in jax.tree.leaves(tree):
+        if not isinstance(leaf, jax.Array) or leaf.is_deleted():
+            continue
+        for shard in leaf.addressable_shards:
+            if shard.device.platform != "cpu" or not shard.data.nbytes:
+                continue
+            p = shard.data.unsafe_buffer_pointer()
+            spans.append((p // HUGE * HUGE, -(-(p + shard.data.nbytes) // HUGE) * HUGE))
+    merged: list[tuple[int, int]] = []
+    for a, b in sorted(spans):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def collapse(tree: Any) -> tuple[int, int]:
+    """Moves the memory of `tree`'s CPU arrays onto 2 MiB pages, one page at a time (a page the
+    kernel cannot collapse stays as it was). Returns (bytes collapsed, bytes asked): (0, 0) off
+    Linux, (0, asked) where the kernel has no MADV_COLLAPSE or THP is off.
+    The 2 MiB around a buffer may hold other allocations of the process: collapsing moves pages,
+    never their contents."""
+    madvise = _madvise()
+    if madvise is None:
+        return 0, 0
+    done = asked = 0
+    for a, b in regions(tree):
+        for page in range(a, b, HUGE):
+            asked += HUGE
+            if madvise(page, HUGE, MADV_COLLAPSE) == 0:  # else EINVAL (no MADV_COLLAPSE, THP
+                done += HUGE  # off), EAGAIN / ENOMEM (no free huge page, part unmapped): as it was
+    return done, asked
