@@ -10,9 +10,10 @@ Measured on the 2-core Zen 4 VM, each pair alternated in one process: a plain re
 two threads 27.5 -> 35 GB/s (36 -> 55 and 39 -> 62 in quieter minutes); podrun's product kernel
 over chained weights of SmolLM2's and the peer kit's shapes 1.05-1.12x as fast; the batch-1 decode
 step (precision.huge_pages on against off, 12 rounds each) 0.89-0.99x the time for the peer kit's
-model (median 0.98x of 7 runs), 0.998x and 0.957x for SmolLM2, 0.954x for SmolLM2 in int8. The
-products read well under what the memory gives a plain read, so most of the gain stays unused.
-Prefill, compute-bound: 1.000x and 0.994x over 40 rounds.
+model (median 0.98x of 7 runs), 0.998x and 0.957x for SmolLM2, 0.954x for SmolLM2 in int8; once
+the one-row kernel stopped spilling registers (cpu_matmul.cc), 0.949x and 0.972x for the peer
+kit's model, 0.940x for SmolLM2. The products still read under what the memory gives a plain
+read, so part of the gain stays unused. Prefill, compute-bound: 1.000x and 0.994x over 40 rounds.
 """
 
 from __future__ import annotations
