@@ -350,11 +350,9 @@ def _moe_shard(x, expert, weight, w, *, c: Config, policy: Policy, expert_axes, 
         # the mean load of an expert: the assignments over all experts, not this shard's E
         small = min(B * T, max(1, math.ceil(c.capacity_factor * local.size / c.num_experts)))
         dense = partial(_experts_dense, x, local, weight, w, scales, c, policy)
-        if small >= B * T:
-            y = dense()
-        else:  # exact either way: the small buckets when they hold every assignment
-            y = jax.lax.cond(jnp.max(counts) <= small,
-                             lambda: _experts_grouped(x, local, weight, w, scales, c, policy, small), dense)
+        grouped = partial(_experts_grouped, x, local, weight, w, scales, c, policy, small)
+        # exact either way: the small buckets when they hold every assignment
+        y = dense() if small >= B * T else jax.lax.cond(jnp.max(counts) <= small, grouped, dense)
     axes = tuple(expert_axes) + tuple(model_axes)
     if axes:
         y = jax.lax.psum(y, axes)
