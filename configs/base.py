@@ -67,6 +67,10 @@ def base_config() -> ConfigDict:
         # madvise MADV_COLLAPSE), fewer TLB misses as a decode step streams them (batch 1:
         # 0.89-0.998x the step time, runner/hugepages.py).
         "huge_pages": True,
+        # CPU, one device, float32 unembedding: greedy tokens from an int8 copy of it with error
+        # bounds, and the few rows those cannot rule out in float32 (models/kernels/cpu.py,
+        # greedy_screened): the same tokens, a quarter of the unembedding's bytes per step.
+        "greedy_screen": True,
         # TPU: GPT-OSS's experts, when many tokens are routed (prefill), as ragged groups of a
         # Pallas grouped matmul (JAX's megablox gmm) instead of buckets padded to a capacity.
         "pallas_moe": False,

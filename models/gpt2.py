@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models import quant, scan
-from models.layers import KVCache, Policy, cached_attention, layer_norm
+from models.layers import KVCache, Policy, Unembedding, cached_attention, layer_norm
 from models.weights import Weight
 from sharding.rules import Rules, constrain
 
@@ -111,7 +111,7 @@ def mlp_block(p: dict, x: jax.Array, rules: Rules, policy: Policy) -> jax.Array:
 
 def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache, start: Any,
             c: Config, rules: Rules, policy: Policy, last_only: bool = False,
-            trim: bool = True) -> tuple[jax.Array, KVCache]:
+            trim: bool = True, head: bool = True) -> tuple[jax.Array, KVCache]:
     """As llama.forward: tokens, positions [B, T] (-1 = padding) -> logits, updated cache."""
     cache = cache.write_positions(positions, start)
     positions = jnp.maximum(positions, 0)
@@ -128,9 +128,13 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCach
 
     x, cache = scan.run_layers(params, x, cache, start, rules, layer, last_only and trim)
     x = layer_norm(x[:, -1:] if last_only else x, params["lnf_w"], params["lnf_b"], eps)
-    logits = policy.einsum("BTD,VD->BTV", x, params["wte"])
-    logits = constrain(logits, rules, "batch", "seq", "act_vocab")
-    return (logits[:, 0] if last_only else logits), cache
+    out = unembedding(params).logits(x, rules, policy) if head else x
+    return (out[:, 0] if last_only else out), cache
+
+
+def unembedding(params: dict) -> Unembedding:
+    """The token embedding [V, D], tied."""
+    return Unembedding(params["wte"], vocab_first=True)
 
 
 def from_hf(tensors: dict[str, np.ndarray], c: Config) -> dict:

@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from models import fused, quant, scan
-from models.layers import (KVCache, Policy, Rope, RopeTable, apply_rope, cached_attention, rms_norm,
-                           rope_table)
+from models.layers import (KVCache, Policy, Rope, RopeTable, Unembedding, apply_rope, cached_attention,
+                           rms_norm, rope_table)
 from models.weights import Weight
 from sharding.rules import Rules, constrain
 
@@ -386,7 +386,7 @@ def moe_block(p: dict, x: jax.Array, c: Config, rules: Rules, policy: Policy) ->
 
 def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache, start: Any,
             c: Config, rules: Rules, policy: Policy, last_only: bool = False,
-            trim: bool = True) -> tuple[jax.Array, KVCache]:
+            trim: bool = True, head: bool = True) -> tuple[jax.Array, KVCache]:
     """As llama.forward: tokens, positions [B, T] (-1 = padding) -> logits, updated cache."""
     cache = cache.write_positions(positions, start)
     positions = jnp.maximum(positions, 0)
@@ -403,9 +403,13 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCach
 
     x, cache = scan.run_layers(params, x, cache, start, rules, layer, last_only and trim)
     x = rms_norm(x[:, -1:] if last_only else x, params["final_norm"], c.rms_norm_eps)
-    logits = constrain(policy.einsum("BTD,VD->BTV", x, params["unembed"]),
-                       rules, "batch", "seq", "act_vocab")
-    return (logits[:, 0] if last_only else logits), cache
+    out = unembedding(params).logits(x, rules, policy) if head else x
+    return (out[:, 0] if last_only else out), cache
+
+
+def unembedding(params: dict) -> Unembedding:
+    """The lm_head [V, D] as transformers stores it."""
+    return Unembedding(params["unembed"], vocab_first=True)
 
 
 # --- checkpoint names -------------------------------------------------------------------------

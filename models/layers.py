@@ -49,6 +49,9 @@ class Policy:
     donate_cache: bool = True
     # CPU: the engine moves its weights and KV cache onto 2 MiB pages (runner/hugepages.py).
     huge_pages: bool = True
+    # CPU, one device: greedy tokens through an int8 screen of a float32 unembedding, which reads
+    # a quarter of its bytes and gives the same tokens (models/kernels/cpu.greedy_screened).
+    greedy_screen: bool = True
     # Set by the engine (not a config field) when its mesh is one CPU device: float32 projections
     # of a few rows then run in podrun's CPU kernel, which takes each weight whole.
     one_cpu_device: bool = False
@@ -141,6 +144,20 @@ def _projection(spec: str, x_ndim: int, w_ndim: int) -> tuple[int, int, bool] | 
     if ws[len(ws) - n:] == xs[len(xs) - n:] and result == free + out_trail:
         return len(free), n, False
     return None
+
+
+class Unembedding(NamedTuple):
+    """A model's unembedding: w [V, D] where vocab_first (a tied embedding, read as it is stored),
+    else [D, V]. The engine takes it apart from the forward pass (head=False) to pick greedy
+    tokens without every logit (models/kernels/cpu.greedy_screened)."""
+
+    w: Any
+    vocab_first: bool
+
+    def logits(self, x: jax.Array, rules: Rules, policy: Policy) -> jax.Array:
+        """x [B, T, D] -> [B, T, V]."""
+        spec = "BTD,VD->BTV" if self.vocab_first else "BTD,DV->BTV"
+        return constrain(policy.einsum(spec, x, self.w), rules, "batch", "seq", "act_vocab")
 
 
 def add_bias(x: jax.Array, b: jax.Array | None) -> jax.Array:

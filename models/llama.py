@@ -20,6 +20,7 @@ from models.layers import (
     Policy,
     Rope,
     RopeTable,
+    Unembedding,
     add_bias,
     apply_rope,
     cached_attention,
@@ -183,10 +184,11 @@ def mlp_block(p: dict, x: jax.Array, rules: Rules, policy: Policy) -> jax.Array:
 
 def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache, start: Any,
             c: Config, rules: Rules, policy: Policy, last_only: bool = False,
-            trim: bool = True) -> tuple[jax.Array, KVCache]:
+            trim: bool = True, head: bool = True) -> tuple[jax.Array, KVCache]:
     """tokens, positions: [B, T] (position -1 marks padding); start: first cache slot written.
 
-    Returns logits [B, T, V] (or [B, V] for the last position) and the updated cache. With
+    Returns logits [B, T, V] (or [B, V] for the last position) and the updated cache; without
+    head, the final norm's output [B, T, D] (or [B, D]) instead, for `unembedding`. With
     last_only and trim, the final layer's output projection and MLP run for the last position
     alone (scan.run_layers).
     """
@@ -205,12 +207,14 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCach
 
     x, cache = scan.run_layers(params, x, cache, start, rules, layer, last_only and trim)
     x = rms_norm(x[:, -1:] if last_only else x, params["final_norm"], c.rms_norm_eps)
-    if params["unembed"] is None:  # tied: the embedding [V, D] itself, never transposed
-        logits = policy.einsum("BTD,VD->BTV", x, params["embed"])
-    else:
-        logits = policy.einsum("BTD,DV->BTV", x, params["unembed"])
-    logits = constrain(logits, rules, "batch", "seq", "act_vocab")
-    return (logits[:, 0] if last_only else logits), cache
+    out = unembedding(params).logits(x, rules, policy) if head else x
+    return (out[:, 0] if last_only else out), cache
+
+
+def unembedding(params: dict) -> Unembedding:
+    """Tied: the embedding [V, D] itself, never transposed; else the lm_head [D, V]."""
+    tied = params["unembed"] is None
+    return Unembedding(params["embed"] if tied else params["unembed"], vocab_first=tied)
 
 
 # --- checkpoint names -------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from models import fused, gpt2, gptoss, llama, quant, scan, weights
-from models.layers import KVCache, Policy
+from models.layers import KVCache, Policy, Unembedding
 from sharding.rules import Rules
 
 FAMILIES: dict[str, ModuleType] = {"llama": llama, "gpt2": gpt2, "gptoss": gptoss}
@@ -75,9 +75,13 @@ class Model:
         return len(self.module.cache_spec(self.config)[0])
 
     def forward(self, params, tokens, positions, cache, start, rules, policy, last_only=False,
-                trim=True):
+                trim=True, head=True):
         return self.module.forward(params, tokens, positions, cache, start, self.config, rules,
-                                   policy, last_only, trim)
+                                   policy, last_only, trim, head)
+
+    def unembedding(self, params) -> Unembedding:
+        """The weight that turns the final hidden state into logits (forward's head)."""
+        return self.module.unembedding(params)
 
     def to_json(self) -> dict:
         return {"family": self.family, "config": dataclasses.asdict(self.config)}

@@ -21,8 +21,9 @@ Measured (medians over --reps, after a warm-up that compiles every timed shape):
   compile_s        warm-up wall time less one timed run of each shape (compilation, or loading it
                    from the persistent compilation cache)
 Roofline of one decode step: bytes_per_step = weights a token must read (all of them, except that
-an embedding table only contributes the B rows gathered unless it is tied as the unembedding, and
-a mixture of experts only min(B*k, E) of its E experts) + the filled part of the KV cache (mean over
+an embedding table only contributes the B rows gathered unless it is tied as the unembedding, a
+mixture of experts only min(B*k, E) of its E experts, and an unembedding read through the greedy
+screen (precision.greedy_screen) only the screen's int8 bytes) + the filled part of the KV cache (mean over
 the decode), against a large-array reduction's read bandwidth measured in this process -> MBU;
 flops_per_step = 2 * B * params per token + attention, against a large f32 matmul -> MFU. Counted
 once for the model: replicas over the `data` axis that each read their own copy of the weights (8
@@ -99,21 +100,28 @@ class DecodeCost:
 
 
 def decode_cost(model: Model, batch: int, prompt_len: int, new_tokens: int, param_itemsize: int,
-                kv_itemsize: float, quantize: str = "none") -> DecodeCost:
+                kv_itemsize: float, quantize: str = "none", screen_bytes: int = 0) -> DecodeCost:
     """From the model's weight declarations and cache spec alone (nothing is allocated).
 
     Weights: every declared weight once per step, except embedding tables (only the `batch` rows
-    gathered, unless the table is also the unembedding) and expert weights (min(batch * k, E) of
-    the E experts; each token uses k).
+    gathered, unless the table is also the unembedding), expert weights (min(batch * k, E) of
+    the E experts; each token uses k) and, where greedy tokens come through a screen of the
+    unembedding (screen_bytes > 0, Engine.screen_bytes), the unembedding: the screen's bytes
+    instead (the few rows of the unembedding it leaves to compute, kilobytes, are not counted).
     KV cache: step i of the decode (i = 1..N-1) attends over prompt_len + i positions, or the window.
     """
-    leaves = jax.tree_util.tree_leaves_with_path(model.declare(), is_leaf=is_weight)
+    decl = model.declare()
+    leaves = jax.tree_util.tree_leaves_with_path(decl, is_leaf=is_weight)
+    unembedding = model.unembedding(decl).w
     k = getattr(model.config, "experts_per_token", 0)
     weight_bytes = params_per_token = 0.0
     for path, w in leaves:
         size = math.prod(w.shape)
         stored = quant.stored_bytes(w, param_itemsize, quantize)  # int8 + scales, or as restored
-        if is_lookup_table(path, w):
+        if w is unembedding and screen_bytes:
+            weight_bytes += screen_bytes
+            params_per_token += size
+        elif is_lookup_table(path, w):
             weight_bytes += min(batch, w.shape[0]) * w.shape[1] * param_itemsize
         elif "experts" in w.axes:
             experts = w.shape[w.axes.index("experts")]
@@ -268,7 +276,8 @@ def measure(s: Settings, model: Model, params, rules: Rules, w: Workload) -> lis
                 decodes.append(out[0].decode_s)
             t1, tn = statistics.median(t1s), statistics.median(tns)
             decode = max(statistics.median(decodes), 1e-9)
-            cost = decode_cost(model, B, P, N, p_size, kv_size, s.policy.quantize)
+            cost = decode_cost(model, B, P, N, p_size, kv_size, s.policy.quantize,
+                               engine.screen_bytes)
             records.append({
                 "batch_size": B, "rows": engine.batch_size, "prompt_len": P, "new_tokens": N,
                 "steps_per_dispatch": engine.steps, "reps": w.reps,
@@ -281,6 +290,7 @@ def measure(s: Settings, model: Model, params, rules: Rules, w: Workload) -> lis
                 "kv_bytes_per_step": cost.kv_bytes, "flops_per_step": cost.flops,
                 "peak_rss_gib": peak_rss_gib(), "prefill_all_s": t1s, "total_all_s": tns,
                 "decode_all_s": decodes, "huge_page_bytes": engine.huge_pages[0],
+                "screen_bytes": engine.screen_bytes,
                 "loadavg_before_after": [load_before, os.getloadavg()[0]],
             })
         del engine

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.layers import KVCache, Policy
+from models.layers import PRODUCT_KERNEL_ROWS, KVCache, Policy
 from models.registry import Model
 from runner import hugepages
 from sharding.rules import Rules
@@ -113,20 +113,24 @@ def nucleus(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     return jnp.where(kept >= _unordered(smallest), kept, -jnp.inf)
 
 
-def sample(logits: jax.Array, seeds: jax.Array, counts: jax.Array, temperature: jax.Array,
-           top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+def sample(logits: jax.Array | Callable[[], jax.Array], seeds: jax.Array, counts: jax.Array,
+           temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+           greedy: jax.Array | None = None) -> jax.Array:
     """Per-row sampling. logits [B, V]; seeds [B] uint32 and counts [B] int32 (the row's key is its
     seed's, folded with the number of tokens it has generated); temperature, top_p [B] f32;
-    top_k [B] int32.
+    top_k [B] int32. Where the caller has the greedy tokens [B] already (greedy_screened),
+    `logits` may be a function, called only when some row samples.
 
     temperature 0 is greedy; top_k 0 and top_p 1 disable those filters (see `nucleus`). Keys are
     derived only when some row samples, so a greedy decode step spends nothing on random numbers.
     """
-    logits = logits.astype(jnp.float32)
-    greedy = first_max(logits)
+    if greedy is None:
+        logits = logits.astype(jnp.float32)
+        greedy = first_max(logits)
 
     def stochastic() -> jax.Array:
-        scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+        scaled = (logits() if callable(logits) else logits).astype(jnp.float32)
+        scaled = scaled / jnp.maximum(temperature, 1e-6)[:, None]
         masked = nucleus(scaled, top_k, top_p)
         keys = jax.vmap(jax.random.fold_in)(jax.vmap(jax.random.key)(seeds), counts)
         drawn = jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
@@ -168,9 +172,10 @@ class Engine:
         else:  # shapes with their shardings, so donation pairs the cache with the cache alone
             self.cache = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                                       jax.eval_shape(new_cache), cache_sh)
+        self.screen = self._greedy_screen() if allocate else None
         # (bytes on 2 MiB pages, bytes asked) of the weights and cache: CPU only, and only where
         # the system gives huge pages (Linux 6.1 on); (0, 0) when not asked
-        self.huge_pages = (hugepages.collapse((self.params, self.cache))
+        self.huge_pages = (hugepages.collapse((self.params, self.cache, self.screen))
                            if allocate and policy.huge_pages and rules.platform == "cpu" else (0, 0))
         # Every array crossing the jit boundary has a fixed sharding, so no call recompiles. What the
         # host reads back (new tokens, done flags) is replicated, so every process of a multi-host
@@ -191,10 +196,28 @@ class Engine:
                                out_shardings=(everywhere, cache_sh, row, row, everywhere, row, row))
         self._slots: dict[int, jax.Array] = {}  # cache slot -> that scalar on the devices
 
+    def _greedy_screen(self):
+        """The unembedding's int8 screen (models/kernels/cpu.greedy_screen) where greedy tokens can
+        come through it: precision.greedy_screen, one CPU device with podrun's kernels, float32
+        activations and unembedding, and a batch of up to PRODUCT_KERNEL_ROWS rows; else None."""
+        p, u = self.policy, self.model.unembedding(self.params)
+        if not (p.greedy_screen and p.kernels and p.one_cpu_device and p.dtype == jnp.float32
+                and isinstance(u.w, jax.Array) and u.w.dtype == jnp.float32
+                and self.batch_size <= PRODUCT_KERNEL_ROWS):
+            return None
+        from models.kernels import cpu
+
+        return cpu.greedy_screen(u.w, w_nk=u.vocab_first) if cpu.available() else None
+
+    @property
+    def screen_bytes(self) -> int:
+        """Bytes of the screen, which a greedy step reads in place of the unembedding (0: none)."""
+        return sum(a.nbytes for a in jax.tree.leaves(self.screen))
+
     def lower(self) -> dict[str, jax.stages.Lowered]:
         """Every function generation runs, lowered for the mesh's devices (which may be an AOT
         topology with no devices attached): one prefill per bucket and the decode step."""
-        B = self.batch_size
+        B, weights = self.batch_size, (self.params, self.screen)
 
         def arg(shape, dtype, sharding):
             return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
@@ -204,23 +227,40 @@ class Engine:
         out = {}
         for P in self.buckets:
             ids = arg((B, P), jnp.int32, self._rows2d)
-            out[f"prefill_{P}"] = self._prefill.lower(self.params, self.cache, ids, ids, *rows)
+            out[f"prefill_{P}"] = self._prefill.lower(weights, self.cache, ids, ids, *rows)
         row_i = arg((B,), jnp.int32, self._row)
         flag = arg((B,), jnp.bool_, self._row)
         out["decode"] = self._decode.lower(
-            self.params, self.cache, row_i, row_i, arg((), jnp.int32, self._everywhere), flag, row_i,
-            row_i, *rows, arg((MAX_STOP_IDS,), jnp.int32, self._everywhere))
+            weights, self.cache, row_i, row_i, arg((), jnp.int32, self._everywhere), flag, row_i, row_i,
+            *rows, arg((MAX_STOP_IDS,), jnp.int32, self._everywhere))
         return out
 
     # --- device functions ---------------------------------------------------------------------
 
-    def _prefill_fn(self, params, cache: KVCache, tokens, positions, seeds, temperature, top_k, top_p):
+    def _next_tokens(self, weights, out, seeds, counts, temperature, top_k, top_p) -> jax.Array:
+        """The next token of each row from the forward pass' last position: `out` is its logits
+        [B, V], or with a screen its hidden state [B, D] (forward without head), whose greedy
+        tokens come through the screen and whose logits are made only for rows that sample."""
+        params, screen = weights
+        if screen is None:
+            return sample(out, seeds, counts, temperature, top_k, top_p)
+        from models.kernels import cpu
+
+        u = self.model.unembedding(params)
+        greedy = cpu.greedy_screened(out, u.w, screen, w_nk=u.vocab_first)
+        logits = lambda: u.logits(out[:, None], self.rules, self.policy)[:, 0]
+        return sample(logits, seeds, counts, temperature, top_k, top_p, greedy=greedy)
+
+    def _prefill_fn(self, weights, cache: KVCache, tokens, positions, seeds, temperature, top_k,
+                    top_p):
+        params, screen = weights
+        head = screen is None  # else the hidden state, for _next_tokens
         cache = cache.reset()  # forget the previous batch
         R = self.prefill_rows
         G = self.batch_size // R
         if G == 1:
             logits, cache = self.model.forward(params, tokens, positions, cache, 0, self.rules,
-                                               self.policy, last_only=True)
+                                               self.policy, last_only=True, head=head)
         else:  # G groups of R rows; row b = r * G + g, so every group has rows on every data shard
             def grouped(x):  # [B, ...] -> [R, G, ...]
                 return x.reshape(R, G, *x.shape[1:])
@@ -234,19 +274,21 @@ class Engine:
                 # there to bound memory
                 out, sub = self.model.forward(params, pick(grouped(tokens)), pick(grouped(positions)),
                                               sub, 0, self.rules, self.policy, last_only=True,
-                                              trim=False)
+                                              trim=False, head=head)
                 put = partial(jax.lax.dynamic_update_index_in_dim, index=g, axis=1)
                 cache = jax.tree.map(lambda x, s: put(grouped(x), s).reshape(x.shape), cache, sub)
                 return cache, put(logits, out.astype(logits.dtype))
 
-            V = self.model.vocab_size
+            u = self.model.unembedding(params)
+            V = self.model.vocab_size if head else u.w.shape[1 if u.vocab_first else 0]
             logits = jnp.zeros((R, G, V), jnp.float32)
             cache, logits = jax.lax.fori_loop(0, G, group, (cache, logits))
             logits = logits.reshape(self.batch_size, V)
-        first = sample(logits, seeds, jnp.zeros_like(top_k), temperature, top_k, top_p)
+        first = self._next_tokens(weights, logits, seeds, jnp.zeros_like(top_k), temperature, top_k,
+                                  top_p)
         return first, first, cache
 
-    def _decode_fn(self, params, cache: KVCache, token, pos, slot, done, count, max_tokens, seeds,
+    def _decode_fn(self, weights, cache: KVCache, token, pos, slot, done, count, max_tokens, seeds,
                    temperature, top_k, top_p, stop_ids):
         """`self.steps` decode steps; token [B] is the newest token, at position pos [B], written
         to cache slot `slot`. Finished rows write nothing visible and emit -1."""
@@ -254,9 +296,10 @@ class Engine:
         def step(carry, i):
             cache, token, pos, done, count = carry
             write_pos = jnp.where(done, -1, pos)[:, None]
-            logits, cache = self.model.forward(params, token[:, None], write_pos, cache, slot + i,
-                                               self.rules, self.policy, last_only=True)
-            nxt = sample(logits, seeds, count, temperature, top_k, top_p)
+            out, cache = self.model.forward(weights[0], token[:, None], write_pos, cache, slot + i,
+                                            self.rules, self.policy, last_only=True,
+                                            head=weights[1] is None)
+            nxt = self._next_tokens(weights, out, seeds, count, temperature, top_k, top_p)
             emitted = jnp.where(done, -1, nxt)
             count = count + jnp.where(done, 0, 1)
             done = done | jnp.isin(nxt, stop_ids) | (count >= max_tokens)
@@ -308,7 +351,7 @@ class Engine:
         stops_dev = jax.device_put(stops, self._everywhere)
 
         put2d = partial(jax.device_put, device=self._rows2d)
-        first, token, self.cache = self._prefill(self.params, self.cache, put2d(tokens),
+        first, token, self.cache = self._prefill((self.params, self.screen), self.cache, put2d(tokens),
                                                  put2d(positions), seeds, temperature, top_k, top_p)
         first = np.asarray(first)
         ttft = time.perf_counter() - t0
@@ -334,8 +377,8 @@ class Engine:
             nonlocal slot, calls_left
             token, pos, done_rows, count = state
             emitted, self.cache, token, pos, dev_done, count, done_rows = self._decode(
-                self.params, self.cache, token, pos, self._slot(slot), done_rows, count, max_tokens,
-                seeds, temperature, top_k, top_p, stops_dev)
+                (self.params, self.screen), self.cache, token, pos, self._slot(slot), done_rows, count,
+                max_tokens, seeds, temperature, top_k, top_p, stops_dev)
             slot += self.steps
             calls_left -= 1
             return emitted, dev_done, (token, pos, done_rows, count)

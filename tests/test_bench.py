@@ -60,6 +60,12 @@ def test_decode_cost_counts_what_a_step_reads_and_computes(kind, batch):
     want_bytes, want_flops = independent_cost(m, batch, 12, 6, kv_itemsize=2)
     assert cost.bytes == pytest.approx(want_bytes, rel=1e-12)
     assert cost.flops == pytest.approx(want_flops, rel=1e-12)
+    # greedy through the unembedding's screen: its bytes in place of the [V, D] float32 matrix
+    screened = bench.decode_cost(model, batch, prompt_len=12, new_tokens=6, param_itemsize=4,
+                                 kv_itemsize=2, screen_bytes=12345)
+    unembedding = m.config.vocab_size * m.config.hidden_size * 4
+    assert screened.bytes == pytest.approx(want_bytes - unembedding + 12345, rel=1e-12)
+    assert screened.flops == cost.flops
 
 
 @pytest.fixture(scope="module")

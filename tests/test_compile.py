@@ -190,7 +190,7 @@ def test_the_gptoss_embedding_reaches_the_decode_step_row_major_and_is_not_copie
     import re
 
     model, rules, compiled = gptoss_20b_decode()
-    embed = compiled.input_formats[0][0]["embed"]
+    embed = compiled.input_formats[0][0][0]["embed"]  # the first argument: (params, screen)
     assert embed.layout.major_to_minor == (0, 1), embed
     rows = model.config.vocab_size // rules.shards("vocab")
     table = rf"bf16\[{rows},{model.config.hidden_size}\]"

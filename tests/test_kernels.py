@@ -47,6 +47,77 @@ def test_f32_product_called_from_eight_devices_at_once():
         np.testing.assert_allclose(np.asarray(f(x, w)), want, rtol=1e-5, atol=1e-3)
 
 
+def _screened(x, w, w_nk):
+    """greedy_screened(x, w) and the screen's own argmax (its int8 rows alone)."""
+    screen = cpu.greedy_screen(jnp.asarray(w), w_nk=w_nk)
+    got = jax.jit(functools.partial(cpu.greedy_screened, w_nk=w_nk))(x, w, screen)
+    approx = x @ (np.asarray(screen.q, np.float32) * np.asarray(screen.scale)[:, None]).T
+    return np.asarray(got), approx.argmax(-1)
+
+
+def _exact_argmax(x, w, w_nk):
+    return (x.astype(np.float64) @ (w.T if w_nk else w).astype(np.float64)).argmax(-1)  # ties: lowest
+
+
+@pytest.mark.parametrize("w_nk", [False, True], ids=["w_DV", "w_VD"])
+@pytest.mark.parametrize("M,D,V", [(1, 512, 32000), (2, 64, 5000), (3, 37, 999), (8, 128, 4096),
+                                   (1, 16, 1)])
+def test_greedy_screen_gives_the_argmax_of_the_logits(M, D, V, w_nk):
+    """Random unembeddings in both layouts, 1-8 rows, D and V not multiples of a vector."""
+    rng = np.random.default_rng(M * D + V)
+    w = (0.1 * rng.standard_normal((V, D) if w_nk else (D, V))).astype(np.float32)
+    x = rng.standard_normal((M, D)).astype(np.float32)
+    got, _ = _screened(x, w, w_nk)
+    np.testing.assert_array_equal(got, _exact_argmax(x, w, w_nk))
+
+
+@pytest.mark.parametrize("w_nk", [False, True], ids=["w_DV", "w_VD"])
+def test_greedy_screen_separates_logits_closer_than_its_int8_rows(w_nk):
+    """Rows whose logits differ by far less than int8 can tell apart: a copy of the top row that
+    is larger by a hair in one weight, and exact copies (ties go to the lowest index). The screen's
+    own argmax gets them wrong; the kernel's is numpy's float64 one."""
+    rng = np.random.default_rng(11)
+    D, V, M = 96, 3000, 4
+    rows = 0.1 * rng.standard_normal((V, D))
+    x = rng.standard_normal((M, D)).astype(np.float32)
+    want = []
+    for m, (top, hair, copy) in enumerate([(100, 2500, 7), (2999, 5, 1500), (42, 43, 41), (10, 20, 6)]):
+        rows[top] = 0.5 * x[m] / np.linalg.norm(x[m])  # the largest logit of row m by far
+        k = int(np.argsort(np.abs(x[m]))[D // 2])  # not the row's largest: int8 keeps its scale
+        rows[hair] = rows[top]
+        rows[hair, k] += 1e-5 * np.sign(x[m, k])  # larger by 1e-5 |x_k|, under int8's step
+        rows[copy] = rows[hair] if m >= 2 else rows[top]  # an exact tie, lower index for m >= 2
+        want.append(min(hair, copy) if m >= 2 else hair)
+    rows = rows.astype(np.float32)
+    w = np.ascontiguousarray(rows if w_nk else rows.T)
+    got, approx = _screened(x, w, w_nk)
+    exact = _exact_argmax(x, w, w_nk)
+    np.testing.assert_array_equal(exact, want)  # the construction holds in float64
+    np.testing.assert_array_equal(got, want)
+    assert (approx != exact).any()  # int8 alone could not have told
+
+
+def test_greedy_screen_for_flat_and_non_finite_rows():
+    """A zero row of x (every logit 0: the first index), one whose logits are all near the top
+    (every row a candidate: all computed), and rows with NaN or infinity (the float32 logits'
+    first maximum as the engine's first_max, V - 1 for NaN)."""
+    rng = np.random.default_rng(5)
+    D, V = 64, 2000
+    w = (0.1 * rng.standard_normal((D, V))).astype(np.float32)
+    w[:, 1000:] = w[:, :1] + 1e-7 * rng.standard_normal((D, 1000)).astype(np.float32)  # near-copies
+    x = rng.standard_normal((4, D)).astype(np.float32)
+    x[0] = 0
+    x[1] = 50 * w[:, 0] / np.linalg.norm(w[:, 0])  # the 1001 near-copies all top it
+    x[2, 3] = np.nan
+    x[3, 5] = np.inf
+    got, _ = _screened(x, w, False)
+    assert got[0] == 0
+    assert got[1] == _exact_argmax(x[1:2], w, False)[0]
+    assert got[2] == V - 1
+    from runner.engine import first_max
+    assert got[3] == int(first_max(jnp.asarray(x[3:4]) @ jnp.asarray(w))[0])
+
+
 @pytest.mark.parametrize("chain,single_rows", [(True, True), (False, False), (True, False), (False, True)])
 def test_chained_products_match_numpy_with_each_product_option(chain, single_rows):
     """A step's products called again and again, as decode calls them: the kernels learn their

@@ -5,6 +5,8 @@
     matmul_nk_s8(x [M, K] f32, q [N, K] int8, scale [N] f32) -> [M, N] f32 = x . (q * scale)^T
     matmul_nk_s4(x [M, K] f32, q [N, K / 2] uint8, d, m [N, K / 32] f16) -> [M, N] f32, for int4
         weights in groups of 32 (models/quant.py's layout: d * u + m)
+    greedy_screened(x [M, D], w [D, V] (or [V, D]), screen) -> [M] int32, the argmax of x . w
+        without reading most of w: through an int8 copy with error bounds (greedy_screen)
     decode_attention(q, cache k/v and positions, this step's k/v and positions) -> [B, T, N, H],
         for decode steps and for prefills (an empty cache)
 
@@ -38,6 +40,7 @@ import subprocess
 import tempfile
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +48,8 @@ import numpy as np
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_matmul.cc", "cpu_attention.cc"))
 HEADERS = (Path(__file__).with_name("cpu_kernels.h"),)
-TARGETS = ("podrun_matmul_f32", "podrun_matmul_nk_s8", "podrun_matmul_nk_s4", "podrun_decode_attention", "podrun_decode_attention_s8")
+TARGETS = ("podrun_matmul_f32", "podrun_matmul_nk_s8", "podrun_matmul_nk_s4", "podrun_greedy_screened",
+           "podrun_decode_attention", "podrun_decode_attention_s8")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 
 
@@ -167,6 +171,46 @@ def matmul_nk_s4(x: jax.Array, q: jax.Array, d: jax.Array, m: jax.Array) -> jax.
     register()
     out = jax.ShapeDtypeStruct((x.shape[0], q.shape[0]), jnp.float32)
     return jax.ffi.ffi_call("podrun_matmul_nk_s4", out)(x.astype(jnp.float32), q, d, m)
+
+
+class Screen(NamedTuple):
+    """An unembedding W's rows in int8, for greedy_screened: W_v ~ scale_v q_v, and radius_v with
+    |x . W_v - scale_v fl(x . q_v)| <= ||x|| radius_v for every x (float32 rounding included)."""
+
+    q: jax.Array  # [V, D] int8
+    scale: jax.Array  # [V] float32
+    radius: jax.Array  # [V] float32
+
+
+@functools.partial(jax.jit, static_argnames="w_nk")
+def greedy_screen(w: jax.Array, w_nk: bool = False) -> Screen:
+    """The screen of a float32 unembedding w [D, V] (or [V, D] with w_nk).
+
+    radius_v = 1.001 ||e_v|| + (2 D + 16) u (||W_v|| + ||e_v||), where e_v = W_v - scale_v q_v and
+    u = 2^-24: the first term bounds x . e_v (Cauchy-Schwarz; the 0.1% covers the float32 sum of
+    squares), the second the float32 rounding, each at most D u of the terms' magnitudes, of the
+    screen's dot product, of e and the norms, and of the bound's own arithmetic in the kernel.
+    """
+    rows = w.astype(jnp.float32) if w_nk else w.astype(jnp.float32).T  # [V, D]
+    D = rows.shape[1]
+    amax = jnp.max(jnp.abs(rows), axis=1)
+    scale = jnp.where(amax > 0, amax / 127, 1.0)
+    q = jnp.clip(jnp.round(rows / scale[:, None]), -127, 127)
+    e = rows - scale[:, None] * q
+    norm = lambda a: jnp.sqrt(jnp.sum(a * a, axis=1))
+    e_norm = norm(e)
+    radius = 1.001 * e_norm + (2 * D + 16) * 2.0**-24 * (norm(rows) + e_norm)
+    return Screen(q.astype(jnp.int8), scale, radius)
+
+
+def greedy_screened(x: jax.Array, w: jax.Array, screen: Screen, w_nk: bool = False) -> jax.Array:
+    """The largest logit's index for each row of x [M, D] against w [D, V] (or [V, D] with w_nk),
+    int32 [M]: the argmax of x . w computed in float64 (ties to the lowest index), reading the
+    int8 screen and the few rows of w whose logits it cannot rule out (cpu_matmul.cc)."""
+    register()
+    out = jax.ShapeDtypeStruct((x.shape[0],), jnp.int32)
+    return jax.ffi.ffi_call("podrun_greedy_screened", out)(
+        x.astype(jnp.float32), w, screen.q, screen.scale, screen.radius, w_nk=bool(w_nk))
 
 
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, k_pos: jax.Array,

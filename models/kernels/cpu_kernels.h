@@ -57,6 +57,7 @@ inline vf zero() { return _mm512_setzero_ps(); }
 inline vf fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
 inline float hsum(vf v) { return _mm512_reduce_add_ps(v); }
+inline float hmax(vf v) { return _mm512_reduce_max_ps(v); }
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int kLanes = 8, kVecRegs = 16;
 constexpr const char* kVectorPath = "avx2";
@@ -84,6 +85,11 @@ inline float hsum(vf v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
+inline float hmax(vf v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
 #else  // portable: GCC vector extensions, whatever the target's vectors are
 constexpr int kLanes = 8, kVecRegs = 16;
 constexpr const char* kVectorPath = "portable";
@@ -110,6 +116,11 @@ inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 inline float hsum(vf v) {
   float s = 0.f;
   for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+inline float hmax(vf v) {
+  float s = v[0];
+  for (int i = 1; i < kLanes; ++i) s = std::max(s, v[i]);
   return s;
 }
 #endif

@@ -497,6 +497,190 @@ ffi::Error MatmulNKS4(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   return ffi::Error::Success();
 }
 
+// --- greedy tokens through an int8 screen of the unembedding ---------------------------------
+//
+// A greedy step needs the largest logit z_v = x . W_v over the V rows of the unembedding, not the
+// logits, and reading W is 40% of the peer model's batch-1 decode bytes in float32. The screen is
+// W in int8 per row, W_v ~ s_v q_v, with a radius R_v (models/kernels/cpu.py, greedy_screen) such
+// that for every x
+//   |x . W_v - s_v fl(x . q_v)| <= ||x|| R_v,
+// R_v covering the int8 rounding (||W_v - s_v q_v||) and the float32 rounding of the screen's
+// product and of the bound's own arithmetic. Every row gets an interval around its screened
+// logit; the largest logit lies in a row whose upper end reaches the largest lower end, and only
+// those candidates (a few rows for a random or trained model: the intervals are about a hundredth
+// of the logits' spread) are computed from W, with float64 sums. The step reads a quarter of W's
+// bytes and returns the argmax of the logits computed in float64, ties to the lowest index.
+// A row of x that is not finite gets the float32 logits' first maximum (V - 1 where they are
+// NaN), as the engine's first_max; logits flat enough to leave more than kManyCandidates rows in
+// 1024 (a zero x: all of them) are all computed, one pass over W.
+
+constexpr int64_t kManyCandidates = 16;
+
+double dot64(const float* a, const float* b, int64_t n) {
+  double s = 0;
+  for (int64_t k = 0; k < n; ++k) s += double(a[k]) * b[k];
+  return s;
+}
+
+// logit[p] = x[rows[p]] . W_cols[p] in float64 for P pairs (row of x, row v of the unembedding),
+// the pairs split over the team: W[V, D] (w_nk) a contiguous row each; W[D, V] a column each,
+// D lines apart, a thread's columns read together in one pass over D with the lines of eight
+// rows on asked for ahead.
+void exact_logits(const float* x, const float* w, bool w_nk, int64_t V, int64_t D,
+                  const std::vector<int64_t>& rows, const std::vector<int32_t>& cols,
+                  std::vector<double>& logit) {
+  const int64_t P = int64_t(cols.size());
+  logit.assign(P, 0.0);
+  const int64_t* r = rows.data();
+  const int32_t* c = cols.data();
+  double* out = logit.data();
+  auto share = [=](int t, int T) {
+    auto [p0, p1] = part(P, 1, t, T);
+    if (w_nk) {
+      for (int64_t p = p0; p < p1; ++p) out[p] = dot64(x + r[p] * D, w + c[p] * D, D);
+      return;
+    }
+    for (int64_t k = 0; k < D; ++k) {
+      const float* wk = w + k * V;
+      if (k + 8 < D)
+        for (int64_t p = p0; p < p1; ++p) __builtin_prefetch(wk + 8 * V + c[p], 0, 0);
+      for (int64_t p = p0; p < p1; ++p) out[p] += double(x[r[p] * D + k]) * wk[c[p]];
+    }
+  };
+  if (P > 1) Team::get().run(share);
+  else share(0, 1);
+}
+
+// The first index of the largest of y[0, V), V - 1 when it is NaN (the engine's first_max)
+int32_t first_max(const float* y, int64_t V) {
+  float top = -INFINITY;
+  for (int64_t v = 0; v < V; ++v)
+    if (std::isnan(y[v]) || y[v] > top) top = y[v];
+  for (int64_t v = 0; v < V; ++v)
+    if (y[v] == top) return int32_t(v);
+  return int32_t(V - 1);
+}
+
+// The first maximum of row x's float32 logits, as the engine finds it without the screen.
+int32_t float_first_max(const float* x, const float* w, bool w_nk, int64_t V, int64_t D) {
+  thread_local std::vector<float> y;
+  y.resize(V);
+  matmul_f32(x, w, y.data(), 1, V, D, w_nk);
+  return first_max(y.data(), V);
+}
+
+// Every logit of row x in float64, in one pass over W; the argmax, ties to the lowest index.
+int32_t exact_argmax(const float* x, const float* w, bool w_nk, int64_t V, int64_t D) {
+  thread_local std::vector<double> z;
+  z.assign(V, 0.0);
+  if (w_nk)
+    for (int64_t v = 0; v < V; ++v) z[v] = dot64(x, w + v * D, D);
+  else
+    for (int64_t k = 0; k < D; ++k) {
+      const double xk = x[k];
+      const float* r = w + k * V;
+      for (int64_t v = 0; v < V; ++v) z[v] += xk * r[v];
+    }
+  return int32_t(std::max_element(z.begin(), z.end()) - z.begin());
+}
+
+void greedy_screened(const float* x, const float* w, bool w_nk, const int8_t* q, const float* s,
+                     const float* R, int32_t* ids, int64_t M, int64_t V, int64_t D) {
+  thread_local std::vector<float> norm, z, tau;
+  thread_local std::vector<std::vector<int32_t>> cands;
+  norm.resize(M);
+  for (int64_t m = 0; m < M; ++m) {  // ||x_m||, rounded up
+    double a = 0;
+    for (int64_t k = 0; k < D; ++k) a += double(x[m * D + k]) * x[m * D + k];
+    norm[m] = float(std::sqrt(a) * (1 + 1e-6));
+  }
+  const int T = Team::get().size();
+  z.resize(M * V);
+  tau.assign(T * M, -INFINITY);
+  cands.resize(T * M);
+  for (auto& c : cands) c.clear();  // a busy team runs every share on this thread as t = 0
+  // (the helpers see this thread's buffers through pointers: a thread_local named in the body
+  // would be the helper's own)
+  float *zp = z.data(), *taup = tau.data();
+  const float* normp = norm.data();
+  std::vector<int32_t>* candp = cands.data();
+  // each thread: its share of the screened logits, the largest lower end there, and the rows whose
+  // upper end reaches it (a superset of the candidates its share holds)
+  over_rows(q, V, kLanes, D, [=](int t, int, int64_t n0, int64_t n1) {
+    if (n1 <= n0) return;
+    nk_all<int8_t>(x, q, s, zp, M, V, D, n0, n1);
+    for (int64_t m = 0; m < M; ++m) {
+      const float* zm = zp + m * V;
+      const float r = normp[m];
+      auto upper = [&](int64_t n) { return zm[n] + r * R[n]; };
+      vf low = splat(-INFINITY), nr = splat(-r), vr = splat(r);
+      int64_t n = n0;
+      for (; n + kLanes <= n1; n += kLanes) low = vmax(low, fma(nr, load(R + n), load(zm + n)));
+      float best = hmax(low);
+      for (; n < n1; ++n) best = std::max(best, zm[n] - r * R[n]);
+      auto& c = candp[t * M + m];
+      constexpr int64_t span = 4 * kLanes;  // rows whose upper ends are checked together
+      for (n = n0; n + span <= n1; n += span) {
+        vf up = fma(vr, load(R + n), load(zm + n));
+        for (int64_t j = kLanes; j < span; j += kLanes)
+          up = vmax(up, fma(vr, load(R + n + j), load(zm + n + j)));
+        if (hmax(up) >= best)
+          for (int64_t j = n; j < n + span; ++j)
+            if (upper(j) >= best) c.push_back(int32_t(j));
+      }
+      for (; n < n1; ++n)
+        if (upper(n) >= best) c.push_back(int32_t(n));
+      taup[t * M + m] = best;
+    }
+  });
+  // the candidates of all rows as (row, v) pairs, v rising within a row
+  thread_local std::vector<int64_t> rows;
+  thread_local std::vector<int32_t> cols;
+  thread_local std::vector<double> logit;
+  rows.clear(), cols.clear();
+  const int64_t many = std::max<int64_t>(kManyCandidates, kManyCandidates * V / 1024);
+  for (int64_t m = 0; m < M; ++m) {
+    ids[m] = -1;
+    const float* xm = x + m * D;
+    if (!std::isfinite(norm[m])) {
+      ids[m] = float_first_max(xm, w, w_nk, V, D);
+      continue;
+    }
+    float best = -INFINITY;
+    for (int t = 0; t < T; ++t) best = std::max(best, tau[t * M + m]);
+    const float r = norm[m];
+    const size_t first = cols.size();
+    for (int t = 0; t < T; ++t)  // shares in order, rows in order
+      for (int32_t v : cands[t * M + m])
+        if (z[m * V + v] + r * R[v] >= best) rows.push_back(m), cols.push_back(v);
+    const int64_t found = int64_t(cols.size() - first);
+    if (found > many || found == 0) {  // flat logits; none: a weight is not finite
+      rows.resize(first), cols.resize(first);
+      ids[m] = found ? exact_argmax(xm, w, w_nk, V, D) : float_first_max(xm, w, w_nk, V, D);
+    }
+  }
+  exact_logits(x, w, w_nk, V, D, rows, cols, logit);
+  std::vector<double> top(M, -INFINITY);
+  for (size_t p = 0; p < cols.size(); ++p)  // ties go to the lowest v, the first seen
+    if (ids[rows[p]] < 0 || logit[p] > top[rows[p]]) top[rows[p]] = logit[p], ids[rows[p]] = cols[p];
+}
+
+ffi::Error GreedyScreened(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S8> q,
+                          ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> radius,
+                          ffi::ResultBuffer<ffi::S32> ids, bool w_nk) {
+  auto xd = x.dimensions(), wd = w.dimensions(), qd = q.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || qd.size() != 2 || xd[1] != qd[1] ||
+      wd[w_nk ? 0 : 1] != qd[0] || wd[w_nk ? 1 : 0] != qd[1] ||
+      scale.dimensions().size() != 1 || scale.dimensions()[0] != qd[0] ||
+      radius.dimensions().size() != 1 || radius.dimensions()[0] != qd[0] || qd[0] == 0)
+    return ffi::Error::InvalidArgument(
+        "podrun_greedy_screened: expects x[M, D], w[D, V] (or [V, D] with w_nk), q[V, D] int8, "
+        "scale[V] and radius[V], V > 0");
+  greedy_screened(x.typed_data(), w.typed_data(), w_nk, q.typed_data(), scale.typed_data(),
+                  radius.typed_data(), ids->typed_data(), xd[0], qd[0], xd[1]);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 // kChain | kSingleRows by default (benchmarks/product_options.py measures them on and off).
@@ -528,3 +712,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(podrun_matmul_nk_s4, MatmulNKS4,
                                   .Arg<ffi::Buffer<ffi::F16>>()
                                   .Arg<ffi::Buffer<ffi::F16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(podrun_greedy_screened, GreedyScreened,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<bool>("w_nk"));
