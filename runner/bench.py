@@ -23,8 +23,10 @@ Measured (medians over --reps, after a warm-up that compiles every timed shape):
 Roofline of one decode step: bytes_per_step = weights a token must read (all of them, except that
 an embedding table only contributes the B rows gathered unless it is tied as the unembedding, a
 mixture of experts only min(B*k, E) of its E experts, and an unembedding read through the greedy
-screen (precision.greedy_screen) only the screen's int8 bytes) + the filled part of the KV cache (mean over
-the decode), against a large-array reduction's read bandwidth measured in this process -> MBU;
+screen (precision.greedy_screen) only the screen's int8 bytes) + the filled part of the KV cache
+(mean over the decode), against a large array's read bandwidth measured in this process before
+each timed repetition and after the last (their median; the bandwidth of a machine like this one
+drifts by a half within minutes) -> MBU;
 flops_per_step = 2 * B * params per token + attention, against a large f32 matmul -> MFU. Counted
 once for the model: replicas over the `data` axis that each read their own copy of the weights (8
 simulated CPU devices) are not counted again, so their extra reads show up as a lower MBU.
@@ -32,6 +34,7 @@ simulated CPU devices) are not counted again, so their extra reads show up as a 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import json
@@ -159,31 +162,50 @@ def _over_devices(shape: tuple[int, ...]) -> jax.Array:
     return jax.jit(lambda: jnp.ones((len(devices), *shape), jnp.float32), out_shardings=sharding)()
 
 
+class BandwidthProbe:
+    """The machine's read bandwidth, GB/s, measured anew at each call: bytes read per second from a
+    `mib` MiB f32 array split over every local device, by the faster of two readers: XLA's sum,
+    and on CPU podrun's product kernel (ones[1, R] . W[R, 4096], its threads each streaming a
+    contiguous share), which reads faster than XLA's reduction there (this 2-core machine: 72-77
+    GB/s where the sum read 45-68). On CPU the array sits on 2 MiB pages where the system gives
+    them, as the engine's weights do (runner/hugepages.py). The array exists while the probe is
+    open (`with`); `measure` opens it after a record's warm-up, whose peak memory leaves it out."""
+
+    def __init__(self, mib: int):
+        self.mib = mib
+        self.x, self.readers = None, []
+
+    def __enter__(self) -> BandwidthProbe:
+        n = max(1, self.mib * 2**20 // 4 // len(jax.local_devices()))
+        n -= n % 4096 if n > 4096 else 0
+        self.x = x = _over_devices((n,))
+        self.readers = [jax.jit(jnp.sum)]
+        if x.sharding.mesh.devices.flat[0].platform == "cpu":
+            hugepages.collapse(x)
+            from models.kernels import cpu
+
+            if n % 4096 == 0 and cpu.available():
+                P = jax.sharding.PartitionSpec
+
+                def read(a):  # [1, n] on one device
+                    return cpu.matmul_f32(jnp.ones((1, n // 4096), jnp.float32),
+                                          a.reshape(n // 4096, 4096))
+
+                self.readers.append(jax.jit(jax.shard_map(
+                    read, mesh=x.sharding.mesh, in_specs=P("d"), out_specs=P("d"), check_vma=False)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.x, self.readers = None, []
+        gc.collect()
+
+    def __call__(self) -> float:
+        return self.x.nbytes / min(_best_of(f, self.x) for f in self.readers) / 1e9
+
+
 def read_bandwidth_gbps(mib: int) -> float:
-    """Bytes read per second from a `mib` MiB f32 array split over every local device, by the
-    faster of two readers: XLA's sum, and on CPU podrun's product kernel (ones[1, R] . W[R, 4096],
-    its threads each streaming a contiguous share), which reads faster than XLA's reduction there
-    (this 2-core machine: 72-77 GB/s where the sum read 45-68). On CPU the array sits on 2 MiB
-    pages where the system gives them, as the engine's weights do (runner/hugepages.py)."""
-    n = max(1, mib * 2**20 // 4 // len(jax.local_devices()))
-    n -= n % 4096 if n > 4096 else 0
-    x = _over_devices((n,))
-    if x.sharding.mesh.devices.flat[0].platform == "cpu":
-        hugepages.collapse(x)
-    seconds = _best_of(jax.jit(jnp.sum), x)
-    if x.sharding.mesh.devices.flat[0].platform == "cpu" and n % 4096 == 0:
-        from models.kernels import cpu
-
-        if cpu.available():
-            P = jax.sharding.PartitionSpec
-
-            def read(a):  # [1, n] on one device
-                return cpu.matmul_f32(jnp.ones((1, n // 4096), jnp.float32), a.reshape(n // 4096, 4096))
-
-            product = jax.shard_map(read, mesh=x.sharding.mesh, in_specs=P("d"), out_specs=P("d"),
-                                    check_vma=False)
-            seconds = min(seconds, _best_of(jax.jit(product), x))
-    return x.nbytes / seconds / 1e9
+    with BandwidthProbe(mib) as probe:
+        return probe()
 
 
 def peak_gflops(m: int) -> float:
@@ -194,7 +216,21 @@ def peak_gflops(m: int) -> float:
 
 
 def peak_rss_gib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB  # Linux: KiB
+    """This process's peak resident memory since the last reset_peak_rss (Linux), else ever."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024 / GiB
+    except (OSError, StopIteration, ValueError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB  # Linux: KiB
+
+
+def reset_peak_rss() -> None:
+    """Peak resident memory counted from now (Linux 4.0 on; elsewhere nothing changes)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 # --- the workload -------------------------------------------------------------------------------
@@ -251,14 +287,23 @@ def _timed(engine: Engine, requests: list[Request], n: int) -> tuple[float, list
     return seconds, out
 
 
-def measure(s: Settings, model: Model, params, rules: Rules, w: Workload) -> list[dict]:
-    """Timings and roofline counts per (batch size, prompt length); mbu/mfu are filled by `rate`."""
+def measure(s: Settings, model: Model, params, rules: Rules, w: Workload,
+            probe_mib: int = 0) -> list[dict]:
+    """Timings and roofline counts per (batch size, prompt length); mbu/mfu are filled by `rate`.
+
+    With probe_mib, the read bandwidth (BandwidthProbe) is measured before each timed repetition
+    and after the last, and the record's is their median: a machine whose bandwidth drifts by a
+    half from one minute to the next then rates each decode against the bandwidth of its own
+    minutes. A record's peak memory is its engine's, from its making to its warm-up (the probe's
+    array comes after)."""
     w.check(model)
     p_size = jnp.dtype(s.policy.params).itemsize
     kv_size = KVCache.bytes_per_element(s.policy.kv_cache, model.module.cache_spec(model.config)[2])
     prompts = {P: w.prompts(P, model.config.vocab_size) for P in w.prompt_lens}
     N, records = w.new_tokens, []
     for B in w.batch_sizes:
+        gc.collect()
+        reset_peak_rss()
         engine = make_engine(s, model, params, rules, B, w.prompt_lens, N)
         for P in w.prompt_lens:
             requests = greedy_requests(prompts[P][:B], N, s)
@@ -267,13 +312,19 @@ def measure(s: Settings, model: Model, params, rules: Rules, w: Workload) -> lis
             _timed(engine, requests, 1)
             _timed(engine, requests, N)
             warmup = time.perf_counter() - t0
-            t1s, tns, ttfts, decodes = [], [], [], []
-            for _ in range(w.reps):
-                t1s.append(_timed(engine, requests, 1)[0])
-                seconds, out = _timed(engine, requests, N)
-                tns.append(seconds)
-                ttfts.append(out[0].ttft_s)
-                decodes.append(out[0].decode_s)
+            rss = peak_rss_gib()
+            t1s, tns, ttfts, decodes, bandwidths = [], [], [], [], []
+            with BandwidthProbe(probe_mib) if probe_mib else contextlib.nullcontext() as probe:
+                for _ in range(w.reps):
+                    if probe:
+                        bandwidths.append(probe())
+                    t1s.append(_timed(engine, requests, 1)[0])
+                    seconds, out = _timed(engine, requests, N)
+                    tns.append(seconds)
+                    ttfts.append(out[0].ttft_s)
+                    decodes.append(out[0].decode_s)
+                if probe:
+                    bandwidths.append(probe())
             t1, tn = statistics.median(t1s), statistics.median(tns)
             decode = max(statistics.median(decodes), 1e-9)
             cost = decode_cost(model, B, P, N, p_size, kv_size, s.policy.quantize,
@@ -288,7 +339,9 @@ def measure(s: Settings, model: Model, params, rules: Rules, w: Workload) -> lis
                 "compile_s": max(0.0, warmup - t1 - tn), "warmup_s": warmup,
                 "bytes_per_step": cost.bytes, "weight_bytes_per_step": cost.weight_bytes,
                 "kv_bytes_per_step": cost.kv_bytes, "flops_per_step": cost.flops,
-                "peak_rss_gib": peak_rss_gib(), "prefill_all_s": t1s, "total_all_s": tns,
+                "peak_rss_gib": rss, "prefill_all_s": t1s, "total_all_s": tns,
+                "bandwidth_gbps": statistics.median(bandwidths) if bandwidths else None,
+                "bandwidth_all_gbps": bandwidths,
                 "decode_all_s": decodes, "huge_page_bytes": engine.huge_pages[0],
                 "screen_bytes": engine.screen_bytes,
                 "loadavg_before_after": [load_before, os.getloadavg()[0]],
@@ -299,10 +352,12 @@ def measure(s: Settings, model: Model, params, rules: Rules, w: Workload) -> lis
 
 
 def rate(records: list[dict], bandwidth_gbps: float, gflops: float) -> None:
-    """MBU and MFU of each record's decode step against the machine's figures."""
+    """MBU and MFU of each record's decode step against the machine's figures: the record's own
+    measured bandwidth (measure's probe), else `bandwidth_gbps`."""
     for r in records:
-        r.update(bandwidth_gbps=bandwidth_gbps, peak_gflops=gflops,
-                 mbu=r["bytes_per_step"] / r["decode_step_s"] / (bandwidth_gbps * 1e9),
+        bandwidth = r.get("bandwidth_gbps") or bandwidth_gbps
+        r.update(bandwidth_gbps=bandwidth, peak_gflops=gflops,
+                 mbu=r["bytes_per_step"] / r["decode_step_s"] / (bandwidth * 1e9),
                  mfu=r["flops_per_step"] / r["decode_step_s"] / (gflops * 1e9))
 
 
@@ -364,14 +419,13 @@ def main(argv: list[str]) -> None:
         say(f"bench {run['model']} on {run['devices']} {run['platform']} devices, mesh {run['mesh']}, "
             f"precision {s.policy.params}/{s.policy.kv_cache}: batches {work.batch_sizes}, prompts "
             f"{work.prompt_lens}, {work.new_tokens} new tokens, {work.reps} reps")
-        records = measure(s, model, params, rules, work)
+        records = measure(s, model, params, rules, work, 0 if _BANDWIDTH.value else _PROBE_MIB.value)
         del params
         gc.collect()
-        bandwidth = _BANDWIDTH.value or read_bandwidth_gbps(_PROBE_MIB.value)
         gflops = _PEAK.value or peak_gflops(_PROBE_MATMUL.value)
     except (*USER_ERRORS, BenchError) as e:
         sys.exit(f"podrun bench: error: {e}")
-    rate(records, bandwidth, gflops)
+    rate(records, _BANDWIDTH.value, gflops)
     config_args = [a for a in sys.argv[1:] if a.startswith("--config")]
     for r in records:
         r.update(run, config=config_args, bandwidth_measured=not _BANDWIDTH.value,
@@ -379,9 +433,11 @@ def main(argv: list[str]) -> None:
     if jax.process_index() == 0:
         print(f"{run['model']}: {run['devices']} {run['platform']} devices, mesh {run['mesh']}, "
               f"precision {run['precision']}, {records[0]['steps_per_dispatch']} steps per dispatch")
-        print(f"machine: read bandwidth {bandwidth:.1f} GB/s, peak {gflops:.0f} GFLOP/s "
-              f"({'measured' if not _BANDWIDTH.value else 'given'} / "
-              f"{'measured' if not _PEAK.value else 'given'}); load average {os.getloadavg()[0]:.2f}; "
+        measured = [g for r in records for g in r["bandwidth_all_gbps"]]
+        bandwidth = (f"{min(measured):.1f}-{max(measured):.1f} GB/s measured beside the decodes"
+                     if measured else f"{_BANDWIDTH.value:.1f} GB/s given")
+        print(f"machine: read bandwidth {bandwidth}, peak {gflops:.0f} GFLOP/s "
+              f"({'measured' if not _PEAK.value else 'given'}); load average {os.getloadavg()[0]:.2f}; "
               f"weights and cache on 2 MiB pages: {records[0]['huge_page_bytes'] / 2**20:.0f} MiB")
         print(table(records))
         if _OUTPUT.value:

@@ -99,6 +99,9 @@ def test_bench_writes_a_record_per_batch_and_prompt_len_and_decodes_every_token(
         assert r["precision"]["params"] == "float32"
         assert r["precision"]["one_cpu_device"] is False  # 8 devices: the one-device kernels stay off
         assert r["bandwidth_gbps"] > 0 and r["peak_rss_gib"] > 0
+        # the bandwidth is measured before the one timed repetition and after it
+        assert len(r["bandwidth_all_gbps"]) == 2
+        assert r["bandwidth_gbps"] == pytest.approx(float(np.median(r["bandwidth_all_gbps"])))
         want_bytes, want_flops = independent_cost(m, r["batch_size"], r["prompt_len"], NEW, 4)
         assert r["bytes_per_step"] == pytest.approx(want_bytes, rel=1e-12)
         assert r["mbu"] == pytest.approx(want_bytes / r["decode_step_s"] / (r["bandwidth_gbps"] * 1e9))
