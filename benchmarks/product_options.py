@@ -1,6 +1,6 @@
 """How the CPU products read their weights (models/kernels/cpu_matmul.cc: kChain, the next product's
-weights asked for between products; kSingleRows, short rows of W swept one at a time at batch 1),
-each on and off, alternated round by round in one process, so that the machine's swings of speed
+weights asked for between products; kSingleRows, short rows of W swept one at a time at batch 1;
+kBalance, the rows in parts that the threads claim as they go), each on and off, alternated round by round in one process, so that the machine's swings of speed
 from one minute to the next fall on every setting alike.
 
     python benchmarks/product_options.py --config=configs/cpu.py:<checkpoint> [--batch_size=1] \
@@ -38,8 +38,9 @@ _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 128, "prompt length (tokens)")
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 128, "tokens generated per row")
 _ROUNDS = flags.DEFINE_integer("rounds", 8, "rounds of every setting")
 
-SETTINGS = {"neither": (False, False), "chain": (True, False), "single_rows": (False, True),
-            "both": (True, True)}
+SETTINGS = {"neither": (False, False, False), "chain": (True, False, False),
+            "single_rows": (False, True, False), "both": (True, True, False),
+            "both+balance": (True, True, True)}
 
 
 def main(argv: list[str]) -> None:
@@ -66,8 +67,8 @@ def main(argv: list[str]) -> None:
     steps: dict[str, list[float]] = {name: [] for name in SETTINGS}
     engine.generate(requests, stop_ids=())  # compiles
     for _ in range(_ROUNDS.value):
-        for name, (chain, single_rows) in SETTINGS.items():
-            cpu.set_product_options(chain, single_rows)
+        for name, options in SETTINGS.items():
+            cpu.set_product_options(*options)
             engine.generate(requests, stop_ids=())  # the chain learns this setting's order
             done = engine.generate(requests, stop_ids=())
             steps[name].append(done[0].decode_s / (n - 1) * 1e3)

@@ -118,12 +118,15 @@ def test_greedy_screen_for_flat_and_non_finite_rows():
     assert got[3] == int(first_max(jnp.asarray(x[3:4]) @ jnp.asarray(w))[0])
 
 
-@pytest.mark.parametrize("chain,single_rows", [(True, True), (False, False), (True, False), (False, True)])
-def test_chained_products_match_numpy_with_each_product_option(chain, single_rows):
+@pytest.mark.parametrize("chain,single_rows,balance", [(True, True, True), (False, False, False),
+                                                     (True, False, True), (False, True, False),
+                                                     (True, True, False)])
+def test_chained_products_match_numpy_with_each_product_option(chain, single_rows, balance):
     """A step's products called again and again, as decode calls them: the kernels learn their
-    order and the helpers read the next product's weights ahead (cpu_matmul.cc's Chain), and one
-    row over short rows of W sweeps them a row at a time; with each of these on or off the sums
-    are numpy's."""
+    order and the helpers read the next product's weights ahead (cpu_matmul.cc's Chain), one row
+    over short rows of W sweeps them a row at a time, and the threads claim parts of W as they go
+    (kBalance); with each of these on or off the sums are numpy's, and the same bits every call
+    whichever thread took which part."""
     rng = np.random.default_rng(7)
     kn = [rng.standard_normal((K, N), dtype=np.float32) for K, N in [(64, 96), (96, 520), (520, 64)]]
     nk = rng.standard_normal((200, 64), dtype=np.float32)  # [N, K]
@@ -145,10 +148,12 @@ def test_chained_products_match_numpy_with_each_product_option(chain, single_row
     x = rng.standard_normal((1, 64), dtype=np.float32)
     f = jax.jit(step)
     try:
-        cpu.set_product_options(chain, single_rows)
-        for _ in range(4):
+        cpu.set_product_options(chain, single_rows, balance)
+        first = np.asarray(f(x))
+        for _ in range(6):
             got = np.asarray(f(x))
             np.testing.assert_allclose(got, want(x), rtol=1e-4, atol=1e-3 * np.abs(want(x)).max())
+            np.testing.assert_array_equal(got, first)
     finally:
         cpu.set_product_options()
 

@@ -181,11 +181,17 @@ class Team {
 
   // body(t, T) for every t in [0, T): this thread takes t = 0, each helper one other t. Helpers
   // that finish then ask for the first kAheadBytes of every thread's share of `ahead` (the
-  // product expected next), until the next call starts.
+  // product expected next), until the next call starts. With `chunks`, the bodies take their
+  // work from claim().
   template <typename Body>
-  void run(Body& body, Ahead ahead = {}) {
+  void run(Body& body, Ahead ahead = {}, int64_t chunks = 0) {
     std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
     if (threads_ == 0 || !busy.owns_lock() || getpid() != pid_) { body(0, 1); return; }
+    const int T = int(threads_) + 1;
+    for (int t = 0; chunks && t < T; ++t) {
+      auto [b, e] = part(chunks, 1, t, T);
+      ranges_[t].lohi.store(uint64_t(b) << 32 | uint64_t(e), std::memory_order_relaxed);
+    }
     fn_ = [](void* b, int t, int T) { (*static_cast<Body*>(b))(t, T); };
     ctx_ = &body;
     ahead_base_.store(ahead.base, std::memory_order_relaxed);
@@ -198,8 +204,27 @@ class Team {
       std::lock_guard<std::mutex> l(mu_);
       cv_.notify_all();
     }
-    body(0, int(threads_) + 1);
+    body(0, T);
     while (pending_.load(std::memory_order_acquire) > 0) pause();
+  }
+
+  // The next chunk for thread t of a call run() split into chunks: those of t's own share
+  // (part(chunks, 1, t, T)) from its front, then the others' from their backs; -1 when all are
+  // taken. A thread that memory serves slower than the others (their shares of a product
+  // finished 10-20% apart here) leaves them the end of its share.
+  int64_t claim(int t) {
+    const int T = int(threads_) + 1;
+    for (int o = 0; o < T; ++o) {
+      std::atomic<uint64_t>& r = ranges_[(t + o) % T].lohi;
+      uint64_t v = r.load(std::memory_order_relaxed);
+      for (;;) {
+        const uint64_t lo = v >> 32, hi = v & 0xFFFFFFFFu;
+        if (lo >= hi) break;
+        const uint64_t rest = o == 0 ? (lo + 1) << 32 | hi : lo << 32 | (hi - 1);
+        if (r.compare_exchange_weak(v, rest, std::memory_order_relaxed)) return int64_t(o ? hi - 1 : lo);
+      }
+    }
+    return -1;
   }
 
  private:
@@ -278,6 +303,10 @@ class Team {
   void* ctx_ = nullptr;
   std::atomic<const char*> ahead_base_{nullptr};
   std::atomic<int64_t> ahead_rows_{0}, ahead_unit_{1}, ahead_row_bytes_{0};
+  struct alignas(64) Range {  // chunks [lo, hi) left of a thread's share, lo << 32 | hi
+    std::atomic<uint64_t> lohi{0};
+  };
+  Range ranges_[kMaxThreads];
 };
 
 // IEEE half-precision values as floats (the int4 weights' scales and minima)

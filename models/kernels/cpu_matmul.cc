@@ -233,8 +233,8 @@ constexpr int64_t kn_sweep_rows(int MB) { return MB >= 8 ? 16 : 8; }
 // rows kept their sweeps of 8: [768, 768] 22.8 / 25.8, 24.3 / 23.6; [512, 1024] 25.5 / 23.7,
 // 25.1 / 24.2; [576, 1536] 27.7 / 25.5; the unembedding [512, 32000] 34.6 / 24.2. At 2 rows of x
 // single rows lost for N = 128-192 (25.9 / 22.6) and gained 10-15% for N = 512-576.
-constexpr int kChain = 1, kSingleRows = 2;
-std::atomic<int> options{kChain | kSingleRows};
+constexpr int kChain = 1, kSingleRows = 2, kBalance = 4;
+std::atomic<int> options{kChain | kSingleRows | kBalance};
 constexpr int64_t kNarrow = 640;
 
 // Columns [c, c + VB * kLanes) of p over rows [k0, k0 + kb) of w, MB x VB sums in registers.
@@ -366,42 +366,72 @@ class Chain {
   std::vector<Entry> slots_ = std::vector<Entry>(kSlots);
 };
 
-// body(t, T, begin, end) for the team's shares of W's `rows` rows (of `row_bytes` each), split in
-// multiples of `unit`; the same split tells the helpers what to read ahead of the next product.
+// body(t, c, begin, end) for the parts c of W's `rows` rows (of `row_bytes` each), split in
+// multiples of `unit`, on the team (t: the thread); returns the number of parts. With kBalance,
+// 8 parts a thread (at most max_parts) that the threads claim as they go (Team::claim), so a
+// thread that finishes early takes the end of another's share; else one fixed share a thread.
+// Either way each thread starts at the front of its share, which tells the helpers what to read
+// ahead of the next product. The peer model's batch-1 decode step, claimed against fixed
+// shares alternated in one process: see benchmarks/product_options.py.
+constexpr int64_t kAnyParts = int64_t(1) << 30;
+
 template <typename Body>
-void over_rows(const void* w, int64_t rows, int64_t unit, int64_t row_bytes, Body body) {
-  auto share = [&](int t, int T) {
-    auto [begin, end] = part(rows, unit, t, T);
-    body(t, T, begin, end);
+int64_t over_parts(const void* w, int64_t rows, int64_t unit, int64_t row_bytes, int64_t max_parts,
+                   Body body) {
+  Team& team = Team::get();
+  const int T = team.size();
+  const char* base = static_cast<const char*>(w);
+  int64_t size = 0, parts = 0;
+  if (T > 1 && options.load(std::memory_order_relaxed) & kBalance) {
+    parts = std::min<int64_t>(8 * T, max_parts);
+    size = (rows + parts * unit - 1) / (parts * unit) * unit;
+    parts = (rows + size - 1) / size;
+  }
+  if (parts < 2 * T) {
+    int used = 1;
+    auto share = [&](int t, int T) {
+      if (t == 0) used = T;
+      auto [begin, end] = part(rows, unit, t, T);
+      body(t, int64_t(t), begin, end);
+    };
+    team.run(share, Chain::next({base, rows, unit, row_bytes}));
+    return used;
+  }
+  auto take = [&](int t, int T) {
+    auto run = [&](int64_t c) { body(t, c, c * size, std::min(rows, (c + 1) * size)); };
+    if (T == 1)
+      for (int64_t c = 0; c < parts; ++c) run(c);
+    else
+      for (int64_t c; (c = team.claim(t)) >= 0;) run(c);
   };
-  Team::get().run(share, Chain::next({static_cast<const char*>(w), rows, unit, row_bytes}));
+  team.run(take, Chain::next({base, parts, 1, size * row_bytes}), parts);
+  return parts;
 }
 
-// y[M, N] = x[M, K] . W, over the team.
+// y[M, N] = x[M, K] . W, over the team. W[K, N]: part c of W's rows sums into its own p[M, N]
+// (part 0's is y) and y adds up the others in their order, so the sums are the same whichever
+// thread took a part; claimed parts up to 2 rows of x, their sums held to 64K floats (at 8 rows
+// adding them up cost more than the balance gained: the peer model's step 1.02x the time).
 void matmul_f32(const float* xp, const float* wp, float* yp, int64_t M, int64_t N, int64_t K,
                 bool w_nk) {
   if (w_nk) {
-    over_rows(wp, N, kLanes, K * 4, [=](int, int, int64_t n0, int64_t n1) {
+    over_parts(wp, N, kLanes, K * 4, kAnyParts, [=](int, int64_t, int64_t n0, int64_t n1) {
       if (n1 > n0) nk_all<float>(xp, wp, nullptr, yp, M, N, K, n0, n1);
     });
     return;
   }
-  std::vector<float*> partial(Team::get().size(), nullptr);  // threads 1..: their own sums
-  int parts = 1;
-  over_rows(wp, K, kKB, N * 4, [&](int t, int T, int64_t k0, int64_t k1) {
-    if (t == 0) parts = T;
-    if (k1 <= k0) return;
-    float* p = yp;
-    if (t > 0) {
-      thread_local std::vector<float> mine;
-      if (mine.size() < size_t(M * N)) mine.resize(M * N);
-      p = partial[t] = mine.data();
-    }
-    kn_all(xp, wp, p, M, N, K, k0, k1);
+  const int64_t MN = M * N;
+  thread_local std::vector<float> sums;
+  sums.resize(std::max<int64_t>(MN * (Team::get().size() - 1), 1 << 16));
+  float* pp = sums.data();
+  const int64_t parts = over_parts(wp, K, kKB, N * 4, M <= 2 ? 1 + (1 << 16) / MN : 1,
+                                   [=](int, int64_t c, int64_t k0, int64_t k1) {
+    float* p = c ? pp + (c - 1) * MN : yp;
+    if (k1 > k0) kn_all(xp, wp, p, M, N, K, k0, k1);
+    else std::fill(p, p + MN, 0.f);
   });
-  for (int t = 1; t < parts; ++t)
-    if (const float* p = partial[t])
-      for (int64_t i = 0; i < M * N; ++i) yp[i] += p[i];
+  for (int64_t c = 1; c < parts; ++c)
+    for (int64_t i = 0; i < MN; ++i) yp[i] += pp[(c - 1) * MN + i];
 }
 
 ffi::Error MatmulF32(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
@@ -446,7 +476,7 @@ ffi::Error MatmulNKS8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   const float* sp = scale.typed_data();
   float* yp = y->typed_data();
   if (M <= 2) {  // a decode step of one or two rows: the team, as matmul_f32
-    over_rows(wp, N, kLanes, K, [=](int, int, int64_t n0, int64_t n1) {
+    over_parts(wp, N, kLanes, K, kAnyParts, [=](int, int64_t, int64_t n0, int64_t n1) {
       if (n1 > n0) nk_all<int8_t>(xp, wp, sp, yp, M, N, K, n0, n1);
     });
     return ffi::Error::Success();
@@ -472,7 +502,7 @@ void matmul_s4(ffi::ThreadPool* pool, const float* xp, const uint8_t* qp, const 
     xs[i] = hsum(a);
   }
   if (M <= 2 || !pool) {
-    over_rows(qp, N, kLanes, K / 2, [=](int, int, int64_t n0, int64_t n1) {
+    over_parts(qp, N, kLanes, K / 2, kAnyParts, [=](int, int64_t, int64_t n0, int64_t n1) {
       if (n1 > n0) nk4_all(xp, xs, qp, dp, mp, yp, M, N, K, n0, n1);
     });
     return;
@@ -604,9 +634,9 @@ void greedy_screened(const float* x, const float* w, bool w_nk, const int8_t* q,
   float *zp = z.data(), *taup = tau.data();
   const float* normp = norm.data();
   std::vector<int32_t>* candp = cands.data();
-  // each thread: its share of the screened logits, the largest lower end there, and the rows whose
-  // upper end reaches it (a superset of the candidates its share holds)
-  over_rows(q, V, kLanes, D, [=](int t, int, int64_t n0, int64_t n1) {
+  // each part: its screened logits, the largest lower end there, and the rows whose upper end
+  // reaches it (a superset of the candidates the part holds), gathered by thread
+  over_parts(q, V, kLanes, D, kAnyParts, [=](int t, int64_t, int64_t n0, int64_t n1) {
     if (n1 <= n0) return;
     nk_all<int8_t>(x, q, s, zp, M, V, D, n0, n1);
     for (int64_t m = 0; m < M; ++m) {
@@ -630,10 +660,10 @@ void greedy_screened(const float* x, const float* w, bool w_nk, const int8_t* q,
       }
       for (; n < n1; ++n)
         if (upper(n) >= best) c.push_back(int32_t(n));
-      taup[t * M + m] = best;
+      taup[t * M + m] = std::max(taup[t * M + m], best);  // over the thread's parts
     }
   });
-  // the candidates of all rows as (row, v) pairs, v rising within a row
+  // the candidates of all rows as (row, v) pairs
   thread_local std::vector<int64_t> rows;
   thread_local std::vector<int32_t> cols;
   thread_local std::vector<double> logit;
@@ -650,7 +680,7 @@ void greedy_screened(const float* x, const float* w, bool w_nk, const int8_t* q,
     for (int t = 0; t < T; ++t) best = std::max(best, tau[t * M + m]);
     const float r = norm[m];
     const size_t first = cols.size();
-    for (int t = 0; t < T; ++t)  // shares in order, rows in order
+    for (int t = 0; t < T; ++t)
       for (int32_t v : cands[t * M + m])
         if (z[m * V + v] + r * R[v] >= best) rows.push_back(m), cols.push_back(v);
     const int64_t found = int64_t(cols.size() - first);
@@ -661,8 +691,11 @@ void greedy_screened(const float* x, const float* w, bool w_nk, const int8_t* q,
   }
   exact_logits(x, w, w_nk, V, D, rows, cols, logit);
   std::vector<double> top(M, -INFINITY);
-  for (size_t p = 0; p < cols.size(); ++p)  // ties go to the lowest v, the first seen
-    if (ids[rows[p]] < 0 || logit[p] > top[rows[p]]) top[rows[p]] = logit[p], ids[rows[p]] = cols[p];
+  for (size_t p = 0; p < cols.size(); ++p) {  // ties go to the lowest v
+    const int64_t m = rows[p];
+    if (ids[m] < 0 || logit[p] > top[m] || (logit[p] == top[m] && cols[p] < ids[m]))
+      top[m] = logit[p], ids[m] = cols[p];
+  }
 }
 
 ffi::Error GreedyScreened(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S8> q,
