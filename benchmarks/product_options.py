@@ -1,6 +1,7 @@
 """How the CPU products read their weights (models/kernels/cpu_matmul.cc: kChain, the next product's
 weights asked for between products; kSingleRows, short rows of W swept one at a time at batch 1;
-kBalance, the rows in parts that the threads claim as they go), each on and off, alternated round by round in one process, so that the machine's swings of speed
+kBalance, the rows in parts that the threads claim as they go; kPrefetchRows, at batch 1 each line
+of W asking for one a few KB on), each on and off, alternated round by round in one process, so that the machine's swings of speed
 from one minute to the next fall on every setting alike.
 
     python benchmarks/product_options.py --config=configs/cpu.py:<checkpoint> [--batch_size=1] \
@@ -9,7 +10,7 @@ from one minute to the next fall on every setting alike.
 One CPU device unless the command line sets the mesh (these belong to the one-device product
 kernel). Per round and setting: one warm generation, then one timed; prints the median
 decode step (the engine's clock, as runner.bench's decode_step_s) of each setting over the rounds,
-and the median over rounds of its step against 'neither' in the same round.
+and the median over rounds of its step against 'none' in the same round.
 Random prompts, no stop ids.
 """
 
@@ -38,9 +39,9 @@ _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 128, "prompt length (tokens)")
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 128, "tokens generated per row")
 _ROUNDS = flags.DEFINE_integer("rounds", 8, "rounds of every setting")
 
-SETTINGS = {"neither": (False, False, False), "chain": (True, False, False),
-            "single_rows": (False, True, False), "both": (True, True, False),
-            "both+balance": (True, True, True)}
+SETTINGS = {"none": (False, False, False, False), "chain": (True, False, False, False),
+            "single_rows": (False, True, False, False), "both": (True, True, False, False),
+            "both+balance": (True, True, True, False), "all four": (True, True, True, True)}
 
 
 def main(argv: list[str]) -> None:
@@ -75,11 +76,11 @@ def main(argv: list[str]) -> None:
     cpu.set_product_options()
     print(f"{meta.model.family}, batch {_BATCH.value}, {_PROMPT_LEN.value}-token prompts, "
           f"{n} new tokens, {_ROUNDS.value} rounds; ms per decode step:")
-    base = steps["neither"]
+    base = steps["none"]
     for name, ms in steps.items():
         paired = statistics.median(m / b for m, b in zip(ms, base))  # robust to the machine's drift
         rounds = ", ".join(f"{x:.2f}" for x in ms)
-        print(f"  {name:11s} median {statistics.median(ms):7.3f}, {paired:.3f}x neither's in the "
+        print(f"  {name:12s} median {statistics.median(ms):7.3f}, {paired:.3f}x none's in the "
               f"same round (median)   [{rounds}]")
 
 

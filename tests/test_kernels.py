@@ -118,15 +118,16 @@ def test_greedy_screen_for_flat_and_non_finite_rows():
     assert got[3] == int(first_max(jnp.asarray(x[3:4]) @ jnp.asarray(w))[0])
 
 
-@pytest.mark.parametrize("chain,single_rows,balance", [(True, True, True), (False, False, False),
-                                                     (True, False, True), (False, True, False),
-                                                     (True, True, False)])
-def test_chained_products_match_numpy_with_each_product_option(chain, single_rows, balance):
+@pytest.mark.parametrize("chain,single_rows,balance,prefetch_rows", [
+    (True, True, True, True), (False, False, False, False), (True, False, True, True),
+    (False, True, False, True), (True, True, False, False)])
+def test_chained_products_match_numpy_with_each_product_option(chain, single_rows, balance,
+                                                               prefetch_rows):
     """A step's products called again and again, as decode calls them: the kernels learn their
     order and the helpers read the next product's weights ahead (cpu_matmul.cc's Chain), one row
-    over short rows of W sweeps them a row at a time, and the threads claim parts of W as they go
-    (kBalance); with each of these on or off the sums are numpy's, and the same bits every call
-    whichever thread took which part."""
+    over short rows of W sweeps them a row at a time, the threads claim parts of W as they go
+    (kBalance), and lines ask for those a few KB on (kPrefetchRows); with each of these on or off
+    the sums are numpy's, and the same bits every call whichever thread took which part."""
     rng = np.random.default_rng(7)
     kn = [rng.standard_normal((K, N), dtype=np.float32) for K, N in [(64, 96), (96, 520), (520, 64)]]
     nk = rng.standard_normal((200, 64), dtype=np.float32)  # [N, K]
@@ -148,7 +149,7 @@ def test_chained_products_match_numpy_with_each_product_option(chain, single_row
     x = rng.standard_normal((1, 64), dtype=np.float32)
     f = jax.jit(step)
     try:
-        cpu.set_product_options(chain, single_rows, balance)
+        cpu.set_product_options(chain, single_rows, balance, prefetch_rows)
         first = np.asarray(f(x))
         for _ in range(6):
             got = np.asarray(f(x))

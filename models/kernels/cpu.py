@@ -144,13 +144,14 @@ def register() -> None:
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
 
 
-def set_product_options(chain: bool = True, single_rows: bool = True, balance: bool = True) -> None:
+def set_product_options(chain: bool = True, single_rows: bool = True, balance: bool = True,
+                        prefetch_rows: bool = True) -> None:
     """How the products read their weights, in this process (all on by default; cpu_matmul.cc's
-    kChain, kSingleRows and kBalance): for benchmarks/product_options.py, which measures them on
-    and off."""
+    kChain, kSingleRows, kBalance and kPrefetchRows): for benchmarks/product_options.py, which
+    measures them on and off."""
     register()
     ctypes.cdll.LoadLibrary(str(build())).podrun_set_product_options(
-        int(chain) | 2 * int(single_rows) | 4 * int(balance))
+        int(chain) | 2 * int(single_rows) | 4 * int(balance) | 8 * int(prefetch_rows))
 
 
 def matmul_f32(x: jax.Array, w: jax.Array, w_nk: bool = False) -> jax.Array:

@@ -203,14 +203,18 @@ int64_t grain(int64_t n, int64_t unit, int64_t threads) {
 
 // --- W[K, N]: each output accumulates over rows of W -------------------------------------------
 //
-// Each thread reads its own contiguous share of W's rows (in multiples of kKB), a few rows at a
-// time in sweeps across all N columns (one stream of contiguous memory per row), into its own
-// partial sums p[M, N] (thread 0's are y); the caller adds them up after. Split by columns
-// instead, the threads read interleaved pieces of the same rows, which measured 15-20% slower
-// here. From 2 rows of x on, each W row is prefetched 512 bytes ahead (256 at 8 rows): the peer
-// model's decode products, chained, at 2 / 4 / 8 rows took 3.4-3.5 / 3.7-3.9 / 4.4-4.5 ms per
-// step against 4.0-4.3 / 4.6-4.9 / 5.5-6.9 without (at 1 row the prefetch measured slower,
-// 3.45-3.6 against 3.2-3.3 ms; and short rows go one at a time there, kSingleRows).
+// Each thread reads its own contiguous parts of W's rows (in multiples of kKB, over_parts), a few
+// rows at a time in sweeps across all N columns (one stream of contiguous memory per row), into
+// the part's partial sums p[M, N] (part 0's are y); the caller adds them up after. Split by
+// columns instead, the threads read interleaved pieces of the same rows, which measured 15-20%
+// slower here. From 2 rows of x on, each W row is prefetched 512 bytes ahead (256 at 8 rows): the
+// peer model's decode products, chained, at 2 / 4 / 8 rows took 3.4-3.5 / 3.7-3.9 / 4.4-4.5 ms
+// per step against 4.0-4.3 / 4.6-4.9 / 5.5-6.9 without (at 1 row that prefetch measured slower,
+// 3.45-3.6 against 3.2-3.3 ms; and short rows go one at a time there, kSingleRows). At 1 row each
+// line of W asks instead for the line 4 KB on (single rows) or of the next sweep (48 KB on for
+// N = 1536) into L2 (kPrefetchRows): a core alone holds too few misses in flight to read at the
+// machine's bandwidth, and the hardware prefetcher asks too late. Batch-1 decode step, on and off
+// alternated in one process: 0.899x the time (peer model, 30 rounds), 0.915x (SmolLM2, 14).
 // Rows per sweep (kn_sweep_rows): 8 up to 4 rows of x, 16 at 8, where the reloads of p cost
 // more than the extra streams. In one process, sweeps of 16 and of 8 rows alternated pass by
 // pass (medians of 40-80 passes, ms per pass of the peer model's decode products): 1 row of x
@@ -233,14 +237,15 @@ constexpr int64_t kn_sweep_rows(int MB) { return MB >= 8 ? 16 : 8; }
 // rows kept their sweeps of 8: [768, 768] 22.8 / 25.8, 24.3 / 23.6; [512, 1024] 25.5 / 23.7,
 // 25.1 / 24.2; [576, 1536] 27.7 / 25.5; the unembedding [512, 32000] 34.6 / 24.2. At 2 rows of x
 // single rows lost for N = 128-192 (25.9 / 22.6) and gained 10-15% for N = 512-576.
-constexpr int kChain = 1, kSingleRows = 2, kBalance = 4;
-std::atomic<int> options{kChain | kSingleRows | kBalance};
+constexpr int kChain = 1, kSingleRows = 2, kBalance = 4, kPrefetchRows = 8;
+std::atomic<int> options{kChain | kSingleRows | kBalance | kPrefetchRows};
+constexpr int64_t kRowsAheadBytes = 4096;  // 8 KB measured as 4, 16 slower, in a C++ loop
 constexpr int64_t kNarrow = 640;
 
 // Columns [c, c + VB * kLanes) of p over rows [k0, k0 + kb) of w, MB x VB sums in registers.
 template <int MB, int VB>
 __attribute__((always_inline)) inline void kn_block(const float* x, int64_t K, const float* w, int64_t N, float* p, int64_t c,
-                     int64_t k0, int64_t kb, bool first) {
+                     int64_t k0, int64_t kb, bool first, int64_t next) {
   constexpr int64_t ahead = MB >= 8 ? 64 : 128;  // floats
   vf acc[MB][VB];
   for (int m = 0; m < MB; ++m)
@@ -249,6 +254,8 @@ __attribute__((always_inline)) inline void kn_block(const float* x, int64_t K, c
     const float* r = w + k * N + c;
     if constexpr (MB >= 2)
       for (int j = 0; j < VB * kLanes; j += 16) __builtin_prefetch(r + ahead + j, 0, 3);  // a line each
+    else if (next)
+      for (int j = 0; j < VB * kLanes; j += 16) __builtin_prefetch(r + next + j, 0, 2);
     vf wv[VB];
     for (int j = 0; j < VB; ++j) wv[j] = load(r + j * kLanes);
     for (int m = 0; m < MB; ++m) {
@@ -263,7 +270,7 @@ __attribute__((always_inline)) inline void kn_block(const float* x, int64_t K, c
 // Columns [c0, c1): blocks of VB vectors, then of 4 and 1, then single columns.
 template <int MB>
 void kn_sweep(const float* x, int64_t K, const float* w, int64_t N, float* p, int64_t c0,
-              int64_t c1, int64_t k0, int64_t kb, bool first) {
+              int64_t c1, int64_t k0, int64_t kb, bool first, int64_t next) {
   // MB x VB sums in half the registers, VB more for the row of W; at one row of x, a quarter
   // (16 sums and 16 loads took every register and more, so the compiler spilled): SmolLM2's and
   // the peer model's shapes chained in C++, alternated builds, 1.03-1.18x as fast where N <= 640
@@ -272,11 +279,11 @@ void kn_sweep(const float* x, int64_t K, const float* w, int64_t N, float* p, in
   // (SmolLM2, 10 rounds), the same tokens.
   constexpr int VB = MB == 1 ? kVecRegs / 4 : std::max(1, kVecRegs / 2 / MB);
   int64_t c = c0;
-  for (; c + VB * kLanes <= c1; c += VB * kLanes) kn_block<MB, VB>(x, K, w, N, p, c, k0, kb, first);
+  for (; c + VB * kLanes <= c1; c += VB * kLanes) kn_block<MB, VB>(x, K, w, N, p, c, k0, kb, first, next);
   if constexpr (VB > 4)
-    for (; c + 4 * kLanes <= c1; c += 4 * kLanes) kn_block<MB, 4>(x, K, w, N, p, c, k0, kb, first);
+    for (; c + 4 * kLanes <= c1; c += 4 * kLanes) kn_block<MB, 4>(x, K, w, N, p, c, k0, kb, first, next);
   if constexpr (VB > 1)
-    for (; c + kLanes <= c1; c += kLanes) kn_block<MB, 1>(x, K, w, N, p, c, k0, kb, first);
+    for (; c + kLanes <= c1; c += kLanes) kn_block<MB, 1>(x, K, w, N, p, c, k0, kb, first, next);
   for (; c < c1; ++c)
     for (int m = 0; m < MB; ++m) {
       float s = first ? 0.f : p[m * N + c];
@@ -290,12 +297,16 @@ template <int MB>
 void kn_rows(const float* x, const float* w, float* p, int64_t N, int64_t K, int64_t k0,
              int64_t k1) {
   constexpr int64_t chunk = 16384 / MB;
-  // one row of x over short rows of W: a row at a time (see kNarrow)
-  int64_t sweep = MB == 1 && N <= kNarrow && options.load(std::memory_order_relaxed) & kSingleRows
-                      ? 1 : kn_sweep_rows(MB);
+  // one row of x over short rows of W: a row at a time (see kNarrow); with kPrefetchRows, each
+  // line asks for the line of the row kRowsAheadBytes on (single rows) or of the next sweep
+  const int opts = options.load(std::memory_order_relaxed);
+  int64_t sweep = MB == 1 && N <= kNarrow && opts & kSingleRows ? 1 : kn_sweep_rows(MB);
+  const int64_t ahead = sweep == 1 ? (kRowsAheadBytes + N * 4 - 1) / (N * 4) : sweep;
+  const bool asks = MB == 1 && opts & kPrefetchRows;
   for (int64_t c0 = 0; c0 < N; c0 += chunk)
     for (int64_t k = k0; k < k1; k += sweep)
-      kn_sweep<MB>(x, K, w, N, p, c0, std::min(N, c0 + chunk), k, std::min(sweep, k1 - k), k == k0);
+      kn_sweep<MB>(x, K, w, N, p, c0, std::min(N, c0 + chunk), k, std::min(sweep, k1 - k), k == k0,
+                   asks && k + ahead + sweep <= k1 ? ahead * N : 0);
 }
 
 void kn_all(const float* x, const float* w, float* p, int64_t M, int64_t N, int64_t K, int64_t k0,
