@@ -12,7 +12,9 @@ python -m runner.bench, batch-1 decode per token: 14.4 ms in f32, 6.8 ms with in
 adding --config.precision.kv_cache=int8 on an AVX-512 machine of this kind; 41.7, 19.3 and 22.4 ms
 on an AVX2 one reading 20 GB/s; 22.2-24.6 ms in f32 and 7.2-7.5 ms with int8 weights on a Zen 4
 one reading 29-32 GB/s, and there later (huge pages, the one-row kernel's registers) 19.4 ms in
-f32 (82% of the 34.5 GB/s measured) and 6.2 ms in int8. Perplexity on tinyshakespeare within 0.7%
+f32 (82% of the 34.5 GB/s measured) and 6.2 ms in int8, then (the greedy screen, claimed parts,
+rows asked for ahead) 16.0 and 18.0 ms in f32 (82.0% and 80.4% of the 35 GB/s measured beside
+them, 462 MB a step) and 7.6 ms in int8. Perplexity on tinyshakespeare within 0.7%
 of f32. With --config.precision.quantize=int4 (the GGUF's own Q4_1 numbers, recovered bit for
 bit) 6.2-6.5 ms there, no faster than int8, in 104 against 144 MB a step; perplexity within 0.15%
 of f32.
