@@ -294,8 +294,8 @@ def measure(s: Settings, model: Model, params, rules: Rules, w: Workload,
     With probe_mib, the read bandwidth (BandwidthProbe) is measured before each timed repetition
     and after the last, and the record's is their median: a machine whose bandwidth drifts by a
     half from one minute to the next then rates each decode against the bandwidth of its own
-    minutes. A record's peak memory is its engine's, from its making to its warm-up (the probe's
-    array comes after)."""
+    minutes. A record's peak memory is its engine's, from its making through the warm-ups of
+    every prompt length (the probe's array comes after)."""
     w.check(model)
     p_size = jnp.dtype(s.policy.params).itemsize
     kv_size = KVCache.bytes_per_element(s.policy.kv_cache, model.module.cache_spec(model.config)[2])
@@ -305,21 +305,24 @@ def measure(s: Settings, model: Model, params, rules: Rules, w: Workload,
         gc.collect()
         reset_peak_rss()
         engine = make_engine(s, model, params, rules, B, w.prompt_lens, N)
+        requests = {P: greedy_requests(prompts[P][:B], N, s) for P in w.prompt_lens}
+        warmups = {}
         for P in w.prompt_lens:
-            requests = greedy_requests(prompts[P][:B], N, s)
-            load_before = os.getloadavg()[0]
             t0 = time.perf_counter()
-            _timed(engine, requests, 1)
-            _timed(engine, requests, N)
-            warmup = time.perf_counter() - t0
-            rss = peak_rss_gib()
+            _timed(engine, requests[P], 1)
+            _timed(engine, requests[P], N)
+            warmups[P] = time.perf_counter() - t0
+        rss = peak_rss_gib()
+        for P in w.prompt_lens:
+            requests_p, warmup = requests[P], warmups[P]
+            load_before = os.getloadavg()[0]
             t1s, tns, ttfts, decodes, bandwidths = [], [], [], [], []
             with BandwidthProbe(probe_mib) if probe_mib else contextlib.nullcontext() as probe:
                 for _ in range(w.reps):
                     if probe:
                         bandwidths.append(probe())
-                    t1s.append(_timed(engine, requests, 1)[0])
-                    seconds, out = _timed(engine, requests, N)
+                    t1s.append(_timed(engine, requests_p, 1)[0])
+                    seconds, out = _timed(engine, requests_p, N)
                     tns.append(seconds)
                     ttfts.append(out[0].ttft_s)
                     decodes.append(out[0].decode_s)

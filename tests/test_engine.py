@@ -233,8 +233,9 @@ def test_first_max_is_argmax_with_ties_to_the_lowest_index():
 def test_greedy_tokens_through_the_unembedding_screen_match_transformers(kind, prompts):
     """On one CPU device greedy tokens come through the int8 screen of the unembedding (Llama's
     lm_head [D, V], Qwen2's and GPT-2's tied embedding [V, D], GPT-OSS's lm_head [V, D]): the
-    tokens are transformers' greedy ones, and a sampled row beside greedy ones changes none of
-    theirs. precision.greedy_screen=False, or several devices, make no screen."""
+    tokens are transformers' greedy ones (prefilled all at once or a row at a time), and a sampled
+    row beside greedy ones changes none of theirs. precision.greedy_screen=False, or several
+    devices, make no screen."""
     m = tiny_hf(kind, seed=5)
     engine = make_engine(m, "1dev", batch_size=3)
     assert engine.screen is not None and engine.screen_bytes > 0
@@ -246,5 +247,7 @@ def test_greedy_tokens_through_the_unembedding_screen_match_transformers(kind, p
     mixed = engine.generate([Request(rows[0], STEPS), Request(rows[1], STEPS, temperature=1.0, seed=2),
                              Request(rows[2], STEPS)])
     assert mixed[0].token_ids == want[0] and mixed[2].token_ids == want[2]
+    grouped = make_engine(m, "1dev", batch_size=3, prefill_rows=1)  # prefill a row at a time
+    assert [c.token_ids for c in grouped.generate([Request(p, STEPS) for p in rows])] == want
     assert make_engine(m, "1dev", Policy(greedy_screen=False), batch_size=3).screen is None
     assert make_engine(m, "data8", batch_size=8).screen is None
