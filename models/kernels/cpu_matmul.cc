@@ -394,7 +394,7 @@ int64_t over_parts(const void* w, int64_t rows, int64_t unit, int64_t row_bytes,
   const int T = team.size();
   const char* base = static_cast<const char*>(w);
   int64_t size = 0, parts = 0;
-  if (T > 1 && options.load(std::memory_order_relaxed) & kBalance) {
+  if (T > 1 && rows > 0 && options.load(std::memory_order_relaxed) & kBalance) {
     parts = std::min<int64_t>(8 * T, max_parts);
     size = (rows + parts * unit - 1) / (parts * unit) * unit;
     parts = (rows + size - 1) / size;
@@ -436,7 +436,7 @@ void matmul_f32(const float* xp, const float* wp, float* yp, int64_t M, int64_t 
   thread_local std::vector<float> sums;
   sums.resize(std::max<int64_t>(MN * (Team::get().size() - 1), 1 << 16));
   float* pp = sums.data();
-  const int64_t parts = over_parts(wp, K, kKB, N * 4, M <= 2 ? 1 + (1 << 16) / MN : 1,
+  const int64_t parts = over_parts(wp, K, kKB, N * 4, M <= 2 && MN ? 1 + (1 << 16) / MN : 1,
                                    [=](int, int64_t c, int64_t k0, int64_t k1) {
     float* p = c ? pp + (c - 1) * MN : yp;
     if (k1 > k0) kn_all(xp, wp, p, M, N, K, k0, k1);
