@@ -47,9 +47,7 @@ def main(argv: list[str]) -> None:
     if _CONFIG.value is None:
         sys.exit("ab: error: --config=configs/<deployment>.py is required")
     c = _CONFIG.value
-    given = {a.split("=")[0].removeprefix("--config.") for a in sys.argv[1:]}
-    if not {"mesh.num_cpu_devices", "mesh.data"} & given:
-        c.mesh.num_cpu_devices, c.mesh.data = 1, 1
+    bench.one_cpu_device_unless_given(c, sys.argv[1:])
     s = from_config(c)
     switch = _SWITCH.value
     if not isinstance(getattr(s.policy, switch or "", None), bool):

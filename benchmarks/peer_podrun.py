@@ -48,11 +48,9 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         sys.exit(f"peer_podrun: error: unexpected arguments {argv[1:]}")
     c = _CONFIG.value
-    given = {a.split("=")[0].removeprefix("--config.") for a in sys.argv[1:]}
-    if not {"mesh.num_cpu_devices", "mesh.data"} & given:
-        # the kit's engines each run as one process on the machine's cores: one device, not the
-        # config's simulated eight (which run a batch of 1 several times slower)
-        c.mesh.num_cpu_devices, c.mesh.data = 1, 1
+    # the kit's engines each run as one process on the machine's cores: one device, not the
+    # config's simulated eight
+    bench.one_cpu_device_unless_given(c, sys.argv[1:])
     from_kit = not c.checkpoint.path
     if from_kit:
         model_dir = os.path.normpath(bc.MODEL_DIR)

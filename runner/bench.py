@@ -203,11 +203,6 @@ class BandwidthProbe:
         return self.x.nbytes / min(_best_of(f, self.x) for f in self.readers) / 1e9
 
 
-def read_bandwidth_gbps(mib: int) -> float:
-    with BandwidthProbe(mib) as probe:
-        return probe()
-
-
 def peak_gflops(m: int) -> float:
     """An f32 [m, m] @ [m, m] matmul on every local device at once."""
     x = _over_devices((m, m))
@@ -260,6 +255,15 @@ class Workload:
         """[max batch, prompt_len] seeded ids; batch B measures the first B rows."""
         rng = np.random.default_rng((self.seed, prompt_len))
         return rng.integers(0, vocab, size=(max(self.batch_sizes), prompt_len))
+
+
+def one_cpu_device_unless_given(c, argv: Sequence[str]) -> None:
+    """Config `c` on one CPU device (mesh.num_cpu_devices = mesh.data = 1) unless the command line
+    `argv` sets either: the benchmarks/ tools measure the one-device kernels, and a batch of 1 over
+    the configs' eight simulated devices runs several times slower."""
+    given = {a.split("=")[0].removeprefix("--config.") for a in argv}
+    if not {"mesh.num_cpu_devices", "mesh.data"} & given:
+        c.mesh.num_cpu_devices, c.mesh.data = 1, 1
 
 
 def make_engine(s: Settings, model: Model, params, rules: Rules, batch: int,
