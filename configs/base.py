@@ -71,6 +71,9 @@ def base_config() -> ConfigDict:
         # bounds, and the few rows those cannot rule out in float32 (models/kernels/cpu.py,
         # greedy_screened): the same tokens, a quarter of the unembedding's bytes per step.
         "greedy_screen": True,
+        # CPU, one device, float32: the projections held in column panels of 64 (models/panels.py),
+        # which the product kernel reads as one stream a thread, in decode steps and prefills.
+        "panel_weights": True,
         # TPU: GPT-OSS's experts, when many tokens are routed (prefill), as ragged groups of a
         # Pallas grouped matmul (JAX's megablox gmm) instead of buckets padded to a capacity.
         "pallas_moe": False,

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import quant
+from models import panels, quant
 from sharding.rules import Rules, constrain
 
 MASKED = -1e30  # finite, so a row with nothing to attend to (a padding query) gives no NaN
@@ -52,6 +52,9 @@ class Policy:
     # CPU, one device: greedy tokens through an int8 screen of a float32 unembedding, which reads
     # a quarter of its bytes and gives the same tokens (models/kernels/cpu.greedy_screened).
     greedy_screen: bool = True
+    # CPU, one device, float32: the projections held in column panels (models/panels.py), which
+    # podrun's product kernel reads as one stream a thread, in decode steps and prefills.
+    panel_weights: bool = True
     # Set by the engine (not a config field) when its mesh is one CPU device: float32 projections
     # of a few rows then run in podrun's CPU kernel, which takes each weight whole.
     one_cpu_device: bool = False
@@ -81,6 +84,12 @@ class Policy:
         if isinstance(operands[-1], (quant.QWeight, quant.Q4Weight)):  # stored output dims first
             x, w = operands
             return quant.matmul(x, w, len(w.contract_axes), self.precision, self.kernels)
+        if isinstance(operands[-1], panels.PanelWeight):
+            x, w = operands
+            plan = _projection(spec, x.ndim, w.ndim)
+            if plan is None:
+                raise ValueError(f"{spec}: a weight in panels takes part in projections only")
+            return panels.matmul(x, w, plan[0])
         if len(operands) == 2 and (plan := _projection(spec, operands[0].ndim, operands[1].ndim)):
             x, w = operands
             w = w.astype(x.dtype)

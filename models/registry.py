@@ -8,7 +8,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from models import fused, gpt2, gptoss, llama, quant, scan, weights
+from models import fused, gpt2, gptoss, llama, panels, quant, scan, weights
 from models.layers import KVCache, Policy, Unembedding
 from sharding.rules import Rules
 
@@ -34,12 +34,14 @@ class Model:
 
     def prepare(self, params: Any, rules: Rules, policy: Policy) -> Any:
         """Restored weights made ready to run, as the policy says: projections fused, then
-        quantised, then stacked for a scan over layers. `params` is consumed."""
+        quantised or packed in panels, then stacked for a scan over layers. `params` is consumed."""
         decl = self.declare(policy.fuse_projections)
         if policy.fuse_projections:
             params = fused.fuse(self.declare(), params, rules)
         if policy.quantize != "none":
             params = quant.quantize(decl, params, rules, policy.quantize)
+        if panels.applies(policy, rules):
+            params = panels.pack(decl, params)
         params = weights.pin_tables_row_major(decl, params, rules)
         if policy.scan_layers:
             params = scan.stack(params, self.scan_period)
@@ -50,6 +52,8 @@ class Model:
         decl = self.declare(policy.fuse_projections)
         tree = quant.abstract_tree(decl, rules, jnp.dtype(policy.params), policy.quantize)
         tree = weights.pin_tables_row_major(decl, tree, rules)
+        if panels.applies(policy, rules):
+            tree = panels.abstract(decl, tree, rules)
         return scan.abstract(tree, self.scan_period) if policy.scan_layers else tree
 
     @property

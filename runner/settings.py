@@ -126,7 +126,7 @@ def from_config(c: ConfigDict) -> Settings:
                       fuse_projections=bool(p.fuse_projections), scan_layers=bool(p.scan_layers),
                       pallas_prefill=bool(p.pallas_prefill), pallas_moe=bool(p.pallas_moe),
                       donate_cache=bool(p.donate_cache), huge_pages=bool(p.huge_pages),
-                      greedy_screen=bool(p.greedy_screen)),
+                      greedy_screen=bool(p.greedy_screen), panel_weights=bool(p.panel_weights)),
         generation=gen,
         sampling=samp,
         input=_path(c.io.input),

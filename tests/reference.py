@@ -61,16 +61,19 @@ def tiny_hf(kind: str, seed: int = 0, std: float = 0.3, **overrides):
     return m
 
 
-def to_podrun(m, rules: Rules, fuse: bool = False):
-    """The transformers model's weights mapped through podrun's own name mapping, sharded (and
-    with q/k/v and gate/up fused as a deployment's load does, when `fuse`)."""
+def to_podrun(m, rules: Rules, fuse: bool = False, policy: Policy | None = None,
+              prepare: bool = True):
+    """The transformers model's weights mapped through podrun's own name mapping, sharded, and
+    (unless not `prepare`: as restored) prepared as a deployment's load does
+    (models/registry.Model.prepare) for `policy`, by default Policy(fuse_projections=fuse): on one
+    CPU device the projections go into panels (models/panels.py)."""
     model = Model.from_hf_config(m.config.to_dict())
     sd = {k: v.detach().numpy() for k, v in m.state_dict().items()}
     params = model.module.from_hf(sd, model.config)
     params = jax.device_put(jax.tree.map(jnp.asarray, params), shardings(model.declare(), rules))
-    if fuse:
-        params = model.prepare(params, rules, Policy(fuse_projections=True))
-    return model, params
+    if not prepare:
+        return model, params
+    return model, model.prepare(params, rules, policy or Policy(fuse_projections=fuse))
 
 
 def hf_greedy(m, prompt, n: int) -> list[int]:

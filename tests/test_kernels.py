@@ -32,9 +32,31 @@ def test_f32_product_matches_numpy(M, K, N, w_nk):
     np.testing.assert_allclose(np.asarray(got), x.astype(np.float64) @ w, rtol=1e-5, atol=2e-5 * np.sqrt(K))
 
 
+@pytest.mark.parametrize("M,K,N", [(1, 576, 576), (1, 576, 192), (1, 1536, 17), (2, 100, 37),
+                                   (3, 7, 300), (8, 512, 1100), (5, 40, 2000), (7, 576, 192),
+                                   (9, 130, 64), (13, 600, 70), (128, 576, 1536), (50, 1, 130)])
+def test_panel_product_matches_numpy(M, K, N):
+    """W in panels of 64 columns (numpy's own packing, checked against pack_panels in both
+    layouts), the last one padded: up to 8 rows in one block over runs of k that the team
+    claims, more in blocks of 6 rows over runs of 256 k (K past one run, rows past one group of
+    48 and short of a block), fewer panels than threads."""
+    rng = np.random.default_rng(M * K + N)
+    x = rng.standard_normal((M, K), dtype=np.float32)
+    w = rng.standard_normal((K, N), dtype=np.float32)
+    P = -(-N // 64)
+    want = np.zeros((P, K, 64), np.float32)
+    for p in range(P):
+        cols = w[:, p * 64:(p + 1) * 64]
+        want[p, :, :cols.shape[1]] = cols
+    np.testing.assert_array_equal(np.asarray(cpu.pack_panels(jnp.asarray(w))), want)
+    np.testing.assert_array_equal(np.asarray(cpu.pack_panels(jnp.asarray(w.T), w_nk=True)), want)
+    got = jax.jit(cpu.matmul_panels, static_argnums=2)(x, want, N)
+    np.testing.assert_allclose(np.asarray(got), x.astype(np.float64) @ w, rtol=1e-5, atol=2e-5 * np.sqrt(K))
+
+
 def test_f32_product_called_from_eight_devices_at_once():
-    """Eight simulated devices call the kernel at the same time: one call has the thread team, the
-    others run on their own threads; every shard's product is still right."""
+    """Eight simulated devices call the kernel (both weight forms) at the same time: one call has
+    the thread team, the others run on their own threads; every shard's product is still right."""
     P = jax.sharding.PartitionSpec
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("d",))
     rng = np.random.default_rng(0)
@@ -43,8 +65,13 @@ def test_f32_product_called_from_eight_devices_at_once():
     f = jax.jit(jax.shard_map(lambda x, w: cpu.matmul_f32(x, w), mesh=mesh, in_specs=(P("d"), P("d")),
                               out_specs=P("d"), check_vma=False))
     want = np.stack([x[d].astype(np.float64) @ w[d * 256:(d + 1) * 256] for d in range(8)])
+    panels = np.concatenate([np.asarray(cpu.pack_panels(jnp.asarray(w[d * 256:(d + 1) * 256])))
+                             for d in range(8)])  # [8 * 64, 256, 64]: device d's panels
+    g = jax.jit(jax.shard_map(lambda x, p: cpu.matmul_panels(x, p, 4096), mesh=mesh,
+                              in_specs=(P("d"), P("d")), out_specs=P("d"), check_vma=False))
     for _ in range(5):
         np.testing.assert_allclose(np.asarray(f(x, w)), want, rtol=1e-5, atol=1e-3)
+        np.testing.assert_allclose(np.asarray(g(x, panels)), want, rtol=1e-5, atol=1e-3)
 
 
 def _screened(x, w, w_nk):
@@ -456,6 +483,7 @@ def test_every_vector_path_matches_numpy(path, tmp_path):
     tests = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
          "tests/test_kernels.py::test_f32_product_matches_numpy",
+         "tests/test_kernels.py::test_panel_product_matches_numpy",
          "tests/test_kernels.py::test_decode_attention_matches_numpy",
          "tests/test_kernels.py::test_decode_attention_over_an_int8_cache_matches_numpy[cpu]",
          "tests/test_kernels.py::test_prefill_attention_matches_numpy",

@@ -79,7 +79,7 @@ def test_quantize_matches_numpy():
     norms and an untied embedding stay as they were."""
     rules = rules_for("1dev")
     m = tiny_hf("llama")
-    model, params = to_podrun(m, rules)
+    model, params = to_podrun(m, rules, prepare=False)
     got = quant.quantize(model.declare(), params, rules)
     layer, qlayer = params["layers"][1], got["layers"][1]
     for name, contract in [("wq", 1), ("wk", 1), ("wv", 1), ("wo", 2), ("w_gate", 1), ("w_down", 1)]:
@@ -100,7 +100,7 @@ def test_quantize_int4_matches_numpy():
     is int8, norms and an untied embedding stay as they were."""
     rules = rules_for("1dev")
     m = tiny_hf("llama")
-    model, params = to_podrun(m, rules)
+    model, params = to_podrun(m, rules, prepare=False)
     got = quant.quantize(model.declare(), params, rules, "int4")
     layer, qlayer = params["layers"][1], got["layers"][1]
     for name, contract in [("wq", 1), ("wk", 1), ("wv", 1), ("wo", 2), ("w_gate", 1), ("w_down", 1)]:
@@ -122,9 +122,8 @@ def test_int4_refuses_shards_that_split_its_groups():
     """The tiny llama's MLP contracts 96 values, 24 per shard over model=4: not whole groups of
     32. The error names the weight and the way out."""
     rules = rules_for("data2_model4")
-    model, params = to_podrun(tiny_hf("llama"), rules)
     with pytest.raises(quant.QuantizeError, match=r"shape \(96, 64\).*contracts 96 over 4 shard.*int8"):
-        model.prepare(params, rules, Policy(quantize="int4"))
+        to_podrun(tiny_hf("llama"), rules, policy=Policy(quantize="int4"))
 
 
 @pytest.mark.parametrize("kernels", [True, False], ids=["cpu_kernel", "xla"])
@@ -232,9 +231,8 @@ def test_int8_decode_matches_transformers_on_dequantized_weights(kind, mesh, fus
     rules = rules_for(mesh)
     m = tiny_hf(kind)
     ref = dequantized_reference(m)
-    model, params = to_podrun(m, rules)
     policy = Policy(quantize="int8", kernels=kernels, fuse_projections=fuse, scan_layers=scan)
-    params = model.prepare(params, rules, policy)
+    model, params = to_podrun(m, rules, policy=policy)
     layer = params["layer_stack"][0] if scan else params["layers"][0]
     assert ("wqkv" in layer) == (fuse or kind == "gpt2")
     assert isinstance(layer["wo"], quant.QWeight) and layer["wo"].q.ndim == (4 if scan else 3)
@@ -254,9 +252,8 @@ def test_int4_decode_matches_transformers_on_dequantized_weights(kind, mesh, fus
     rules = rules_for(mesh)
     m = tiny_hf(kind)
     ref = dequantized_reference(m, "int4")
-    model, params = to_podrun(m, rules)
     policy = Policy(quantize="int4", kernels=kernels, fuse_projections=fuse, scan_layers=scan)
-    params = model.prepare(params, rules, policy)
+    model, params = to_podrun(m, rules, policy=policy)
     layer = params["layer_stack"][0] if scan else params["layers"][0]
     assert isinstance(layer["wo"], quant.Q4Weight)
     if kind == "gptoss":
@@ -295,7 +292,7 @@ def test_perplexity_nll_matches_transformers():
                 out = ref(torch.from_numpy(row[None]), labels=torch.from_numpy(row[None]))
             total += float(out.loss) * (len(row) - 1)
         want[name] = total
-    model, params = to_podrun(m, rules)
+    model, params = to_podrun(m, rules, prepare=False)
     for quantize in ("none", "int8"):
         p = quant.quantize(model.declare(), params, rules) if quantize == "int8" else params
         s = SimpleNamespace(policy=Policy(quantize=quantize))
@@ -329,9 +326,8 @@ def test_int8_kv_cache_decodes_close_to_transformers(kind, mesh, scan, kernels):
         with torch.no_grad():
             for layer in m.model.layers:
                 layer.mlp.router.bias[:2] += 50.0
-    model, params = to_podrun(m, rules)
     policy = Policy(kv_cache="int8", kernels=kernels, scan_layers=scan)
-    params = model.prepare(params, rules, policy)
+    model, params = to_podrun(m, rules, policy=policy)
     steps = 12
     lengths, seqs, got, cache = decode_logits(model, params, rules, policy, jnp.int8, 4, steps)
     assert cache.k[0].dtype == jnp.int8 and cache.k_scale[0].shape == cache.k[0].shape[:-1]
@@ -367,9 +363,9 @@ def test_int8_gptoss_decodes_one_row_as_transformers_on_dequantized_weights():
     rules = rules_for("1dev")
     m = tiny_hf("gptoss", seed=7)
     ref = dequantized_reference(m)
-    model, params = to_podrun(m, rules)
     policy = Policy(quantize="int8")
-    engine = Engine(model, model.prepare(params, rules, policy), rules, policy, batch_size=1,
+    model, params = to_podrun(m, rules, policy=policy)
+    engine = Engine(model, params, rules, policy, batch_size=1,
                     max_prompt_len=16, max_new_tokens=16)
     prompt = tuple(int(t) for t in np.random.RandomState(9).randint(0, VOCAB, 11))
     got = engine.generate([Request(prompt, 16)])[0].token_ids

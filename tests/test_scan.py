@@ -35,9 +35,8 @@ def test_scanned_generation_matches_transformers(kind, overrides, mesh, rows, fu
     and the cache really are stacked."""
     rules = rules_for(mesh)
     m = tiny_hf(kind, seed=7, **overrides)
-    model, params = to_podrun(m, rules)
     policy = Policy(scan_layers=True, fuse_projections=fuse)
-    params = model.prepare(params, rules, policy)
+    model, params = to_podrun(m, rules, policy=policy)
     depth = model.num_layers // model.scan_period
     assert "layers" not in params and len(params["layer_stack"]) == model.scan_period
     assert all(x.shape[0] == depth for x in jax.tree.leaves(params["layer_stack"]))
@@ -55,9 +54,8 @@ def test_scanned_prefill_logits_match_transformers():
     """Every position's logits of a scanned forward pass over an empty stacked cache."""
     rules = rules_for("data2_model4")
     m = tiny_hf("llama")
-    model, params = to_podrun(m, rules)
     policy = Policy(scan_layers=True)
-    params = model.prepare(params, rules, policy)
+    model, params = to_podrun(m, rules, policy=policy)
     tokens = np.random.RandomState(1).randint(0, VOCAB, (8, 40)).astype(np.int32)
     cache = model.new_cache(8, 64, np.float32, rules, stacked=True)
     positions = np.tile(np.arange(40, dtype=np.int32), (8, 1))

@@ -2,6 +2,8 @@
 (attention), which share cpu_kernels.h, into one library on first use, then registered with jax.
 
     matmul_f32(x [M, K], w [K, N] (or [N, K], w_nk)) -> [M, N], float32, for a few rows of x
+    matmul_panels(x [M, K], panels [P, K, 64], n) -> [M, n], float32: w [K, n] packed in column
+        panels (pack_panels), for decode steps and prefills alike
     matmul_nk_s8(x [M, K] f32, q [N, K] int8, scale [N] f32) -> [M, N] f32 = x . (q * scale)^T
     matmul_nk_s4(x [M, K] f32, q [N, K / 2] uint8, d, m [N, K / 32] f16) -> [M, N] f32, for int4
         weights in groups of 32 (models/quant.py's layout: d * u + m)
@@ -48,7 +50,7 @@ import numpy as np
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_matmul.cc", "cpu_attention.cc"))
 HEADERS = (Path(__file__).with_name("cpu_kernels.h"),)
-TARGETS = ("podrun_matmul_f32", "podrun_matmul_nk_s8", "podrun_matmul_nk_s4", "podrun_greedy_screened",
+TARGETS = ("podrun_matmul_f32", "podrun_matmul_panels", "podrun_matmul_nk_s8", "podrun_matmul_nk_s4", "podrun_greedy_screened",
            "podrun_decode_attention", "podrun_decode_attention_s8")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 
@@ -160,6 +162,26 @@ def matmul_f32(x: jax.Array, w: jax.Array, w_nk: bool = False) -> jax.Array:
     n = w.shape[0 if w_nk else 1]
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
     return jax.ffi.ffi_call("podrun_matmul_f32", out)(x, w, w_nk=bool(w_nk))
+
+
+PANEL = 64  # columns a panel (cpu_matmul.cc's kPanel)
+
+
+def pack_panels(w: jax.Array, w_nk: bool = False) -> jax.Array:
+    """w [K, N] (or [N, K] with w_nk) as panels [ceil(N / PANEL), K, PANEL] of PANEL columns each,
+    the last one padded with zero columns: what matmul_panels reads."""
+    w = w.T if w_nk else w
+    K, N = w.shape
+    P = -(-N // PANEL)
+    w = jnp.pad(w, ((0, 0), (0, P * PANEL - N)))
+    return w.reshape(K, P, PANEL).transpose(1, 0, 2)
+
+
+def matmul_panels(x: jax.Array, panels: jax.Array, n: int) -> jax.Array:
+    """x [M, K] . w -> [M, n], float32, for w [K, n] packed by pack_panels."""
+    register()
+    out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
+    return jax.ffi.ffi_call("podrun_matmul_panels", out)(x, panels)
 
 
 def matmul_nk_s8(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:

@@ -476,6 +476,150 @@ ffi::Error MatmulF32(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
   return ffi::Error::Success();
 }
 
+// --- W in column panels: [P, K, kPanel], panel p holding columns [p kPanel, (p + 1) kPanel) -----
+//
+// precision.panel_weights packs a float32 projection W[K, N] so (models/panels.py, zero columns
+// past N): each panel is contiguous and a thread reads its share of the panels (and of their
+// rows of k) front to back, one stream of memory, as a plain read does, holding the panel's
+// kPanel sums of each row of x in registers over k. Read in [K, N] instead, a row of x keeps
+// its sums in memory (kn_sweep: a load and a store of them for every few rows of W), and the
+// threads' reads of W are several streams or restart at each sweep. SmolLM2's batch-1 decode
+// products chained in C++, 4 us between them (13 us after v), at the machine's fast minutes (a
+// plain two-thread read at 59-62 GB/s): 9.0 ms a step in panels against 12.3 in [K, N]; at its
+// slow minutes (34 GB/s) 13.8 against 14.5. A decode step's product (up to 8 rows of x) splits
+// each panel into as many runs of k as give the team 8 units a thread, which the threads claim
+// (Team::claim) and whose sums add up in k's order; more rows (a prefill) go through XLA's pool in
+// units of a panel and up to kGroupRows rows of x, blocks of kPanelRows rows of x against runs of
+// kPanelK rows of the panel, which stays in L2 across the blocks.
+constexpr int64_t kPanel = 64, kPanelK = 256, kGroupRows = 48;
+constexpr int kPanelVecs = int(kPanel / kLanes);
+constexpr int64_t kPanelRows = 6;
+
+// Vectors of a panel's row that MB rows of x sum at once (a power of two): as many as leave 8
+// registers for the row's vectors and x.
+constexpr int panel_vecs(int MB) {
+  int v = std::min(kPanelVecs, std::max(1, (kVecRegs - 8) / MB)), p = 1;
+  while (2 * p <= v) p *= 2;
+  return p;
+}
+
+// t[MB, kPanel] (+)= x[MB, k0:k1] . panel[k0:k1, :] (ldx, ldt: row strides of x and t).
+template <int MB>
+void panel_block(const float* x, int64_t ldx, const float* panel, int64_t k0, int64_t k1,
+                 float* t, int64_t ldt, bool add) {
+  constexpr int VB = panel_vecs(MB);
+  for (int c = 0; c < kPanelVecs; c += VB) {
+    vf acc[MB][VB];
+    for (int m = 0; m < MB; ++m)
+      for (int j = 0; j < VB; ++j) acc[m][j] = add ? load(t + m * ldt + (c + j) * kLanes) : zero();
+    const float* r = panel + k0 * kPanel + c * kLanes;
+    for (int64_t k = k0; k < k1; ++k, r += kPanel) {
+      vf wv[VB];
+      for (int j = 0; j < VB; ++j) wv[j] = load(r + j * kLanes);
+      for (int m = 0; m < MB; ++m) {
+        vf xv = splat(x[m * ldx + k]);
+        for (int j = 0; j < VB; ++j) acc[m][j] = fma(wv[j], xv, acc[m][j]);
+      }
+    }
+    for (int m = 0; m < MB; ++m)
+      for (int j = 0; j < VB; ++j) store(t + m * ldt + (c + j) * kLanes, acc[m][j]);
+  }
+}
+
+// panel_block for mb (1 to 8) rows of x.
+void panel_block_n(int64_t mb, const float* x, int64_t ldx, const float* panel, int64_t k0,
+                   int64_t k1, float* t, bool add) {
+  switch (mb) {
+    case 1: return panel_block<1>(x, ldx, panel, k0, k1, t, kPanel, add);
+    case 2: return panel_block<2>(x, ldx, panel, k0, k1, t, kPanel, add);
+    case 3: return panel_block<3>(x, ldx, panel, k0, k1, t, kPanel, add);
+    case 4: return panel_block<4>(x, ldx, panel, k0, k1, t, kPanel, add);
+    case 5: return panel_block<5>(x, ldx, panel, k0, k1, t, kPanel, add);
+    case 6: return panel_block<6>(x, ldx, panel, k0, k1, t, kPanel, add);
+    case 7: return panel_block<7>(x, ldx, panel, k0, k1, t, kPanel, add);
+    default: return panel_block<8>(x, ldx, panel, k0, k1, t, kPanel, add);
+  }
+}
+
+// t[M, kPanel] (+)= x[M, k0:k1] . panel[k0:k1, :]: up to 8 rows of x at once (a decode step's,
+// each weight read once), more in blocks of kPanelRows.
+void panel_rows(const float* x, int64_t ldx, const float* panel, int64_t k0, int64_t k1,
+                float* t, int64_t M, bool add) {
+  const int64_t block = M <= 8 ? M : kPanelRows;
+  for (int64_t m = 0; m < M; m += block)
+    panel_block_n(std::min(block, M - m), x + m * ldx, ldx, panel, k0, k1, t + m * kPanel, add);
+}
+
+// y[M, N] = x[M, K] . W for W in panels wp[P, K, kPanel], P = ceil(N / kPanel).
+void matmul_panels(ffi::ThreadPool* pool, const float* xp, const float* wp, float* yp, int64_t M,
+                   int64_t N, int64_t K) {
+  const int64_t P = (N + kPanel - 1) / kPanel;
+  auto out = [=](const float* t, int64_t m0, int64_t rows, int64_t p) {  // t[rows, kPanel] -> y
+    int64_t n = std::min(kPanel, N - p * kPanel);
+    for (int64_t m = 0; m < rows; ++m)
+      std::copy(t + m * kPanel, t + m * kPanel + n, yp + (m0 + m) * N + p * kPanel);
+  };
+  if (M > 8 && pool) {
+    const int64_t groups = (M + kGroupRows - 1) / kGroupRows;
+    parallel_for(*pool, P * groups, 1, [=](int64_t u0, int64_t u1) {
+      alignas(64) float t[kGroupRows * kPanel];
+      for (int64_t u = u0; u < u1; ++u) {
+        const int64_t p = u / groups, m0 = u % groups * kGroupRows;
+        const int64_t rows = std::min(kGroupRows, M - m0);
+        for (int64_t k = 0; k < K; k += kPanelK)
+          panel_rows(xp + m0 * K, K, wp + p * K * kPanel, k, std::min(K, k + kPanelK), t, rows,
+                     k > 0);
+        out(t, m0, rows, p);
+      }
+    });
+    return;
+  }
+  Team& team = Team::get();
+  const int T = team.size();
+  const int64_t split = std::max<int64_t>(1, (8 * T + P - 1) / P);  // runs of k a panel
+  const int64_t run = (K + split - 1) / split, runs = (K + run - 1) / run, units = P * runs;
+  thread_local std::vector<float> sums;
+  sums.resize(units * M * kPanel);
+  float* sp = sums.data();
+  auto unit = [=](int64_t u) {
+    const int64_t p = u / runs, k0 = u % runs * run;
+    panel_rows(xp, K, wp + p * K * kPanel, k0, std::min(K, k0 + run), sp + u * M * kPanel, M,
+               false);
+  };
+  auto take = [&](int t, int T) {
+    if (T == 1)
+      for (int64_t u = 0; u < units; ++u) unit(u);
+    else
+      for (int64_t u; (u = team.claim(t)) >= 0;) unit(u);
+  };
+  team.run(take, Chain::next({reinterpret_cast<const char*>(wp), units, 1, run * kPanel * 4}),
+           units);
+  for (int64_t p = 0; p < P; ++p) {  // each panel's runs added in k's order
+    float* s = sp + p * runs * M * kPanel;
+    for (int64_t r = 1; r < runs; ++r)
+      for (int64_t i = 0; i < M * kPanel; i += kLanes)
+        store(s + i, load(s + i) + load(s + r * M * kPanel + i));
+    out(s, 0, M, p);
+  }
+}
+
+ffi::Error MatmulPanels(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                        ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || wd[1] != xd[1] || wd[2] != kPanel || yd.size() != 2 ||
+      yd[0] != xd[0] || (yd[1] + kPanel - 1) / kPanel != wd[0])
+    return ffi::Error::InvalidArgument(
+        "podrun_matmul_panels: expects x[M, K], w[P, K, 64] and y[M, N] with P = ceil(N / 64)");
+  const int64_t M = xd[0], K = xd[1], N = yd[1];
+  float* yp = y->typed_data();
+  if (K == 0 || M == 0) {
+    std::fill(yp, yp + M * N, 0.f);
+    return ffi::Error::Success();
+  }
+  matmul_panels(&pool, x.typed_data(), w.typed_data(), yp, M, N, K);
+  return ffi::Error::Success();
+}
+
 ffi::Error MatmulNKS8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
                       ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions(), wd = w.dimensions(), sd = scale.dimensions();
@@ -740,6 +884,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(podrun_matmul_f32, MatmulF32,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<bool>("w_nk"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(podrun_matmul_panels, MatmulPanels,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(podrun_matmul_nk_s8, MatmulNKS8,
                               ffi::Ffi::Bind()
