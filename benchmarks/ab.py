@@ -9,11 +9,15 @@ unless the command line sets the mesh. Per round and setting, in alternating ord
 generation (prefill, wall time) and a new_tokens generation (decode step on the engine's clock, as
 runner.bench's decode_step_s). Prints the medians of each setting and the median over rounds of
 on / off within a round, and whether both settings gave the same greedy tokens. Random prompts,
-no stop ids.
+no stop ids. Each round first measures the machine's read bandwidth (runner.bench's probe,
+--probe_mib, 0 for none), and the on / off ratios are given again for the rounds above and below
+its median: on the 2-core VM the bandwidth moved between about 33 and 60 GB/s from one minute to
+the next, and what a change gains can depend on which.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import statistics
@@ -39,6 +43,7 @@ _BATCH = flags.DEFINE_integer("batch_size", 1, "rows")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 128, "prompt length (tokens)")
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 128, "tokens generated per row")
 _ROUNDS = flags.DEFINE_integer("rounds", 10, "rounds of both settings")
+_PROBE_MIB = flags.DEFINE_integer("probe_mib", 256, "MiB the bandwidth probe reads (0: none)")
 
 
 def main(argv: list[str]) -> None:
@@ -71,23 +76,37 @@ def main(argv: list[str]) -> None:
     first = [dataclasses.replace(r, max_tokens=1) for r in requests]
     prefill = {False: [], True: []}
     step = {False: [], True: []}
-    for i in range(_ROUNDS.value):
-        for on in ((False, True) if i % 2 == 0 else (True, False)):
-            t0 = time.perf_counter()
-            engines[on].generate(first, stop_ids=())
-            prefill[on].append(time.perf_counter() - t0)
-            done = engines[on].generate(requests, stop_ids=())
-            step[on].append(done[0].decode_s / (n - 1))
+    gbps = []
+    with (bench.BandwidthProbe(_PROBE_MIB.value) if _PROBE_MIB.value
+          else contextlib.nullcontext()) as probe:
+        for i in range(_ROUNDS.value):
+            gbps.append(probe() if probe else 0.0)
+            for on in ((False, True) if i % 2 == 0 else (True, False)):
+                t0 = time.perf_counter()
+                engines[on].generate(first, stop_ids=())
+                prefill[on].append(time.perf_counter() - t0)
+                done = engines[on].generate(requests, stop_ids=())
+                step[on].append(done[0].decode_s / (n - 1))
 
-    def paired(x: dict) -> float:
-        return statistics.median(a / b for a, b in zip(x[True], x[False]))
+    def paired(x: dict, rounds: list[int]) -> str:
+        if not rounds:
+            return "-"
+        return f"{statistics.median(x[True][i] / x[False][i] for i in rounds):.3f}"
 
+    everything = list(range(_ROUNDS.value))
+    middle = statistics.median(gbps)
+    fast = [i for i in everything if gbps[i] > middle]
+    slow = [i for i in everything if gbps[i] <= middle]
     print(f"{switch} off / on, batch {B}, {P}-token prompts, {n} new tokens, {_ROUNDS.value} "
           f"rounds, alternated in one process")
+    if probe:
+        print(f"  read bandwidth {min(gbps):.1f}-{max(gbps):.1f} GB/s, median {middle:.1f}")
     for name, x in (("prefill", prefill), ("decode step", step)):
         print(f"  {name:11s} off {1e3 * statistics.median(x[False]):8.3f} ms, on "
               f"{1e3 * statistics.median(x[True]):8.3f} ms; on / off in a round (median) "
-              f"{paired(x):.3f}")
+              f"{paired(x, everything)}" + (f" (rounds above the median bandwidth "
+                                            f"{paired(x, fast)}, the others {paired(x, slow)})"
+                                            if probe else ""))
     print(f"  greedy tokens the same: {tokens[False] == tokens[True]}")
 
 

@@ -8,7 +8,8 @@ from one minute to the next fall on every setting alike.
         [--prompt_len=128] [--new_tokens=128] [--rounds=8] [--config.precision.quantize=int8]
 
 One CPU device unless the command line sets the mesh (these belong to the one-device product
-kernel). Per round and setting: one warm generation, then one timed; prints the median
+kernel). With float32 weights in panels (precision.panel_weights, the default) only kChain
+concerns their products: --config.precision.panel_weights=False measures the others on W[K, N]. Per round and setting: one warm generation, then one timed; prints the median
 decode step (the engine's clock, as runner.bench's decode_step_s) of each setting over the rounds,
 and the median over rounds of its step against 'none' in the same round.
 Random prompts, no stop ids.

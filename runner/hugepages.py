@@ -1,4 +1,5 @@
-"""Weights and KV cache on transparent huge pages (CPU, Linux): `collapse`.
+"""Weights and KV cache on transparent huge pages (CPU, Linux): `collapse`; and the heap's freed
+bytes handed back after the weights are prepared: `return_freed_memory`.
 
 A decode step streams every weight from memory. On 4 KiB pages that stream crosses a page every
 4 KiB, each a TLB miss, and in a virtual machine each miss walks two page tables. XLA:CPU's own
@@ -39,6 +40,21 @@ def _madvise():
     fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     fn.restype = ctypes.c_int
     return fn
+
+
+def return_freed_memory() -> None:
+    """Hands the C heap's free memory back to the system (glibc's malloc_trim; nothing elsewhere).
+    Preparing the weights (fusing, quantising, packing in panels: models/registry.prepare) frees
+    each restored array once its new form exists, and glibc kept those bytes: SmolLM2 in panels
+    held 1104 MB of RSS after its load against 868 MB as restored, 830 MB once trimmed."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return
+    trim.argtypes = [ctypes.c_size_t]
+    trim(0)
 
 
 def regions(tree: Any) -> list[tuple[int, int]]:

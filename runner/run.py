@@ -13,7 +13,7 @@ from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from models.weights import check_divisible
-from runner import checkpoint, convert, sources
+from runner import checkpoint, convert, hugepages, sources
 from runner.engine import Engine, Request
 from runner.log import say
 from runner.requests_io import Parsed, Results, parse_request, read_lines
@@ -94,7 +94,9 @@ def load_model(s: Settings) -> tuple[checkpoint.Metadata, Rules, Any]:
     rules = Rules.make(make_mesh(s.mesh), s.rules)
     check_divisible(meta.model.declare(s.policy.fuse_projections), rules)
     params = checkpoint.restore(s.checkpoint_path, meta.model, rules, s.policy.params)
-    return meta, rules, meta.model.prepare(params, rules, s.policy)
+    params = meta.model.prepare(params, rules, s.policy)
+    hugepages.return_freed_memory()
+    return meta, rules, params
 
 
 def run(s: Settings) -> Summary:
