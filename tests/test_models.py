@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from models.layers import Policy
+from tests.conftest import rules_for
 from tests.reference import VOCAB, hf_logits, tiny_hf, to_podrun
 
 KINDS = ["llama", "llama3", "qwen2", "gpt2"]
@@ -30,6 +31,37 @@ def test_logits_match_transformers(kind, fuse, mesh_rules):
     tokens = np.random.RandomState(1).randint(0, VOCAB, (8, 40)).astype(np.int32)
     logits, _ = full_forward(model, params, tokens, mesh_rules)
     np.testing.assert_allclose(np.asarray(logits), hf_logits(m, tokens), atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gptoss"])
+def test_panels_hold_the_projections_on_one_cpu_device(kind):
+    """precision.panel_weights: on one CPU device every projection but the vocabulary's tables and
+    GPT-OSS's experts is packed, each panel numpy's 64 columns of the weight as [C, O] (zero
+    columns past O); on a mesh of several devices, or with panel_weights off, nothing is."""
+    from models.panels import PanelWeight
+
+    m = tiny_hf(kind)
+    _, raw = to_podrun(m, rules_for("1dev"), prepare=False)
+    raw = jax.tree.map(np.asarray, raw)
+    _, held = to_podrun(m, rules_for("1dev"))
+    layer = held["layers"][0]
+    assert not isinstance(held["embed"], PanelWeight)
+    if kind == "gptoss":
+        assert not any(isinstance(layer[n], PanelWeight) for n in ("w_gate_up", "w_down"))
+    for name, contract in [("wq", 1), ("wk", 1), ("wo", 2)]:
+        w = raw["layers"][0][name]
+        C = int(np.prod(w.shape[:contract]))
+        matrix = w.reshape(C, -1)
+        O = matrix.shape[1]
+        want = np.zeros((-(-O // 64), C, 64), np.float32)
+        for p in range(want.shape[0]):
+            want[p, :, :min(64, O - 64 * p)] = matrix[:, 64 * p:64 * (p + 1)]
+        assert isinstance(layer[name], PanelWeight) and layer[name].out_shape == w.shape[contract:]
+        np.testing.assert_array_equal(np.asarray(layer[name].panels), want)
+    for rules, policy in ((rules_for("data8"), None), (rules_for("1dev"), Policy(panel_weights=False))):
+        _, params = to_podrun(m, rules, policy=policy)
+        assert not any(isinstance(x, PanelWeight) for x in jax.tree.leaves(
+            params, is_leaf=lambda x: isinstance(x, PanelWeight)))
 
 
 @pytest.mark.parametrize("kind,fuse", [("llama", False), ("llama", True), ("gpt2", False)])

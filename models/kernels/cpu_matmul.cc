@@ -484,9 +484,9 @@ ffi::Error MatmulF32(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
 // kPanel sums of each row of x in registers over k. Read in [K, N] instead, a row of x keeps
 // its sums in memory (kn_sweep: a load and a store of them for every few rows of W), and the
 // threads' reads of W are several streams or restart at each sweep. SmolLM2's batch-1 decode
-// products chained in C++, 4 us between them (13 us after v), at the machine's fast minutes (a
-// plain two-thread read at 59-62 GB/s): 9.0 ms a step in panels against 12.3 in [K, N]; at its
-// slow minutes (34 GB/s) 13.8 against 14.5. A decode step's product (up to 8 rows of x) splits
+// products chained in C++ with gaps between them (benchmarks/chained_products.cc), at the
+// machine's fast minutes (a plain two-thread read at 56.7 GB/s): 9.93 ms a step in panels against
+// 12.81 in [K, N]; at its slow minutes (31.6 GB/s) 13.89 against 15.58. A decode step's product (up to 8 rows of x) splits
 // each panel into as many runs of k as give the team 8 units a thread, which the threads claim
 // (Team::claim) and whose sums add up in k's order; more rows (a prefill) go through XLA's pool in
 // units of a panel and up to kGroupRows rows of x, blocks of kPanelRows rows of x against runs of
