@@ -1,6 +1,7 @@
 // A batch-1 decode step's float32 projections in C++, without XLA: SmolLM2's shapes (30 layers of
 // q, k, v, o, gate, up, down) chained with gaps between them (4 us, 13 us after v, where XLA runs
 // the operations between products), W in [K, N] (matmul_f32) against W in panels (matmul_panels),
+// and in panels with q/k/v and gate/up fused (precision.fuse_projections: 13 us after qkv),
 // beside a plain two-thread read of the same bytes; alternated round by round in one process, the
 // rounds sorted by that read into fast (above --split GB/s) and slow ones.
 //
@@ -35,11 +36,14 @@ int main(int argc, char** argv) {
   const int rounds = argc > 1 ? atoi(argv[1]) : 30;
   const double split = argc > 2 ? atof(argv[2]) : 45;
   struct Mat { int64_t K, N; float* w; };
-  std::vector<Mat> mats;
-  for (int l = 0; l < 30; ++l)
+  std::vector<Mat> mats, fused;  // q, k, v, o, gate, up, down; fused: qkv, o, gate_up, down
+  for (int l = 0; l < 30; ++l) {
     for (auto [K, N] : {std::pair{576, 576}, {576, 192}, {576, 192}, {576, 576}, {576, 1536},
                         {576, 1536}, {1536, 576}})
       mats.push_back({K, N, nullptr});
+    for (auto [K, N] : {std::pair{576, 960}, {576, 576}, {576, 3072}, {1536, 576}})
+      fused.push_back({K, N, nullptr});
+  }
   size_t total = 0;
   for (auto& m : mats) total += size_t(m.K * m.N * 4);
   const size_t bytes = (total + (2 << 20) - 1) / (2 << 20) * (2 << 20);
@@ -48,6 +52,8 @@ int main(int argc, char** argv) {
   for (size_t i = 0; i < bytes / 4; ++i) reinterpret_cast<float*>(pool)[i] = 0.01f * (i % 7);
   size_t at = 0;
   for (auto& m : mats) m.w = reinterpret_cast<float*>(pool + at), at += size_t(m.K * m.N * 4);
+  at = 0;
+  for (auto& m : fused) m.w = reinterpret_cast<float*>(pool + at), at += size_t(m.K * m.N * 4);
   std::vector<float> x(1536, 0.5f), y(1536);
   std::atomic<float> sink{0};
   auto plain = [&] {
@@ -62,12 +68,20 @@ int main(int argc, char** argv) {
     };
     Team::get().run(body);
   };
+  std::vector<float> yf(3072);
   auto chain = [&](bool panels, bool gaps) {
     for (size_t i = 0; i < mats.size(); ++i) {
       const Mat& m = mats[i];  // the same bytes read either way; as panels, [N / 64, K, 64]
       if (panels) matmul_panels(nullptr, x.data(), m.w, y.data(), 1, m.N, m.K);
       else matmul_f32(x.data(), m.w, y.data(), 1, m.N, m.K, false);
       if (gaps) spin_us(i % 7 == 2 ? 13 : 4);
+    }
+  };
+  auto chain_fused = [&](bool gaps) {
+    for (size_t i = 0; i < fused.size(); ++i) {
+      const Mat& m = fused[i];
+      matmul_panels(nullptr, x.data(), m.w, yf.data(), 1, m.N, m.K);
+      if (gaps) spin_us(i % 4 == 0 ? 13 : 4);
     }
   };
   std::map<std::string, std::vector<double>> fast, slow;
@@ -84,6 +98,8 @@ int main(int argc, char** argv) {
       time("panels with gaps", [&] { chain(true, true); });
       time("[K, N]", [&] { chain(false, false); });
       time("panels", [&] { chain(true, false); });
+      time("fused panels", [&] { chain_fused(false); });
+      time("fused with gaps", [&] { chain_fused(true); });
     }
     const bool is_fast = total / median(t["plain read"]) / 1e9 > split;
     for (auto& [k, v] : t) for (double d : v) (is_fast ? fast : slow)[k].push_back(d);
