@@ -14,7 +14,11 @@ on an AVX2 one reading 20 GB/s; 22.2-24.6 ms in f32 and 7.2-7.5 ms with int8 wei
 one reading 29-32 GB/s, and there later (huge pages, the one-row kernel's registers) 19.4 ms in
 f32 (82% of the 34.5 GB/s measured) and 6.2 ms in int8, then (the greedy screen, claimed parts,
 rows asked for ahead) 16.0 and 18.0 ms in f32 (82.0% and 80.4% of the 35 GB/s measured beside
-them, 462 MB a step) and 7.6 ms in int8. Perplexity on tinyshakespeare within 0.7%
+them, 462 MB a step) and 7.6 ms in int8, then (the weights in panels, models/panels.py) 11.0-11.1
+ms in f32 at its fast minutes (75-77% of 54-56 GB/s), 14.3-15.8 ms at its slow ones (85-92% of
+33-36 GB/s) and 5.7-5.8 ms in int8 (python -m runner.bench --config=configs/smollm2_cpu.py
+--config.mesh.data=1 --config.mesh.num_cpu_devices=1 --batch_sizes=1,8 --prompt_len=128
+--new_tokens=128 --reps=3). Perplexity on tinyshakespeare within 0.7%
 of f32. With --config.precision.quantize=int4 (the GGUF's own Q4_1 numbers, recovered bit for
 bit) 6.2-6.5 ms there, no faster than int8, in 104 against 144 MB a step; perplexity within 0.15%
 of f32.
