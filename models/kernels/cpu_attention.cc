@@ -508,17 +508,19 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, const 
       }
     }
   };
-  // A few (row, kv head) tasks of a decode step (batch 1) go to the team, which the products keep
-  // awake: peer model, batch 1, decode step 3.02-3.70 -> 2.55-3.45 ms (three alternating runs
-  // each); XLA's pool took longer to wake than the work was worth, so they had run on this thread
-  // alone. A prefill's runs go to XLA's pool, taken one at a time (later runs see more keys).
+  // A decode step's (row, kv head) tasks go to the team, which the products keep awake, the
+  // threads claiming them as they go: peer model, batch 1, decode step 3.02-3.70 -> 2.55-3.45 ms
+  // (three alternating runs each); XLA's pool took longer to wake than the work was worth, so
+  // they had run on this thread alone (batch 1), or mostly (SmolLM2 at batch 8: 185 us a layer).
+  // A prefill's runs go to XLA's pool, taken one at a time (later runs see more keys).
   int64_t tasks = B * K * runs;
-  if (tasks < 4) {
+  if (tasks < 4 || (S > 0 && T <= kQueries)) {
+    Team& team = Team::get();
     auto body = [&](int t, int n) {
-      auto [begin, end] = part(tasks, 1, t, n);
-      if (end > begin) heads(begin, end);
+      if (n == 1) return heads(0, tasks);
+      for (int64_t c; (c = team.claim(t)) >= 0;) heads(c, c + 1);
     };
-    Team::get().run(body);
+    team.run(body, {}, tasks);
   } else {
     parallel_for(pool, tasks, 1, heads);
   }
