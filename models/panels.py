@@ -62,7 +62,7 @@ def applies(policy: Any, rules: Any) -> bool:
 
 def _matrix(w: Weight, x: jax.Array) -> jax.Array:
     """The declared weight x as [C, O]."""
-    out, contract = quant._split(w)
+    out, contract = quant.projection_dims(w)
     x = jnp.transpose(x, contract + out)
     C = math.prod(x.shape[: len(contract)])
     return x.reshape(C, -1)
@@ -81,7 +81,7 @@ def pack(decl: Any, params: Any) -> Any:
     for i, (w, x) in enumerate(zip(leaves, flat)):
         if x is None or not takes_panels(w):
             continue
-        out, contract = quant._split(w)
+        out, contract = quant.projection_dims(w)
         result[i] = PanelWeight(packer(w, x), tuple(w.shape[j] for j in out), len(contract))
         x.delete()
     return jax.tree.unflatten(treedef, result)
@@ -92,7 +92,7 @@ def abstract(decl: Any, tree: Any, rules: Any) -> Any:
     def one(w: Weight, a: Any) -> Any:
         if not takes_panels(w):
             return a
-        out, contract = quant._split(w)
+        out, contract = quant.projection_dims(w)
         C, O = math.prod(w.shape[j] for j in contract), math.prod(w.shape[j] for j in out)
         shape = (-(-O // PANEL), C, PANEL)
         return PanelWeight(jax.ShapeDtypeStruct(shape, jnp.float32, sharding=rules.sharding(

@@ -64,7 +64,7 @@ class Q4Weight:
     rules: Rules = dataclasses.field(metadata={"static": True})
 
 
-def _split(w: Weight) -> tuple[list[int], list[int]]:
+def projection_dims(w: Weight) -> tuple[list[int], list[int]]:
     """(output dims, contracted dims) of a projection's declaration, as indices into w.shape."""
     n, c = len(w.shape), w.contract
     contract = list(range(c)) if c > 0 else list(range(n + c, n))
@@ -88,7 +88,7 @@ class QuantizeError(ValueError):
 def _int4_layout(w: Weight, rules: Rules) -> tuple[tuple[int, ...], tuple[int, ...], tuple]:
     """Shapes of q and of d, m for w, and their logical axes; a clear error where the groups of
     32 do not fit its shards."""
-    out, contract = _split(w)
+    out, contract = projection_dims(w)
     C = math.prod(w.shape[i] for i in contract)
     shards = [rules.shards(w.axes[i]) if rules.spec(w.axes[i], shape=(w.shape[i],))[0] else 1
               for i in contract]
@@ -108,7 +108,7 @@ def _int4_layout(w: Weight, rules: Rules) -> tuple[tuple[int, ...], tuple[int, .
 
 def abstract(w: Weight, rules: Rules) -> QWeight:
     """The int8 form of one projection as ShapeDtypeStructs with their shardings."""
-    out, contract = _split(w)
+    out, contract = projection_dims(w)
     q_axes = tuple(w.axes[i] for i in out + contract)
     s_axes = tuple(w.axes[i] for i in out)
     return QWeight(
@@ -121,7 +121,7 @@ def abstract(w: Weight, rules: Rules) -> QWeight:
 
 def abstract4(w: Weight, rules: Rules) -> Q4Weight:
     """The int4 form of one projection as ShapeDtypeStructs with their shardings."""
-    out, contract = _split(w)
+    out, contract = projection_dims(w)
     q_shape, d_shape, axes = _int4_layout(w, rules)
     half = jnp.float16
     return Q4Weight(
@@ -158,7 +158,7 @@ def stored_bytes(w: Weight, itemsize: int, quantize: str) -> int:
 
 
 def nbytes(w: Weight) -> int:
-    out, _ = _split(w)
+    out, _ = projection_dims(w)
     return math.prod(w.shape) + 4 * math.prod(w.shape[i] for i in out)
 
 
@@ -197,7 +197,7 @@ def quantize(decl: Any, params: Any, rules: Rules, how: str = "int8") -> Any:
     picked = list(targets)
 
     def one(w: Weight, x: jax.Array, target: Any) -> tuple[jax.Array, ...]:
-        out, contract = _split(w)
+        out, contract = projection_dims(w)
         x = jnp.transpose(x.astype(jnp.float32), out + contract)  # [*out, *contract]
         if isinstance(target, Q4Weight):
             return quantize_int4(x.reshape(*x.shape[: len(out)], -1))

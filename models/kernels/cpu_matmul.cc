@@ -486,11 +486,11 @@ ffi::Error MatmulF32(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
 // threads' reads of W are several streams or restart at each sweep. SmolLM2's batch-1 decode
 // products chained in C++ with gaps between them (benchmarks/chained_products.cc), at the
 // machine's fast minutes (a plain two-thread read at 56.7 GB/s): 9.93 ms a step in panels against
-// 12.81 in [K, N]; at its slow minutes (31.6 GB/s) 13.89 against 15.58. A decode step's product (up to 8 rows of x) splits
-// each panel into as many runs of k as give the team 8 units a thread, which the threads claim
-// (Team::claim) and whose sums add up in k's order; more rows (a prefill) go through XLA's pool in
-// units of a panel and up to kGroupRows rows of x, blocks of kPanelRows rows of x against runs of
-// kPanelK rows of the panel, which stays in L2 across the blocks.
+// 12.81 in [K, N]; at its slow minutes (31.6 GB/s) 13.89 against 15.58. A decode step's product
+// (up to 8 rows of x) splits each panel into as many runs of k as give the team 8 units a thread,
+// which the threads claim (Team::claim) and whose sums add up in k's order; more rows (a prefill)
+// go through XLA's pool in units of a panel and up to kGroupRows rows of x, blocks of kPanelRows
+// rows of x against runs of kPanelK rows of the panel, which stays in L2 across the blocks.
 constexpr int64_t kPanel = 64, kPanelK = 256, kGroupRows = 48;
 // From 2 rows of x on, each row of a panel asks for the row 16 on (4 KB): at 8 rows a product's
 // arithmetic no longer hides memory's latency behind the hardware prefetcher. Decode step, on and
