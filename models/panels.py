@@ -26,8 +26,6 @@ import jax.numpy as jnp
 from models import quant
 from models.weights import Weight, is_weight
 
-PANEL = 64  # columns a panel: models/kernels/cpu.PANEL, cpu_matmul.cc's kPanel
-
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +87,8 @@ def pack(decl: Any, params: Any) -> Any:
 
 def abstract(decl: Any, tree: Any, rules: Any) -> Any:
     """What `pack` makes of an abstract tree (ShapeDtypeStructs)."""
+    from models.kernels.cpu import PANEL
+
     def one(w: Weight, a: Any) -> Any:
         if not takes_panels(w):
             return a

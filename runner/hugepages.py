@@ -46,7 +46,7 @@ def return_freed_memory() -> None:
     """Hands the C heap's free memory back to the system (glibc's malloc_trim; nothing elsewhere).
     Preparing the weights (fusing, quantising, packing in panels: models/registry.prepare) frees
     each restored array once its new form exists, and glibc kept those bytes: SmolLM2 in panels
-    held 1104 MB of RSS after its load against 868 MB as restored, 830 MB once trimmed."""
+    held 1104 MB of RSS after its load against 868 MB as restored, 786 MB once trimmed."""
     if not sys.platform.startswith("linux"):
         return
     try:

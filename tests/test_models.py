@@ -37,13 +37,18 @@ def test_logits_match_transformers(kind, fuse, mesh_rules):
 def test_panels_hold_the_projections_on_one_cpu_device(kind):
     """precision.panel_weights: on one CPU device every projection but the vocabulary's tables and
     GPT-OSS's experts is packed, each panel numpy's 64 columns of the weight as [C, O] (zero
-    columns past O); on a mesh of several devices, or with panel_weights off, nothing is."""
+    columns past O), as abstract_params declares them; on a mesh of several devices, or with
+    panel_weights off, nothing is."""
     from models.panels import PanelWeight
 
     m = tiny_hf(kind)
     _, raw = to_podrun(m, rules_for("1dev"), prepare=False)
     raw = jax.tree.map(np.asarray, raw)
-    _, held = to_podrun(m, rules_for("1dev"))
+    model, held = to_podrun(m, rules_for("1dev"))
+    abstract = model.abstract_params(rules_for("1dev"), Policy())  # what an AOT compile is given
+    assert jax.tree.structure(abstract) == jax.tree.structure(held)
+    assert ([(a.shape, a.dtype) for a in jax.tree.leaves(abstract)]
+            == [(x.shape, x.dtype) for x in jax.tree.leaves(held)])
     layer = held["layers"][0]
     assert not isinstance(held["embed"], PanelWeight)
     if kind == "gptoss":

@@ -50,8 +50,8 @@ import numpy as np
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_matmul.cc", "cpu_attention.cc"))
 HEADERS = (Path(__file__).with_name("cpu_kernels.h"),)
-TARGETS = ("podrun_matmul_f32", "podrun_matmul_panels", "podrun_matmul_nk_s8", "podrun_matmul_nk_s4", "podrun_greedy_screened",
-           "podrun_decode_attention", "podrun_decode_attention_s8")
+TARGETS = ("podrun_matmul_f32", "podrun_matmul_panels", "podrun_matmul_nk_s8", "podrun_matmul_nk_s4",
+           "podrun_greedy_screened", "podrun_decode_attention", "podrun_decode_attention_s8")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 
 
