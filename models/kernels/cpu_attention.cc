@@ -511,7 +511,8 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, const 
   // A decode step's (row, kv head) tasks go to the team, which the products keep awake, the
   // threads claiming them as they go: peer model, batch 1, decode step 3.02-3.70 -> 2.55-3.45 ms
   // (three alternating runs each); XLA's pool took longer to wake than the work was worth, so
-  // they had run on this thread alone (batch 1), or mostly (SmolLM2 at batch 8: 185 us a layer).
+  // they had run on this thread alone (batch 1), or mostly (SmolLM2 at batch 8: 185 us a layer,
+  // 96 on the team, profiled).
   // A prefill's runs go to XLA's pool, taken one at a time (later runs see more keys).
   int64_t tasks = B * K * runs;
   if (tasks < 4 || (S > 0 && T <= kQueries)) {
