@@ -47,12 +47,7 @@ _PROBE_MIB = flags.DEFINE_integer("probe_mib", 256, "MiB the bandwidth probe rea
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        sys.exit(f"ab: error: unexpected arguments {argv[1:]}")
-    if _CONFIG.value is None:
-        sys.exit("ab: error: --config=configs/<deployment>.py is required")
-    c = _CONFIG.value
-    bench.one_cpu_device_unless_given(c, sys.argv[1:])
+    c = bench.tool_config("ab", argv, _CONFIG.value)
     s = from_config(c)
     switch = _SWITCH.value
     if not isinstance(getattr(s.policy, switch or "", None), bool):

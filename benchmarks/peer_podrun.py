@@ -45,12 +45,9 @@ _CONFIG = config_flags.DEFINE_config_file(
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        sys.exit(f"peer_podrun: error: unexpected arguments {argv[1:]}")
-    c = _CONFIG.value
     # the kit's engines each run as one process on the machine's cores: one device, not the
     # config's simulated eight
-    bench.one_cpu_device_unless_given(c, sys.argv[1:])
+    c = bench.tool_config("peer_podrun", argv, _CONFIG.value)
     from_kit = not c.checkpoint.path
     if from_kit:
         model_dir = os.path.normpath(bc.MODEL_DIR)

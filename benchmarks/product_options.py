@@ -46,12 +46,7 @@ SETTINGS = {"none": (False, False, False, False), "chain": (True, False, False, 
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        sys.exit(f"product_options: error: unexpected arguments {argv[1:]}")
-    if _CONFIG.value is None:
-        sys.exit("product_options: error: --config=configs/<deployment>.py is required")
-    c = _CONFIG.value
-    bench.one_cpu_device_unless_given(c, sys.argv[1:])
+    c = bench.tool_config("product_options", argv, _CONFIG.value)
     s = from_config(c)
     setup_devices(s)
     from models.kernels import cpu

@@ -257,13 +257,20 @@ class Workload:
         return rng.integers(0, vocab, size=(max(self.batch_sizes), prompt_len))
 
 
-def one_cpu_device_unless_given(c, argv: Sequence[str]) -> None:
-    """Config `c` on one CPU device (mesh.num_cpu_devices = mesh.data = 1) unless the command line
-    `argv` sets either: the benchmarks/ tools measure the one-device kernels, and a batch of 1 over
-    the configs' eight simulated devices runs several times slower."""
-    given = {a.split("=")[0].removeprefix("--config.") for a in argv}
+def tool_config(tool: str, args: Sequence[str], c):
+    """A benchmarks/ tool's config `c` (its --config flag), after absl's leftover `args` (the
+    program name alone, else an error naming them), and with no --config an error: on one CPU
+    device (mesh.num_cpu_devices = mesh.data = 1) unless the command line sets either. The tools
+    measure the one-device kernels, and a batch of 1 over the configs' eight simulated devices
+    runs several times slower."""
+    if len(args) > 1:
+        sys.exit(f"{tool}: error: unexpected arguments {list(args[1:])}")
+    if c is None:
+        sys.exit(f"{tool}: error: --config=configs/<deployment>.py is required")
+    given = {a.split("=")[0].removeprefix("--config.") for a in sys.argv[1:]}
     if not {"mesh.num_cpu_devices", "mesh.data"} & given:
         c.mesh.num_cpu_devices, c.mesh.data = 1, 1
+    return c
 
 
 def make_engine(s: Settings, model: Model, params, rules: Rules, batch: int,
