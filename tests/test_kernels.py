@@ -265,6 +265,42 @@ def test_decode_attention_over_a_long_cache_matches_numpy(G, H, T, window):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("K,window,with_sinks,int8", [(3, None, False, False), (3, 40, True, False),
+                                                   (1, None, True, False), (3, None, True, True)],
+                         ids=["3kv", "3kv-window-sinks", "1kv-sinks", "3kv-int8-sinks"])
+def test_decode_attention_at_batch_one_matches_numpy(K, window, with_sinks, int8):
+    """One row's decode step as SmolLM2's (3 kv heads of 3 query heads) or with one kv head:
+    150 visible slots (the softmax's vectors and their padded tail), one, and none (a padding
+    query: zeros, or the sink's share alone)."""
+    rng = np.random.default_rng(K * 7 + int(int8) + (window or 0))
+    G, H, S, f32 = 3, 64, 192, np.float32
+    N = K * G
+    for case in ("long", "one", "none"):
+        q = rng.standard_normal((1, 1, N, H)).astype(f32)
+        kc, vc = (rng.standard_normal((1, K, S, H)).astype(f32) for _ in range(2))
+        kn, vn = (rng.standard_normal((1, K, 1, H)).astype(f32) for _ in range(2))
+        k_pos = np.full((1, S), -1, np.int32)
+        q_pos = np.array([[150]], np.int32)
+        new_pos = q_pos.copy()
+        if case == "long":
+            k_pos[0, :150] = np.arange(150)
+            k_pos[0, 70] = -1  # an overwritten slot
+        elif case == "one":
+            k_pos[0, 0] = 149
+        else:
+            new_pos[0, 0] = -1
+        sinks = rng.standard_normal(N).astype(f32) if with_sinks else None
+        scales = ()
+        if int8:
+            (kc, ks), (vc, vs) = quantize_slots(kc), quantize_slots(vc)
+            scales = (ks, vs)
+        got = jax.jit(lambda *a: cpu.decode_attention(*a[:9], window, 0.125, *a[9:]))(
+            q, kc, vc, k_pos, as_projected(kn), as_projected(vn), new_pos, q_pos, sinks, *scales)
+        kf, vf = (kc * scales[0][..., None], vc * scales[1][..., None]) if int8 else (kc, vc)
+        want = np_attention(q, kf, vf, k_pos, kn, vn, new_pos, q_pos, sinks, window, 0.125)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5, err_msg=case)
+
+
 def as_projected(x):
     """[B, K, T, H] (np_attention's layout) -> [B, T, K, H], as the CPU kernel takes new keys."""
     return np.ascontiguousarray(x.transpose(0, 2, 1, 3))

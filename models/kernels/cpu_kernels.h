@@ -58,6 +58,18 @@ inline vf fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
 inline float hsum(vf v) { return _mm512_reduce_add_ps(v); }
 inline float hmax(vf v) { return _mm512_reduce_max_ps(v); }
+// out[0..3] = hsum(a), hsum(b), hsum(c), hsum(d): interleaved within 128-bit lanes, then the
+// lanes added (8 shuffles for the four, where hsum takes 4 each)
+inline void hsum4(vf a, vf b, vf c, vf d, float* out) {
+  vf ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  vf cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  __m512d x = _mm512_castps_pd(ab), y = _mm512_castps_pd(cd);
+  vf s = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                       _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  s = _mm512_add_ps(s, _mm512_shuffle_f32x4(s, s, _MM_SHUFFLE(1, 0, 3, 2)));
+  s = _mm512_add_ps(s, _mm512_shuffle_f32x4(s, s, _MM_SHUFFLE(2, 3, 0, 1)));
+  _mm_storeu_ps(out, _mm512_castps512_ps128(s));
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int kLanes = 8, kVecRegs = 16;
 constexpr const char* kVectorPath = "avx2";
@@ -89,6 +101,14 @@ inline float hmax(vf v) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_max_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+inline void hsum4(vf a, vf b, vf c, vf d, float* out) {  // as the AVX-512 one, two 128-bit lanes
+  vf ab = _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
+  vf cd = _mm256_add_ps(_mm256_unpacklo_ps(c, d), _mm256_unpackhi_ps(c, d));
+  __m256d x = _mm256_castps_pd(ab), y = _mm256_castps_pd(cd);
+  vf s = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)),
+                       _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
 }
 #else  // portable: GCC vector extensions, whatever the target's vectors are
 constexpr int kLanes = 8, kVecRegs = 16;
@@ -122,6 +142,9 @@ inline float hmax(vf v) {
   float s = v[0];
   for (int i = 1; i < kLanes; ++i) s = std::max(s, v[i]);
   return s;
+}
+inline void hsum4(vf a, vf b, vf c, vf d, float* out) {
+  out[0] = hsum(a), out[1] = hsum(b), out[2] = hsum(c), out[3] = hsum(d);
 }
 #endif
 
