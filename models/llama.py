@@ -24,7 +24,6 @@ from models.layers import (
     add_bias,
     apply_rope,
     cached_attention,
-    rms_norm,
     rope_table,
 )
 from models.weights import Weight
@@ -199,14 +198,15 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCach
     x = constrain(x, rules, "batch", "seq", "act_embed")
 
     def layer(p, x, cache, i, last):
-        h, cache = attention_block(p, rms_norm(x, p["attn_norm"], c.rms_norm_eps), positions,
-                                   table, cache, i, start, c, rules, policy, last)
+        normed = policy.rms_norm(x, p["attn_norm"], c.rms_norm_eps)
+        h, cache = attention_block(p, normed, positions, table, cache, i, start, c, rules, policy,
+                                   last)
         x = constrain((x[:, -1:] if last else x) + h, rules, "batch", "seq", "act_embed")
-        h = mlp_block(p, rms_norm(x, p["mlp_norm"], c.rms_norm_eps), rules, policy)
+        h = mlp_block(p, policy.rms_norm(x, p["mlp_norm"], c.rms_norm_eps), rules, policy)
         return constrain(x + h, rules, "batch", "seq", "act_embed"), cache
 
     x, cache = scan.run_layers(params, x, cache, start, rules, layer, last_only and trim)
-    x = rms_norm(x[:, -1:] if last_only else x, params["final_norm"], c.rms_norm_eps)
+    x = policy.rms_norm(x[:, -1:] if last_only else x, params["final_norm"], c.rms_norm_eps)
     out = unembedding(params).logits(x, rules, policy) if head else x
     return (out[:, 0] if last_only else out), cache
 

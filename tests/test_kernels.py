@@ -54,6 +54,22 @@ def test_panel_product_matches_numpy(M, K, N):
     np.testing.assert_allclose(np.asarray(got), x.astype(np.float64) @ w, rtol=1e-5, atol=2e-5 * np.sqrt(K))
 
 
+@pytest.mark.parametrize("shape,eps", [((1, 1, 576), 1e-5), ((3, 1, 100), 1e-6), ((8, 64), 1e-5),
+                                       ((2, 7), 0.5), ((1, 1, 2880), 1e-5)])
+def test_rms_norm_matches_numpy(shape, eps):
+    """A decode step's norm in one kernel call: x / sqrt(mean(x^2) + eps) * w in float64 numpy, for
+    rows of 576 (SmolLM2), 2880 (GPT-OSS), widths off the vector length, and an eps that
+    matters; a zero row gives zeros."""
+    rng = np.random.default_rng(shape[-1])
+    x = (rng.standard_normal(shape) * 3).astype(np.float32)
+    x.reshape(-1, shape[-1])[0] = 0.0
+    w = rng.standard_normal(shape[-1]).astype(np.float32)
+    x64 = x.astype(np.float64)
+    want = x64 / np.sqrt((x64 * x64).mean(-1, keepdims=True) + eps) * w
+    got = jax.jit(cpu.rms_norm, static_argnums=2)(x, w, eps)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-6, atol=1e-6)
+
+
 def test_f32_product_called_from_eight_devices_at_once():
     """Eight simulated devices call the kernel (both weight forms) at the same time: one call has
     the thread team, the others run on their own threads; every shard's product is still right."""
@@ -212,13 +228,15 @@ def np_attention(q, kc, vc, k_pos, kn, vn, new_pos, q_pos, sinks, window, scale)
     return out
 
 
-@pytest.mark.parametrize("G,H", [(3, 40), (4, 64), (8, 64), (7, 64), (5, 128), (3, 16)],
-                         ids=["H40-query_by_query", "G4-H64", "G8-H64", "G7-H64", "G5-H128", "G3-H16"])
+@pytest.mark.parametrize("G,H", [(3, 40), (4, 64), (8, 64), (7, 64), (5, 128), (3, 16), (5, 16)],
+                         ids=["H40-query_by_query", "G4-H64", "G8-H64", "G7-H64", "G5-H128", "G3-H16",
+                              "G5-H16"])
 @pytest.mark.parametrize("T,window,with_sinks", [(1, None, False), (1, 5, True), (3, None, True),
                                                  (2, 7, False)])
 def test_decode_attention_matches_numpy(T, window, with_sinks, G, H):
     """head_dim a multiple of 16 takes the grouped path (query heads in blocks of up to 8, 4 or 2
-    as head_dim allows, then what is left); H = 40 the query-by-query one with its tail loops."""
+    as head_dim allows, then what is left; scores four rows at a time where the registers allow,
+    which G5-H16 reaches on AVX2 too); H = 40 the query-by-query one with its tail loops."""
     rng = np.random.default_rng(T * 10 + (window or 0))
     B, K, S = 3, 2, 20
     N = K * G
@@ -524,6 +542,8 @@ def test_every_vector_path_matches_numpy(path, tmp_path):
          "tests/test_kernels.py::test_decode_attention_over_an_int8_cache_matches_numpy[cpu]",
          "tests/test_kernels.py::test_prefill_attention_matches_numpy",
          "tests/test_kernels.py::test_decode_attention_over_a_long_cache_matches_numpy",
+         "tests/test_kernels.py::test_decode_attention_at_batch_one_matches_numpy",
+         "tests/test_kernels.py::test_rms_norm_matches_numpy",
          "tests/test_quant.py::test_int8_kernel_matches_numpy",
          "tests/test_quant.py::test_int4_kernel_matches_numpy"],
         check=False, cwd=root, env=env, capture_output=True, text=True, timeout=600)

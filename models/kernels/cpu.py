@@ -11,6 +11,7 @@
         without reading most of w: through an int8 copy with error bounds (greedy_screen)
     decode_attention(q, cache k/v and positions, this step's k/v and positions) -> [B, T, N, H],
         for decode steps and for prefills (an empty cache)
+    rms_norm(x [..., D], w [D], eps) -> [..., D], float32: x / sqrt(mean(x^2) + eps) * w in one call
 
 A batch-1 decode step is tens or hundreds of products one after another, a few microseconds
 apart. XLA:CPU's dot ran the small ones on one thread (as fast on one core as on two) and read the
@@ -51,7 +52,8 @@ import numpy as np
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_matmul.cc", "cpu_attention.cc"))
 HEADERS = (Path(__file__).with_name("cpu_kernels.h"),)
 TARGETS = ("podrun_matmul_f32", "podrun_matmul_panels", "podrun_matmul_nk_s8", "podrun_matmul_nk_s4",
-           "podrun_greedy_screened", "podrun_decode_attention", "podrun_decode_attention_s8")
+           "podrun_greedy_screened", "podrun_decode_attention", "podrun_decode_attention_s8",
+           "podrun_rms_norm")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 
 
@@ -154,6 +156,14 @@ def set_product_options(chain: bool = True, single_rows: bool = True, balance: b
     register()
     ctypes.cdll.LoadLibrary(str(build())).podrun_set_product_options(
         int(chain) | 2 * int(single_rows) | 4 * int(balance) | 8 * int(prefetch_rows))
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """x [..., D] / sqrt(mean(x^2, -1) + eps) * w [D], float32, in one call (a decode step's norm:
+    XLA:CPU runs it as four operations)."""
+    register()
+    return jax.ffi.ffi_call("podrun_rms_norm", jax.ShapeDtypeStruct(x.shape, jnp.float32))(
+        x.astype(jnp.float32), w.astype(jnp.float32), eps=np.float32(eps))
 
 
 def matmul_f32(x: jax.Array, w: jax.Array, w_nk: bool = False) -> jax.Array:

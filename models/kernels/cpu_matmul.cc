@@ -878,6 +878,43 @@ ffi::Error GreedyScreened(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi:
   return ffi::Error::Success();
 }
 
+// --- a decode step's RMS norm -----------------------------------------------------------------
+//
+// y[m] = (x[m] / sqrt(mean(x[m]^2) + eps)) * w for each row of x [M, D], as models/layers.rms_norm
+// computes it, in one call: XLA:CPU ran it as four operations (the squares, a partial sum, its
+// total and rsqrt, the scaling), about 1 us each with the gaps between them, twice a layer.
+ffi::Error RmsNorm(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y,
+                   float eps) {
+  auto xd = x.dimensions();
+  const int64_t D = xd.size() ? xd.back() : 0;
+  if (!xd.size() || w.dimensions().size() != 1 || w.dimensions()[0] != D)
+    return ffi::Error::InvalidArgument("podrun_rms_norm: expects x[..., D] and w[D]");
+  const int64_t M = D ? int64_t(x.element_count()) / D : 0;
+  const float *xp = x.typed_data(), *wp = w.typed_data();
+  float* yp = y->typed_data();
+  // w arrives cold from DRAM (a step streams more than the caches hold): every line asked for
+  // at once, not one miss after another as the loop below would
+  for (int64_t k = 0; k < D; k += 64 / sizeof(float)) __builtin_prefetch(wp + k, 0, 3);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = xp + m * D;
+    float* ym = yp + m * D;
+    int64_t k = 0;
+    vf a = zero(), b = zero();  // two chains
+    for (; k + 2 * kLanes <= D; k += 2 * kLanes) {
+      vf u = load(xm + k), v = load(xm + k + kLanes);
+      a = fma(u, u, a), b = fma(v, v, b);
+    }
+    for (; k + kLanes <= D; k += kLanes) a = fma(load(xm + k), load(xm + k), a);
+    float sq = hsum(a + b);
+    for (; k < D; ++k) sq += xm[k] * xm[k];
+    const float r = 1.f / std::sqrt(sq / float(D) + eps);
+    const vf rv = splat(r);
+    for (k = 0; k + kLanes <= D; k += kLanes) store(ym + k, load(xm + k) * rv * load(wp + k));
+    for (; k < D; ++k) ym[k] = xm[k] * r * wp[k];
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 // kChain | kSingleRows by default (benchmarks/product_options.py measures them on and off).
@@ -926,3 +963,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(podrun_greedy_screened, GreedyScreened,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Attr<bool>("w_nk"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(podrun_rms_norm, RmsNorm,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [..., D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w [D]
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("eps"));
