@@ -1,18 +1,23 @@
-"""How the CPU products read their weights (models/kernels/cpu_matmul.cc: kChain, the next product's
-weights asked for between products; kSingleRows, short rows of W swept one at a time at batch 1;
-kBalance, the rows in parts that the threads claim as they go; kPrefetchRows, at batch 1 each line
-of W asking for one a few KB on), each on and off, alternated round by round in one process, so that the machine's swings of speed
-from one minute to the next fall on every setting alike.
+"""How the CPU kernels read their weights (models/kernels/cpu_kernels.h's options: kChain, the next
+product's weights asked for between products; kSingleRows, short rows of W swept one at a time at
+batch 1; kBalance, the rows in parts that the threads claim as they go; kPrefetchRows, at batch 1
+each line of W asking for one a few KB on; kChainAttention, decode attention in that chain, its
+cache rows asked for before it and the next weights during it; kOwnShareAhead, each helper asking
+only for its own share of what comes next), each on and off, alternated round by round in one
+process, so that the machine's swings of speed from one minute to the next fall on every setting
+alike.
 
     python benchmarks/product_options.py --config=configs/cpu.py:<checkpoint> [--batch_size=1] \
-        [--prompt_len=128] [--new_tokens=128] [--rounds=8] [--config.precision.quantize=int8]
+        [--prompt_len=128] [--new_tokens=128] [--rounds=8] [--config.precision.quantize=int8] \
+        [--settings="all five,all six"]
 
 One CPU device unless the command line sets the mesh (these belong to the one-device product
-kernel). With float32 weights in panels (precision.panel_weights, the default) only kChain
-concerns their products: --config.precision.panel_weights=False measures the others on W[K, N]. Per round and setting: one warm generation, then one timed; prints the median
-decode step (the engine's clock, as runner.bench's decode_step_s) of each setting over the rounds,
-and the median over rounds of its step against 'none' in the same round.
-Random prompts, no stop ids.
+kernel). With float32 weights in panels (precision.panel_weights, the default) only kChain,
+kChainAttention and kOwnShareAhead concern their products: --config.precision.panel_weights=False
+measures the others on W[K, N]. Per round and setting: one warm generation, then one timed;
+prints the median decode step (the engine's clock, as runner.bench's decode_step_s) of each setting over the rounds,
+and the median over rounds of its step against the first setting's ('none' by default) in the
+same round. Random prompts, no stop ids.
 """
 
 from __future__ import annotations
@@ -39,10 +44,13 @@ _BATCH = flags.DEFINE_integer("batch_size", 1, "rows")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 128, "prompt length (tokens)")
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 128, "tokens generated per row")
 _ROUNDS = flags.DEFINE_integer("rounds", 8, "rounds of every setting")
+_ONLY = flags.DEFINE_list("settings", None, "the settings to alternate, the first as the base "
+                          "(default: all, against 'none')")
 
-SETTINGS = {"none": (False, False, False, False), "chain": (True, False, False, False),
-            "single_rows": (False, True, False, False), "both": (True, True, False, False),
-            "both+balance": (True, True, True, False), "all four": (True, True, True, True)}
+SETTINGS = {"none": (False,) * 6, "chain": (True,) + (False,) * 5,
+            "single_rows": (False, True) + (False,) * 4, "both": (True, True) + (False,) * 4,
+            "both+balance": (True,) * 3 + (False,) * 3, "all four": (True,) * 4 + (False,) * 2,
+            "all five": (True,) * 5 + (False,), "all six": (True,) * 6}
 
 
 def main(argv: list[str]) -> None:
@@ -59,10 +67,15 @@ def main(argv: list[str]) -> None:
     workload = bench.Workload((_BATCH.value,), (_PROMPT_LEN.value,), n)
     prompts = workload.prompts(_PROMPT_LEN.value, meta.model.config.vocab_size)
     requests = bench.greedy_requests(prompts, n, s)
-    steps: dict[str, list[float]] = {name: [] for name in SETTINGS}
+    chosen = _ONLY.value or list(SETTINGS)
+    unknown = [name for name in chosen if name not in SETTINGS]
+    if unknown:
+        sys.exit(f"product_options: error: unknown --settings {unknown}; one of {list(SETTINGS)}")
+    settings = {name: SETTINGS[name] for name in chosen}
+    steps: dict[str, list[float]] = {name: [] for name in settings}
     engine.generate(requests, stop_ids=())  # compiles
     for _ in range(_ROUNDS.value):
-        for name, options in SETTINGS.items():
+        for name, options in settings.items():
             cpu.set_product_options(*options)
             engine.generate(requests, stop_ids=())  # the chain learns this setting's order
             done = engine.generate(requests, stop_ids=())
@@ -70,11 +83,11 @@ def main(argv: list[str]) -> None:
     cpu.set_product_options()
     print(f"{meta.model.family}, batch {_BATCH.value}, {_PROMPT_LEN.value}-token prompts, "
           f"{n} new tokens, {_ROUNDS.value} rounds; ms per decode step:")
-    base = steps["none"]
+    base = steps[chosen[0]]
     for name, ms in steps.items():
         paired = statistics.median(m / b for m, b in zip(ms, base))  # robust to the machine's drift
         rounds = ", ".join(f"{x:.2f}" for x in ms)
-        print(f"  {name:12s} median {statistics.median(ms):7.3f}, {paired:.3f}x none's in the "
+        print(f"  {name:12s} median {statistics.median(ms):7.3f}, {paired:.3f}x {chosen[0]}'s in the "
               f"same round (median)   [{rounds}]")
 
 

@@ -161,18 +161,30 @@ def test_greedy_screen_for_flat_and_non_finite_rows():
     assert got[3] == int(first_max(jnp.asarray(x[3:4]) @ jnp.asarray(w))[0])
 
 
-@pytest.mark.parametrize("chain,single_rows,balance,prefetch_rows", [
-    (True, True, True, True), (False, False, False, False), (True, False, True, True),
-    (False, True, False, True), (True, True, False, False)])
+@pytest.mark.parametrize("chain,single_rows,balance,prefetch_rows,chain_attention,own_share", [
+    (True, True, True, True, True, True), (False,) * 6, (True, False, True, True, True, False),
+    (False, True, False, True, True, True), (True, True, False, False, False, True),
+    (True, True, True, True, False, False)])
 def test_chained_products_match_numpy_with_each_product_option(chain, single_rows, balance,
-                                                               prefetch_rows):
-    """A step's products called again and again, as decode calls them: the kernels learn their
-    order and the helpers read the next product's weights ahead (cpu_matmul.cc's Chain), one row
-    over short rows of W sweeps them a row at a time, the threads claim parts of W as they go
-    (kBalance), and lines ask for those a few KB on (kPrefetchRows); with each of these on or off
-    the sums are numpy's, and the same bits every call whichever thread took which part."""
+                                                               prefetch_rows, chain_attention,
+                                                               own_share):
+    """A step's products and decode attention called again and again, as decode calls them: the
+    kernels learn their order and the helpers read ahead what comes next (cpu_kernels.h's Chain:
+    the next product's weights, and with chain_attention the attention's cache rows in use; with
+    own_share each helper its own share alone), one row over short rows of W sweeps them a row at
+    a time, the threads claim parts of W as they go (kBalance), and lines ask for those a few KB
+    on (kPrefetchRows); with each of these on or off the results are numpy's, and the same bits
+    every call whichever thread took which part."""
     rng = np.random.default_rng(7)
     kn = [rng.standard_normal((K, N), dtype=np.float32) for K, N in [(64, 96), (96, 520), (520, 64)]]
+    K, G, H, S = 2, 2, 64, 40  # attention: 4 query heads over 2 kv heads, a 40-slot cache
+    wq = rng.standard_normal((64, K * G * H), dtype=np.float32) / 8
+    wo = rng.standard_normal((K * G * H, 64), dtype=np.float32) / 16
+    kc, vc = (rng.standard_normal((1, K, S, H)).astype(np.float32) for _ in range(2))
+    k_new, v_new = (rng.standard_normal((1, K, 1, H)).astype(np.float32) for _ in range(2))
+    k_pos = np.full((1, S), -1, np.int32)
+    k_pos[0, :29] = np.arange(29)
+    q_pos = np.array([[29]], np.int32)
     nk = rng.standard_normal((200, 64), dtype=np.float32)  # [N, K]
     q = rng.integers(-127, 128, size=(300, 200), dtype=np.int8)
     scale = rng.uniform(0.01, 0.02, size=300).astype(np.float32)
@@ -180,6 +192,10 @@ def test_chained_products_match_numpy_with_each_product_option(chain, single_row
     def step(x):
         for w in kn:
             x = cpu.matmul_f32(x, w)
+        heads = cpu.matmul_f32(x, wq).reshape(1, 1, K * G, H)
+        x = cpu.decode_attention(heads, kc, vc, k_pos, as_projected(k_new), as_projected(v_new),
+                                 q_pos, q_pos, None, None, 0.125)
+        x = cpu.matmul_f32(x.reshape(1, K * G * H), wo)
         x = cpu.matmul_f32(x, nk, w_nk=True)
         return cpu.matmul_nk_s8(x, q, scale)
 
@@ -187,12 +203,16 @@ def test_chained_products_match_numpy_with_each_product_option(chain, single_row
         x = x.astype(np.float64)
         for w in kn:
             x = x @ w
+        heads = (x @ wq).reshape(1, 1, K * G, H)
+        x = np_attention(heads, kc, vc, k_pos, k_new, v_new, q_pos, q_pos, None, None, 0.125)
+        x = x.reshape(1, K * G * H) @ wo
         return (x @ nk.T) @ (q * scale[:, None]).T.astype(np.float64)
 
     x = rng.standard_normal((1, 64), dtype=np.float32)
     f = jax.jit(step)
     try:
-        cpu.set_product_options(chain, single_rows, balance, prefetch_rows)
+        cpu.set_product_options(chain, single_rows, balance, prefetch_rows, chain_attention,
+                                own_share)
         first = np.asarray(f(x))
         for _ in range(6):
             got = np.asarray(f(x))

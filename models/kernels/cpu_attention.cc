@@ -547,6 +547,9 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, const 
   // they had run on this thread alone (batch 1), or mostly (SmolLM2 at batch 8: 185 us a layer,
   // 96 on the team, profiled).
   // A prefill's runs go to XLA's pool, taken one at a time (later runs see more keys).
+  // In the product chain (kChainAttention, cpu_kernels.h's Chain), a step's call tells the
+  // product before it which rows of the cache it reads (the slots in use, and this step's), for
+  // the helpers to ask for first, and gets the next product's weights to ask for in turn.
   int64_t tasks = B * K * runs;
   if (tasks < 4 || (S > 0 && T <= kQueries)) {
     Team& team = Team::get();
@@ -554,7 +557,20 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, const 
       if (n == 1) return heads(0, tasks);
       for (int64_t c; (c = team.claim(t)) >= 0;) heads(c, c + 1);
     };
-    team.run(body, {}, tasks);
+    Team::Ahead ahead;
+    if (S > 0 && options.load(std::memory_order_relaxed) & kChainAttention) {
+      int64_t used = 0;  // slots up to the last in use, over the rows
+      for (int64_t b = 0; b < B; ++b) {
+        int64_t j = S;
+        while (j > used && kpp[b * S + j - 1] < 0) --j;
+        used = j;
+      }
+      const int64_t row = S * H * int64_t(sizeof(C));
+      ahead = Chain::next({reinterpret_cast<const char*>(kcp), B * K, 1, row,
+                           reinterpret_cast<const char*>(vcp),
+                           std::min(S, used + T) * H * int64_t(sizeof(C))});
+    }
+    team.run(body, ahead, tasks);
   } else {
     parallel_for(pool, tasks, 1, heads);
   }

@@ -179,6 +179,15 @@ inline std::pair<int64_t, int64_t> part(int64_t total, int64_t unit, int t, int 
   return {begin, end};
 }
 
+// How the products read their weights and what the team reads ahead (podrun_set_product_options,
+// all on by default; benchmarks/product_options.py measures them on and off): cpu_matmul.cc's
+// kChain, kSingleRows, kBalance and kPrefetchRows; kChainAttention, decode attention in the chain
+// (Chain, below); kOwnShareAhead, each helper reads ahead only its own share (Team::read_ahead).
+constexpr int kChain = 1, kSingleRows = 2, kBalance = 4, kPrefetchRows = 8, kChainAttention = 16,
+              kOwnShareAhead = 32;
+inline std::atomic<int> options{kChain | kSingleRows | kBalance | kPrefetchRows | kChainAttention |
+                                kOwnShareAhead};
+
 // A team of threads for the products of one decode step, which come a few microseconds apart: a
 // helper spins for a while after each product (kSpin) before it sleeps, so the next product finds
 // it awake. The team has one thread per core this process may run on, the caller included, up to
@@ -197,9 +206,13 @@ class Team {
 
   // Memory for the helpers to read ahead once their share of a call is done: `rows` rows of
   // `row_bytes` from `base`, split among the team as part(rows, unit, t, T) splits a product.
+  // With `second`, every row is read there too (a cache's keys and values), and with `used`, only
+  // the first `used` bytes of each row (the slots of a cache in use).
   struct Ahead {
     const char* base = nullptr;
     int64_t rows = 0, unit = 1, row_bytes = 0;
+    const char* second = nullptr;
+    int64_t used = 0;
   };
 
   // body(t, T) for every t in [0, T): this thread takes t = 0, each helper one other t. Helpers
@@ -278,14 +291,16 @@ class Team {
       Ahead a{ahead_base_.load(relaxed), ahead_rows_.load(relaxed), ahead_unit_.load(relaxed),
               ahead_row_bytes_.load(relaxed)};
       pending_.fetch_sub(1, std::memory_order_release);
-      if (a.base) read_ahead(a, seen);
+      if (a.base) read_ahead(a, seen, id);
     }
   }
 
   // A line at a time from the start of every thread's share of `a`, until the next call starts
   // (the caller meanwhile runs XLA's operations between two products, with memory idle).
-  void read_ahead(const Ahead& a, uint64_t seen) {
+  void read_ahead(const Ahead& a, uint64_t seen, int id) {
     int T = int(threads_) + 1;
+    const bool own = options.load(std::memory_order_relaxed) & kOwnShareAhead;
+    if (a.second || a.used) return read_rows_ahead(a, seen, own ? id : -1);
     const char* start[kMaxThreads];
     int64_t bytes[kMaxThreads];
     for (int t = 0; t < T; ++t) {
@@ -296,7 +311,37 @@ class Team {
     for (int64_t at = 0; at < kAheadBytes; at += 64) {
       if ((at & 1023) == 0 && gen_.load(std::memory_order_relaxed) != seen) return;
       for (int t = 0; t < T; ++t)
-        if (at < bytes[t]) __builtin_prefetch(start[t] + at, 0, 3);
+        if (at < bytes[t] && (!own || t == id)) __builtin_prefetch(start[t] + at, 0, 3);
+    }
+  }
+
+  // read_ahead for rows read in part (`used`) or in two places (`second`): row by row.
+  void read_rows_ahead(const Ahead& a, uint64_t seen, int id) {
+    const int T = int(threads_) + 1;
+    const int64_t used = a.used > 0 ? std::min(a.used, a.row_bytes) : a.row_bytes;
+    struct Cursor {
+      int64_t row, end, at = 0, done = 0;
+      bool second = false;
+    } c[kMaxThreads];
+    for (int t = 0; t < T; ++t) {
+      auto [b, e] = part(a.rows, a.unit, t, T);
+      c[t] = {b, e};
+    }
+    for (int64_t i = 0;; ++i) {
+      if ((i & 15) == 0 && gen_.load(std::memory_order_relaxed) != seen) return;
+      bool any = false;
+      for (int t = 0; t < T; ++t) {
+        Cursor& u = c[t];
+        if (u.row >= u.end || u.done >= kAheadBytes || (id >= 0 && t != id)) continue;
+        any = true;
+        __builtin_prefetch((u.second ? a.second : a.base) + u.row * a.row_bytes + u.at, 0, 3);
+        u.done += 64;
+        if ((u.at += 64) < used) continue;
+        u.at = 0;
+        if (a.second && !u.second) u.second = true;
+        else u.second = false, ++u.row;
+      }
+      if (!any) return;
     }
   }
 
@@ -330,6 +375,65 @@ class Team {
     std::atomic<uint64_t> lohi{0};
   };
   Range ranges_[kMaxThreads];
+};
+
+// The products of a decode step come in the same order every step, over weights that stay put: each
+// call records which weights followed the previous call's, and hands the team the weights that
+// followed its own last time (Team::Ahead), whose first bytes the helpers ask for once done, while
+// XLA runs the operations between two products and memory would idle. A wrong guess (a first
+// step, another device's calls in between) only reads memory in vain; calls that find the chain in
+// use skip it. benchmarks/product_options.py, alternating the settings round by round in one
+// process, ms per batch-1 decode step (median over rounds; median ratio to 'neither' in the same
+// round), on a machine whose step swung 20% between rounds:
+//   peer model, 30 rounds:  neither 5.90, chain 5.76 (0.981x), single rows 5.62 (0.931x), both
+//                           5.51 (0.951x)
+//   SmolLM2, 16 rounds:     neither 24.28, chain 23.64 (0.968x), single rows 23.05 (0.971x), both
+//                           23.36 (0.947x)
+// The peer model's products alone in a C++ loop, 4 us between them (13 us after v, for
+// attention), the chain on and off: 6.74 against 7.23 ms and 6.91 against 7.13.
+// Decode attention (cpu_attention.cc) joins the chain with kChainAttention: the product before it
+// hands the helpers its cache rows in use, which arrive cold from DRAM every step and which the
+// attention's few streams read at one or two threads' bandwidth, and while the caller finishes
+// its heads the helper asks for the next product's weights.
+class Chain {
+ public:
+  static Team::Ahead next(const Team::Ahead& self) {
+    if (!(options.load(std::memory_order_relaxed) & kChain)) return {};
+    static Chain* chain = new Chain();
+    std::unique_lock<std::mutex> l(chain->mu_, std::try_to_lock);
+    if (!l.owns_lock()) return {};
+    if (Entry* e = chain->find(chain->last_, true)) e->next = self;
+    chain->last_ = self.base;
+    Entry* mine = chain->find(self.base, false);
+    return mine ? mine->next : Team::Ahead{};
+  }
+
+ private:
+  struct Entry {
+    const char* key = nullptr;
+    Team::Ahead next;
+  };
+  static constexpr size_t kSlots = 4096;  // products a step, at most (then no more are learnt)
+
+  // The entry of `key` (open addressing), made when `add` and there is room; null otherwise.
+  Entry* find(const char* key, bool add) {
+    if (!key) return nullptr;
+    size_t h = (reinterpret_cast<uintptr_t>(key) >> 6) * 0x9E3779B97F4A7C15ull >> 52;
+    for (size_t i = 0; i < 64; ++i) {
+      Entry& e = slots_[(h + i) % kSlots];
+      if (e.key == key) return &e;
+      if (!e.key) {
+        if (!add) return nullptr;
+        e.key = key;
+        return &e;
+      }
+    }
+    return nullptr;
+  }
+
+  std::mutex mu_;
+  const char* last_ = nullptr;
+  std::vector<Entry> slots_ = std::vector<Entry>(kSlots);
 };
 
 // IEEE half-precision values as floats (the int4 weights' scales and minima)

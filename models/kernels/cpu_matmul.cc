@@ -226,8 +226,8 @@ constexpr int64_t kKB = 16;
 constexpr int64_t kn_sweep_rows(int MB) { return MB >= 8 ? 16 : 8; }
 
 // Two ways of reading W that benchmarks/product_options.py measures on and off in one process
-// (podrun_set_product_options; both on by default): kChain, the team's helpers ask for the next
-// product's weights between products (Chain, below); kSingleRows, one row of x over rows of W of
+// (cpu_kernels.h's options; both on by default): kChain, the team's helpers ask for the next
+// product's weights between products (cpu_kernels.h's Chain); kSingleRows, one row of x over rows of W of
 // at most kNarrow floats sweeps them a row at a time, a single stream of memory per thread. In
 // sweeps of 8 such rows each stream ends after a few lines, before the hardware prefetcher has
 // followed it. Chained products alone, in one process, GB/s with sweeps of 8 (whose rows, in this
@@ -237,8 +237,6 @@ constexpr int64_t kn_sweep_rows(int MB) { return MB >= 8 ? 16 : 8; }
 // rows kept their sweeps of 8: [768, 768] 22.8 / 25.8, 24.3 / 23.6; [512, 1024] 25.5 / 23.7,
 // 25.1 / 24.2; [576, 1536] 27.7 / 25.5; the unembedding [512, 32000] 34.6 / 24.2. At 2 rows of x
 // single rows lost for N = 128-192 (25.9 / 22.6) and gained 10-15% for N = 512-576.
-constexpr int kChain = 1, kSingleRows = 2, kBalance = 4, kPrefetchRows = 8;
-std::atomic<int> options{kChain | kSingleRows | kBalance | kPrefetchRows};
 constexpr int64_t kRowsAheadBytes = 4096;  // 8 KB measured as 4, 16 slower, in a C++ loop
 constexpr int64_t kNarrow = 640;
 
@@ -321,61 +319,6 @@ void kn_all(const float* x, const float* w, float* p, int64_t M, int64_t N, int6
     else { kn_rows<1>(xm, w, pm, N, K, k0, k1); m += 1; }
   }
 }
-
-// The products of a decode step come in the same order every step, over weights that stay put: each
-// call records which weights followed the previous call's, and hands the team the weights that
-// followed its own last time (Team::Ahead), whose first bytes the helpers ask for once done, while
-// XLA runs the operations between two products and memory would idle. A wrong guess (a first
-// step, another device's calls in between) only reads memory in vain; calls that find the chain in
-// use skip it. benchmarks/product_options.py, alternating the settings round by round in one
-// process, ms per batch-1 decode step (median over rounds; median ratio to 'neither' in the same
-// round), on a machine whose step swung 20% between rounds:
-//   peer model, 30 rounds:  neither 5.90, chain 5.76 (0.981x), single rows 5.62 (0.931x), both
-//                           5.51 (0.951x)
-//   SmolLM2, 16 rounds:     neither 24.28, chain 23.64 (0.968x), single rows 23.05 (0.971x), both
-//                           23.36 (0.947x)
-// The peer model's products alone in a C++ loop, 4 us between them (13 us after v, for
-// attention), the chain on and off: 6.74 against 7.23 ms and 6.91 against 7.13.
-class Chain {
- public:
-  static Team::Ahead next(const Team::Ahead& self) {
-    if (!(options.load(std::memory_order_relaxed) & kChain)) return {};
-    static Chain* chain = new Chain();
-    std::unique_lock<std::mutex> l(chain->mu_, std::try_to_lock);
-    if (!l.owns_lock()) return {};
-    if (Entry* e = chain->find(chain->last_, true)) e->next = self;
-    chain->last_ = self.base;
-    Entry* mine = chain->find(self.base, false);
-    return mine ? mine->next : Team::Ahead{};
-  }
-
- private:
-  struct Entry {
-    const char* key = nullptr;
-    Team::Ahead next;
-  };
-  static constexpr size_t kSlots = 4096;  // products a step, at most (then no more are learnt)
-
-  // The entry of `key` (open addressing), made when `add` and there is room; null otherwise.
-  Entry* find(const char* key, bool add) {
-    if (!key) return nullptr;
-    size_t h = (reinterpret_cast<uintptr_t>(key) >> 6) * 0x9E3779B97F4A7C15ull >> 52;
-    for (size_t i = 0; i < 64; ++i) {
-      Entry& e = slots_[(h + i) % kSlots];
-      if (e.key == key) return &e;
-      if (!e.key) {
-        if (!add) return nullptr;
-        e.key = key;
-        return &e;
-      }
-    }
-    return nullptr;
-  }
-
-  std::mutex mu_;
-  const char* last_ = nullptr;
-  std::vector<Entry> slots_ = std::vector<Entry>(kSlots);
-};
 
 // body(t, c, begin, end) for the parts c of W's `rows` rows (of `row_bytes` each), split in
 // multiples of `unit`, on the team (t: the thread); returns the number of parts. With kBalance,
@@ -917,7 +860,7 @@ ffi::Error RmsNorm(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Result
 
 }  // namespace
 
-// kChain | kSingleRows by default (benchmarks/product_options.py measures them on and off).
+// cpu_kernels.h's options (benchmarks/product_options.py measures them on and off).
 extern "C" void podrun_set_product_options(int what) { options.store(what); }
 
 // Which vector path of cpu_kernels.h this build uses (models/kernels/cpu.vector_path).
