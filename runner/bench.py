@@ -25,8 +25,10 @@ an embedding table only contributes the B rows gathered unless it is tied as the
 mixture of experts only min(B*k, E) of its E experts, and an unembedding read through the greedy
 screen (precision.greedy_screen) only the screen's int8 bytes) + the filled part of the KV cache
 (mean over the decode), against a large array's read bandwidth measured in this process before
-each timed repetition and after the last (their median; the bandwidth of a machine like this one
-drifts by a half within minutes) -> MBU;
+each timed repetition and after the last (the bandwidth of a machine like this one drifts by a
+half within minutes) -> MBU: each repetition's decode against the mean of the two measurements
+around it, the median over repetitions (mbu_all holds each; bandwidth_gbps is the measurements'
+median);
 flops_per_step = 2 * B * params per token + attention, against a large f32 matmul -> MFU. Counted
 once for the model: replicas over the `data` axis that each read their own copy of the weights (8
 simulated CPU devices) are not counted again, so their extra reads show up as a lower MBU.
@@ -367,11 +369,19 @@ def measure(s: Settings, model: Model, params, rules: Rules, w: Workload,
 
 def rate(records: list[dict], bandwidth_gbps: float, gflops: float) -> None:
     """MBU and MFU of each record's decode step against the machine's figures: the record's own
-    measured bandwidth (measure's probe), else `bandwidth_gbps`."""
+    measured bandwidth (measure's probe), else `bandwidth_gbps`. With the probe, each timed
+    repetition's decode is rated against the mean of the two measurements around it (mbu_all) and
+    the record's MBU is their median: the bandwidth can change between repetitions, and a median
+    step against a median bandwidth would pair a decode with another minute's bandwidth."""
     for r in records:
         bandwidth = r.get("bandwidth_gbps") or bandwidth_gbps
-        r.update(bandwidth_gbps=bandwidth, peak_gflops=gflops,
-                 mbu=r["bytes_per_step"] / r["decode_step_s"] / (bandwidth * 1e9),
+        probes, decodes = r.get("bandwidth_all_gbps") or [], r.get("decode_all_s") or []
+        steps = r["new_tokens"] - 1
+        per_rep = [r["bytes_per_step"] / (d / steps) / ((a + b) / 2 * 1e9)
+                   for d, a, b in zip(decodes, probes, probes[1:])]
+        r.update(bandwidth_gbps=bandwidth, peak_gflops=gflops, mbu_all=per_rep,
+                 mbu=(statistics.median(per_rep) if per_rep and len(probes) == len(decodes) + 1
+                      else r["bytes_per_step"] / r["decode_step_s"] / (bandwidth * 1e9)),
                  mfu=r["flops_per_step"] / r["decode_step_s"] / (gflops * 1e9))
 
 

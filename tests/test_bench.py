@@ -104,6 +104,9 @@ def test_bench_writes_a_record_per_batch_and_prompt_len_and_decodes_every_token(
         assert r["bandwidth_gbps"] == pytest.approx(float(np.median(r["bandwidth_all_gbps"])))
         want_bytes, want_flops = independent_cost(m, r["batch_size"], r["prompt_len"], NEW, 4)
         assert r["bytes_per_step"] == pytest.approx(want_bytes, rel=1e-12)
+        # one repetition: its decode against the mean of the two measurements around it
+        around = sum(r["bandwidth_all_gbps"]) / 2 * 1e9
+        assert r["mbu_all"] == [pytest.approx(want_bytes / (r["decode_all_s"][0] / (NEW - 1)) / around)]
         assert r["mbu"] == pytest.approx(want_bytes / r["decode_step_s"] / (r["bandwidth_gbps"] * 1e9))
         assert r["mfu"] == pytest.approx(want_flops / r["decode_step_s"] / (r["peak_gflops"] * 1e9))
         assert r["decode_tokens_per_s"] == pytest.approx(r["batch_size"] * (NEW - 1) / r["decode_s"])
@@ -111,6 +114,22 @@ def test_bench_writes_a_record_per_batch_and_prompt_len_and_decodes_every_token(
         assert 0 < r["ttft_s"] and 0 < r["decode_s"] and r["ttft_s"] + r["decode_s"] <= r["total_s"]
     table = p.stdout.splitlines()
     assert len([line for line in table if line.split()[:1] in (["1"], ["3"])]) == len(records)
+
+
+def test_mbu_rates_each_repetition_against_the_bandwidth_measured_around_it():
+    """Three repetitions whose bandwidth changed after the second (probes 30, 30, 50, 50 GB/s):
+    each decode is rated against its own minutes, and the record's MBU is their median, where a
+    median step against the median probe (40) would rate all three against a bandwidth none saw."""
+    steps, nbytes = 127, 450e6
+    record = {"new_tokens": steps + 1, "bytes_per_step": nbytes, "flops_per_step": 1e9,
+              "bandwidth_all_gbps": [30.0, 30.0, 50.0, 50.0], "bandwidth_gbps": 40.0,
+              "decode_all_s": [steps * 0.016, steps * 0.0155, steps * 0.0105]}
+    record["decode_step_s"] = float(np.median(record["decode_all_s"])) / steps
+    bench.rate([record], 0.0, 100.0)
+    want = [nbytes / 0.016 / 30e9, nbytes / 0.0155 / 40e9, nbytes / 0.0105 / 50e9]
+    assert record["mbu_all"] == pytest.approx(want)
+    assert record["mbu"] == pytest.approx(sorted(want)[1])
+    assert record["mfu"] == pytest.approx(1e9 / 0.0155 / 100e9)
 
 
 def test_a_row_that_stops_early_is_an_error():
