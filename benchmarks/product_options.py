@@ -14,10 +14,10 @@ alike.
 One CPU device unless the command line sets the mesh (these belong to the one-device product
 kernel). With float32 weights in panels (precision.panel_weights, the default) only kChain,
 kChainAttention and kOwnShareAhead concern their products: --config.precision.panel_weights=False
-measures the others on W[K, N]. Per round and setting: one warm generation, then one timed;
-prints the median decode step (the engine's clock, as runner.bench's decode_step_s) of each setting over the rounds,
-and the median over rounds of its step against the first setting's ('none' by default) in the
-same round. Random prompts, no stop ids.
+measures the others on W[K, N]. Per round and setting: one warm generation, then one timed; prints
+the median decode step (the engine's clock, as runner.bench's decode_step_s) of each setting over
+the rounds, and the median over rounds of its step against the first setting's ('none' by default)
+in the same round. Random prompts, no stop ids.
 """
 
 from __future__ import annotations

@@ -234,6 +234,8 @@ class Team {
     ahead_rows_.store(ahead.rows, std::memory_order_relaxed);
     ahead_unit_.store(ahead.unit, std::memory_order_relaxed);
     ahead_row_bytes_.store(ahead.row_bytes, std::memory_order_relaxed);
+    ahead_second_.store(ahead.second, std::memory_order_relaxed);
+    ahead_used_.store(ahead.used, std::memory_order_relaxed);
     pending_.store(int(threads_));
     gen_.fetch_add(1);  // seq_cst, as the sleepers' count below (see wait)
     if (sleepers_.load() > 0) {
@@ -288,15 +290,28 @@ class Team {
       seen = wait(seen);
       fn_(ctx_, id, int(threads_) + 1);
       constexpr auto relaxed = std::memory_order_relaxed;
-      Ahead a{ahead_base_.load(relaxed), ahead_rows_.load(relaxed), ahead_unit_.load(relaxed),
-              ahead_row_bytes_.load(relaxed)};
+      Ahead a{ahead_base_.load(relaxed),      ahead_rows_.load(relaxed),
+              ahead_unit_.load(relaxed),      ahead_row_bytes_.load(relaxed),
+              ahead_second_.load(relaxed),    ahead_used_.load(relaxed)};
       pending_.fetch_sub(1, std::memory_order_release);
       if (a.base) read_ahead(a, seen, id);
     }
   }
 
   // A line at a time from the start of every thread's share of `a`, until the next call starts
-  // (the caller meanwhile runs XLA's operations between two products, with memory idle).
+  // (the caller meanwhile runs XLA's operations between two products, with memory idle). With
+  // kOwnShareAhead, helper `id` asks only for its own share, which it takes first in the next
+  // call: lines one core fetched for another's share made that share slower to read at the
+  // machine's fast minutes, when DRAM streams faster than one core takes lines from another's
+  // L2. SmolLM2 at batch 1, each product's time inside the kernel (us; alternated in one process,
+  // medians over a step's 30 layers), k, q, v, o, gate, up, down:
+  //   fast minutes:  every share  12.4 26.1 12.5 30.9 64.1 62.4 63.3
+  //                  own share     9.7 24.5  9.9 25.5 64.9 62.2 60.2
+  //                  none         10.7 24.8 10.7 25.1 65.7 64.3 61.9
+  //   slow minutes:  every share  11.0 37.2 12.0 36.6 96.8 99.7 98.4
+  //                  own share    10.1 38.4 12.2 37.9 102.5 102.1 101.5
+  //                  none         14.3 39.9 14.4 40.0 106.0 104.6 104.4
+  // The whole step: Chain's comment.
   void read_ahead(const Ahead& a, uint64_t seen, int id) {
     int T = int(threads_) + 1;
     const bool own = options.load(std::memory_order_relaxed) & kOwnShareAhead;
@@ -369,8 +384,8 @@ class Team {
   std::atomic<int> pending_{0}, sleepers_{0};
   void (*fn_)(void*, int, int) = nullptr;
   void* ctx_ = nullptr;
-  std::atomic<const char*> ahead_base_{nullptr};
-  std::atomic<int64_t> ahead_rows_{0}, ahead_unit_{1}, ahead_row_bytes_{0};
+  std::atomic<const char*> ahead_base_{nullptr}, ahead_second_{nullptr};
+  std::atomic<int64_t> ahead_rows_{0}, ahead_unit_{1}, ahead_row_bytes_{0}, ahead_used_{0};
   struct alignas(64) Range {  // chunks [lo, hi) left of a thread's share, lo << 32 | hi
     std::atomic<uint64_t> lohi{0};
   };
@@ -392,9 +407,13 @@ class Team {
 // The peer model's products alone in a C++ loop, 4 us between them (13 us after v, for
 // attention), the chain on and off: 6.74 against 7.23 ms and 6.91 against 7.13.
 // Decode attention (cpu_attention.cc) joins the chain with kChainAttention: the product before it
-// hands the helpers its cache rows in use, which arrive cold from DRAM every step and which the
-// attention's few streams read at one or two threads' bandwidth, and while the caller finishes
-// its heads the helper asks for the next product's weights.
+// hands the helpers its cache rows in use (keys and values), which arrive cold from DRAM every
+// step and which the attention's few streams read at one or two threads' bandwidth, and while the
+// caller finishes its heads the helpers ask for the next product's weights. SmolLM2 at batch 1,
+// profiled in one process: its attention 14.9-15.3 -> 9.6-9.9 us a layer at the fast minutes.
+// Its decode step (benchmarks/product_options.py, 30 rounds): attention in the chain 0.996x the
+// time of the products' chain alone, and with each helper's own share (kOwnShareAhead) 0.973x;
+// in the rounds at the fast minutes 9.1-10.3 ms against 10.2-12.2.
 class Chain {
  public:
   static Team::Ahead next(const Team::Ahead& self) {

@@ -227,16 +227,16 @@ constexpr int64_t kn_sweep_rows(int MB) { return MB >= 8 ? 16 : 8; }
 
 // Two ways of reading W that benchmarks/product_options.py measures on and off in one process
 // (cpu_kernels.h's options; both on by default): kChain, the team's helpers ask for the next
-// product's weights between products (cpu_kernels.h's Chain); kSingleRows, one row of x over rows of W of
-// at most kNarrow floats sweeps them a row at a time, a single stream of memory per thread. In
-// sweeps of 8 such rows each stream ends after a few lines, before the hardware prefetcher has
+// product's weights between products (cpu_kernels.h's Chain); kSingleRows, one row of x over rows
+// of W of at most kNarrow floats sweeps them a row at a time, a single stream of memory per thread.
+// In sweeps of 8 such rows each stream ends after a few lines, before the hardware prefetcher has
 // followed it. Chained products alone, in one process, GB/s with sweeps of 8 (whose rows, in this
-// measurement, also asked for the next sweep's) / of 1 row (two alternated runs each):
-// [K, N] = [1536, 576] 22.9 / 28.8, 22.4 / 26.5; [576, 576] 22.7 / 29.7,
-// 23.5 / 26.0; [576, 192] 22.3 / 31.9, 22.5 / 31.7; [512, 512] 23.9 / 29.5, 23.6 / 26.7. Wider
-// rows kept their sweeps of 8: [768, 768] 22.8 / 25.8, 24.3 / 23.6; [512, 1024] 25.5 / 23.7,
-// 25.1 / 24.2; [576, 1536] 27.7 / 25.5; the unembedding [512, 32000] 34.6 / 24.2. At 2 rows of x
-// single rows lost for N = 128-192 (25.9 / 22.6) and gained 10-15% for N = 512-576.
+// measurement, also asked for the next sweep's) / of 1 row (two alternated runs each): [K, N] =
+// [1536, 576] 22.9 / 28.8, 22.4 / 26.5; [576, 576] 22.7 / 29.7, 23.5 / 26.0; [576, 192] 22.3 /
+// 31.9, 22.5 / 31.7; [512, 512] 23.9 / 29.5, 23.6 / 26.7. Wider rows kept their sweeps of 8: [768,
+// 768] 22.8 / 25.8, 24.3 / 23.6; [512, 1024] 25.5 / 23.7, 25.1 / 24.2; [576, 1536] 27.7 / 25.5; the
+// unembedding [512, 32000] 34.6 / 24.2. At 2 rows of x single rows lost for N = 128-192 (25.9 /
+// 22.6) and gained 10-15% for N = 512-576.
 constexpr int64_t kRowsAheadBytes = 4096;  // 8 KB measured as 4, 16 slower, in a C++ loop
 constexpr int64_t kNarrow = 640;
 
