@@ -87,8 +87,8 @@ def main(argv: list[str]) -> None:
     for name, ms in steps.items():
         paired = statistics.median(m / b for m, b in zip(ms, base))  # robust to the machine's drift
         rounds = ", ".join(f"{x:.2f}" for x in ms)
-        print(f"  {name:12s} median {statistics.median(ms):7.3f}, {paired:.3f}x {chosen[0]}'s in the "
-              f"same round (median)   [{rounds}]")
+        print(f"  {name:12s} median {statistics.median(ms):7.3f}, {paired:.3f}x {chosen[0]}'s "
+              f"in the same round (median)   [{rounds}]")
 
 
 if __name__ == "__main__":

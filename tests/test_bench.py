@@ -106,7 +106,8 @@ def test_bench_writes_a_record_per_batch_and_prompt_len_and_decodes_every_token(
         assert r["bytes_per_step"] == pytest.approx(want_bytes, rel=1e-12)
         # one repetition: its decode against the mean of the two measurements around it
         around = sum(r["bandwidth_all_gbps"]) / 2 * 1e9
-        assert r["mbu_all"] == [pytest.approx(want_bytes / (r["decode_all_s"][0] / (NEW - 1)) / around)]
+        step = r["decode_all_s"][0] / (NEW - 1)
+        assert r["mbu_all"] == [pytest.approx(want_bytes / step / around)]
         assert r["mbu"] == pytest.approx(want_bytes / r["decode_step_s"] / (r["bandwidth_gbps"] * 1e9))
         assert r["mfu"] == pytest.approx(want_flops / r["decode_step_s"] / (r["peak_gflops"] * 1e9))
         assert r["decode_tokens_per_s"] == pytest.approx(r["batch_size"] * (NEW - 1) / r["decode_s"])
