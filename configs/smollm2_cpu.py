@@ -19,7 +19,7 @@ ms in f32 at its fast minutes (75-77% of 54-56 GB/s), 14.3-15.8 ms at its slow o
 33-36 GB/s) and 5.7-5.8 ms in int8 (python -m runner.bench --config=configs/smollm2_cpu.py
 --config.mesh.data=1 --config.mesh.num_cpu_devices=1 --batch_sizes=1,8 --prompt_len=128
 --new_tokens=128 --reps=3), then (decode attention in the read-ahead chain, helpers reading ahead
-their own shares) 10.0-11.4 ms at its fast minutes (78-91% of 47-55 GB/s, median 84%), 14.4-16.9
+their own shares) 10.0-11.4 ms at its fast minutes (77-93% of 47-55 GB/s, median 84%), 14.0-16.9
 ms at its slow ones (85-96%) and 5.9-7.9 ms in int8. Perplexity on tinyshakespeare within 0.7%
 of f32. With --config.precision.quantize=int4 (the GGUF's own Q4_1 numbers, recovered bit for
 bit) 6.2-6.5 ms there, no faster than int8, in 104 against 144 MB a step; perplexity within 0.15%
