@@ -313,45 +313,30 @@ class Team {
   //                  none         14.3 39.9 14.4 40.0 106.0 104.6 104.4
   // The whole step: Chain's comment.
   void read_ahead(const Ahead& a, uint64_t seen, int id) {
-    int T = int(threads_) + 1;
-    const bool own = options.load(std::memory_order_relaxed) & kOwnShareAhead;
-    if (a.second || a.used) return read_rows_ahead(a, seen, own ? id : -1);
-    const char* start[kMaxThreads];
-    int64_t bytes[kMaxThreads];
-    for (int t = 0; t < T; ++t) {
-      auto [b, e] = part(a.rows, a.unit, t, T);
-      start[t] = a.base + b * a.row_bytes;
-      bytes[t] = std::min(kAheadBytes, (e - b) * a.row_bytes);
-    }
-    for (int64_t at = 0; at < kAheadBytes; at += 64) {
-      if ((at & 1023) == 0 && gen_.load(std::memory_order_relaxed) != seen) return;
-      for (int t = 0; t < T; ++t)
-        if (at < bytes[t] && (!own || t == id)) __builtin_prefetch(start[t] + at, 0, 3);
-    }
-  }
-
-  // read_ahead for rows read in part (`used`) or in two places (`second`): row by row.
-  void read_rows_ahead(const Ahead& a, uint64_t seen, int id) {
     const int T = int(threads_) + 1;
-    const int64_t used = a.used > 0 ? std::min(a.used, a.row_bytes) : a.row_bytes;
+    const bool own = options.load(std::memory_order_relaxed) & kOwnShareAhead;
+    // A share as runs of `len` bytes from the start of its rows: with `used` or `second`, each
+    // row's used bytes in `base`, then in `second`; otherwise the whole share as one run.
+    const bool whole = !a.second && (a.used <= 0 || a.used >= a.row_bytes);
     struct Cursor {
-      int64_t row, end, at = 0, done = 0;
+      int64_t row, end, len, at = 0, done = 0;
       bool second = false;
     } c[kMaxThreads];
     for (int t = 0; t < T; ++t) {
       auto [b, e] = part(a.rows, a.unit, t, T);
-      c[t] = {b, e};
+      c[t] = whole ? Cursor{b, std::min(e, b + 1), (e - b) * a.row_bytes}
+                   : Cursor{b, e, a.used > 0 ? std::min(a.used, a.row_bytes) : a.row_bytes};
     }
     for (int64_t i = 0;; ++i) {
       if ((i & 15) == 0 && gen_.load(std::memory_order_relaxed) != seen) return;
       bool any = false;
       for (int t = 0; t < T; ++t) {
         Cursor& u = c[t];
-        if (u.row >= u.end || u.done >= kAheadBytes || (id >= 0 && t != id)) continue;
+        if (u.row >= u.end || u.done >= kAheadBytes || (own && t != id)) continue;
         any = true;
         __builtin_prefetch((u.second ? a.second : a.base) + u.row * a.row_bytes + u.at, 0, 3);
         u.done += 64;
-        if ((u.at += 64) < used) continue;
+        if ((u.at += 64) < u.len) continue;
         u.at = 0;
         if (a.second && !u.second) u.second = true;
         else u.second = false, ++u.row;
