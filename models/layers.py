@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models import panels, quant
-from sharding.rules import Rules, constrain
+from sharding.rules import Rules, constrain, fit
 
 MASKED = -1e30  # finite, so a row with nothing to attend to (a padding query) gives no NaN
 
@@ -375,17 +375,50 @@ class KVCache(NamedTuple):
                            jnp.full((batch, ring), -1, jnp.int32), scale, list(scale))
 
         out = KVCache.shardings(rules, len(lengths), quantized, period)
+        # fewer rows than the batch's shards (a prefill of one prompt) are held whole on each
+        out = jax.tree.map(lambda sh, x: fit(sh, x.shape), out, jax.eval_shape(make))
         return jax.jit(make, out_shardings=out)()
 
-    def reset(self) -> KVCache:
-        """Forgets every position (the k, v left behind are masked out)."""
-        return self._replace(pos=jnp.full_like(self.pos, -1), ring_pos=jnp.full_like(self.ring_pos, -1))
-
     def write_positions(self, positions: jax.Array, start: jax.Array | int) -> KVCache:
+        """positions [B, T] into columns [start, start + T); start may be one per row ([B])."""
         positions = positions.astype(jnp.int32)
-        pos = jax.lax.dynamic_update_slice(self.pos, positions, (0, start))
-        ring_pos = _ring_write(self.ring_pos, positions, start, axis=1) if self.ring_pos.shape[1] else self.ring_pos
+        pos = _write_columns(self.pos, positions, start, axis=1, ring=False)
+        ring_pos = (_write_columns(self.ring_pos, positions, start, axis=1, ring=True)
+                    if self.ring_pos.shape[1] else self.ring_pos)
         return self._replace(pos=pos, ring_pos=ring_pos)
+
+    def insert(self, new: KVCache, rows: jax.Array, rules: Rules) -> KVCache:
+        """Rows of `new` (a prefill's cache of R rows, columns [0, T) written) in place of rows
+        `rows` [R] of this one (an index of B or more drops that row): each row's columns keep
+        their slots, column c in slot c (c % W in a window's ring, as `new` holds them too), and
+        every other slot of the row is emptied. The other rows are untouched."""
+        S, W = self.pos.shape[1], self.ring_pos.shape[1]
+        T = new.pos.shape[1]
+
+        def fill(x, n, axis, value):  # x's axis padded with `value` to n slots
+            widths = [(0, 0)] * x.ndim
+            widths[axis] = (0, n - x.shape[axis])
+            return jnp.pad(x, widths, constant_values=value)
+
+        def put(store, x, axis, value, *names):
+            x = fill(x.astype(store.dtype), store.shape[axis], axis, value)
+            return constrain(store.at[rows].set(x, mode="drop"), rules, *names)
+
+        # a window's ring holds its layer's last W columns; `new` has a ring only when T > W
+        new_ring_pos = new.ring_pos if new.ring_pos.shape[1] else new.pos
+        pos = put(self.pos, new.pos, 1, -1, "cache_batch", "cache_seq")
+        ring_pos = put(self.ring_pos, new_ring_pos[:, -W:] if T > W else new_ring_pos, 1, -1,
+                       "cache_batch", "cache_seq") if W else self.ring_pos
+        stack = (None,) * (self.k[0].ndim - 4)
+        kv = ("cache_batch", *stack, "cache_kv_heads", "cache_seq", None)
+        ks, vs, kss, vss = [], [], [], []
+        for j in range(len(self.k)):
+            ks.append(put(self.k[j], new.k[j], -2, 0, *kv))
+            vs.append(put(self.v[j], new.v[j], -2, 0, *kv))
+            scaled = self.k_scale[j] is not None
+            kss.append(put(self.k_scale[j], new.k_scale[j], -1, 0, *kv[:-1]) if scaled else None)
+            vss.append(put(self.v_scale[j], new.v_scale[j], -1, 0, *kv[:-1]) if scaled else None)
+        return KVCache(ks, vs, pos, ring_pos, kss, vss)
 
     def layer_view(self, i: jax.Array) -> KVCache:
         """Of a stacked cache: layers i * P .. i * P + P - 1 as a P-layer cache that records its
@@ -425,10 +458,7 @@ class KVCache(NamedTuple):
             ring = ks[j].shape[slot_axis] != self.pos.shape[1]
 
             def put(store, new):  # new [B, *stack, K, T, ...] into slots [start, start + T)
-                if ring:
-                    return _ring_write(store, new, start, axis=slot_axis)
-                index = (0,) * slot_axis + (start,) + (0,) * (new.ndim - slot_axis - 1)
-                return jax.lax.dynamic_update_slice(store, new, index)
+                return _write_columns(store, new, start, slot_axis, ring)
 
             for store, scales, new in ((ks, kss, k), (vs, vss, v)):
                 new = jnp.swapaxes(new, -3, -2)  # [B, *stack, K, T, H]
@@ -448,6 +478,23 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     scale = jnp.max(jnp.abs(x), axis=-1) / 127.0
     safe = jnp.where(scale > 0, scale, 1.0)
     return jnp.clip(jnp.round(x / safe[..., None]), -127, 127).astype(jnp.int8), scale
+
+
+def _write_columns(store: jax.Array, new: jax.Array, start: jax.Array | int, axis: int,
+                   ring: bool) -> jax.Array:
+    """new's columns [start, start + T) along `axis` into `store` (a ring: column c in slot c % W).
+    start is one column for every row, or one per row ([B], a decode step's single column), as
+    rows inserted at different times write at different slots."""
+    if jnp.ndim(start) == 1:
+        if new.shape[axis] != 1:
+            raise ValueError(f"per-row starts write one column, got {new.shape[axis]}")
+        slot = start % store.shape[axis] if ring else start
+        write = functools.partial(jax.lax.dynamic_update_slice_in_dim, axis=axis - 1)
+        return jax.vmap(write)(store, new, slot)
+    if ring:
+        return _ring_write(store, new, start, axis)
+    index = (0,) * axis + (start,) + (0,) * (new.ndim - axis - 1)
+    return jax.lax.dynamic_update_slice(store, new, index)
 
 
 def _ring_write(ring: jax.Array, new: jax.Array, start: jax.Array | int, axis: int) -> jax.Array:
@@ -483,7 +530,12 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Ar
     step overwrites are masked in the first. Attending over the cache *after* the write would make
     XLA:CPU copy every layer's whole cache on every decode step (the write then has two readers).
     """
-    new_pos = jax.lax.dynamic_slice_in_dim(cache.pos, start, q.shape[1], axis=1)  # [B, T]
+    T = q.shape[1]
+    if jnp.ndim(start) == 1:  # a column per row
+        new_pos = jnp.take_along_axis(cache.pos, start[:, None] + jnp.arange(T), axis=1,
+                                      mode="clip")  # [B, T]
+    else:
+        new_pos = jax.lax.dynamic_slice_in_dim(cache.pos, start, T, axis=1)  # [B, T]
     if isinstance(start, int) and start == 0:
         if rules.platform == "tpu" and policy.pallas_prefill and rules.shards("cache_seq") == 1:
             return _prefill_kernel(q, k, v, positions, new_pos, rules, **kw), cache.write(
@@ -494,8 +546,9 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Ar
     else:
         ring = cache.k[layer].shape[2] != cache.pos.shape[1]
         k_pos = cache.ring_pos if ring else cache.pos  # [B, S], this step's positions written
-        S, T = k_pos.shape[1], q.shape[1]
-        overwritten = (jnp.arange(S) - start) % S < T  # slots [start, start + T) (mod S on a ring)
+        S = k_pos.shape[1]
+        first = start[:, None] if jnp.ndim(start) == 1 else start
+        overwritten = (jnp.arange(S) - first) % S < T  # slots [start, start + T) (mod S on a ring)
         cached = (cache.k[layer], cache.v[layer], jnp.where(overwritten, -1, k_pos),
                   cache.k_scale[layer], cache.v_scale[layer])
     if _attention_kernel_applies(q, k, v, cached, rules, policy):

@@ -1,10 +1,18 @@
-"""The generation engine: a pre-allocated sharded KV cache, a jitted prefill per prompt-length
-bucket, and a jitted decode step that runs several tokens per dispatch, the cache donated to both.
+"""The generation engine: `batch_size` rows of a pre-allocated sharded KV cache that stay full.
 
-Prompts are left-padded to their bucket, so every row's last prompt token sits in the same column
-and one decode step writes one cache slot for the whole batch; positions (-1 for padding) drive
-RoPE and the masks. Sampling happens on device with a key per request, so a request's output
-depends on its seed, not on the batch it landed in.
+Two kinds of device program, compiled once each and reused as requests come and go, the cache
+donated to both:
+- `insert`: R waiting prompts (R from a few fixed sizes), left-padded to one bucket, prefilled
+  together into a cache of their own, then copied into R free rows of the engine's cache in
+  place of whatever those rows held; their first tokens are sampled;
+- `decode`: `steps_per_dispatch` decode steps of every row.
+Each row keeps its own decode state (`Rows`: newest token, position, next cache slot, count,
+sampling settings): a row's prompt fills slots [0, P) of its row and its tokens follow, so rows
+inserted at different times write different slots in the same step; positions (-1 for empty
+slots and padding) drive RoPE and the masks. Sampling happens on device with a key per request
+(its seed folded with its count of tokens), so a request's tokens depend on its seed alone, not
+on its neighbours or on when it entered. The host loop that decides what goes where is
+runner/scheduler.py.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,8 +51,44 @@ class Request:
 class Completion:
     token_ids: list[int]
     finish_reason: str  # stop | length
-    ttft_s: float = 0.0  # from the call to the first tokens on the host
-    decode_s: float = 0.0  # from then to the last tokens on the host (the same for every row)
+    ttft_s: float = 0.0  # from the start of the job to the first token on the host
+    decode_s: float = 0.0  # from then to the last token on the host
+    queued_s: float = 0.0  # from the start of the job to the request's prefill
+
+
+class Rows(NamedTuple):
+    """The decode state of every row, [B] each, sharded like the batch: one pytree, donated to
+    every call. A finished (or never filled) row is `done`: it emits -1 and writes no position."""
+
+    token: jax.Array  # int32: the newest token, the next step's input
+    pos: jax.Array  # int32: its position in its sequence
+    slot: jax.Array  # int32: the cache slot it is written to
+    count: jax.Array  # int32: tokens generated so far
+    done: jax.Array  # bool
+    max_tokens: jax.Array  # int32
+    seed: jax.Array  # uint32
+    temperature: jax.Array  # float32
+    top_k: jax.Array  # int32
+    top_p: jax.Array  # float32
+
+    @staticmethod
+    def dtypes() -> Rows:
+        i, f = jnp.int32, jnp.float32
+        return Rows(i, i, i, i, jnp.bool_, i, jnp.uint32, f, i, f)
+
+
+class Prompts(NamedTuple):
+    """R prompts for `insert`: tokens and positions [R, P] (left-padded, -1 for padding), the
+    rows they go into [R] (B or more: a padding entry, dropped), their settings [R]."""
+
+    tokens: jax.Array
+    positions: jax.Array
+    rows: jax.Array
+    max_tokens: jax.Array
+    seed: jax.Array
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
 
 
 def buckets(max_prompt_len: int, smallest: int = 16) -> tuple[int, ...]:
@@ -140,61 +185,69 @@ def sample(logits: jax.Array | Callable[[], jax.Array], seeds: jax.Array, counts
 
 
 class Engine:
-    """Batched generation for one model on one mesh; compiled functions are reused across batches."""
+    """Continuous batching for one model on one mesh: `batch_size` rows of a KV cache, each refilled
+    as its request finishes (runner/scheduler.py). Its programs are compiled once per shape:
+    `insert` per (rows, bucket) and one `decode`."""
 
     def __init__(self, model: Model, params, rules: Rules, policy: Policy, batch_size: int,
                  max_prompt_len: int, max_new_tokens: int, steps_per_dispatch: int = 8,
                  prefill_buckets: Sequence[int] = (), allocate: bool = True, prefill_rows: int = 0):
         """`params` may be abstract (ShapeDtypeStructs) with allocate=False: enough to `lower`.
 
-        prefill_rows > 0 prefills the batch that many rows at a time (rounded up to a multiple of
-        the `data` shards), in a loop on device: a prompt's activations and attention scores then
-        take memory for those rows alone, while decode still runs the whole batch.
+        prefill_rows > 0 caps how many prompts one `insert` prefills together (their activations
+        and attention scores take memory for those rows alone); 0 lets it take the whole batch.
+        An insert takes 1, 2, 4, ... up to that many rows, so a few free rows never pay for a
+        whole batch's prefill.
         """
         data = rules.shards("batch")
-        self.batch_size = -(-batch_size // data) * data  # a whole number of rows per data shard
-        rows = -(-prefill_rows // data) * data if prefill_rows > 0 else self.batch_size
-        while self.batch_size % rows:  # a whole number of groups; rows stays a multiple of data
-            rows += data
-        self.prefill_rows = rows
+        self.batch_size = B = -(-batch_size // data) * data  # a whole number of rows per data shard
+        most = min(prefill_rows, B) if prefill_rows > 0 else B
+        sizes = {most} | {1 << k for k in range(most.bit_length()) if 1 << k < most}
+        self.insert_sizes = tuple(sorted(sizes))
+        self.prefill_rows = most
         self.model, self.params, self.rules, self.policy = model, params, rules, policy.on(rules)
         self.max_prompt_len, self.max_new_tokens = max_prompt_len, max_new_tokens
         self.steps = max(1, min(steps_per_dispatch, max_new_tokens))
         self.buckets = tuple(sorted(prefill_buckets)) or buckets(max_prompt_len)
         if self.buckets[-1] < max_prompt_len:
             raise ValueError(f"prefill buckets {self.buckets} do not reach max_prompt_len={max_prompt_len}")
+        # a row holds its prompt's bucket, then its tokens: the cache never wraps
         self.cache_len = self.buckets[-1] + max_new_tokens
-        new_cache = partial(model.new_cache, self.batch_size, self.cache_len, jnp.dtype(policy.kv_cache),
-                            rules, policy.scan_layers)
-        cache_sh = model.cache_shardings(rules, jnp.dtype(policy.kv_cache) == jnp.int8, policy.scan_layers)
+        kv_dtype = jnp.dtype(policy.kv_cache)
+        self._new_cache = partial(model.new_cache, dtype=kv_dtype, rules=rules,
+                                  stacked=policy.scan_layers)
+        cache_sh = model.cache_shardings(rules, kv_dtype == jnp.int8, policy.scan_layers)
+        row = self._row = rules.sharding("batch", shape=(B,))
+        rows_sh = Rows(*[row] * len(Rows._fields))
+        everywhere = self._everywhere = rules.sharding()
+        idle = Rows(*(jax.ShapeDtypeStruct((B,), dt, sharding=row) for dt in Rows.dtypes()))
         if allocate:
-            self.cache = new_cache()
+            self.cache = self._new_cache(B, self.cache_len)
+            self.state = jax.jit(lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), idle)
+                                 ._replace(done=jnp.ones((B,), bool)), out_shardings=rows_sh)()
         else:  # shapes with their shardings, so donation pairs the cache with the cache alone
             self.cache = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-                                      jax.eval_shape(new_cache), cache_sh)
+                                      jax.eval_shape(lambda: self._new_cache(B, self.cache_len)),
+                                      cache_sh)
+            self.state = idle
         self.screen = self._greedy_screen() if allocate else None
         # (bytes on 2 MiB pages, bytes asked) of the weights and cache: CPU only, and only where
         # the system gives huge pages (Linux 6.1 on); (0, 0) when not asked
         self.huge_pages = (hugepages.collapse((self.params, self.cache, self.screen))
                            if allocate and policy.huge_pages and rules.platform == "cpu" else (0, 0))
         # Every array crossing the jit boundary has a fixed sharding, so no call recompiles. What the
-        # host reads back (new tokens, done flags) is replicated, so every process of a multi-host
-        # run can read all of it and take the same decisions.
-        row = self._row = rules.sharding("batch", shape=(self.batch_size,))
-        self._rows2d = rules.sharding("batch", None, shape=(self.batch_size, 1))
-        everywhere = self._everywhere = rules.sharding()
+        # host reads back (tokens) is replicated, so every process of a multi-host run can read all
+        # of it and take the same decisions.
         # XLA:CPU's default copy insertion copies every layer's whole cache on every step when a
         # layer's cache is both read (attention) and written in place; region analysis sees that
         # the read comes first (SmolLM2 decode, B=1: 120 copies of [1, 3, 256, 64] per step gone).
         opts = {"xla_cpu_copy_insertion_use_region_analysis": True} if rules.platform == "cpu" else None
-        donate = (1,) if policy.donate_cache else ()  # the cache is updated in place, not copied
-        self._prefill = jax.jit(self._prefill_fn, donate_argnums=donate, compiler_options=opts,
-                                out_shardings=(everywhere, row, cache_sh))
-        # The done flags come back twice: replicated for the host to read, and by rows to feed
-        # the next call as they are, with nothing put back from the host unless it ended a row.
+        donate = (1, 2) if policy.donate_cache else ()  # cache and rows updated in place, not copied
+        self._insert = jax.jit(self._insert_fn, donate_argnums=donate, compiler_options=opts,
+                               out_shardings=(everywhere, cache_sh, rows_sh))
         self._decode = jax.jit(self._decode_fn, donate_argnums=donate, compiler_options=opts,
-                               out_shardings=(everywhere, cache_sh, row, row, everywhere, row, row))
-        self._slots: dict[int, jax.Array] = {}  # cache slot -> that scalar on the devices
+                               out_shardings=(everywhere, cache_sh, rows_sh))
+        self._stops: dict[tuple[int, ...], jax.Array] = {}
 
     def _greedy_screen(self):
         """The unembedding's int8 screen (models/kernels/cpu.greedy_screen) where greedy tokens can
@@ -214,25 +267,29 @@ class Engine:
         """Bytes of the screen, which a greedy step reads in place of the unembedding (0: none)."""
         return sum(a.nbytes for a in jax.tree.leaves(self.screen))
 
-    def lower(self) -> dict[str, jax.stages.Lowered]:
+    def _prompt_shardings(self, R: int) -> Prompts:
+        one, two = (self.rules.sharding("batch", shape=(R,)),
+                    self.rules.sharding("batch", None, shape=(R, 1)))
+        return Prompts(two, two, *[one] * (len(Prompts._fields) - 2))
+
+    def lower(self, all_sizes: bool = False) -> dict[str, jax.stages.Lowered]:
         """Every function generation runs, lowered for the mesh's devices (which may be an AOT
-        topology with no devices attached): one prefill per bucket and the decode step."""
-        B, weights = self.batch_size, (self.params, self.screen)
-
-        def arg(shape, dtype, sharding):
-            return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-
-        rows = [arg((B,), jnp.uint32, self._row), arg((B,), jnp.float32, self._row),
-                arg((B,), jnp.int32, self._row), arg((B,), jnp.float32, self._row)]
+        topology with no devices attached): the insert of the most rows at once per bucket
+        (`prefill_{P}`; with all_sizes, every size as `prefill_{P}x{R}`) and the decode step."""
+        weights = (self.params, self.screen)
+        stops = jax.ShapeDtypeStruct((MAX_STOP_IDS,), jnp.int32, sharding=self._everywhere)
         out = {}
-        for P in self.buckets:
-            ids = arg((B, P), jnp.int32, self._rows2d)
-            out[f"prefill_{P}"] = self._prefill.lower(weights, self.cache, ids, ids, *rows)
-        row_i = arg((B,), jnp.int32, self._row)
-        flag = arg((B,), jnp.bool_, self._row)
-        out["decode"] = self._decode.lower(
-            weights, self.cache, row_i, row_i, arg((), jnp.int32, self._everywhere), flag, row_i, row_i,
-            *rows, arg((MAX_STOP_IDS,), jnp.int32, self._everywhere))
+        for R in self.insert_sizes if all_sizes else (self.prefill_rows,):
+            sh = self._prompt_shardings(R)
+            for P in self.buckets:
+                dtypes = (jnp.int32, jnp.int32, jnp.int32, jnp.int32, jnp.uint32, jnp.float32,
+                          jnp.int32, jnp.float32)
+                shapes = ((R, P), (R, P)) + ((R,),) * 6
+                prompts = Prompts(*(jax.ShapeDtypeStruct(s, d, sharding=h)
+                                    for s, d, h in zip(shapes, dtypes, sh)))
+                name = f"prefill_{P}x{R}" if all_sizes else f"prefill_{P}"
+                out[name] = self._insert.lower(weights, self.cache, self.state, prompts, stops)
+        out["decode"] = self._decode.lower(weights, self.cache, self.state, stops)
         return out
 
     # --- device functions ---------------------------------------------------------------------
@@ -251,65 +308,48 @@ class Engine:
         logits = lambda: u.logits(out[:, None], self.rules, self.policy)[:, 0]
         return sample(logits, seeds, counts, temperature, top_k, top_p, greedy=greedy)
 
-    def _prefill_fn(self, weights, cache: KVCache, tokens, positions, seeds, temperature, top_k,
-                    top_p):
+    def _insert_fn(self, weights, cache: KVCache, state: Rows, new: Prompts, stop_ids):
+        """Prefills R prompts into a cache of their own, copies it into their rows of `cache`
+        (slots [0, P)) and starts those rows' decode state at the first sampled token."""
         params, screen = weights
-        head = screen is None  # else the hidden state, for _next_tokens
-        cache = cache.reset()  # forget the previous batch
-        R = self.prefill_rows
-        G = self.batch_size // R
-        if G == 1:
-            logits, cache = self.model.forward(params, tokens, positions, cache, 0, self.rules,
-                                               self.policy, last_only=True, head=head)
-        else:  # G groups of R rows; row b = r * G + g, so every group has rows on every data shard
-            def grouped(x):  # [B, ...] -> [R, G, ...]
-                return x.reshape(R, G, *x.shape[1:])
+        R, P = new.tokens.shape
+        fresh = self._new_cache(R, P)
+        out, fresh = self.model.forward(params, new.tokens, new.positions, fresh, 0, self.rules,
+                                        self.policy, last_only=True, head=screen is None)
+        first = self._next_tokens(weights, out, new.seed, jnp.zeros_like(new.top_k),
+                                  new.temperature, new.top_k, new.top_p)
+        cache = cache.insert(fresh, new.rows, self.rules)
+        started = Rows(token=first, pos=jnp.max(new.positions, axis=1) + 1,
+                       slot=jnp.full((R,), P, jnp.int32), count=jnp.ones((R,), jnp.int32),
+                       done=jnp.isin(first, stop_ids) | (new.max_tokens <= 1),
+                       max_tokens=new.max_tokens, seed=new.seed, temperature=new.temperature,
+                       top_k=new.top_k, top_p=new.top_p)
+        state = jax.tree.map(lambda x, y: x.at[new.rows].set(y.astype(x.dtype), mode="drop"),
+                             state, started)
+        return first, cache, state
 
-            def group(g, carry):
-                cache, logits = carry
-                pick = partial(jax.lax.dynamic_index_in_dim, index=g, axis=1, keepdims=False)
-                sub = jax.tree.map(lambda x: pick(grouped(x)), cache)  # [R, ...]
-                # untrimmed: trimming the final layer (scan.run_layers) gave this loop 2.9 MB of
-                # temporaries on TPU where it had none (tests/test_compile.py), and the loop is
-                # there to bound memory
-                out, sub = self.model.forward(params, pick(grouped(tokens)), pick(grouped(positions)),
-                                              sub, 0, self.rules, self.policy, last_only=True,
-                                              trim=False, head=head)
-                put = partial(jax.lax.dynamic_update_index_in_dim, index=g, axis=1)
-                cache = jax.tree.map(lambda x, s: put(grouped(x), s).reshape(x.shape), cache, sub)
-                return cache, put(logits, out.astype(logits.dtype))
+    def _decode_fn(self, weights, cache: KVCache, state: Rows, stop_ids):
+        """`self.steps` decode steps of every row: its newest token is written to its next slot
+        and the next one sampled. Finished rows write no position and emit -1."""
 
-            u = self.model.unembedding(params)
-            V = self.model.vocab_size if head else u.w.shape[1 if u.vocab_first else 0]
-            logits = jnp.zeros((R, G, V), jnp.float32)
-            cache, logits = jax.lax.fori_loop(0, G, group, (cache, logits))
-            logits = logits.reshape(self.batch_size, V)
-        first = self._next_tokens(weights, logits, seeds, jnp.zeros_like(top_k), temperature, top_k,
-                                  top_p)
-        return first, first, cache
-
-    def _decode_fn(self, weights, cache: KVCache, token, pos, slot, done, count, max_tokens, seeds,
-                   temperature, top_k, top_p, stop_ids):
-        """`self.steps` decode steps; token [B] is the newest token, at position pos [B], written
-        to cache slot `slot`. Finished rows write nothing visible and emit -1."""
-
-        def step(carry, i):
-            cache, token, pos, done, count = carry
-            write_pos = jnp.where(done, -1, pos)[:, None]
-            out, cache = self.model.forward(weights[0], token[:, None], write_pos, cache, slot + i,
+        def step(carry, _):
+            cache, r = carry
+            write_pos = jnp.where(r.done, -1, r.pos)[:, None]
+            out, cache = self.model.forward(weights[0], r.token[:, None], write_pos, cache, r.slot,
                                             self.rules, self.policy, last_only=True,
                                             head=weights[1] is None)
-            nxt = self._next_tokens(weights, out, seeds, count, temperature, top_k, top_p)
-            emitted = jnp.where(done, -1, nxt)
-            count = count + jnp.where(done, 0, 1)
-            done = done | jnp.isin(nxt, stop_ids) | (count >= max_tokens)
-            return (cache, jnp.where(done, token, nxt), pos + 1, done, count), emitted
+            nxt = self._next_tokens(weights, out, r.seed, r.count, r.temperature, r.top_k, r.top_p)
+            emitted = jnp.where(r.done, -1, nxt)
+            count = r.count + jnp.where(r.done, 0, 1)
+            done = r.done | jnp.isin(nxt, stop_ids) | (count >= r.max_tokens)
+            r = r._replace(token=jnp.where(r.done, r.token, nxt), pos=r.pos + 1,
+                           slot=jnp.minimum(r.slot + 1, self.cache_len - 1), count=count, done=done)
+            return (cache, r), emitted
 
-        (cache, token, pos, done, count), out = jax.lax.scan(
-            step, (cache, token, pos, done, count), jnp.arange(self.steps))
-        return out.T, cache, token, pos, done, count, done
+        (cache, state), out = jax.lax.scan(step, (cache, state), None, length=self.steps)
+        return out.T, cache, state
 
-    # --- host loop ----------------------------------------------------------------------------
+    # --- host side ----------------------------------------------------------------------------
 
     def bucket_for(self, length: int) -> int:
         for b in self.buckets:
@@ -317,93 +357,63 @@ class Engine:
                 return b
         raise ValueError(f"prompt of {length} tokens exceeds max_prompt_len={self.max_prompt_len}")
 
-    def _slot(self, slot: int) -> jax.Array:
-        if slot not in self._slots:
-            self._slots[slot] = jax.device_put(np.int32(slot), self._everywhere)
-        return self._slots[slot]
+    def _stop_array(self, stop_ids: Sequence[int]) -> jax.Array:
+        key = tuple(stop_ids)
+        if key not in self._stops:
+            if len(key) > MAX_STOP_IDS:
+                raise ValueError(f"{len(key)} stop ids; at most {MAX_STOP_IDS} are supported")
+            stops = np.full((MAX_STOP_IDS,), -1, np.int32)
+            stops[: len(key)] = key
+            self._stops[key] = jax.device_put(stops, self._everywhere)
+        return self._stops[key]
+
+    def insert(self, rows: Sequence[int], requests: Sequence[Request],
+               stop_ids: Sequence[int] = ()) -> np.ndarray:
+        """Prefills `requests` into the free cache rows `rows` (one each; as many as an insert
+        size, padded to the next one otherwise) and returns their first tokens."""
+        n = len(requests)
+        if not 0 < n == len(rows) or n > self.insert_sizes[-1]:
+            raise ValueError(f"insert takes 1..{self.insert_sizes[-1]} requests, one row each")
+        R = next(r for r in self.insert_sizes if r >= n)
+        P = self.bucket_for(max(len(r.prompt) for r in requests))
+        # the same on every process; each puts its own rows. Padding entries: one token, no row.
+        tokens, positions = np.zeros((R, P), np.int32), np.full((R, P), -1, np.int32)
+        positions[:, -1] = 0
+        for i, r in enumerate(requests):
+            tokens[i, P - len(r.prompt):] = r.prompt
+            positions[i, P - len(r.prompt):] = np.arange(len(r.prompt))
+        pad = [Request((0,), 1)] * (R - n)
+        every = list(requests) + pad
+        host = Prompts(tokens, positions, np.array(list(rows) + [self.batch_size] * (R - n), np.int32),
+                       np.array([r.max_tokens for r in every], np.int32),
+                       np.array([r.seed for r in every], np.uint32),
+                       np.array([r.temperature for r in every], np.float32),
+                       np.array([r.top_k for r in every], np.int32),
+                       np.array([r.top_p for r in every], np.float32))
+        prompts = jax.tree.map(jax.device_put, host, self._prompt_shardings(R))
+        first, self.cache, self.state = self._insert((self.params, self.screen), self.cache,
+                                                     self.state, prompts, self._stop_array(stop_ids))
+        return np.asarray(first)[:n]
+
+    def decode(self, stop_ids: Sequence[int] = ()) -> np.ndarray:
+        """steps_per_dispatch steps of every row: the tokens [B, steps] (-1 where a row was done)."""
+        emitted, self.cache, self.state = self._decode((self.params, self.screen), self.cache,
+                                                       self.state, self._stop_array(stop_ids))
+        return np.asarray(emitted)
 
     def generate(self, requests: Sequence[Request], stop_ids: Sequence[int] = (),
                  stop_check: Callable[[int, list[int]], bool] | None = None) -> list[Completion]:
-        """Generates for up to batch_size requests. `stop_check(row, tokens)` lets the caller end a
-        row on the host (stop strings); stop_ids end a row on device."""
-        B, n = self.batch_size, len(requests)
-        if not 0 < n <= B:
-            raise ValueError(f"generate takes 1..{B} requests, got {n}")
-        if len(stop_ids) > MAX_STOP_IDS:
-            raise ValueError(f"{len(stop_ids)} stop ids; at most {MAX_STOP_IDS} are supported")
-        t0 = time.perf_counter()
-        P = self.bucket_for(max(len(r.prompt) for r in requests))
-        tokens = np.zeros((B, P), np.int32)  # the same on every process; each puts its own rows
-        positions = np.full((B, P), -1, np.int32)
-        for b, r in enumerate(requests):
-            tokens[b, P - len(r.prompt):] = r.prompt
-            positions[b, P - len(r.prompt):] = np.arange(len(r.prompt))
-        pad = [Request((0,), 0)] * (B - n)  # padding rows: done from the start
-        rows = list(requests) + pad
-        put = partial(jax.device_put, device=self._row)
-        seeds = put(np.array([r.seed for r in rows], np.uint32))
-        temperature = put(np.array([r.temperature for r in rows], np.float32))
-        top_k = put(np.array([r.top_k for r in rows], np.int32))
-        top_p = put(np.array([r.top_p for r in rows], np.float32))
-        max_tokens = np.array([r.max_tokens for r in rows], np.int32)
-        stops = np.full((MAX_STOP_IDS,), -1, np.int32)
-        stops[: len(stop_ids)] = stop_ids
-        stops_dev = jax.device_put(stops, self._everywhere)
+        """Generates for any number of requests, `batch_size` at a time, each row refilled as its
+        request ends (runner/scheduler.py); completions in the order of `requests`.
+        `stop_check(i, tokens)` lets the caller end request i on the host (stop strings);
+        stop_ids end a row on device."""
+        from runner.scheduler import Scheduler
 
-        put2d = partial(jax.device_put, device=self._rows2d)
-        first, token, self.cache = self._prefill((self.params, self.screen), self.cache, put2d(tokens),
-                                                 put2d(positions), seeds, temperature, top_k, top_p)
-        first = np.asarray(first)
-        ttft = time.perf_counter() - t0
-        out = [[int(first[b])] for b in range(n)]
-        count = np.ones((B,), np.int32)
-        done = np.isin(first, stops) | (count >= max_tokens)
-        done[n:] = True
-        stopped_on_host = set()
-        for b in range(n):
-            if not done[b] and stop_check and stop_check(b, out[b]):
-                done[b] = True
-                stopped_on_host.add(b)
-        # Rows that can end only by length (no stop ids, no stop check: ignore-EOS workloads) need
-        # a number of calls the host knows from the start, so each call is queued before the
-        # previous one's tokens are read and the devices never wait for the host between calls.
-        by_length = not stop_ids and stop_check is None
-        calls_left = -(-int((max_tokens - count)[~done].max(initial=0)) // self.steps)
-        state = (token, put(np.array([len(r.prompt) for r in rows], np.int32)), put(done), put(count))
-        max_tokens = put(max_tokens)
-        slot = P
+        out: list[Completion | None] = [None] * len(requests)
 
-        def call(state):
-            nonlocal slot, calls_left
-            token, pos, done_rows, count = state
-            emitted, self.cache, token, pos, dev_done, count, done_rows = self._decode(
-                (self.params, self.screen), self.cache, token, pos, self._slot(slot), done_rows, count,
-                max_tokens, seeds, temperature, top_k, top_p, stops_dev)
-            slot += self.steps
-            calls_left -= 1
-            return emitted, dev_done, (token, pos, done_rows, count)
+        def done(ended: list[tuple[int, Completion]]) -> None:
+            for i, c in ended:
+                out[i] = c
 
-        running = call(state) if not done.all() else None
-        while running is not None:
-            emitted, dev_done, state = running
-            running = call(state) if by_length and calls_left > 0 else None
-            emitted, dev_done = np.asarray(emitted), np.array(dev_done)
-            ended_on_host = False
-            for b in range(n):
-                if done[b]:
-                    continue
-                out[b].extend(int(t) for t in emitted[b] if t >= 0)
-                if not dev_done[b] and stop_check and stop_check(b, out[b]):
-                    dev_done[b] = ended_on_host = True
-                    stopped_on_host.add(b)
-            done = dev_done
-            if running is None and not done.all():
-                if ended_on_host:
-                    state = (*state[:2], put(done), state[3])
-                running = call(state)
-        decode = time.perf_counter() - t0 - ttft
-        return [
-            Completion(o, "stop" if o[-1] in stop_ids or b in stopped_on_host else "length", ttft,
-                       decode)
-            for b, o in enumerate(out)
-        ]
+        Scheduler(self, requests, stop_ids, stop_check).run(done)
+        return out

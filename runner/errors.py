@@ -2,12 +2,12 @@
 
 from models.weights import WeightError
 from runner.checkpoint import CheckpointError
-from runner.requests_io import RequestFileError
+from runner.requests_io import AllFailedError, RequestFileError
 from runner.settings import SettingsError
 from runner.sources import SourceError
 from runner.tokenizer import TokenizerError
 from sharding.mesh import MeshError
 from sharding.rules import RulesError
 
-USER_ERRORS = (CheckpointError, MeshError, RulesError, RequestFileError, SettingsError, SourceError,
+USER_ERRORS = (AllFailedError, CheckpointError, MeshError, RulesError, RequestFileError, SettingsError, SourceError,
                TokenizerError, WeightError)

@@ -34,6 +34,10 @@ class RequestFileError(ValueError):
     """The request file as a whole cannot be used (missing, unreadable, or a stale partial file)."""
 
 
+class AllFailedError(ValueError):
+    """Every request of the file got an error result (the results file is written all the same)."""
+
+
 @dataclasses.dataclass
 class Parsed:
     index: int  # 0-based line number among non-blank lines: the output order
@@ -96,8 +100,10 @@ def parse_request(index: int, line: str, tokenizer, s: Settings, render_chat=Non
             )
     except (ValueError, TypeError, KeyError) as e:
         return Parsed(index, rid, error=str(e))
-    # A request's random stream depends on its seed and its place in the file, not on its batch.
-    row_seed = (seed * 1_000_003 + index) % (2**32)
+    # A request's random stream is its own seed's, wherever it stands in the file and whatever
+    # runs beside it; without one, sampling.seed's mixed with the request's index in the file.
+    row_seed = (seed if "seed" in d and d["seed"] is not None
+                else samp.seed * 1_000_003 + index) % (2**32)
     return Parsed(index, rid, tuple(ids), "", max_tokens, temperature, top_k, top_p,
                   stop + s.generation.stop, row_seed, chat="messages" in d)
 

@@ -1,5 +1,7 @@
 """The generation engine: greedy tokens against transformers, meshes, compile counts, sampling."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -81,11 +83,9 @@ def test_host_stop_check_ends_a_row(llama, prompts, references):
     assert len(got[0].token_ids) <= 3 + engine.steps
 
 
-def test_rows_that_end_by_length_queue_exactly_the_calls_they_need(llama, prompts, references):
-    """Without stop ids or a stop check the host queues each decode call before reading the last
-    one's tokens, so it counts the calls itself: rows of 5, 17 and 9 tokens (the first from
-    prefill, 8 per call) take 2 calls, none wasted, and the tokens are transformers'. With a stop
-    id that never comes, the host reads each call's tokens before the next and stops after 2 too."""
+def test_rows_decode_only_the_calls_they_need(llama, prompts, references):
+    """Rows of 5, 17 and 9 tokens (the first from prefill, 8 per call) take 2 decode calls, none
+    wasted, with or without a stop id that never comes; the tokens are transformers'."""
     engine = make_engine(llama, "data8")
     assert engine.steps == 8
     calls = []
@@ -99,24 +99,56 @@ def test_rows_that_end_by_length_queue_exactly_the_calls_they_need(llama, prompt
         assert len(calls) == 2
 
 
-def test_one_compilation_per_bucket_and_one_decode_step(llama, prompts):
+@pytest.mark.parametrize("mesh_name", ["1dev", "data2_model4"])
+def test_requests_inserted_mid_run_match_transformers(llama, prompts, references, mesh_name):
+    """Ten requests of different lengths through 2 rows: each enters a row another request has
+    just left, beside a row in mid-decode, and its greedy tokens are transformers' for it alone;
+    a request ending at its first token (max_tokens 1) frees its row at once. Rows are refilled
+    as they free: fewer decode calls than batches of 2 run to their longest request would take."""
+    engine = make_engine(llama, mesh_name, batch_size=2)
+    order = [0, 1, 2, 3, 4, 3, 2, 1, 0, 4]
+    lengths = [3, 30, 1, 12, 25, 7, 20, 4, 16, 9]
+    calls = []
+    decode = engine._decode
+    engine._decode = lambda *a: calls.append(1) or decode(*a)
+    got = engine.generate([Request(prompts[i], n) for i, n in zip(order, lengths)])
+    assert [c.token_ids for c in got] == [references[i][:n] for i, n in zip(order, lengths)]
+    assert all(c.finish_reason == "length" for c in got)
+    static = sum(-(-(max(lengths[i : i + 2]) - 1) // engine.steps) for i in range(0, 10, 2))
+    assert len(calls) < static
+
+
+def test_a_seeded_request_samples_the_same_tokens_wherever_it_runs(llama, prompts):
+    """A request with a seed draws the same tokens alone, beside others, or entering a row
+    mid-run; another seed draws others."""
+    engine = make_engine(llama, "1dev", batch_size=2)
+    target = Request(prompts[1], 20, temperature=1.0, top_p=0.95, seed=42)
+    alone = engine.generate([target])[0].token_ids
+    others = [Request(p, n, temperature=0.8, seed=i) for i, (p, n) in
+              enumerate(zip(prompts, (6, 11, 3, 17, 9)))]
+    mixed = engine.generate(others[:3] + [target] + others[3:])
+    assert mixed[3].token_ids == alone
+    assert engine.generate([dataclasses.replace(target, seed=43)])[0].token_ids != alone
+
+
+def test_one_compilation_per_insert_shape_and_one_decode_step(llama, prompts):
+    """Inserts compile once per (rows, bucket) they meet and decode once; a second pass over the
+    same requests compiles nothing."""
     engine = make_engine(llama, "data2_model4", batch_size=2)
-    compiles = []
+    assert engine.insert_sizes == (1, 2)
+    compiles, shapes = [], set()
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, *_a, **_k: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None)
-    buckets = set()
-    for _ in range(2):
-        for i in range(0, len(prompts), 2):
-            batch = prompts[i : i + 2]
-            buckets.add(engine.bucket_for(max(map(len, batch))))
-            engine.generate([Request(p, 12) for p in batch])
-        if not buckets & {0}:
-            first_pass = len(compiles)
-            compiles.clear()
-            buckets.add(0)
-    assert engine._prefill._cache_size() == len(buckets - {0}) == 3  # buckets 16, 32, 48
+    insert = engine._insert
+    engine._insert = lambda w, c, s, p, *a: shapes.add(p.tokens.shape) or insert(w, c, s, p, *a)
+    requests = [Request(p, n) for p, n in zip(prompts, (12, 3, 12, 5, 9))]
+    engine.generate(requests)
+    first_pass = len(compiles)
+    compiles.clear()
+    engine.generate(requests)
+    assert insert._cache_size() == len(shapes) >= 3 and {p for _, p in shapes} == {16, 32, 48}
     assert engine._decode._cache_size() == 1
-    assert first_pass >= 4 and compiles == []  # the second pass over the same shapes compiles nothing
+    assert first_pass >= 4 and compiles == []
 
 
 def test_same_seed_same_output_and_seeds_differ(llama, prompts):

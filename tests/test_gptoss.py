@@ -98,16 +98,19 @@ def test_decode_with_the_ring_cache_matches_full_forward(gptoss, mesh_name):
                                                   pytest.param("data2_model4", 4, 0, marks=pytest.mark.slow),
                                                   ("expert4_data2", 4, 2), ("heads_over_model_expert", 4, 2)])
 def test_greedy_generation_matches_transformers(gptoss, mesh_name, batch, rows):
-    """rows > 0: the batch prefilled a few rows at a time (the ring cache written per group)."""
+    """Six requests of different lengths through `batch` rows, so most enter a row mid-run, into
+    the ring caches of rows that held other requests; rows > 0: at most that many prompts
+    prefilled at once."""
     rules = rules_for(mesh_name)
     model, params = to_podrun(gptoss, rules)
     engine = Engine(model, params, rules, Policy(), batch_size=batch, max_prompt_len=32, max_new_tokens=32,
                     prefill_rows=rows)
     rng = np.random.RandomState(4)
-    prompts = [tuple(int(t) for t in rng.randint(0, VOCAB, n)) for n in (3, 20, 11, 30)][:batch]
-    got = engine.generate([Request(p, 32) for p in prompts])
-    for c, p in zip(got, prompts):
-        assert c.token_ids == hf_greedy(gptoss, p, 32)
+    prompts = [tuple(int(t) for t in rng.randint(0, VOCAB, n)) for n in (3, 20, 11, 30, 7, 25)]
+    lengths = (32, 9, 20, 32, 14, 26)
+    got = engine.generate([Request(p, n) for p, n in zip(prompts, lengths)])
+    for c, p, n in zip(got, prompts, lengths):
+        assert c.token_ids == hf_greedy(gptoss, p, 32)[:n]
 
 
 def test_an_mxfp4_checkpoint_converts_and_generates_as_transformers_does(tmp_path):

@@ -40,14 +40,15 @@ def test_scanned_generation_matches_transformers(kind, overrides, mesh, rows, fu
     depth = model.num_layers // model.scan_period
     assert "layers" not in params and len(params["layer_stack"]) == model.scan_period
     assert all(x.shape[0] == depth for x in jax.tree.leaves(params["layer_stack"]))
-    engine = Engine(model, params, rules, policy, batch_size=4, max_prompt_len=32, max_new_tokens=24,
+    engine = Engine(model, params, rules, policy, batch_size=2, max_prompt_len=32, max_new_tokens=24,
                     prefill_rows=rows)
     assert len(engine.cache.k) == model.scan_period and engine.cache.k[0].shape[1] == depth
     rng = np.random.RandomState(4)
     prompts = [tuple(int(t) for t in rng.randint(0, VOCAB, n)) for n in (3, 20, 11, 30)]
-    got = engine.generate([Request(p, 24) for p in prompts])
-    for c, p in zip(got, prompts):
-        assert c.token_ids == hf_greedy(m, p, 24)
+    lengths = (24, 7, 24, 15)  # rows free at different times: the later prompts enter mid-run
+    got = engine.generate([Request(p, n) for p, n in zip(prompts, lengths)])
+    for c, p, n in zip(got, prompts, lengths):
+        assert c.token_ids == hf_greedy(m, p, 24)[:n]
 
 
 def test_scanned_prefill_logits_match_transformers():
