@@ -81,6 +81,8 @@ if __name__ == "__main__":  # flags of this command only, so the module can be i
     _PEAK = flags.DEFINE_float("peak_gflops", 0.0, "peak flops for MFU, GFLOP/s (0 = measure)")
     _PROBE_MIB = flags.DEFINE_integer("probe_mib", 512, "array size of the bandwidth measurement")
     _PROBE_MATMUL = flags.DEFINE_integer("probe_matmul", 2048, "per-device matmul size of the flops probe")
+    _REQUESTS = flags.DEFINE_string("requests", "", "job mode: run this request file (runner.main's "
+                                    "format) through the whole engine instead of fixed shapes")
 
 GiB = 1024**3
 
@@ -413,6 +415,27 @@ def table(records: list[dict]) -> str:
 
 # --- the command --------------------------------------------------------------------------------
 
+def run_job(s: Settings, requests: str) -> dict:
+    """Job mode: `requests` through runner.main's whole job (parsing, scheduling, generation,
+    results written to a throwaway file) on the config's own engine settings; its figures."""
+    import tempfile
+
+    from runner import run
+
+    with tempfile.TemporaryDirectory() as d:
+        summary = run.run(dataclasses.replace(s, input=requests, output=os.path.join(d, "out.jsonl")))
+    return summary.record()
+
+
+def job_table(r: dict) -> str:
+    return (f"{r['requests']} requests ({r['errors']} errors): {r['prompt_tokens']} prompt + "
+            f"{r['completion_tokens']} completion tokens in {r['generate_s']:.1f} s "
+            f"({r['process_s']:.1f} s since start): {r['tokens_per_s']:.1f} completion tokens/s, "
+            f"rows {100 * r['utilisation']:.1f}% used, time to first token "
+            f"{r['ttft_median_s']:.3f} / {r['ttft_p99_s']:.3f} s, latency {r['latency_median_s']:.2f} / "
+            f"{r['latency_p99_s']:.2f} s (median / p99)")
+
+
 def _ints(values: Sequence[str], flag: str) -> tuple[int, ...]:
     try:
         return tuple(int(v) for v in values)
@@ -431,6 +454,23 @@ def main(argv: list[str]) -> None:
         sys.exit(f"podrun bench: error: unexpected arguments {argv[1:]}")
     if _CONFIG.value is None:
         sys.exit("podrun bench: error: --config=configs/<deployment>.py is required")
+    started = time.perf_counter()
+    if _REQUESTS.value:
+        try:
+            s = from_config(_CONFIG.value)
+            setup_devices(s)
+            record = run_job(s, _REQUESTS.value)
+        except USER_ERRORS as e:
+            sys.exit(f"podrun bench: error: {e}")
+        record.update(model=s.checkpoint_model, checkpoint=s.checkpoint_path,
+                      precision=dataclasses.asdict(s.policy), devices=jax.device_count(),
+                      platform=jax.devices()[0].platform, requests_file=_REQUESTS.value,
+                      batch_size=s.generation.batch_size, process_s=time.perf_counter() - started,
+                      config=[a for a in sys.argv[1:] if a.startswith("--config")])
+        if jax.process_index() == 0:
+            print(job_table(record))
+            _write(record)
+        return
     try:
         s = from_config(_CONFIG.value)
         setup_devices(s)
@@ -464,12 +504,19 @@ def main(argv: list[str]) -> None:
               f"({'measured' if not _PEAK.value else 'given'}); load average {os.getloadavg()[0]:.2f}; "
               f"weights and cache on 2 MiB pages: {records[0]['huge_page_bytes'] / 2**20:.0f} MiB")
         print(table(records))
-        if _OUTPUT.value:
-            tmp = _OUTPUT.value + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump(records, f, indent=1)
-            os.replace(tmp, _OUTPUT.value)
-            say(f"wrote {len(records)} records to {_OUTPUT.value}")
+        _write(records)
+
+
+def _write(records) -> None:
+    """--output: the records as JSON, written whole or not at all."""
+    from runner.log import say
+
+    if _OUTPUT.value:
+        tmp = _OUTPUT.value + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(records, f, indent=1)
+        os.replace(tmp, _OUTPUT.value)
+        say(f"wrote the records to {_OUTPUT.value}")
 
 
 if __name__ == "__main__":

@@ -158,6 +158,47 @@ def nucleus(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     return jnp.where(kept >= _unordered(smallest), kept, -jnp.inf)
 
 
+# Candidates a sampled row's nucleus is looked for among: the largest logits, found by one top_k.
+CANDIDATES = 128
+
+
+def _gumbel(keys: jax.Array, ids: jax.Array) -> jax.Array:
+    """Gumbel noise [B, n] for token ids [B, n] of rows with keys [B]: each token's from its own
+    key (the row's folded with the id), so a token draws the same noise whichever set of tokens
+    it is drawn among."""
+    tiny = jnp.finfo(jnp.float32).tiny
+
+    def one(key, i):
+        return jax.random.uniform(jax.random.fold_in(key, i), (), jnp.float32, tiny, 1.0)
+
+    u = jax.vmap(lambda key, row: jax.vmap(partial(one, key))(row))(keys, ids)
+    return -jnp.log(-jnp.log(u))
+
+
+def _candidate_nucleus(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array):
+    """What `nucleus` keeps, among the CANDIDATES largest logits: (their values and ids [B, C],
+    which of them are kept [B, C], and whether that is everything `nucleus` keeps [B])."""
+    C = min(CANDIDATES, scaled.shape[-1])
+    vals, ids = jax.lax.top_k(scaled, C)  # descending
+    last = jnp.min(vals, axis=1, keepdims=True)  # the smallest candidate
+    kth = jnp.take_along_axis(vals, jnp.clip(top_k - 1, 0, C - 1)[:, None], axis=1)
+    kth = jnp.where(top_k[:, None] > 0, kth, -jnp.inf)  # top_k keeps every logit >= kth
+    in_k = vals >= kth
+    norm = jnp.where(top_k[:, None] > 0,
+                     jax.nn.logsumexp(jnp.where(in_k, vals, -jnp.inf), axis=-1, keepdims=True),
+                     jax.nn.logsumexp(scaled, axis=-1, keepdims=True))
+    p = jnp.where(in_k, jnp.exp(vals - norm), 0)
+    # the mass strictly above each value, ties apart, by [C, C] comparisons. (Any slice of the
+    # top_k's values, vals[:, -1:] included, made XLA:CPU sort the whole vocabulary instead of
+    # taking its top_k: 100 ms for [8, 49152].)
+    above = jnp.sum(jnp.where(vals[:, :, None] > vals[:, None, :], p[:, :, None], 0), axis=1)
+    keep = in_k & ((above < top_p[:, None]) | (top_p[:, None] >= 1))
+    smallest = jnp.min(jnp.where(keep, vals, jnp.inf), axis=1, keepdims=True)
+    # everything kept lies among the candidates when the smallest kept beats the last of them
+    fits = (smallest > last)[:, 0] | (C == scaled.shape[-1])
+    return vals, ids, keep, fits
+
+
 def sample(logits: jax.Array | Callable[[], jax.Array], seeds: jax.Array, counts: jax.Array,
            temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
            greedy: jax.Array | None = None) -> jax.Array:
@@ -166,8 +207,14 @@ def sample(logits: jax.Array | Callable[[], jax.Array], seeds: jax.Array, counts
     top_k [B] int32. Where the caller has the greedy tokens [B] already (greedy_screened),
     `logits` may be a function, called only when some row samples.
 
-    temperature 0 is greedy; top_k 0 and top_p 1 disable those filters (see `nucleus`). Keys are
-    derived only when some row samples, so a greedy decode step spends nothing on random numbers.
+    temperature 0 is greedy; top_k 0 and top_p 1 disable those filters (see `nucleus`). A sampled
+    row draws by Gumbel-max over what `nucleus` keeps, each token's noise from its own key
+    (`_gumbel`). The nucleus is looked for among the CANDIDATES largest logits first (one top_k:
+    a [8, 49152] vocabulary 1.2 ms against `nucleus`'s 21 on XLA:CPU); only rows whose nucleus
+    reaches past them (top_p 1 with top_k 0: plain sampling) go through `nucleus` and draw over
+    the whole vocabulary. Which way a row goes depends on its own logits alone, and both draw a
+    token's same noise, so a row's tokens never depend on its neighbours. Keys are derived only
+    when some row samples, so a greedy decode step spends nothing on random numbers.
     """
     if greedy is None:
         logits = logits.astype(jnp.float32)
@@ -176,10 +223,20 @@ def sample(logits: jax.Array | Callable[[], jax.Array], seeds: jax.Array, counts
     def stochastic() -> jax.Array:
         scaled = (logits() if callable(logits) else logits).astype(jnp.float32)
         scaled = scaled / jnp.maximum(temperature, 1e-6)[:, None]
-        masked = nucleus(scaled, top_k, top_p)
         keys = jax.vmap(jax.random.fold_in)(jax.vmap(jax.random.key)(seeds), counts)
-        drawn = jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
-        return jnp.where(temperature > 0, drawn, greedy)
+        vals, ids, keep, fits = _candidate_nucleus(scaled, top_k, top_p)
+        pick = jnp.argmax(jnp.where(keep, vals + _gumbel(keys, ids), -jnp.inf), axis=-1)
+        drawn = jnp.take_along_axis(ids, pick[:, None], axis=1)[:, 0]
+
+        def whole() -> jax.Array:  # rows whose nucleus reaches past the candidates
+            masked = nucleus(scaled, top_k, top_p)
+            every = jnp.broadcast_to(jnp.arange(scaled.shape[-1]), scaled.shape)
+            return jnp.argmax(masked + _gumbel(keys, every), axis=-1).astype(ids.dtype)
+
+        sampled = temperature > 0
+        drawn = jax.lax.cond(jnp.any(sampled & ~fits),
+                             lambda: jnp.where(fits, drawn, whole()), lambda: drawn)
+        return jnp.where(sampled, drawn.astype(jnp.int32), greedy)
 
     return jax.lax.cond(jnp.any(temperature > 0), stochastic, lambda: greedy)
 

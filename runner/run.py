@@ -18,7 +18,7 @@ from runner import checkpoint, convert, hugepages, sources
 from runner.engine import Completion, Engine, Request
 from runner.log import say
 from runner.requests_io import AllFailedError, Parsed, Results, parse_request, read_lines
-from runner.scheduler import Scheduler
+from runner.scheduler import Scheduler, Stats
 from runner.settings import Settings
 from runner.tokenizer import load_tokenizer
 from sharding.mesh import make_mesh
@@ -49,6 +49,21 @@ class Summary:
     ttft_s: list[float] = dataclasses.field(default_factory=list)  # per request, from its prefill
     latency_s: list[float] = dataclasses.field(default_factory=list)  # per request, in its row
 
+    stats: Stats | None = None  # the scheduler's (None when nothing was generated)
+
+    def record(self) -> dict:
+        """The figures as one JSON-able dict (runner.bench --requests)."""
+        q = lambda xs, f: _rank(xs, f) if xs else None
+        out = {k: getattr(self, k) for k in ("requests", "already_done", "errors", "generated",
+                                             "prompt_tokens", "completion_tokens", "generate_s",
+                                             "utilisation")}
+        out.update(tokens_per_s=self.completion_tokens / self.generate_s if self.generate_s else 0.0,
+                   ttft_median_s=q(self.ttft_s, 0.5), ttft_p99_s=q(self.ttft_s, 0.99),
+                   latency_median_s=q(self.latency_s, 0.5), latency_p99_s=q(self.latency_s, 0.99))
+        if self.stats:
+            out.update({f"engine_{k}": v for k, v in dataclasses.asdict(self.stats).items()})
+        return out
+
     def line(self) -> str:
         tps = self.completion_tokens / self.generate_s if self.generate_s else 0.0
         done = f"{self.already_done} already done, " if self.already_done else ""
@@ -61,11 +76,14 @@ class Summary:
         return out
 
 
-def _quantiles(xs: list[float]) -> str:
-    """"median / p99" of seconds (nearest rank)."""
+def _rank(xs: list[float], q: float) -> float:
+    """The q-quantile of xs by nearest rank."""
     xs = sorted(xs)
-    rank = lambda q: xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
-    return f"{rank(0.5):.3f} s median, {rank(0.99):.3f} s p99"
+    return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
+
+
+def _quantiles(xs: list[float]) -> str:
+    return f"{_rank(xs, 0.5):.3f} s median, {_rank(xs, 0.99):.3f} s p99"
 
 
 def ensure_checkpoint(s: Settings) -> None:
@@ -173,8 +191,11 @@ def run(s: Settings) -> Summary:
                 for p in todo]
     stats = Scheduler(engine, requests, stop_ids, stop_check).run(done)
     summary.generate_s = time.perf_counter() - t0
-    summary.utilisation = stats.utilisation
+    summary.utilisation, summary.stats = stats.utilisation, stats
     bar.close()
+    if stats.inserts:
+        say(f"{stats.inserts} prefills of {stats.prompt_slots} prompt slots in {stats.insert_s:.1f} s, "
+            f"{stats.decode_calls} decode calls of {stats.decode_steps} steps in {stats.decode_s:.1f} s")
     results.finish(len(lines))
     if jax.process_count() > 1:  # the results file is whole before any process reports success
         multihost_utils.sync_global_devices("podrun: results written")

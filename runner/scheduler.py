@@ -36,6 +36,8 @@ class Stats:
     inserts: int = 0  # prefill calls
     prompt_slots: int = 0  # rows x bucket over every insert: the prompt tokens prefilled, padding in
     completion_tokens: int = 0
+    insert_s: float = 0.0  # wall time in insert calls (prefill; a first call's compilation too)
+    decode_s: float = 0.0  # wall time in decode calls
 
     @property
     def utilisation(self) -> float:
@@ -78,6 +80,7 @@ class Scheduler:
                 queued = time.perf_counter() - t0
                 first = engine.insert(rows, [self.requests[i] for i in group], self.stop_ids)
                 now = time.perf_counter() - t0
+                self.stats.insert_s += now - queued
                 self.stats.inserts += 1
                 self.stats.prompt_slots += len(group) * engine.bucket_for(
                     max(len(self.requests[i].prompt) for i in group))
@@ -85,8 +88,10 @@ class Scheduler:
                     live[row] = _Live(i, [int(token)], queued, now)
                     self._end_if_done(row, live, free, ended, now)
             if live:
+                began = time.perf_counter() - t0
                 emitted = engine.decode(self.stop_ids)
                 now = time.perf_counter() - t0
+                self.stats.decode_s += now - began
                 self.stats.decode_calls += 1
                 self.stats.decode_steps += engine.steps
                 for row in sorted(live):

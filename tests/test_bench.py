@@ -195,3 +195,32 @@ def _settings():
     from runner.settings import from_config
 
     return from_config(get_config("/unused"))
+
+
+def test_job_mode_runs_a_request_file_through_the_whole_engine(tmp_path):
+    """--requests: the file through runner.main's job; the record counts what the file asks for
+    (prompt tokens, max_tokens each, as no id stops a row of this tokenizer-less model), the
+    invalid line as an error, and the decode row-steps cover every token but the first ones."""
+    from tests.reference import tiny_hf
+    from tests.test_end_to_end import podrun, write_jsonl
+
+    tiny_hf("llama", seed=3).save_pretrained(tmp_path / "hf")
+    podrun("runner.convert", f"--source={tmp_path / 'hf'}", f"--output={tmp_path / 'ck'}")
+    rng = np.random.RandomState(0)
+    lengths, max_tokens = [3, 17, 9, 30, 5, 12], [4, 20, 1, 9, 16, 7]
+    rows = [{"id": i, "prompt_token_ids": rng.randint(1, 100, n).tolist(), "max_tokens": m}
+            for i, (n, m) in enumerate(zip(lengths, max_tokens))]
+    rows.append({"id": "bad", "prompt_token_ids": [1, 2], "max_tokens": 999})
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    podrun("runner.bench", f"--config=configs/cpu.py:{tmp_path / 'ck'}", f"--requests={inp}",
+           f"--output={tmp_path / 'job.json'}", "--config.generation.batch_size=2",
+           "--config.mesh.num_cpu_devices=1", "--config.mesh.data=1",
+           "--config.generation.max_prompt_len=32", "--config.generation.max_new_tokens=24",
+           f"--config.compilation_cache.dir={tmp_path / 'xla'}")
+    r = json.loads((tmp_path / "job.json").read_text())
+    assert (r["requests"], r["errors"], r["generated"]) == (7, 1, 6)
+    assert r["prompt_tokens"] == sum(lengths) and r["completion_tokens"] == sum(max_tokens)
+    assert r["engine_rows"] == 2 and 0 < r["utilisation"] <= 1
+    assert r["engine_decode_steps"] * 2 >= sum(max_tokens) - len(max_tokens)
+    assert r["ttft_median_s"] <= r["ttft_p99_s"] and r["latency_median_s"] <= r["latency_p99_s"]
+    assert r["tokens_per_s"] > 0 and r["process_s"] >= r["generate_s"]

@@ -193,6 +193,44 @@ def test_sampling_keeps_to_the_nucleus_and_top_k():
     assert set(draws[:, 3]) == {int(np.argmax(logits[3]))}
 
 
+def test_sampling_draws_the_nucleus_distribution_whichever_way_a_row_goes():
+    """A 3000-token vocabulary: rows whose nucleus lies among the top candidates and a flat row
+    whose nucleus does not (sampled over the whole vocabulary). Over 2000 seeds each peaked row's
+    draws follow numpy's nucleus probabilities (top_p, top_k, temperature), and every row draws
+    the same tokens beside the flat row as alone: a row's way depends on its own logits."""
+    from runner.engine import CANDIDATES, _candidate_nucleus
+
+    rng = np.random.default_rng(1)
+    V, n = 3000, 2000
+    logits = (rng.standard_normal((4, V)) * np.array([[8.0], [6.0], [7.0], [0.1]])).astype(np.float32)
+    temperature = np.array([1.0, 0.7, 1.3, 1.0], np.float32)
+    top_p = np.array([0.9, 0.95, 1.0, 0.9], np.float32)
+    top_k = np.array([0, 0, 20, 0], np.int32)
+    fits = np.asarray(_candidate_nucleus(logits / temperature[:, None], top_k, top_p)[3])
+    assert fits.tolist() == [True, True, True, False]  # the flat row's nucleus: ~2700 tokens
+    draw = jax.jit(jax.vmap(lambda s, x, t, k, p: sample(x, s, np.zeros(len(x), np.int32), t, k, p),
+                            in_axes=(0, None, None, None, None)))
+    seeds = np.arange(n, dtype=np.uint32)[:, None] + np.zeros((1, 4), np.uint32)
+    together = np.asarray(draw(seeds, logits, temperature, top_k, top_p))
+    alone = np.asarray(draw(seeds[:, :3], logits[:3], temperature[:3], top_k[:3], top_p[:3]))
+    np.testing.assert_array_equal(together[:, :3], alone)
+    for b in range(3):
+        z = logits[b].astype(np.float64) / temperature[b]
+        if top_k[b]:
+            z = np.where(z >= np.sort(z)[::-1][top_k[b] - 1], z, -np.inf)
+        p = np.exp(z - z.max())
+        p /= p.sum()
+        order = np.argsort(-p)
+        kept = order[: int(np.searchsorted(np.cumsum(p[order]), top_p[b]) + 1)]
+        assert len(kept) < CANDIDATES
+        want = np.zeros(V)
+        want[kept] = p[kept] / p[kept].sum()
+        got = np.bincount(together[:, b], minlength=V) / n
+        assert set(np.flatnonzero(got)) <= set(kept)
+        assert np.abs(got - want).sum() / 2 < 0.06  # total variation; ~0.02 expected at n=2000
+    assert len(set(together[:, 3])) > 1000  # the flat row really samples the whole vocabulary
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_top_k_and_top_p_keep_what_transformers_warpers_keep(seed):
     """The set `nucleus` keeps, against transformers' TopKLogitsWarper then TopPLogitsWarper on
