@@ -51,9 +51,9 @@ class Request:
 class Completion:
     token_ids: list[int]
     finish_reason: str  # stop | length
-    ttft_s: float = 0.0  # from the start of the job to the first token on the host
-    decode_s: float = 0.0  # from then to the last token on the host
-    queued_s: float = 0.0  # from the start of the job to the request's prefill
+    ttft_s: float = 0.0  # from the request's prefill call to its first token on the host
+    decode_s: float = 0.0  # from then to its last token on the host
+    queued_s: float = 0.0  # from the start of the job to the request's prefill call
 
 
 class Rows(NamedTuple):
@@ -302,7 +302,10 @@ class Engine:
         # layer's cache is both read (attention) and written in place; region analysis sees that
         # the read comes first (SmolLM2 decode, B=1: 120 copies of [1, 3, 256, 64] per step gone).
         opts = {"xla_cpu_copy_insertion_use_region_analysis": True} if rules.platform == "cpu" else None
-        donate = (1, 2) if policy.donate_cache else ()  # cache and rows updated in place, not copied
+        # The cache is updated in place, not copied. The rows' state (a few [B] arrays) is not
+        # donated: aliasing it gave a small GPT-OSS's decode on v5e 4.8 MB of temporaries (none
+        # without), more than its cache.
+        donate = (1,) if policy.donate_cache else ()
         self._insert = jax.jit(self._insert_fn, donate_argnums=donate, compiler_options=opts,
                                out_shardings=(everywhere, cache_sh, rows_sh))
         self._decode = jax.jit(self._decode_fn, donate_argnums=donate, compiler_options=opts,
@@ -332,23 +335,21 @@ class Engine:
                     self.rules.sharding("batch", None, shape=(R, 1)))
         return Prompts(two, two, *[one] * (len(Prompts._fields) - 2))
 
-    def lower(self, all_sizes: bool = False) -> dict[str, jax.stages.Lowered]:
+    def lower(self) -> dict[str, jax.stages.Lowered]:
         """Every function generation runs, lowered for the mesh's devices (which may be an AOT
-        topology with no devices attached): the insert of the most rows at once per bucket
-        (`prefill_{P}`; with all_sizes, every size as `prefill_{P}x{R}`) and the decode step."""
+        topology with no devices attached): per bucket P the insert of the most rows at once
+        (`prefill_{P}`, the largest of its sizes) and the decode step."""
         weights = (self.params, self.screen)
         stops = jax.ShapeDtypeStruct((MAX_STOP_IDS,), jnp.int32, sharding=self._everywhere)
+        R = self.prefill_rows
+        dtypes = (jnp.int32, jnp.int32, jnp.int32, jnp.int32, jnp.uint32, jnp.float32, jnp.int32,
+                  jnp.float32)
         out = {}
-        for R in self.insert_sizes if all_sizes else (self.prefill_rows,):
-            sh = self._prompt_shardings(R)
-            for P in self.buckets:
-                dtypes = (jnp.int32, jnp.int32, jnp.int32, jnp.int32, jnp.uint32, jnp.float32,
-                          jnp.int32, jnp.float32)
-                shapes = ((R, P), (R, P)) + ((R,),) * 6
-                prompts = Prompts(*(jax.ShapeDtypeStruct(s, d, sharding=h)
-                                    for s, d, h in zip(shapes, dtypes, sh)))
-                name = f"prefill_{P}x{R}" if all_sizes else f"prefill_{P}"
-                out[name] = self._insert.lower(weights, self.cache, self.state, prompts, stops)
+        for P in self.buckets:
+            shapes = ((R, P), (R, P)) + ((R,),) * 6
+            prompts = Prompts(*(jax.ShapeDtypeStruct(s, d, sharding=h)
+                                for s, d, h in zip(shapes, dtypes, self._prompt_shardings(R))))
+            out[f"prefill_{P}"] = self._insert.lower(weights, self.cache, self.state, prompts, stops)
         out["decode"] = self._decode.lower(weights, self.cache, self.state, stops)
         return out
 

@@ -85,15 +85,19 @@ def test_a_two_slice_deployment_compiles_with_data_across_the_slices():
     assert sorted(compiled) == ["decode", "prefill_16"]
 
 
-def test_prefill_in_groups_of_rows_needs_less_memory_than_all_at_once():
+def test_prefill_rows_caps_the_prompts_one_insert_prefills():
+    """generation.prefill_rows=2 on a batch of 8: inserts take 1 or 2 prompts, and the program
+    compiled (2 rows) needs no more temporaries than one taking all 8 at once."""
     from runner.compile import compile_deployment
 
     def prefill(rows):
         s = tiny_tpu_settings(prefill_rows=rows, batch_size=8, max_prompt_len=256, prefill_buckets=(256,))
-        return compile_deployment(s, only=("prefill_256",))[1]["prefill_256"]
+        engine, compiled = compile_deployment(s, only=("prefill_256",))
+        return engine, compiled["prefill_256"]
 
-    whole, grouped = prefill(0), prefill(2)
-    assert grouped.temp_bytes < whole.temp_bytes / 2
+    (all_rows, whole), (two_rows, grouped) = prefill(0), prefill(2)
+    assert all_rows.insert_sizes == (1, 2, 4, 8) and two_rows.insert_sizes == (1, 2)
+    assert grouped.temp_bytes <= whole.temp_bytes
 
 
 def test_asking_for_a_program_the_deployment_lacks_names_it_and_compiles_nothing():
