@@ -53,7 +53,6 @@ class Completion:
     finish_reason: str  # stop | length
     ttft_s: float = 0.0  # from the request's prefill call to its first token on the host
     decode_s: float = 0.0  # from then to its last token on the host
-    queued_s: float = 0.0  # from the start of the job to the request's prefill call
 
 
 class Rows(NamedTuple):
@@ -93,9 +92,8 @@ class Prompts(NamedTuple):
 
 def buckets(max_prompt_len: int, smallest: int = 16) -> tuple[int, ...]:
     """Powers of two from `smallest`, and from 64 on the midpoints between them too (16, 32, 64,
-    96, 128, 192, 256, 384, ...), capped by (and ending at) the maximum prompt length. A prompt
-    is padded by at most a third where padding costs most: a chat job's 18477 prompt tokens
-    take 23296 slots, 25216 with powers of two alone."""
+    96, 128, 192, 256, 384, ...), capped by (and ending at) the maximum prompt length: a prompt
+    is padded by at most a third where padding costs most, for a few more programs."""
     out, b = [], smallest
     while b < max_prompt_len:
         out += [b, b * 3 // 2] if b >= 64 else [b]
@@ -191,9 +189,8 @@ def _candidate_nucleus(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array):
                      jax.nn.logsumexp(jnp.where(in_k, vals, -jnp.inf), axis=-1, keepdims=True),
                      jax.nn.logsumexp(scaled, axis=-1, keepdims=True))
     p = jnp.where(in_k, jnp.exp(vals - norm), 0)
-    # the mass strictly above each value, ties apart, by [C, C] comparisons. (Any slice of the
-    # top_k's values, vals[:, -1:] included, made XLA:CPU sort the whole vocabulary instead of
-    # taking its top_k: 100 ms for [8, 49152].)
+    # the mass strictly above each value, ties apart, by [C, C] comparisons: any slice of the
+    # top_k's values (vals[:, -1:] included) makes XLA:CPU sort the whole vocabulary instead
     above = jnp.sum(jnp.where(vals[:, :, None] > vals[:, None, :], p[:, :, None], 0), axis=1)
     keep = in_k & ((above < top_p[:, None]) | (top_p[:, None] >= 1))
     smallest = jnp.min(jnp.where(keep, vals, jnp.inf), axis=1, keepdims=True)
@@ -212,8 +209,8 @@ def sample(logits: jax.Array | Callable[[], jax.Array], seeds: jax.Array, counts
 
     temperature 0 is greedy; top_k 0 and top_p 1 disable those filters (see `nucleus`). A sampled
     row draws by Gumbel-max over what `nucleus` keeps, each token's noise from its own key
-    (`_gumbel`). The nucleus is looked for among the CANDIDATES largest logits first (one top_k:
-    a [8, 49152] vocabulary 1.2 ms against `nucleus`'s 21 on XLA:CPU); only rows whose nucleus
+    (`_gumbel`). The nucleus is looked for among the CANDIDATES largest logits first (one top_k,
+    a small fraction of `nucleus`'s passes over the vocabulary); only rows whose nucleus
     reaches past them (top_p 1 with top_k 0: plain sampling) go through `nucleus` and draw over
     the whole vocabulary. Which way a row goes depends on its own logits alone, and both draw a
     token's same noise, so a row's tokens never depend on its neighbours. Keys are derived only
@@ -277,7 +274,7 @@ class Engine:
         self._new_cache = partial(model.new_cache, dtype=kv_dtype, rules=rules,
                                   stacked=policy.scan_layers)
         cache_sh = model.cache_shardings(rules, kv_dtype == jnp.int8, policy.scan_layers)
-        row = self._row = rules.sharding("batch", shape=(B,))
+        row = rules.sharding("batch", shape=(B,))
         rows_sh = Rows(*[row] * len(Rows._fields))
         everywhere = self._everywhere = rules.sharding()
         idle = Rows(*(jax.ShapeDtypeStruct((B,), dt, sharding=row) for dt in Rows.dtypes()))
@@ -303,8 +300,7 @@ class Engine:
         # the read comes first (SmolLM2 decode, B=1: 120 copies of [1, 3, 256, 64] per step gone).
         opts = {"xla_cpu_copy_insertion_use_region_analysis": True} if rules.platform == "cpu" else None
         # The cache is updated in place, not copied. The rows' state (a few [B] arrays) is not
-        # donated: aliasing it gave a small GPT-OSS's decode on v5e 4.8 MB of temporaries (none
-        # without), more than its cache.
+        # donated: aliasing it makes XLA:TPU keep temporaries larger than the cache itself.
         donate = (1,) if policy.donate_cache else ()
         self._insert = jax.jit(self._insert_fn, donate_argnums=donate, compiler_options=opts,
                                out_shardings=(everywhere, cache_sh, rows_sh))

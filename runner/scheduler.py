@@ -135,4 +135,4 @@ class Scheduler:
         del live[row]
         bisect.insort(free, row)
         ended.append((r.index, Completion(tokens, reason, ttft_s=r.first_s - r.queued_s,
-                                          decode_s=now - r.first_s, queued_s=r.queued_s)))
+                                          decode_s=now - r.first_s)))
