@@ -241,6 +241,27 @@ def lookup(table: Any, tokens: jax.Array) -> jax.Array:
     return table[tokens]
 
 
+# From these many rows of x on (a prefill's tokens), the CPU's product is XLA's dot of the weight
+# dequantised to float32 once per call. The kernel dequantises in registers for every few rows,
+# which pays while the weights' bytes bound the product (decode steps) and once arithmetic does
+# costs more than XLA's dot; the dequantised copies cost a fixed time per call, which small
+# prefills (a prompt or two) do not win back.
+XLA_ROWS_INT4, XLA_ROWS_INT8 = 1024, 1024
+
+
+def _dequantized_dot(x: jax.Array, q: jax.Array, *scales: jax.Array) -> jax.Array:
+    """x [M, C] . w^T, w [N, C] held as int8 (scales: [N, 1]) or int4 (scales: d, m), in float32.
+    The barrier keeps the dequantised weight a buffer of its own: folded into the dot's operand,
+    the conversion sends XLA:CPU to a slow loop."""
+    if len(scales) == 2:
+        w = dequantize_int4(q, *scales, jnp.float32)
+    else:
+        w = q.astype(jnp.float32) * scales[0]
+    w = jax.lax.optimization_barrier(w)
+    return jax.lax.dot_general(x.astype(jnp.float32), w, (((1,), (1,)), ((), ())),
+                               precision=jax.lax.Precision.HIGHEST)
+
+
 def matmul(x: jax.Array, w: QWeight | Q4Weight, n_contract: int, precision: Any, kernels: bool
            ) -> jax.Array:
     """x [*free, *contract] . w -> [*free, *out], in float32 (x's dtype for the XLA path)."""
@@ -278,7 +299,9 @@ def matmul(x: jax.Array, w: QWeight | Q4Weight, n_contract: int, precision: Any,
         lf, lo = x.shape[: len(free)], q.shape[: len(out)]
         rows, n = math.prod(lf), math.prod(lo)
         x2 = x.reshape(rows, -1)
-        if int4:
+        if rows >= (XLA_ROWS_INT4 if int4 else XLA_ROWS_INT8):
+            y = _dequantized_dot(x2, q.reshape(n, -1), *(s.reshape(n, -1) for s in scales))
+        elif int4:
             d, m = (s.reshape(n, -1) for s in scales)
             y = cpu.matmul_nk_s4(x2, q.reshape(n, -1), d, m)
         else:

@@ -17,6 +17,7 @@ runner/scheduler.py.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
@@ -56,8 +57,9 @@ class Completion:
 
 
 class Rows(NamedTuple):
-    """The decode state of every row, [B] each, sharded like the batch: one pytree, donated to
-    every call. A finished (or never filled) row is `done`: it emits -1 and writes no position."""
+    """The decode state of every row, [B] each, sharded like the batch: one pytree, passed to and
+    returned by every call. A finished (or never filled) row is `done`: it emits -1 and writes no
+    position."""
 
     token: jax.Array  # int32: the newest token, the next step's input
     pos: jax.Array  # int32: its position in its sequence
@@ -159,6 +161,11 @@ def nucleus(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     return jnp.where(kept >= _unordered(smallest), kept, -jnp.inf)
 
 
+# The fewest rows a job's last requests are gathered into (Engine.shrink): below about this many a
+# decode step's cost is the weights' bytes whatever the rows, so fewer would save little and
+# compile more programs.
+TAIL_ROWS = 8
+
 # Candidates a sampled row's nucleus is looked for among: the largest logits, found by one top_k.
 CANDIDATES = 128
 
@@ -248,16 +255,21 @@ class Engine:
 
     def __init__(self, model: Model, params, rules: Rules, policy: Policy, batch_size: int,
                  max_prompt_len: int, max_new_tokens: int, steps_per_dispatch: int = 8,
-                 prefill_buckets: Sequence[int] = (), allocate: bool = True, prefill_rows: int = 0):
+                 prefill_buckets: Sequence[int] = (), allocate: bool = True, prefill_rows: int = 0,
+                 smallest_tail: int = TAIL_ROWS):
         """`params` may be abstract (ShapeDtypeStructs) with allocate=False: enough to `lower`.
 
         prefill_rows > 0 caps how many prompts one `insert` prefills together (their activations
         and attention scores take memory for those rows alone); 0 lets it take the whole batch.
         An insert takes 1, 2, 4, ... up to that many rows, so a few free rows never pay for a
         whole batch's prefill.
+        smallest_tail: the fewest rows `shrink` gathers the last requests of a job into.
         """
         data = rules.shards("batch")
         self.batch_size = B = -(-batch_size // data) * data  # a whole number of rows per data shard
+        self.rows = B  # the cache's rows now: fewer after `shrink`, until `reset`
+        halves = (B >> k for k in range(1, B.bit_length()))
+        self.tail_sizes = tuple(b for b in halves if b >= max(smallest_tail, 1) and b % data == 0)
         most = min(prefill_rows, B) if prefill_rows > 0 else B
         sizes = {most} | {1 << k for k in range(most.bit_length()) if 1 << k < most}
         self.insert_sizes = tuple(sorted(sizes))
@@ -278,10 +290,11 @@ class Engine:
         rows_sh = Rows(*[row] * len(Rows._fields))
         everywhere = self._everywhere = rules.sharding()
         idle = Rows(*(jax.ShapeDtypeStruct((B,), dt, sharding=row) for dt in Rows.dtypes()))
+        self._idle = jax.jit(lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), idle)
+                             ._replace(done=jnp.ones((B,), bool)), out_shardings=rows_sh)
         if allocate:
             self.cache = self._new_cache(B, self.cache_len)
-            self.state = jax.jit(lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), idle)
-                                 ._replace(done=jnp.ones((B,), bool)), out_shardings=rows_sh)()
+            self.state = self._idle()
         else:  # shapes with their shardings, so donation pairs the cache with the cache alone
             self.cache = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                                       jax.eval_shape(lambda: self._new_cache(B, self.cache_len)),
@@ -306,7 +319,18 @@ class Engine:
                                out_shardings=(everywhere, cache_sh, rows_sh))
         self._decode = jax.jit(self._decode_fn, donate_argnums=donate, compiler_options=opts,
                                out_shardings=(everywhere, cache_sh, rows_sh))
+        self._gather = jax.jit(self._gather_fn, out_shardings=(cache_sh, rows_sh))
         self._stops: dict[tuple[int, ...], jax.Array] = {}
+        # Called around a program's first call, which compiles it (or loads it from the
+        # compilation cache): announce(what) -> a context manager, e.g. to show it on a progress bar.
+        self.announce: Callable[[str], contextlib.AbstractContextManager] | None = None
+        self._called: set[str] = set()
+
+    def _first_call(self, what: str) -> contextlib.AbstractContextManager:
+        if what in self._called or self.announce is None:
+            return contextlib.nullcontext()
+        self._called.add(what)
+        return self.announce(what)
 
     def _greedy_screen(self):
         """The unembedding's int8 screen (models/kernels/cpu.greedy_screen) where greedy tokens can
@@ -406,6 +430,13 @@ class Engine:
         (cache, state), out = jax.lax.scan(step, (cache, state), None, length=self.steps)
         return out.T, cache, state
 
+    @staticmethod
+    def _gather_fn(cache: KVCache, state: Rows, take: jax.Array, live: jax.Array):
+        """Rows `take` of the cache and state; those not `live` (padding) are done."""
+        rows = jax.tree.map(lambda x: x[take], cache._replace(rows=None))
+        state = jax.tree.map(lambda x: x[take], state)
+        return rows, state._replace(done=state.done | ~live)
+
     # --- host side ----------------------------------------------------------------------------
 
     def bucket_for(self, length: int) -> int:
@@ -441,6 +472,8 @@ class Engine:
             positions[i, P - len(r.prompt):] = np.arange(len(r.prompt))
         pad = [Request((0,), 1)] * (R - n)
         every = list(requests) + pad
+        if self.rows != self.batch_size:
+            raise RuntimeError("insert after shrink: reset the engine first")
         host = Prompts(tokens, positions, np.array(list(rows) + [self.batch_size] * (R - n), np.int32),
                        np.array([r.max_tokens for r in every], np.int32),
                        np.array([r.seed for r in every], np.uint32),
@@ -448,15 +481,44 @@ class Engine:
                        np.array([r.top_k for r in every], np.int32),
                        np.array([r.top_p for r in every], np.float32))
         prompts = jax.tree.map(jax.device_put, host, self._prompt_shardings(R))
-        first, self.cache, self.state = self._insert((self.params, self.screen), self.cache,
-                                                     self.state, prompts, self._stop_array(stop_ids))
-        return np.asarray(first)[:n]
+        with self._first_call(f"the prefill of {R} x {P} tokens"):
+            first, self.cache, self.state = self._insert((self.params, self.screen), self.cache,
+                                                         self.state, prompts, self._stop_array(stop_ids))
+            return np.asarray(first)[:n]
 
     def decode(self, stop_ids: Sequence[int] = ()) -> np.ndarray:
         """steps_per_dispatch steps of every row: the tokens [B, steps] (-1 where a row was done)."""
-        emitted, self.cache, self.state = self._decode((self.params, self.screen), self.cache,
-                                                       self.state, self._stop_array(stop_ids))
-        return np.asarray(emitted)
+        with self._first_call(f"the decode step of {self.rows} rows"):
+            emitted, self.cache, self.state = self._decode((self.params, self.screen), self.cache,
+                                                           self.state, self._stop_array(stop_ids))
+            return np.asarray(emitted)
+
+    def shrink(self, rows: Sequence[int]) -> int:
+        """At the end of a job, when no request waits: the cache rows `rows` (the live ones) gathered
+        into the smallest of `tail_sizes` that holds them, renumbered 0, 1, ... in the order given;
+        returns the rows the cache now has. A decode step of fewer rows costs less (the products'
+        arithmetic, the attention's reads), so the job's last requests stop paying for the rows
+        that finished."""
+        fits = [b for b in self.tail_sizes if len(rows) <= b < self.rows]
+        if not fits:
+            return self.rows
+        size = min(fits)
+        take = np.zeros((size,), np.int32)
+        take[: len(rows)] = rows
+        live = np.arange(size) < len(rows)
+        put = partial(jax.device_put, device=self._everywhere)
+        with self._first_call(f"the move into {size} rows"):
+            self.cache, self.state = self._gather(self.cache, self.state, put(take), put(live))
+        self.rows = size
+        return size
+
+    def reset(self) -> None:
+        """Back to `batch_size` empty rows, after a `shrink`."""
+        if self.rows != self.batch_size:
+            self.cache, self.state = None, None  # the small cache goes before the full one comes
+            self.cache = self._new_cache(self.batch_size, self.cache_len)
+            self.state = self._idle()
+            self.rows = self.batch_size
 
     def generate(self, requests: Sequence[Request], stop_ids: Sequence[int] = (),
                  stop_check: Callable[[int, list[int]], bool] | None = None) -> list[Completion]:

@@ -10,6 +10,10 @@ row is refilled while requests wait: the oldest waiting request and the next one
 bucket, as many as the largest insert size that the free rows and those requests fill, so no
 prefill pays for padding rows or for a longer bucket than its prompts need.
 
+Once no request waits and at most half the rows are live, the live rows are gathered into a
+smaller cache (Engine.shrink: half the rows, or a quarter, ... down to Engine.tail_sizes' least),
+so the job's last requests run in decode steps of fewer rows.
+
 Every process of a multi-host run runs this loop over the same requests and reads the same
 replicated tokens, so all take the same decisions and the devices see the same programs in the
 same order: nothing here depends on a clock or on which process it is.
@@ -33,6 +37,8 @@ class Stats:
     rows: int = 0  # the engine's batch size
     decode_calls: int = 0
     decode_steps: int = 0  # decode_calls x steps per dispatch
+    row_steps: int = 0  # decode steps x the rows each ran with (fewer once the job's tail shrinks)
+    shrinks: int = 0  # times the live rows were gathered into a smaller cache
     inserts: int = 0  # prefill calls
     prompt_slots: int = 0  # rows x bucket over every insert: the prompt tokens prefilled, padding in
     completion_tokens: int = 0
@@ -42,7 +48,7 @@ class Stats:
     @property
     def utilisation(self) -> float:
         """Completion tokens per decode row-step: 1 when no row ever idles."""
-        return self.completion_tokens / (self.decode_steps * self.rows) if self.decode_steps else 0.0
+        return self.completion_tokens / self.row_steps if self.row_steps else 0.0
 
 
 @dataclasses.dataclass
@@ -70,6 +76,7 @@ class Scheduler:
         """Generates every request; on_done gets the (index, completion) pairs that ended in each
         insert or decode call, as they end."""
         engine, t0 = self.engine, time.perf_counter()
+        engine.reset()
         free = list(range(engine.batch_size))  # ascending
         live: dict[int, _Live] = {}
         while self._waiting or live:
@@ -94,6 +101,7 @@ class Scheduler:
                 self.stats.decode_s += now - began
                 self.stats.decode_calls += 1
                 self.stats.decode_steps += engine.steps
+                self.stats.row_steps += engine.steps * engine.rows
                 for row in sorted(live):
                     tokens, limit = live[row].tokens, self.requests[live[row].index].max_tokens
                     for t in emitted[row]:
@@ -104,6 +112,12 @@ class Scheduler:
             if ended:
                 self.stats.completion_tokens += sum(len(c.token_ids) for _, c in ended)
                 on_done(ended)
+            if live and not self._waiting and len(live) <= engine.rows // 2:
+                order = sorted(live)
+                if engine.shrink(order) < len(free) + len(live):
+                    live = {new: live[old] for new, old in enumerate(order)}
+                    free = list(range(len(live), engine.rows))
+                    self.stats.shrinks += 1
         return self.stats
 
     def _next_group(self, free: int) -> list[int]:

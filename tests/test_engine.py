@@ -118,6 +118,37 @@ def test_requests_inserted_mid_run_match_transformers(llama, prompts, references
     assert len(calls) < static
 
 
+@pytest.mark.parametrize("mesh_name,smallest", [("1dev", 1), ("data2_model4", 2)])
+def test_the_last_requests_gathered_into_fewer_rows_match_transformers(llama, prompts, references,
+                                                                        mesh_name, smallest):
+    """Twelve requests of very different lengths through 8 rows: once none waits and at most half
+    the rows are live, the live ones move into a cache of 4 rows, then 2 (then 1), each row's
+    tokens still transformers' for its request alone, a seeded sampled row's still its own; the
+    decode steps then run with fewer rows. The engine takes a whole batch again afterwards."""
+    engine = make_engine(llama, mesh_name, batch_size=8, smallest_tail=smallest)
+    assert engine.tail_sizes == (4, 2, 1)[: 3 - smallest + 1]
+    order = [0, 1, 2, 3, 4, 3, 2, 1, 0, 4, 1, 3]
+    lengths = [3, 30, 1, 12, 25, 7, 20, 4, 16, 9, 32, 2]
+    sampled = Request(prompts[2], 24, temperature=1.0, seed=9)
+    alone = make_engine(llama, mesh_name, batch_size=2).generate([sampled])[0].token_ids
+    rows = []
+    decode = engine._decode
+    engine._decode = lambda w, cache, state, *a: rows.append(state.done.shape[0]) or decode(w, cache, state, *a)
+    from runner.scheduler import Scheduler
+
+    requests = [Request(prompts[i], n) for i, n in zip(order, lengths)] + [sampled]
+    got: dict[int, object] = {}
+    stats = Scheduler(engine, requests).run(lambda ended: got.update(ended))
+    assert [got[k].token_ids for k in range(len(order))] == [references[i][:n] for i, n in zip(order, lengths)]
+    assert got[len(order)].token_ids == alone
+    assert rows[0] == 8 and rows[-1] <= 2 and rows == sorted(rows, reverse=True) and stats.shrinks >= 2
+    assert stats.row_steps == engine.steps * sum(rows)
+    assert engine.rows < 8
+    rows.clear()
+    again = engine.generate([Request(p, 5) for p in prompts] * 2)  # a whole batch again
+    assert rows[0] == 8 and [c.token_ids for c in again] == [r[:5] for r in references] * 2
+
+
 def test_a_seeded_request_samples_the_same_tokens_wherever_it_runs(llama, prompts):
     """A request with a seed draws the same tokens alone, beside others, or entering a row
     mid-run; another seed draws others."""

@@ -126,6 +126,32 @@ def test_int4_refuses_shards_that_split_its_groups():
         to_podrun(tiny_hf("llama"), rules, policy=Policy(quantize="int4"))
 
 
+@pytest.mark.parametrize("how", ["int4", "int8"])
+def test_prefill_sized_products_match_numpy(how):
+    """From quant.XLA_ROWS_* rows of x on, the CPU takes XLA's dot of the dequantised weight in
+    place of the kernel: both sides of the switch against numpy's weights."""
+    from models.weights import Weight
+
+    rules = rules_for("1dev")
+    decl = {"w": Weight((576, 1536), ("embed", "mlp"), contract=1)}
+    rng = np.random.default_rng(11)
+    w = rng.standard_normal((576, 1536)).astype(np.float32)
+    held = quant.quantize(decl, {"w": jax.device_put(w, rules.sharding("embed", "mlp"))}, rules,
+                          how)["w"]
+    if how == "int4":
+        deq = np_dequantize_int4(*np_quantize_int4(w.T))
+    else:
+        q, scale = np_quantize(w.T)
+        deq = q.astype(np.float64) * scale[:, None]
+    policy = Policy(quantize=how, kernels=True)
+    switch = quant.XLA_ROWS_INT4 if how == "int4" else quant.XLA_ROWS_INT8
+    for rows in (8, switch - 1, switch, 2 * switch + 3):
+        x = rng.standard_normal((1, rows, 576)).astype(np.float32)
+        got = jax.jit(lambda x, w: policy.einsum("BTD,DF->BTF", x, w))(x, held)
+        want = x.astype(np.float64) @ deq.T
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("kernels", [True, False], ids=["cpu_kernel", "xla"])
 def test_int4_product_sharded_over_its_contraction_matches_numpy(kernels):
     """A [F, D] projection with F over model=4 (64 values, two groups, a shard): each device's
