@@ -82,6 +82,9 @@ def _write(output: str, meta: checkpoint.Metadata, params, files: dict[str, byte
 
 def main(argv: list[str]) -> None:
     del argv
+    from runner.log import quiet
+
+    quiet()
     if not (_SOURCE.value or _RANDOM.value) or not _OUTPUT.value:
         sys.exit("podrun convert: error: --source (or --random) and --output are required")
     try:

@@ -12,7 +12,7 @@ import sys
 import time
 
 import jax
-from absl import app, logging
+from absl import app
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "deployment config file", lock_config=True)
@@ -21,6 +21,9 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "deployment config fil
 def setup_devices(s) -> None:
     """Before the backend starts: simulated CPU devices, the persistent compilation cache, and
     jax.distributed when several processes share the mesh."""
+    from runner.log import quiet
+
+    quiet()
     if s.num_cpu_devices > 0:
         jax.config.update("jax_num_cpu_devices", s.num_cpu_devices)
     d = s.distributed
@@ -72,7 +75,6 @@ _ASKED, _HITS = "/jax/compilation_cache/compile_requests_use_cache", "/jax/compi
 
 
 def main(argv: list[str]) -> None:
-    logging.set_verbosity(logging.WARNING)  # the libraries' INFO chatter (Orbax) stays quiet
     if len(argv) > 1:
         sys.exit(f"podrun: error: unexpected arguments {argv[1:]}")
     if _CONFIG.value is None:
@@ -101,12 +103,35 @@ def parse_flags(argv: list[str]) -> list[str]:
 
     try:
         return flags.FLAGS(argv)
-    except (AttributeError, KeyError, flags.Error) as e:
+    except (AttributeError, KeyError) as e:  # ml_collections: an override of a field not there
+        inner = e.args[0] if e.args else ""  # AttributeError wraps the KeyError of a nested field
+        inner = inner.args[0] if isinstance(inner, KeyError) and inner.args else inner
+        sys.exit(f"podrun: error: {unknown_override(argv, str(inner))}")
+    except flags.Error as e:
         message = str(e)
         if message[:1] == message[-1:] == "'":
             message = message[1:-1]
         message = message.replace("\\n", " ").replace("\\'", "'")
         sys.exit(f"podrun: error: {message}")
+
+
+def unknown_override(argv: list[str], detail: str) -> str:
+    """One line naming the --config.* override whose field does not exist, from ml_collections'
+    message ("'foo'", or "'batch_sizee' Did you mean "batch_size" ...")."""
+    import re
+
+    named = re.search(r"'([^']+)'", detail)
+    name = named.group(1) if named else detail
+    hint = re.search(r'Did you mean "([^"]+)"', detail)
+    for arg in argv:
+        flag = arg.split("=", 1)[0]
+        if flag.startswith("--config.") and name in flag.removeprefix("--config.").split("."):
+            path = flag.removeprefix("--config.")
+            where = path[: path.index(name) + len(name)]
+            did = f"; did you mean {hint.group(1)!r}?" if hint else ""
+            return (f"{flag}: the config has no field {where!r}{did} (configs/base.py lists "
+                    "the fields)")
+    return f"no config field {name!r} (configs/base.py lists the fields)"
 
 
 if __name__ == "__main__":

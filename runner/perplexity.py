@@ -2,7 +2,7 @@
 weights, a bf16 cache) keeps the model's quality.
 
     python -m runner.perplexity --config=configs/smollm2_cpu.py \
-        --text=../shared/data/tinyshakespeare.txt [--max_tokens=8192] [--window=512] \
+        --text=tests/data/shakespeare.txt [--max_tokens=8192] [--window=512] \
         [--config.precision.quantize=int8|int4]
 
 The text's first max_tokens + 1 tokens (the checkpoint's tokenizer, no special tokens) are cut into

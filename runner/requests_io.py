@@ -18,11 +18,13 @@ objects are deleted, the header last.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import json
+import math
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import fsspec
 from etils import epath
@@ -38,9 +40,16 @@ class AllFailedError(ValueError):
     """Every request of the file got an error result (the results file is written all the same)."""
 
 
+class Line(NamedTuple):
+    """A non-blank line of the request file."""
+
+    number: int  # 1-based, blank lines counted, as an editor shows it: messages and default ids
+    text: str  # UTF-8; bytes that are not UTF-8 kept as lone surrogates (surrogateescape)
+
+
 @dataclasses.dataclass
 class Parsed:
-    index: int  # 0-based line number among non-blank lines: the output order
+    index: int  # 0-based among the file's non-blank lines: the output order
     id: Any
     prompt_ids: tuple[int, ...] = ()
     error: str = ""
@@ -53,31 +62,76 @@ class Parsed:
     chat: bool = False  # given as messages (its completion may be parsed by the chat format)
 
 
+# A request line's fields. FUTURE are fields of formats podrun does not serve yet (OpenAI Batch
+# lines, several samples, log-probabilities, tools, structured output): named as such, not as typos.
+FIELDS = ("id", "prompt", "messages", "prompt_token_ids", "max_tokens", "temperature", "top_p",
+          "top_k", "stop", "seed", "reasoning_effort")
+FUTURE = ("custom_id", "method", "url", "body", "n", "logprobs", "top_logprobs", "tools",
+          "tool_choice", "response_format")
+INT32_MAX = 2**31 - 1
+
+
 def _number(d: dict, key: str, default: Any, kind: type, ok) -> Any:
     if key not in d or d[key] is None:
         return default
     v = d[key]
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and v != int(v)):
-        raise ValueError(f"{key}={v!r} is not a{'n integer' if kind is int else ' number'}")
-    if not ok(v):
-        raise ValueError(f"{key}={v!r} is out of range")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (
+            kind is int and not (isinstance(v, int) or (math.isfinite(v) and v == int(v)))):
+        raise ValueError(f"{key}={_short(v)} is not a{'n integer' if kind is int else ' number'}")
+    if not (math.isfinite(v) and ok(v)):
+        raise ValueError(f"{key}={_short(v)} is out of range")
     return kind(v)
 
 
-def parse_request(index: int, line: str, tokenizer, s: Settings, render_chat=None) -> Parsed:
+def _short(v: Any, limit: int = 40) -> str:
+    """v as JSON, cut to `limit` characters: errors quote what was sent without echoing megabytes."""
+    try:
+        text = json.dumps(v, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(v)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _unknown(d: dict) -> str:
+    """The error for fields that are not request fields ('' when there are none)."""
+    for key in d:
+        if key in FIELDS:
+            continue
+        if key in FUTURE:
+            return f"field {key!r} is not supported by this version of podrun"
+        near = difflib.get_close_matches(key, FIELDS, n=1)
+        hint = f"did you mean {near[0]!r}? " if near else ""
+        name = key if len(key) <= 40 else key[:37] + "..."
+        return f"unknown field {name!r}: {hint}request fields are {', '.join(FIELDS)}"
+    return ""
+
+
+def parse_request(index: int, line: Line, tokenizer, s: Settings, vocab_size: int,
+                  render_chat=None) -> Parsed:
     """One line -> a request ready to generate, or one carrying the reason it cannot be served.
+    Never raises: whatever the line holds, it gets its own result.
 
     `render_chat(messages, request) -> ids` renders chat requests (default: the tokenizer's own
     chat template)."""
+    where = f"line {line.number}"
     try:
-        d = json.loads(line)
+        line.text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        byte = len(line.text[: e.start].encode("utf-8", "surrogateescape")) + 1
+        return Parsed(index, line.number, error=f"{where} is not UTF-8 (byte {byte} of the line)")
+    try:
+        d = json.loads(line.text)
     except json.JSONDecodeError as e:
-        return Parsed(index, index, error=f"line {index + 1} is not valid JSON: {e.msg}")
+        return Parsed(index, line.number, error=f"{where} is not valid JSON: {e.msg} (column {e.colno})")
+    except RecursionError:
+        return Parsed(index, line.number, error=f"{where} is JSON nested too deeply to read")
     if not isinstance(d, dict):
-        return Parsed(index, index, error=f"line {index + 1} is not a JSON object")
-    rid = d.get("id", index)
+        return Parsed(index, line.number, error=f"{where} is not a JSON object")
+    rid = d.get("id", line.number)
     g, samp = s.generation, s.sampling
     try:
+        if unknown := _unknown(d):
+            raise ValueError(unknown)
         max_tokens = _number(d, "max_tokens", g.max_new_tokens, int, lambda v: v >= 1)
         if max_tokens > g.max_new_tokens:
             raise ValueError(
@@ -85,30 +139,32 @@ def parse_request(index: int, line: str, tokenizer, s: Settings, render_chat=Non
             )
         temperature = _number(d, "temperature", samp.temperature, float, lambda v: v >= 0)
         top_p = _number(d, "top_p", samp.top_p, float, lambda v: 0 < v <= 1)
-        top_k = _number(d, "top_k", samp.top_k, int, lambda v: v >= 0)
+        top_k = _number(d, "top_k", samp.top_k, int, lambda v: 0 <= v <= INT32_MAX)
         seed = _number(d, "seed", samp.seed, int, lambda v: True)
         stop = d.get("stop") or ()
-        stop = (stop,) if isinstance(stop, str) else tuple(stop)
-        if not all(isinstance(x, str) and x for x in stop):
-            raise ValueError("stop must be a non-empty string or a list of them")
-        ids = _prompt_ids(d, tokenizer, render_chat)
+        stop = (stop,) if isinstance(stop, str) else stop
+        if not isinstance(stop, list | tuple) or not all(isinstance(x, str) and x for x in stop):
+            raise ValueError(f"stop={_short(d['stop'])}: give a non-empty string or a list of them")
+        ids = _prompt_ids(d, tokenizer, vocab_size, render_chat)
         if not ids:
             raise ValueError("the prompt is empty")
         if len(ids) > g.max_prompt_len:
             raise ValueError(
                 f"the prompt has {len(ids)} tokens, more than generation.max_prompt_len={g.max_prompt_len}"
             )
-    except (ValueError, TypeError, KeyError) as e:
-        return Parsed(index, rid, error=str(e))
+    except Exception as e:  # whatever the line holds, its own error result and not the run's end
+        message = str(e) if isinstance(e, ValueError | TypeError) else f"{type(e).__name__}: {e}"
+        message = " ".join(message.split())  # one line, whatever the library wrote
+        return Parsed(index, rid, error=message if len(message) <= 300 else message[:297] + "...")
     # A request's random stream is its own seed's, wherever it stands in the file and whatever
-    # runs beside it; without one, sampling.seed's mixed with the request's index in the file.
+    # runs beside it; without one, sampling.seed's mixed with the request's line number.
     row_seed = (seed if "seed" in d and d["seed"] is not None
-                else samp.seed * 1_000_003 + index) % (2**32)
+                else samp.seed * 1_000_003 + line.number) % (2**32)
     return Parsed(index, rid, tuple(ids), "", max_tokens, temperature, top_k, top_p,
-                  stop + s.generation.stop, row_seed, chat="messages" in d)
+                  tuple(stop) + s.generation.stop, row_seed, chat="messages" in d)
 
 
-def _prompt_ids(d: dict, tokenizer, render_chat) -> list[int]:
+def _prompt_ids(d: dict, tokenizer, vocab_size: int, render_chat) -> list[int]:
     given = [k for k in ("prompt", "messages", "prompt_token_ids") if k in d]
     if len(given) != 1:
         raise ValueError(f"give exactly one of prompt, messages, prompt_token_ids (got {given or 'none'})")
@@ -116,6 +172,10 @@ def _prompt_ids(d: dict, tokenizer, render_chat) -> list[int]:
         ids = d["prompt_token_ids"]
         if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
             raise ValueError("prompt_token_ids must be a list of integers")
+        outside = next((k for k, i in enumerate(ids) if not 0 <= i < vocab_size), None)
+        if outside is not None:
+            raise ValueError(f"prompt_token_ids[{outside}]={_short(ids[outside])} is outside the "
+                             f"vocabulary of {vocab_size} ids (0 to {vocab_size - 1})")
         return ids
     if tokenizer is None:
         raise ValueError("this checkpoint has no tokenizer; send prompt_token_ids instead of text")
@@ -157,18 +217,52 @@ def check_bucket(path: str, what: str, error: type[Exception] = RequestFileError
         raise error(f"{what}={path}: cannot reach {bucket} ({type(e).__name__}: {e})") from e
 
 
-def read_lines(path: str) -> list[str]:
+def read_lines(path: str) -> list[Line]:
+    """The file's non-blank lines. Lines end at \\n alone (a \\r before it is dropped): JSON text
+    may hold U+2028 and other characters that str.splitlines would break at. A line that is not
+    UTF-8 is kept, so that it gets its own error result and the others are answered."""
     p = epath.Path(path)
     if not path:
         raise RequestFileError("io.input is empty: pass --config.io.input=<requests.jsonl>")
     check_bucket(path, "io.input")
     try:
-        text = p.read_text()
+        data = p.read_bytes()
     except FileNotFoundError as e:
         raise RequestFileError(f"io.input={path}: no such file") from e
-    except (OSError, UnicodeDecodeError) as e:
+    except IsADirectoryError as e:
+        raise RequestFileError(f"io.input={path} is a folder, not a file of requests") from e
+    except OSError as e:
         raise RequestFileError(f"io.input={path}: cannot read it ({type(e).__name__}: {e})") from e
-    return [line for line in text.splitlines() if line.strip()]
+    data = data.removeprefix(b"\xef\xbb\xbf")  # a byte-order mark some editors write
+    lines = (raw.removesuffix(b"\r").decode("utf-8", "surrogateescape") for raw in data.split(b"\n"))
+    return [Line(n, text) for n, text in enumerate(lines, 1) if text.strip()]
+
+
+def _dumps(row: dict) -> str:
+    """One JSON line, UTF-8 as written; with \\u escapes where a string holds lone surrogates
+    (an id sent as "\\ud800"), which UTF-8 cannot carry."""
+    text = json.dumps(row, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(row)
+    return text + "\n"
+
+
+def _check_writable(output: str) -> None:
+    """That `output` can be made where it is asked for: the folder above it a folder (or one that
+    can be created) that may be written, and `output` itself not a folder. Checked before any
+    model loads, so a mistyped path costs nothing."""
+    path = os.path.abspath(os.path.expanduser(output))
+    if os.path.isdir(path):
+        raise RequestFileError(f"io.output={output} is a folder; name a file in it")
+    parent = os.path.dirname(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise RequestFileError(f"io.output={output}: {parent} is a file, not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise RequestFileError(f"io.output={output}: {parent} is not writable")
 
 
 class Results:
@@ -177,14 +271,17 @@ class Results:
     Every process reads what is already done; only the writer (process 0) writes, after `open`.
     """
 
-    def __init__(self, output: str, input_lines: list[str], writer: bool = True):
+    def __init__(self, output: str, input_lines: list[Line], writer: bool = True):
         if not output:
             raise RequestFileError("io.output is empty: pass --config.io.output=<results.jsonl>")
         check_bucket(output, "io.output")
         self.output = epath.Path(output)
         self.partial = epath.Path(output + ".partial")
         self.remote = is_remote(output)
-        self.digest = hashlib.sha256("\n".join(input_lines).encode()).hexdigest()
+        if writer and not self.remote:
+            _check_writable(output)
+        text = "\n".join(line.text for line in input_lines)
+        self.digest = hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()
         self.done: dict[int, dict] = {}
         self._objects = self._partial_objects() if self.remote else []
         lines = self._read_partial()
@@ -218,12 +315,14 @@ class Results:
         """The partial results as lines, the header first ([] when there are none)."""
         try:
             if not self.remote:
-                return self.partial.read_text().splitlines() if self.partial.exists() else []
+                if not self.partial.exists():
+                    return []
+                return [x for x in self.partial.read_text(encoding="utf-8").split("\n") if x]
             if self._objects and self._objects[0].name != "000000.jsonl":
                 return ["{}"]  # batches without their header: not ours to reuse
             with ThreadPoolExecutor(16) as pool:  # one request per object: overlap them
-                texts = list(pool.map(lambda p: p.read_text(), self._objects))
-            return [line for text in texts for line in text.splitlines()]
+                texts = list(pool.map(lambda p: p.read_text(encoding="utf-8"), self._objects))
+            return [line for text in texts for line in text.split("\n") if line]
         except (OSError, UnicodeDecodeError) as e:
             raise RequestFileError(f"{self.partial}: cannot read it ({type(e).__name__}: {e})") from e
 
@@ -236,7 +335,7 @@ class Results:
             else:
                 self.output.parent.mkdir(parents=True, exist_ok=True)
                 fresh = not self.partial.exists()
-                self._f = self.partial.open("a")
+                self._f = self.partial.open("a", encoding="utf-8")
             self._opened = True
             if fresh:
                 self._append([{"input_sha256": self.digest}])
@@ -246,11 +345,11 @@ class Results:
     def _append(self, rows: list[dict]) -> None:
         if not self._opened:
             return
-        text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+        text = "".join(_dumps(r) for r in rows)
         if self.remote:
             n = int(self._objects[-1].stem) + 1 if self._objects else 0
             obj = self.partial / f"{n:06d}.jsonl"
-            obj.write_text(text)  # one upload: the object exists whole or not at all
+            obj.write_text(text, encoding="utf-8")  # one upload: the object exists whole or not at all
             self._objects.append(obj)
             return
         self._f.write(text)
@@ -271,14 +370,14 @@ class Results:
         missing = [i for i in range(total) if i not in self.done]
         if missing:
             raise RuntimeError(f"{len(missing)} requests have no result (first: line {missing[0] + 1})")
-        text = "".join(json.dumps(self.done[i], ensure_ascii=False) + "\n" for i in range(total))
+        text = "".join(_dumps(self.done[i]) for i in range(total))
         if self.remote:  # one upload is atomic; the header goes last, so a crash here loses nothing
-            self.output.write_text(text)
+            self.output.write_text(text, encoding="utf-8")
             with ThreadPoolExecutor(16) as pool:
                 list(pool.map(lambda p: p.unlink(), self._objects[1:]))
             self._objects[0].unlink()
             return
         tmp = epath.Path(str(self.output) + ".tmp")
-        tmp.write_text(text)
+        tmp.write_text(text, encoding="utf-8")
         tmp.replace(self.output)
         self.partial.unlink()

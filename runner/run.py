@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import os
 import sys
 import time
 from typing import Any
@@ -86,11 +88,22 @@ def _quantiles(xs: list[float]) -> str:
     return f"{_rank(xs, 0.5):.3f} s median, {_rank(xs, 0.99):.3f} s p99"
 
 
+# Where checkpoint.fetch may write: a checkpoint.path elsewhere that does not exist is a mistake to
+# report (a mistyped path), not a place to download and convert a model into.
+FETCH_HOME = "~/.cache/podrun/checkpoints"
+
+
 def ensure_checkpoint(s: Settings) -> None:
     """Fetches and converts an embedded model into checkpoint.path when it is not there yet
-    (`random:family:preset` initialises one randomly instead)."""
+    (`random:family:preset` initialises one randomly instead), if that path is in FETCH_HOME."""
     if not s.checkpoint_fetch or epath.Path(s.checkpoint_path).exists():
         return
+    home = os.path.realpath(os.path.expanduser(FETCH_HOME))
+    if "://" in s.checkpoint_path or not os.path.realpath(s.checkpoint_path).startswith(home + os.sep):
+        raise checkpoint.CheckpointError(
+            f"checkpoint.path={s.checkpoint_path} does not exist; checkpoint.fetch="
+            f"{s.checkpoint_fetch} fetches only into {FETCH_HOME}/ (convert a checkpoint into that "
+            "path with python -m runner.convert, or leave checkpoint.path to the config)")
     if s.checkpoint_fetch.startswith("random:"):
         say(f"initialising {s.checkpoint_fetch} into {s.checkpoint_path}")
         convert.random_checkpoint(s.checkpoint_fetch.removeprefix("random:"), s.checkpoint_path)
@@ -130,6 +143,7 @@ def load_model(s: Settings) -> tuple[checkpoint.Metadata, Rules, Any]:
         checkpoint.check_matches(meta, s.checkpoint_model, s.checkpoint_path)
     rules = Rules.make(make_mesh(s.mesh), s.rules)
     check_divisible(meta.model.declare(s.policy.fuse_projections), rules)
+    say(f"restoring {s.checkpoint_path} ({meta.model.family}) onto mesh {dict(rules.mesh.shape)}")
     params = checkpoint.restore(s.checkpoint_path, meta.model, rules, s.policy.params)
     params = meta.model.prepare(params, rules, s.policy)
     hugepages.return_freed_memory()
@@ -137,7 +151,9 @@ def load_model(s: Settings) -> tuple[checkpoint.Metadata, Rules, Any]:
 
 
 def run(s: Settings) -> Summary:
-    lines = read_lines(s.input)  # a bad request file fails before the checkpoint is touched
+    # a bad request file or output path fails before the checkpoint is touched
+    lines = read_lines(s.input)
+    results = Results(s.output, lines, writer=jax.process_index() == 0)
     meta, rules, params = load_model(s)
     mesh = rules.mesh
     tokenizer = load_tokenizer(s.checkpoint_path)
@@ -152,12 +168,12 @@ def run(s: Settings) -> Summary:
     # <|end|>, which closes the analysis message, not the answer.
     eos = chat_stops or (tokenizer.eos_token_ids if tokenizer else ())
     stop_ids = tuple(dict.fromkeys(eos + g.stop_token_ids))
-    results = Results(s.output, lines, writer=jax.process_index() == 0)
     if jax.process_count() > 1:  # everyone has read the partial file before anyone appends to it
         multihost_utils.sync_global_devices("podrun: results read")
     results.open()
-    pending = [parse_request(i, line, tokenizer, s, render_chat) for i, line in enumerate(lines)
-               if i not in results.done]
+    vocab = meta.model.vocab_size
+    pending = [parse_request(i, line, tokenizer, s, vocab, render_chat)
+               for i, line in enumerate(lines) if i not in results.done]
     summary = Summary(requests=len(lines), already_done=len(lines) - len(pending))
     bad = [p for p in pending if p.error]
     results.add([(p.index, {"id": p.id, "error": p.error}) for p in bad])
@@ -168,6 +184,14 @@ def run(s: Settings) -> Summary:
 
     bar = tqdm(total=len(todo), unit="req", file=sys.stderr, desc="podrun",
                disable=jax.process_index() != 0)
+
+    @contextlib.contextmanager
+    def compiling(what: str):  # a program's first call: XLA compiles it, or the cache has it
+        bar.set_postfix_str(f"compiling {what}")
+        yield
+        bar.set_postfix_str("")
+
+    engine.announce = compiling
 
     def done(ended: list[tuple[int, Completion]]) -> None:  # a call's finished requests, kept
         rows = []
@@ -195,14 +219,16 @@ def run(s: Settings) -> Summary:
     bar.close()
     if stats.inserts:
         say(f"{stats.inserts} prefills of {stats.prompt_slots} prompt slots in {stats.insert_s:.1f} s, "
-            f"{stats.decode_calls} decode calls of {stats.decode_steps} steps in {stats.decode_s:.1f} s")
+            f"{stats.decode_calls} decode calls of {stats.decode_steps} steps in {stats.decode_s:.1f} s"
+            + (f" (the last requests gathered into fewer rows {stats.shrinks} times)"
+               if stats.shrinks else ""))
     results.finish(len(lines))
     if jax.process_count() > 1:  # the results file is whole before any process reports success
         multihost_utils.sync_global_devices("podrun: results written")
     say(f"{summary.line()} -> {s.output}")
     if lines and len(results.done) == len(lines) and all("error" in r for r in results.done.values()):
-        raise AllFailedError(f"every one of the {len(lines)} requests failed; line 1: "
-                             f"{results.done[0]['error']}")
+        raise AllFailedError(f"every one of the {len(lines)} requests failed; line "
+                             f"{lines[0].number}: {results.done[0]['error']}")
     return summary
 
 

@@ -30,7 +30,7 @@ def load(path):
 def test_shipped_config_weights_divide_over_its_mesh(path):
     doc = ast.get_docstring(ast.parse(open(path).read())) or ""
     assert f"python -m runner.main --config=configs/{os.path.basename(path)}" in doc
-    c = load(path).get_config("/a/checkpoint")
+    c = load(path).get_config("/a/checkpoint" if os.path.basename(path) == "cpu.py" else "")
     c.lock()
     with pytest.raises(AttributeError):
         c.generation.batchsize = 3  # a misspelt key fails loudly
@@ -38,6 +38,17 @@ def test_shipped_config_weights_divide_over_its_mesh(path):
     if s.checkpoint_model:  # otherwise the architecture comes from whichever checkpoint is given
         rules = Rules.make(abstract_mesh(s.mesh, s.mesh.size() or s.num_cpu_devices), s.rules)
         check_divisible(Model.named(s.checkpoint_model).declare(), rules)
+
+
+def test_the_default_runs_on_one_device_and_mesh8_on_eight():
+    """The README's first command takes the fast path (one device, where the CPU kernels apply);
+    `:mesh8` shards the same job over 8 simulated devices."""
+    config = load(os.path.join(ROOT, "configs", "smollm2_cpu.py"))
+    one, eight = from_config(config.get_config()), from_config(config.get_config("mesh8"))
+    assert (one.mesh.size(), one.num_cpu_devices) == (1, 1)
+    assert (eight.mesh.size(), eight.num_cpu_devices, eight.mesh.data) == (8, 8, 8)
+    with pytest.raises(ValueError, match="mesh8"):
+        config.get_config("mesh4")
 
 
 def test_memory_report_of_the_gptoss_deployments():

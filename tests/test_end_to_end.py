@@ -82,6 +82,9 @@ ONE_MODEL = ["gptoss", *(pytest.param(k, marks=pytest.mark.slow) for k in ("llam
 
 @pytest.mark.parametrize("model_dir", ONE_MODEL, indirect=True)
 def test_bad_requests_get_an_error_and_the_rest_completes(model_dir, tmp_path):
+    """Each bad line gets its own one-line error result, in its place; the good ones are answered.
+    Lines are counted from 1, blank ones included, in messages and in the ids of lines that have
+    none."""
     m, root = model_dir
     lines = [
         {"id": "ok", "prompt_token_ids": [5, 6, 7], "max_tokens": 4},
@@ -90,18 +93,44 @@ def test_bad_requests_get_an_error_and_the_rest_completes(model_dir, tmp_path):
         {"id": "long", "prompt_token_ids": [1] * 65},
         {"id": "text", "prompt": "no tokenizer here"},
         {"id": "toomany", "prompt_token_ids": [1], "max_tokens": STEPS + 1},
+        "",  # blank: no result, but counted as a line
+        {"id": "big", "prompt_token_ids": [999999, 5]},
+        {"id": "negative", "prompt_token_ids": [-5, 5]},
+        {"id": "typo", "prompt_token_ids": [5], "max_tokenz": 3},
+        {"id": "later", "prompt_token_ids": [5], "n": 2},
+        {"id": "stop", "prompt_token_ids": [5], "stop": 5},
+        {"id": "huge", "prompt_token_ids": [5], "top_k": 10**40},
+        '{"id": "inf", "prompt_token_ids": [5], "temperature": Infinity}',
+        "[" * 100000 + "]" * 100000,
         {"id": "ok2", "prompt_token_ids": [9], "max_tokens": 2},
     ]
+    inp = tmp_path / "in.jsonl"
+    write_jsonl(inp, lines)
+    with open(inp, "ab") as f:  # a line that is not UTF-8, then one more good request
+        f.write(b'{"id": "latin1", "prompt": "caf\xe9"}\n{"id": "ok3", "prompt_token_ids": [4]}\n')
     out = tmp_path / "out.jsonl"
-    run_main(root, write_jsonl(tmp_path / "in.jsonl", lines), out)
-    r = read_jsonl(out)
-    assert r[0]["token_ids"] == hf_greedy(m, [5, 6, 7], 4) and r[0]["finish_reason"] == "length"
-    assert r[1]["id"] == 1 and "not valid JSON" in r[1]["error"]
-    assert r[2] == {"id": "empty", "error": "the prompt is empty"}
-    assert "65 tokens, more than generation.max_prompt_len=64" in r[3]["error"]
-    assert "no tokenizer" in r[4]["error"]
-    assert "max_tokens=33 exceeds generation.max_new_tokens=32" in r[5]["error"]
-    assert r[6]["token_ids"] == hf_greedy(m, [9], 2)
+    run_main(root, str(inp), out)
+    r = {x["id"]: x for x in read_jsonl(out)}
+    assert [x["id"] for x in read_jsonl(out)] == [
+        "ok", 2, "empty", "long", "text", "toomany", "big", "negative", "typo", "later", "stop",
+        "huge", "inf", 15, "ok2", 17, "ok3"]
+    assert r["ok"]["token_ids"] == hf_greedy(m, [5, 6, 7], 4) and r["ok"]["finish_reason"] == "length"
+    assert r[2]["error"].startswith("line 2 is not valid JSON")
+    assert r["empty"] == {"id": "empty", "error": "the prompt is empty"}
+    assert "65 tokens, more than generation.max_prompt_len=64" in r["long"]["error"]
+    assert "no tokenizer" in r["text"]["error"]
+    assert "max_tokens=33 exceeds generation.max_new_tokens=32" in r["toomany"]["error"]
+    assert "prompt_token_ids[0]=999999" in r["big"]["error"] and f"{VOCAB} ids" in r["big"]["error"]
+    assert "prompt_token_ids[0]=-5" in r["negative"]["error"]
+    assert "'max_tokenz'" in r["typo"]["error"] and "'max_tokens'" in r["typo"]["error"]
+    assert "'n'" in r["later"]["error"] and "not supported" in r["later"]["error"]
+    assert r["stop"]["error"].startswith("stop=5")
+    assert "top_k" in r["huge"]["error"] and "out of range" in r["huge"]["error"]
+    assert "temperature" in r["inf"]["error"]
+    assert r[15]["error"].startswith("line 15 ")
+    assert r[17]["error"] == "line 17 is not UTF-8 (byte 32 of the line)"
+    for good, prompt, n in (("ok2", [9], 2), ("ok3", [4], STEPS)):
+        assert r[good]["token_ids"] == hf_greedy(m, prompt, n)
 
 
 @pytest.mark.parametrize("model_dir", ONE_MODEL, indirect=True)
@@ -154,15 +183,28 @@ def test_bad_setups_fail_in_one_line_and_write_nothing(kind, tmp_path_factory, t
         "checkpoint.path=/nonexistent: no such directory": ("--config.checkpoint.path=/nonexistent",),
         "= 6 devices but 8 are visible": ("--config.mesh.data=6",),
         "'kv_heads' of size 4 does not divide over mesh axes model (8 shards)": ("--config.mesh.data=1", "--config.mesh.model=8"),
-        "Did you mean \"batch_size\"": ("--config.generation.batchsize=2",),
+        "--config.generation.batchsize: the config has no field 'generation.batchsize'; did you mean "
+        "'batch_size'?": ("--config.generation.batchsize=2",),
+        "--config.foo.bar: the config has no field 'foo'": ("--config.foo.bar=1",),
+        f"io.output={tmp_path}/in.jsonl/out.jsonl: {tmp_path}/in.jsonl is a file, not a folder": (
+            f"--config.io.output={tmp_path}/in.jsonl/out.jsonl",),
+        f"io.output={tmp_path} is a folder": (f"--config.io.output={tmp_path}",),
     }
     for message, overrides in cases.items():
         p = run_main(root, inp, out, *overrides, check=False)
         assert p.returncode != 0
         last = p.stderr.strip().splitlines()[-1]
         assert last.startswith("podrun: error:") and message in last, p.stderr[-2000:]
-        assert "Traceback" not in p.stderr
+        assert "Traceback" not in p.stderr and "restoring" not in p.stderr  # before the model loads
         assert not out.exists() and not os.path.exists(str(out) + ".partial")
+    # an embedded model is fetched only into ~/.cache/podrun/checkpoints, never into a mistyped path
+    p = podrun("runner.main", "--config=configs/smollm2_cpu.py", f"--config.checkpoint.path={root / 'typo'}",
+               f"--config.io.input={inp}", f"--config.io.output={out}", check=False)
+    assert p.returncode != 0 and not (root / "typo").exists()
+    assert p.stderr.strip().splitlines()[-1] == (
+        f"podrun: error: checkpoint.path={root / 'typo'} does not exist; checkpoint.fetch=smollm2-135m-instruct "
+        "fetches only into ~/.cache/podrun/checkpoints/ (convert a checkpoint into that path with python -m "
+        "runner.convert, or leave checkpoint.path to the config)")
     # a checkpoint whose weights disagree with its metadata
     meta = json.loads((root / "ck" / "podrun.json").read_text())
     meta["model"]["config"]["num_layers"] = 3

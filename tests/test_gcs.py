@@ -177,7 +177,7 @@ def test_everything_on_gcs_gives_the_local_results(gcs, setup):
     hits, misses = cache_counts(p.stderr)
     assert hits == 0 and misses > 0
     local = [json.loads(line) for line in setup.local.splitlines()]
-    assert local[5]["id"] == 5 and "not valid JSON" in local[5]["error"]
+    assert local[5]["id"] == 6 and "line 6 is not valid JSON" in local[5]["error"]  # 1-based
     for row, r in zip(setup.rows, local):
         if isinstance(row, dict) and "temperature" not in row:
             assert r["token_ids"] == hf_greedy(setup.hf, row["prompt_token_ids"], row["max_tokens"]), r["id"]

@@ -5,7 +5,6 @@ same file; tokenizer.json folders against PreTrainedTokenizerFast; tokenizer.mod
 sentencepiece and LlamaTokenizer; a sentencepiece-type GGUF against transformers' GGUF loader.
 """
 
-import argparse
 import io
 import json
 import os
@@ -22,7 +21,7 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from runner.tokenizer import TokenizerError, load_tokenizer, tokenizer_json_from_gguf
 
-SHAKESPEARE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "tinyshakespeare.txt")
+SHAKESPEARE = os.path.join(os.path.dirname(__file__), "data", "shakespeare.txt")
 
 TEXTS = [
     "Hello world",
@@ -174,9 +173,8 @@ TEMPLATE = """{%- set ns = namespace(turns=0) -%}
 
 
 def shakespeare_lines(n: int) -> list[str]:
-    """Training text: the shared tinyshakespeare, else (outside this workspace) argparse's source."""
-    path = SHAKESPEARE if os.path.isfile(SHAKESPEARE) else argparse.__file__
-    with open(path, encoding="utf-8") as f:
+    """Training text: Shakespeare (tests/data)."""
+    with open(SHAKESPEARE, encoding="utf-8") as f:
         return [line for _, line in zip(range(n), f)]
 
 

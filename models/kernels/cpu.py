@@ -40,6 +40,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -105,6 +106,8 @@ def build() -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if out.exists():
             return out
+        print(f"podrun: building the CPU kernels into {out} (once per machine)", file=sys.stderr,
+              flush=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             tmp_out = Path(tmp) / out.name
             cmd = [cxx, *flags, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(tmp_out)]

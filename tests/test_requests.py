@@ -1,0 +1,143 @@
+"""The request parser and the result writer under generated input (hypothesis): random bytes,
+random JSON, requests with fields of the wrong types, huge numbers, deep nesting and long lines.
+Every non-blank line gets exactly one result or one-line error, nothing raises, and what is
+written reads back as JSON, in input order, across a restart."""
+
+import json
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from runner.requests_io import FIELDS, FUTURE, INT32_MAX, Line, Results, parse_request, read_lines
+from runner.tokenizer import load_tokenizer
+from tests.test_tokenizer import bpe_folder  # noqa: F401 (a fixture: a BPE tokenizer with a chat template)
+
+VOCAB_SIZE = 400
+
+
+@pytest.fixture(scope="module")
+def tok(bpe_folder):  # noqa: F811
+    return load_tokenizer(bpe_folder)
+
+
+@pytest.fixture(scope="module")
+def s():
+    from configs.cpu import get_config
+    from runner.settings import from_config
+
+    c = get_config("/unused")
+    c.generation.max_prompt_len, c.generation.max_new_tokens = 64, 16
+    return from_config(c)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.integers(-2**80, 2**80)
+    | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=30),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+    max_leaves=12)
+messages = st.lists(st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "assistant", "system", "tool", "robot"]) | st.integers(),
+     "content": st.text(max_size=40) | json_values}), max_size=3)
+field_values = {
+    "id": json_values, "prompt": st.text(max_size=80) | json_values, "messages": messages | json_values,
+    "prompt_token_ids": st.lists(st.integers(-10, VOCAB_SIZE + 10) | st.integers(), max_size=80) | json_values,
+    "max_tokens": st.integers(-3, 40) | json_values, "temperature": st.floats() | json_values,
+    "top_p": st.floats() | json_values, "top_k": st.integers() | json_values,
+    "stop": st.text(max_size=5) | st.lists(st.text(max_size=5), max_size=3) | json_values,
+    "seed": st.integers() | json_values, "reasoning_effort": st.sampled_from(["low", "max"]),
+    **{k: json_values for k in FUTURE}, "max_tokenz": json_values, "": json_values}
+requests = st.fixed_dictionaries({}, optional=field_values)
+lines = st.one_of(
+    requests.map(json.dumps),
+    json_values.map(json.dumps),
+    st.binary(max_size=60).map(lambda b: b.replace(b"\n", b" ").decode("utf-8", "surrogateescape")),
+    st.text(max_size=60).map(lambda t: t.replace("\n", " ")),
+    st.integers(1, 50_000).map(lambda n: "[" * n + "]" * n),
+    st.integers(1, 200_000).map(lambda n: json.dumps({"prompt_token_ids": [1] * n})),
+)
+
+
+def check(p, number: int, s) -> None:
+    """What a parsed line may be: a one-line error, or a request that fits the deployment."""
+    if p.error:
+        assert isinstance(p.error, str) and "\n" not in p.error and len(p.error) < 500, p.error
+        return
+    g = s.generation
+    assert 0 < len(p.prompt_ids) <= g.max_prompt_len
+    assert all(isinstance(i, int) and 0 <= i < VOCAB_SIZE for i in p.prompt_ids)
+    assert 1 <= p.max_tokens <= g.max_new_tokens
+    assert math.isfinite(p.temperature) and p.temperature >= 0
+    assert 0 < p.top_p <= 1 and 0 <= p.top_k <= INT32_MAX
+    assert 0 <= p.seed < 2**32
+    assert all(isinstance(x, str) and x for x in p.stop)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(line=lines, number=st.integers(1, 10**6))
+def test_any_line_gets_one_result(tok, s, line, number):
+    p = parse_request(0, Line(number, line), tok, s, VOCAB_SIZE)
+    check(p, number, s)
+
+
+@settings(max_examples=300, deadline=None)
+@given(request=requests)
+def test_requests_without_a_tokenizer(s, request):
+    check(parse_request(0, Line(1, json.dumps(request)), None, s, VOCAB_SIZE), 1, s)
+
+
+def test_fields_and_typos_are_named(tok, s):
+    def error(d):
+        return parse_request(0, Line(3, json.dumps(d)), tok, s, VOCAB_SIZE).error
+
+    assert error({"prompt": "hi", "max_tokenz": 3}) == (
+        "unknown field 'max_tokenz': did you mean 'max_tokens'? request fields are " + ", ".join(FIELDS))
+    for later in FUTURE:
+        assert error({"prompt": "hi", later: 1}) == f"field {later!r} is not supported by this version of podrun"
+    assert error({"prompt_token_ids": [5, 400]}) == (
+        "prompt_token_ids[1]=400 is outside the vocabulary of 400 ids (0 to 399)")
+    assert error({"prompt": "hi", "stop": 5}) == "stop=5: give a non-empty string or a list of them"
+    assert error({"messages": [{"role": "robot", "content": "x"}]}).endswith("unknown role robot")
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=st.lists(lines | st.just("") | st.just("   \r"), min_size=1, max_size=25), cut=st.integers(0, 30),
+       crlf=st.booleans())
+def test_the_writer_keeps_every_line_in_order_across_a_restart(tok, s, tmp_path_factory, body, cut, crlf):
+    """Each non-blank line gets one result line, in order; results written before a restart are
+    kept, and the rest added after it."""
+    folder = tmp_path_factory.mktemp("w")
+    end = "\r\n" if crlf else "\n"
+    data = end.join(body).encode("utf-8", "surrogateescape")
+    (folder / "in.jsonl").write_bytes(data)
+    got = read_lines(str(folder / "in.jsonl"))
+    # a line ends at \n; a \r before it goes (the line's own last \r too, where it has one)
+    texts = [t if crlf and n < len(body) else t.removesuffix("\r") for n, t in enumerate(body, 1)]
+    assert [(x.number, x.text) for x in got] == [(n, t) for n, t in enumerate(texts, 1) if t.strip()]
+    out = str(folder / "out.jsonl")
+
+    def answer(results, indices):
+        rows = []
+        for i in indices:
+            p = parse_request(i, got[i], tok, s, VOCAB_SIZE)
+            check(p, got[i].number, s)
+            text = tok.decode(list(p.prompt_ids)) if not p.error else ""
+            rows.append((i, {"id": p.id, "error": p.error} if p.error else {"id": p.id, "text": text}))
+        results.add(rows)
+
+    first = Results(out, got)
+    first.open()
+    answer(first, range(min(cut, len(got))))  # then the process dies: no finish
+    second = Results(out, got)
+    assert sorted(second.done) == list(range(min(cut, len(got))))
+    second.open()
+    answer(second, [i for i in range(len(got)) if i not in second.done])
+    second.finish(len(got))
+    with open(out, encoding="utf-8") as f:
+        written = [json.loads(x) for x in f.read().split("\n") if x]
+    assert len(written) == len(got)
+    for line, r in zip(got, written):
+        p = parse_request(0, line, tok, s, VOCAB_SIZE)
+        assert json.dumps(r["id"]) == json.dumps(p.id)  # NaN too
+        assert ("error" in r) == bool(p.error)
