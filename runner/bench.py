@@ -60,7 +60,7 @@ from models.registry import Model
 from models.weights import is_lookup_table, is_weight
 from runner import hugepages
 from runner.engine import Completion, Engine, Request
-from runner.main import parse_flags, setup_devices
+from runner.main import parse_flags, read_config, setup_devices
 from runner.run import load_model
 from runner.settings import Settings, from_config
 from sharding.rules import Rules
@@ -452,12 +452,13 @@ def main(argv: list[str]) -> None:
     logging.set_verbosity(logging.WARNING)
     if len(argv) > 1:
         sys.exit(f"podrun bench: error: unexpected arguments {argv[1:]}")
-    if _CONFIG.value is None:
+    config = read_config(_CONFIG, "podrun bench")
+    if config is None:
         sys.exit("podrun bench: error: --config=configs/<deployment>.py is required")
     started = time.perf_counter()
     if _REQUESTS.value:
         try:
-            s = from_config(_CONFIG.value)
+            s = from_config(config)
             setup_devices(s)
             record = run_job(s, _REQUESTS.value)
         except USER_ERRORS as e:
@@ -472,7 +473,7 @@ def main(argv: list[str]) -> None:
             _write(record)
         return
     try:
-        s = from_config(_CONFIG.value)
+        s = from_config(config)
         setup_devices(s)
         work = Workload(_ints(_BATCH_SIZES.value, "batch_sizes"),
                         _ints(_PROMPT_LENS.value, "prompt_lens") or (_PROMPT_LEN.value,),

@@ -77,7 +77,8 @@ _ASKED, _HITS = "/jax/compilation_cache/compile_requests_use_cache", "/jax/compi
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         sys.exit(f"podrun: error: unexpected arguments {argv[1:]}")
-    if _CONFIG.value is None:
+    config = read_config(_CONFIG, "podrun")
+    if config is None:
         sys.exit("podrun: error: --config=configs/<deployment>.py is required")
     # Imported here so that absl has parsed flags before the library pulls in the backend.
     from runner import run
@@ -86,7 +87,7 @@ def main(argv: list[str]) -> None:
     from runner.settings import from_config
 
     try:
-        settings = from_config(_CONFIG.value)
+        settings = from_config(config)
         setup_devices(settings)
         say(f"{jax.device_count()} {jax.devices()[0].platform} devices, {jax.process_count()} process(es)")
         run.run(settings)
@@ -95,6 +96,19 @@ def main(argv: list[str]) -> None:
             say(f"compilation cache: {hits} hits, {_CACHE_EVENTS[_ASKED] - hits} misses")
     except (*USER_ERRORS, DistributedError) as e:
         sys.exit(f"podrun: error: {e}")
+
+
+def read_config(flag, tool: str):
+    """The --config flag's ConfigDict (None when not given). ml_collections defers a config file's
+    load error to the first attribute read, as a multi-line OSError: here it is one line."""
+    try:
+        config = flag.value
+        if config is not None:
+            config.get("checkpoint")
+    except OSError as e:
+        lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+        sys.exit(f"{tool}: error: --config: {lines[-1] if lines else e}")
+    return config
 
 
 def parse_flags(argv: list[str]) -> list[str]:
@@ -111,8 +125,11 @@ def parse_flags(argv: list[str]) -> list[str]:
         message = str(e)
         if message[:1] == message[-1:] == "'":
             message = message[1:-1]
-        message = message.replace("\\n", " ").replace("\\'", "'")
-        sys.exit(f"podrun: error: {message}")
+        message = message.replace("\\n", "\n").replace("\\'", "'")
+        lines = [x.strip() for x in message.splitlines() if x.strip()]
+        if "Traceback (most recent call last):" in lines:  # a config file's get_config raised
+            message = f"{lines[0]} {lines[-1]}"
+        sys.exit(f"podrun: error: {' '.join(message.split())}")
 
 
 def unknown_override(argv: list[str], detail: str) -> str:

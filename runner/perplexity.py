@@ -24,7 +24,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from runner.errors import USER_ERRORS
-from runner.main import parse_flags, setup_devices
+from runner.main import parse_flags, read_config, setup_devices
 from runner.run import load_model
 from runner.settings import Settings, from_config
 from runner.tokenizer import load_tokenizer
@@ -113,10 +113,11 @@ def main(argv: list[str]) -> None:
     logging.set_verbosity(logging.WARNING)
     if len(argv) > 1:
         sys.exit(f"podrun perplexity: error: unexpected arguments {argv[1:]}")
-    if _CONFIG.value is None or not _TEXT.value:
+    config = read_config(_CONFIG, "podrun perplexity")
+    if config is None or not _TEXT.value:
         sys.exit("podrun perplexity: error: --config=<deployment>.py and --text=<file> are required")
     try:
-        s = from_config(_CONFIG.value)
+        s = from_config(config)
         try:
             with open(_TEXT.value, encoding="utf-8") as f:
                 text = f.read()

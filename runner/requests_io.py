@@ -235,7 +235,10 @@ def read_lines(path: str) -> list[Line]:
         raise RequestFileError(f"io.input={path}: cannot read it ({type(e).__name__}: {e})") from e
     data = data.removeprefix(b"\xef\xbb\xbf")  # a byte-order mark some editors write
     lines = (raw.removesuffix(b"\r").decode("utf-8", "surrogateescape") for raw in data.split(b"\n"))
-    return [Line(n, text) for n, text in enumerate(lines, 1) if text.strip()]
+    out = [Line(n, text) for n, text in enumerate(lines, 1) if text.strip()]
+    if not out:
+        raise RequestFileError(f"io.input={path} holds no requests (every line is blank)")
+    return out
 
 
 def _dumps(row: dict) -> str:

@@ -179,8 +179,10 @@ def test_bad_setups_fail_in_one_line_and_write_nothing(kind, tmp_path_factory, t
     podrun("runner.convert", f"--source={root / 'hf'}", f"--output={root / 'ck'}")
     inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt_token_ids": [1, 2]}])
     out = tmp_path / "out.jsonl"
+    (tmp_path / "blank.jsonl").write_text("\n  \n")
     cases = {
         "checkpoint.path=/nonexistent: no such directory": ("--config.checkpoint.path=/nonexistent",),
+        f"io.input={tmp_path}/blank.jsonl holds no requests": (f"--config.io.input={tmp_path}/blank.jsonl",),
         "= 6 devices but 8 are visible": ("--config.mesh.data=6",),
         "'kv_heads' of size 4 does not divide over mesh axes model (8 shards)": ("--config.mesh.data=1", "--config.mesh.model=8"),
         "--config.generation.batchsize: the config has no field 'generation.batchsize'; did you mean "
@@ -197,6 +199,11 @@ def test_bad_setups_fail_in_one_line_and_write_nothing(kind, tmp_path_factory, t
         assert last.startswith("podrun: error:") and message in last, p.stderr[-2000:]
         assert "Traceback" not in p.stderr and "restoring" not in p.stderr  # before the model loads
         assert not out.exists() and not os.path.exists(str(out) + ".partial")
+    for config, message in (("configs/nonexistent.py", "--config: [Errno 2] No such file or directory"),
+                            ("configs/smollm2_cpu.py:mesh4", "takes no argument or :mesh8, not :mesh4")):
+        p = podrun("runner.main", f"--config={config}", check=False)
+        assert p.returncode != 0 and p.stderr.strip().count("\n") == 0, p.stderr[-2000:]
+        assert p.stderr.startswith("podrun: error:") and message in p.stderr
     # an embedded model is fetched only into ~/.cache/podrun/checkpoints, never into a mistyped path
     p = podrun("runner.main", "--config=configs/smollm2_cpu.py", f"--config.checkpoint.path={root / 'typo'}",
                f"--config.io.input={inp}", f"--config.io.output={out}", check=False)

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runner.requests_io import FIELDS, FUTURE, INT32_MAX, Line, Results, parse_request, read_lines
+from runner.requests_io import (FIELDS, FUTURE, INT32_MAX, Line, RequestFileError, Results, parse_request,
+                                read_lines)
 from runner.tokenizer import load_tokenizer
 from tests.test_tokenizer import bpe_folder  # noqa: F401 (a fixture: a BPE tokenizer with a chat template)
 
@@ -111,9 +112,13 @@ def test_the_writer_keeps_every_line_in_order_across_a_restart(tok, s, tmp_path_
     end = "\r\n" if crlf else "\n"
     data = end.join(body).encode("utf-8", "surrogateescape")
     (folder / "in.jsonl").write_bytes(data)
-    got = read_lines(str(folder / "in.jsonl"))
     # a line ends at \n; a \r before it goes (the line's own last \r too, where it has one)
     texts = [t if crlf and n < len(body) else t.removesuffix("\r") for n, t in enumerate(body, 1)]
+    if not any(t.strip() for t in texts):
+        with pytest.raises(RequestFileError, match="holds no requests"):
+            read_lines(str(folder / "in.jsonl"))
+        return
+    got = read_lines(str(folder / "in.jsonl"))
     assert [(x.number, x.text) for x in got] == [(n, t) for n, t in enumerate(texts, 1) if t.strip()]
     out = str(folder / "out.jsonl")
 
