@@ -49,23 +49,21 @@ def base_config() -> ConfigDict:
         "pallas_attention": False,
         # q/k/v as one matrix product and gate/up as another (models/fused.py): the checkpoint's
         # separate weights are fused once after restore. Same results either way; off because it
-        # measured slower: XLA:CPU runs separate products side by side on its two cores (peer
-        # model, batch 1: 4.39 ms per step separate, 5.03 fused), and GPT-OSS-20B decode on v5e
-        # accesses more bytes per step fused (21.5 GB against 20.7, AOT cost analysis).
+        # measured slower: XLA:CPU runs separate products side by side on its two cores, and
+        # GPT-OSS-20B's decode on v5e accesses more bytes per step fused (AOT cost analysis).
         "fuse_projections": False,
         # One loop over the layers (stacked weights and cache, models/scan.py) instead of
         # unrolling them: compile time stops growing with depth; see the bench for the speed.
         "scan_layers": False,
         # TPU: prefill attention in a Pallas flash kernel (models/kernels/tpu.py), which never
-        # holds a prompt's [T, T] scores in HBM (GPT-OSS-20B on v5e, prefill_1024 of 4 rows: peak
-        # 12.4 GiB per chip against 13.3; all 64 rows at once: 14.6 GiB, where XLA's attention
-        # needs 24.8 GiB of temporaries). Checked in interpret mode and compiled AOT for v5e.
+        # holds a prompt's [T, T] scores in HBM, where XLA's attention keeps them as temporaries.
+        # Checked in interpret mode and compiled AOT for v5e.
         "pallas_prefill": True,
         # The KV cache donated to each device call and updated in place (False: copied per call).
         "donate_cache": True,
         # CPU, Linux: the engine's weights and KV cache moved onto transparent huge pages (2 MiB,
-        # madvise MADV_COLLAPSE), fewer TLB misses as a decode step streams them (batch 1:
-        # 0.89-0.998x the step time, runner/hugepages.py).
+        # madvise MADV_COLLAPSE), fewer TLB misses as a decode step streams them
+        # (runner/hugepages.py).
         "huge_pages": True,
         # CPU, one device, float32 unembedding: greedy tokens from an int8 copy of it with error
         # bounds, and the few rows those cannot rule out in float32 (models/kernels/cpu.py,

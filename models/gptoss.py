@@ -241,10 +241,8 @@ def _experts_grouped(x, expert, weight, w, scales, c, policy, capacity):
     slot = jnp.where((sorted_e < E) & (rank < capacity), sorted_e * capacity + rank, E * capacity)
     # A few tokens (decode, short prefills) move into and out of the buckets as one-hot products:
     # a gather or scatter of single rows reads whole (16, 128) tiles of a bf16 array on TPU, by
-    # XLA's cost analysis 11x the bytes moved. The products' flops grow with M * E * C; at the
-    # bound, GPT-OSS-20B's prefill of 4 x 128 tokens on v5e counts 26.9 GB and 3530 GFLOP per
-    # chip through them, 34.6 GB and 2538 GFLOP through gathers: 33 against 42 ms of HBM time at
-    # 819 GB/s, with the flops (18 against 13 ms at 197 TFLOP/s) under it either way.
+    # XLA's cost analysis many times the bytes moved. The products' flops grow with M * E * C;
+    # up to ONE_HOT_DISPATCH they still cost less HBM time than the gathers, the flops under it.
     one_hot = M * E * capacity <= ONE_HOT_DISPATCH
     if one_hot:
         route = (slot[:, None] == jnp.arange(E * capacity)).astype(x.dtype)  # [A, E*C]
@@ -343,10 +341,9 @@ def _moe_shard(x, expert, weight, w, *, c: Config, policy: Policy, expert_axes, 
     x = x.reshape(B * T, D)
     local = local.reshape(B * T, -1)
     weight = weight.reshape(B * T, -1)
-    # Measured on CPU (D=F=512, E=32, k=4): gathering weights per assignment wins only while the
-    # assignments touch a small share of the experts (M=1: 5.0 ms vs 5.5 ms grouped; M=8: 62 ms vs
-    # 17 ms); grouping with a 2x-mean-load capacity beats running every expert densely 4x at
-    # M=256..1024 (42 vs 164 ms, 158 vs 660 ms) and jax.lax.ragged_dot by 10x.
+    # Gathering weights per assignment wins only while the assignments touch a small share of
+    # the experts; past that, grouping with a 2x-mean-load capacity beats running every expert
+    # densely and jax.lax.ragged_dot (docs/benchmarks/ has the measurements).
     if 4 * local.size <= E:
         y = _experts_gathered(x, jnp.where(mine.reshape(local.shape), local, 0), weight, w, scales,
                               c, policy)

@@ -116,7 +116,7 @@ class Policy:
     def rms_norm(self, x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
         """rms_norm, in one call of podrun's CPU kernel for a decode step's rows on one CPU
         device (float32; models/kernels/cpu.rms_norm), where XLA:CPU runs it as four small
-        operations with gaps between them (SmolLM2, profiled: about 4.6 us a norm, two a layer)."""
+        operations with gaps between them."""
         if self._product_kernel_applies(math.prod(x.shape[:-1]), x, weight):
             from models.kernels import cpu
 
@@ -125,13 +125,10 @@ class Policy:
 
     def _product_kernel_applies(self, rows: int, x: jax.Array, w: jax.Array) -> bool:
         """podrun's float32 product kernel (models/kernels/cpu.matmul_f32) for a decode step's
-        projections on one CPU device: up to PRODUCT_KERNEL_ROWS rows. XLA:CPU's dot ran a
-        batch-1 step's small products on one thread, and was slower at every row count up to 32
-        measured; the kernel splits each product over threads that spin between products. The
-        peer model's decode products alone, chained (f32, ms per step at 1 / 2 / 4 / 8 rows, two
-        runs): 3.4-3.5 / 3.4-3.7 / 3.8-4.1 / 4.5-5.0 against XLA's 5.0 / 6.5-6.6 / 9.0-10.3 /
-        10.9-12.1. At 64 and 128 rows (prefill) the kernel, which reads W once per 8 rows, lost
-        to XLA in the engine (peer prefill at batch 1: 37.8-38.6 ms against 34.2-34.3)."""
+        projections on one CPU device: up to PRODUCT_KERNEL_ROWS rows. XLA:CPU's dot runs a
+        decode step's small products on one thread; the kernel splits each product over threads
+        that spin between products. A prefill's many rows (the kernel reads W once per 8 rows)
+        go faster through XLA's dot."""
         if not (self.kernels and self.one_cpu_device and rows <= PRODUCT_KERNEL_ROWS):
             return False
         if x.dtype != jnp.float32 or w.dtype != jnp.float32:
@@ -276,12 +273,9 @@ class RopeTable(NamedTuple):
 
 def rope_table(positions: jax.Array, rope: Rope, dtype) -> RopeTable:
     """positions [B, T], once per forward pass. cos and sin go through a product with the
-    identity (exact), which XLA does not fuse into their consumers: fused, XLA:CPU computed them
-    again inside every layer's rotation of q and of k, for each head (an optimization barrier did
-    not stop it), 0.23 of the 4.8 ms a layer of the peer kit's model takes for a 128-token prompt
-    (its prefill, both forms alternated in one process: 0.94-0.97x the time at batch 1, 0.97x at
-    batch 8), and in a decode step 6.2 of SmolLM2's ~25 us of small operations a layer (1.8 as
-    values, profiled: 0.13 ms of a 15 ms step); the same tokens."""
+    identity (exact), which XLA does not fuse into their consumers: fused, XLA:CPU computes them
+    again inside every layer's rotation of q and of k, for each head (an optimization barrier
+    does not stop it)."""
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope.inv_freq())  # [B, T, dim/2]
     scale = rope.attention_scaling()
     cos = (jnp.cos(angles) * scale)[:, :, None, :].astype(dtype)
@@ -584,8 +578,8 @@ def _attention_kernel(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array
                       window: int | None = None, sinks: jax.Array | None = None,
                       scale: float | None = None) -> jax.Array:
     """`attention` over the cached block and the new keys in models/kernels: on CPU through XLA's
-    FFI (XLA:CPU spends ~45 us on each of a decode step's small attention products, 60 of them
-    per SmolLM2 step, and a prompt's attention went through transposes and masked [T, T] scores),
+    FFI (XLA:CPU spends tens of microseconds on each of a decode step's small attention products,
+    and takes a prompt's attention through transposes and masked [T, T] scores),
     on TPU in Pallas (the cache read once per kv head, flash-decoding style). On a sharded mesh it
     runs per (batch, kv-head) shard."""
     from models.kernels import cpu, tpu

@@ -5,10 +5,9 @@ A projection W, as a plain matrix [C, O] (its contracted dimensions C, its outpu
 as panels [ceil(O / 64), C, 64]: the 64 columns p*64 .. p*64+63 of every row, one panel after
 another, zero columns past O. The kernel (models/kernels/cpu.matmul_panels, cpu_matmul.cc) reads
 each thread's share of the panels front to back, one stream of memory, and keeps a panel's sums
-in registers across its rows: a batch-1 decode step's products (SmolLM2, in C++:
-benchmarks/chained_products.cc) took 9.93 ms against 12.81 in [C, O] at the machine's fast
-minutes, 13.89 against 15.58 at its slow ones; the same kernel runs a prefill's products, as fast
-as XLA's dot or faster (README).
+in registers across its rows, where [C, O] keeps a row's sums in memory and reads several streams
+at once; the same kernel runs a prefill's products, as fast as XLA's dot or faster
+(docs/cpu-kernels.md).
 
 The vocabulary's tables (the embedding looks up rows; the unembedding has its own greedy path)
 and GPT-OSS's experts (gathered per token) stay as restored.

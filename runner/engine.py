@@ -105,7 +105,7 @@ def buckets(max_prompt_len: int, smallest: int = 16) -> tuple[int, ...]:
 
 def first_max(logits: jax.Array) -> jax.Array:
     """jnp.argmax over the last axis (ties to the lowest index) as two plain reductions: XLA:CPU
-    runs argmax's paired (value, index) reduction element by element, 600 us for [8, 32000]."""
+    runs argmax's paired (value, index) reduction element by element, far slower."""
     V = logits.shape[-1]
     top = jnp.max(logits, axis=-1, keepdims=True)
     ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)

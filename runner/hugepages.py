@@ -7,14 +7,8 @@ buffers get no huge pages where the system leaves them to madvise (the common de
 the engine has placed its arrays, `collapse` asks the kernel to move them onto 2 MiB pages now
 (madvise MADV_COLLAPSE, Linux 6.1 and later): the contents and addresses stay as they are.
 
-Measured on the 2-core Zen 4 VM, each pair alternated in one process: a plain read of 162 MB by
-two threads 27.5 -> 35 GB/s (36 -> 55 and 39 -> 62 in quieter minutes); podrun's product kernel
-over chained weights of SmolLM2's and the peer kit's shapes 1.05-1.12x as fast; the batch-1 decode
-step (precision.huge_pages on against off, 12 rounds each) 0.89-0.99x the time for the peer kit's
-model (median 0.98x of 7 runs), 0.998x and 0.957x for SmolLM2, 0.954x for SmolLM2 in int8; once
-the one-row kernel stopped spilling registers (cpu_matmul.cc), 0.949x and 0.972x for the peer
-kit's model, 0.940x for SmolLM2. The products still read under what the memory gives a plain
-read, so part of the gain stays unused. Prefill, compute-bound: 1.000x and 0.994x over 40 rounds.
+Fewer TLB misses let a decode step's stream of weights read faster; a compute-bound prefill is
+unchanged (docs/benchmarks/cpu-fixed-shapes-2026.md has the measurements).
 """
 
 from __future__ import annotations

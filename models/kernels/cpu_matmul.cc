@@ -2,22 +2,16 @@
 //
 // matmul_f32: y[M, N] = x[M, K] . W for W[K, N], or x . W^T for W[N, K], float32, the few rows
 // of a decode step, split over a team of threads that spin between products (Team, cpu_kernels.h).
-// XLA:CPU's dot ran a batch-1 step's small products on one thread (210 chained 576 x 576
-// products: 7.5 ms on one core or two alike, 4.2 ms here) and was slower at 8 rows too (a
-// peer-model step's products: 10.9-12.1 ms against 4.5-5.0 here).
+// XLA:CPU's dot runs a decode step's small products on one thread, and is slower at 8 rows too.
 // matmul_nk_s8: y[M, N] = x[M, K] . W^T for the few rows a decode step has (M = batch), W[N, K]
 // int8 with a float32 scale per output row n (weight-only int8). Each weight byte is read once
 // per call and dequantised in registers, with every row of x (kept in L1/L2) applied to it; the
-// output rows are split over the team for one or two rows (SmolLM2 int8, batch 1: 5.8 against
-// 6.1-6.2 ms per step), over XLA's intra-op thread pool for more. XLA:CPU's own dot with an int8 operand
-// falls back to a slow loop. Accumulation is in float32 in the order k = 0..K-1 per lane.
+// output rows are split over the team for one or two rows, over XLA's intra-op thread pool for
+// more. XLA:CPU's own dot with an int8 operand falls back to a slow loop. Accumulation is in float32 in the order k = 0..K-1 per lane.
 // matmul_nk_s4: the same for W in 4 bits, groups of 32 along K with a float16 step and minimum
 // each (GGUF's Q4_1 numbers, precision.quantize=int4); activations and sums stay float32, so each
-// weight costs a conversion and an FMA: on the Zen 4 machine it runs out of compute (38 G weights
-// a second from cache, 54 for int8) before memory, and SmolLM2's batch-1 step is no faster than in
-// int8 (6.2-6.5 against 6.2-7.0 ms), in 104 against 144 MB. Tried and not kept: x as 24-bit
-// integers per group through vpdpwssd (AVX-512 VNNI), 1.33x the float32 rate on one thread with
-// the weights in cache, but 0.979x SmolLM2's int4 step (10 rounds alternated in one process).
+// weight costs a conversion and an FMA, and on a 2-core machine it runs out of compute before
+// memory: a decode step reads fewer bytes than int8's but is no faster.
 //
 // Built on first use by models/kernels/cpu.py (g++ -O3 -march=native) with cpu_attention.cc into
 // one library, and registered with XLA's FFI.
@@ -38,14 +32,9 @@ using namespace podrun;
 
 // NB rows of W at a time, with the rows two blocks on prefetched as they go: the rows of a block are
 // contiguous, and each pass over k asks for that block's share (NB x kLanes values) of memory. The
-// next block was too close to hide memory's latency at one row of x: SmolLM2's decode products in
-// int8 chained in C++ (alternated builds, 3 rounds), 22.1-25.4 GB/s asking one block ahead,
-// 25.9-30.2 two ahead, 24.8-27.8 three; no change at 2 and 8 rows of x nor for float32 W.
+// next block is too close to hide memory's latency at one row of x (two ahead measured best).
 // Rows of a few hundred bytes (int8 weights, head-sized K) are too short for the hardware
-// prefetcher to follow. SmolLM2's decode products chained, one row of x (medians of 10-20 passes
-// with and without, alternated in one process): int8 9.4 against 19.3 ms per step, float32 34.1
-// against 36.3; 2 / 4 / 8 rows int8 16.1 / 20.3 / 34.4 against 31.6 / 32.3 / 35.7, float32
-// 37.2 / 30.5 / 43.4 against 47.7 / 49.4 / 55.9.
+// prefetcher to follow, so without these requests such products read at half the speed.
 template <typename W, int MB, int NB>
 void nk_block(const float* x, int64_t ldx, const W* w, const float* scale, float* y, int64_t ldy,
               int64_t n0, int64_t K) {
