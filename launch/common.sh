@@ -243,3 +243,47 @@ need_podrun_args() {
 }
 
 default_dest() { DEST=${DEST:-$REPO_DIR/out/logs/$NAME}; }
+
+# The queued resource, created with the script's node flags ($@) and the capacity asked for.
+create_queued() {
+    local gcloud=(gcloud compute tpus queued-resources create) capacity=()
+    if ((SPOT)); then capacity=(--spot); fi
+    if ((BEST_EFFORT)); then
+        gcloud=(gcloud alpha compute tpus queued-resources create)
+        capacity=(--best-effort)
+    fi
+    cmd "${gcloud[@]}" "$NAME" "$@" "${LOCATION[@]}" "--accelerator-type=$TYPE" \
+        "--runtime-version=$RUNTIME" "${capacity[@]}"
+    wait_active
+}
+
+delete() {
+    local extra=()
+    if ((ASYNC)); then extra=(--async); fi
+    cmd gcloud compute tpus queued-resources delete "$NAME" "${LOCATION[@]}" --force --quiet "${extra[@]}"
+}
+
+# After parse_args: checks the command and its options, then runs it (the script's own create,
+# setup, run and logs; wait and delete from here). $@: the options create and logs require.
+dispatch() {
+    case $CMD in
+        "") usage_error "a command is required: create, wait, setup, run, logs, delete or hosts" ;;
+        hosts) workers; exit 0 ;;
+        create | wait | setup | run | logs | delete) ;;
+        *) usage_error "unknown command '$CMD'" ;;
+    esac
+    if [[ $CMD == run ]]; then need_podrun_args; elif ((${#PODRUN_ARGS[@]})); then
+        usage_error "only run takes arguments after --"
+    fi
+    case $CMD in
+        create | logs) require "$@" ;;
+        *) require --name --project --zone ;;
+    esac
+    if [[ $CMD == logs ]]; then workers >/dev/null; fi  # a bad --type fails before anything runs
+    need_gcloud
+    locate
+    case $CMD in
+        wait) wait_active ;;
+        *) "$CMD" ;;
+    esac
+}

@@ -59,17 +59,7 @@ Example (2 x v5litepod-16):
 EOF
 }
 
-create() {
-    local gcloud=(gcloud compute tpus queued-resources create) capacity=()
-    if ((SPOT)); then capacity=(--spot); fi
-    if ((BEST_EFFORT)); then
-        gcloud=(gcloud alpha compute tpus queued-resources create)
-        capacity=(--best-effort)
-    fi
-    cmd "${gcloud[@]}" "$NAME" "--node-count=$SLICES" "--node-prefix=$NAME" "${LOCATION[@]}" \
-        "--accelerator-type=$TYPE" "--runtime-version=$RUNTIME" "${capacity[@]}"
-    wait_active
-}
+create() { create_queued "--node-count=$SLICES" "--node-prefix=$NAME"; }
 
 setup() {
     make_tarball
@@ -103,30 +93,5 @@ logs() {  # scp cannot download from --worker=all: one copy a worker of each sli
     note "logs of $SLICES x $n worker(s) in $DEST/slice-<s>/worker-<i>/logs"
 }
 
-delete() {
-    local extra=()
-    if ((ASYNC)); then extra=(--async); fi
-    cmd gcloud compute tpus queued-resources delete "$NAME" "${LOCATION[@]}" --force --quiet "${extra[@]}"
-}
-
 parse_args "$@"
-case $CMD in
-    "") usage_error "a command is required: create, wait, setup, run, logs, delete or hosts" ;;
-    hosts) workers; exit 0 ;;
-    create | wait | setup | run | logs | delete) ;;
-    *) usage_error "unknown command '$CMD'" ;;
-esac
-if [[ $CMD == run ]]; then need_podrun_args; elif ((${#PODRUN_ARGS[@]})); then
-    usage_error "only run takes arguments after --"
-fi
-case $CMD in
-    create | logs) require --name --slices --project --zone ;;
-    *) require --name --project --zone ;;
-esac
-if [[ $CMD == logs ]]; then workers >/dev/null; fi  # a bad --type fails before anything runs
-need_gcloud
-locate
-case $CMD in
-    wait) wait_active ;;
-    *) "$CMD" ;;
-esac
+dispatch --name --slices --project --zone
