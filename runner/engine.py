@@ -487,7 +487,8 @@ class Engine:
             return np.asarray(first)[:n]
 
     def decode(self, stop_ids: Sequence[int] = ()) -> np.ndarray:
-        """steps_per_dispatch steps of every row: the tokens [B, steps] (-1 where a row was done)."""
+        """steps_per_dispatch steps of every row: the tokens [rows, steps] (-1 where a row was
+        done)."""
         with self._first_call(f"the decode step of {self.rows} rows"):
             emitted, self.cache, self.state = self._decode((self.params, self.screen), self.cache,
                                                            self.state, self._stop_array(stop_ids))

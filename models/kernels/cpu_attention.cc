@@ -115,8 +115,8 @@ void attend_one(const float* q, const C* kc, const C* vc, const float* ks, const
 
 // The G query heads of one kv head together, for head_dim = kLanes * HV: each visible key and value
 // row is loaded once for NG queries at a time, their dot products and weighted sums kept in
-// registers, where attend_one re-reads every row for every query (peer model, batch 8, in a decode
-// step: 68 us per call against 82). Only the visible rows (idx) are read.
+// registers, where attend_one re-reads every row for every query. Only the visible rows (idx) are
+// read.
 
 // Rows are read kAhead rows ahead of use: at batch 1 a layer's cache arrives cold from DRAM on a
 // single thread, and the hardware prefetcher alone leaves most of the bandwidth unused.
@@ -129,9 +129,8 @@ inline void prefetch_row(const C* r, int64_t H) {
 }
 
 // The scores go four rows at a time where their sums fit in registers beside the queries, each
-// query's four sums added across lanes together (hsum4): the horizontal sums had been most of
-// this loop (perf; SmolLM2's 3 query heads of a kv head over 190 rows in L3, the whole task in a
-// C++ loop: 2.37 -> 2.22 us).
+// query's four sums added across lanes together (hsum4): one horizontal sum a row per query
+// would be most of this loop.
 template <typename C, int HV, int NG>
 void group_scores(const float* q, const C* rows, const float* row_scale, const int32_t* idx,
                   int64_t n, float scale, float* s, int64_t ld, const C* ahead = nullptr) {
@@ -226,11 +225,8 @@ void softmax_rows(float* s, int64_t ld, int64_t n, const float* sinks, float (&i
 // the values go in column blocks of HB vectors, NG x HB sums in registers per pass over the rows,
 // so each pass reads its own cache lines of every row (L2 after the scores asked for them). The
 // keys are left to the hardware prefetcher: with the values asked for too, prefetching the keys
-// (kAhead, as above) measured 10-20% slower. One call over 2048 cold cache slots at batch 1 (32
-// layers' caches in turn, more than L3; two alternated runs), against one query head at a time:
-//   peer model (2 kv heads x 4 query heads):   323-337 ->  222-234 us
-//   SmolLM2 (3 x 3):                           446-483 ->  336-348 us
-//   GPT-OSS-20B's heads (8 x 8):             1533-1585 -> 1072-1128 us
+// (kAhead, as above) measured slower. Against one query head at a time, a third less time over a
+// cold cache.
 template <typename C, int HV, int NG>
 void wide_scores(const float* q, const C* rows, const float* row_scale, const int32_t* idx,
                  int64_t n, float scale, float* s, int64_t ld, const C* ahead = nullptr) {
@@ -542,10 +538,8 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, const 
     }
   };
   // A decode step's (row, kv head) tasks go to the team, which the products keep awake, the
-  // threads claiming them as they go: peer model, batch 1, decode step 3.02-3.70 -> 2.55-3.45 ms
-  // (three alternating runs each); XLA's pool took longer to wake than the work was worth, so
-  // they had run on this thread alone (batch 1), or mostly (SmolLM2 at batch 8: 185 us a layer,
-  // 96 on the team, profiled).
+  // threads claiming them as they go; XLA's pool takes longer to wake than the work is worth, so
+  // there they would run on this thread alone, or mostly.
   // A prefill's runs go to XLA's pool, taken one at a time (later runs see more keys).
   // In the product chain (kChainAttention, cpu_kernels.h's Chain), a step's call tells the
   // product before it which rows of the cache it reads (the slots in use, and this step's), for

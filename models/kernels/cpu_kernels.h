@@ -303,11 +303,7 @@ class Team {
   // kOwnShareAhead, helper `id` asks only for its own share, which it takes first in the next
   // call: lines one core fetched for another's share made that share slower to read at the
   // machine's fast minutes, when DRAM streams faster than one core takes lines from another's
-  // L2. SmolLM2 at batch 1, each product's time inside the kernel (us; alternated in one process,
-  // medians over a step's 30 layers), k, q, v, o, gate, up, down:
-  //   fast minutes:  every share  12.4 26.1 12.5 30.9 64.1 62.4 63.3
-  //                  own share     9.7 24.5  9.9 25.5 64.9 62.2 60.2
-  //                  none         10.7 24.8 10.7 25.1 65.7 64.3 61.9
+  // L2.
   //   slow minutes:  every share  11.0 37.2 12.0 36.6 96.8 99.7 98.4
   //                  own share    10.1 38.4 12.2 37.9 102.5 102.1 101.5
   //                  none         14.3 39.9 14.4 40.0 106.0 104.6 104.4
@@ -382,23 +378,11 @@ class Team {
 // followed its own last time (Team::Ahead), whose first bytes the helpers ask for once done, while
 // XLA runs the operations between two products and memory would idle. A wrong guess (a first
 // step, another device's calls in between) only reads memory in vain; calls that find the chain in
-// use skip it. benchmarks/product_options.py, alternating the settings round by round in one
-// process, ms per batch-1 decode step (median over rounds; median ratio to 'neither' in the same
-// round), on a machine whose step swung 20% between rounds:
-//   peer model, 30 rounds:  neither 5.90, chain 5.76 (0.981x), single rows 5.62 (0.931x), both
-//                           5.51 (0.951x)
-//   SmolLM2, 16 rounds:     neither 24.28, chain 23.64 (0.968x), single rows 23.05 (0.971x), both
-//                           23.36 (0.947x)
-// The peer model's products alone in a C++ loop, 4 us between them (13 us after v, for
-// attention), the chain on and off: 6.74 against 7.23 ms and 6.91 against 7.13.
+// use skip it. benchmarks/product_options.py measures it on and off.
 // Decode attention (cpu_attention.cc) joins the chain with kChainAttention: the product before it
 // hands the helpers its cache rows in use (keys and values), which arrive cold from DRAM every
 // step and which the attention's few streams read at one or two threads' bandwidth, and while the
-// caller finishes its heads the helpers ask for the next product's weights. SmolLM2 at batch 1,
-// profiled in one process: its attention 14.9-15.3 -> 9.6-9.9 us a layer at the fast minutes.
-// Its decode step (benchmarks/product_options.py, 30 rounds): attention in the chain 0.996x the
-// time of the products' chain alone, and with each helper's own share (kOwnShareAhead) 0.973x;
-// in the rounds at the fast minutes 9.1-10.3 ms against 10.2-12.2.
+// caller finishes its heads the helpers ask for the next product's weights.
 class Chain {
  public:
   static Team::Ahead next(const Team::Ahead& self) {

@@ -195,20 +195,12 @@ int64_t grain(int64_t n, int64_t unit, int64_t threads) {
 // Each thread reads its own contiguous parts of W's rows (in multiples of kKB, over_parts), a few
 // rows at a time in sweeps across all N columns (one stream of contiguous memory per row), into
 // the part's partial sums p[M, N] (part 0's are y); the caller adds them up after. Split by
-// columns instead, the threads read interleaved pieces of the same rows, which measured 15-20%
-// slower here. From 2 rows of x on, each W row is prefetched 512 bytes ahead (256 at 8 rows): the
-// peer model's decode products, chained, at 2 / 4 / 8 rows took 3.4-3.5 / 3.7-3.9 / 4.4-4.5 ms
-// per step against 4.0-4.3 / 4.6-4.9 / 5.5-6.9 without (at 1 row that prefetch measured slower,
-// 3.45-3.6 against 3.2-3.3 ms; and short rows go one at a time there, kSingleRows). At 1 row each
-// line of W asks instead for the line 4 KB on (single rows) or of the next sweep (48 KB on for
-// N = 1536) into L2 (kPrefetchRows): a core alone holds too few misses in flight to read at the
-// machine's bandwidth, and the hardware prefetcher asks too late. Batch-1 decode step, on and off
-// alternated in one process: 0.899x the time (peer model, 30 rounds), 0.915x (SmolLM2, 14).
-// Rows per sweep (kn_sweep_rows): 8 up to 4 rows of x, 16 at 8, where the reloads of p cost
-// more than the extra streams. In one process, sweeps of 16 and of 8 rows alternated pass by
-// pass (medians of 40-80 passes, ms per pass of the peer model's decode products): 1 row of x
-// 9.65 / 8.80, 9.19 / 8.40 and 8.07 / 7.26; 2 rows 8.68 / 7.59; with q/k/v and gate/up fused, 4
-// rows 10.46 / 9.39 and 8 rows 13.22 / 15.12. 4 rows per sweep measured as 8, 32 slower.
+// columns instead, the threads would read interleaved pieces of the same rows (slower). From 2
+// rows of x on, each W row is prefetched 512 bytes ahead (256 at 8 rows); at 1 row each line of W
+// asks instead for the line 4 KB on (single rows) or of the next sweep into L2 (kPrefetchRows): a
+// core alone holds too few misses in flight to read at the machine's bandwidth, and the hardware
+// prefetcher asks too late. Rows per sweep (kn_sweep_rows): 8 up to 4 rows of x, 16 at 8, where
+// the reloads of p cost more than the extra streams.
 
 constexpr int64_t kKB = 16;
 
@@ -217,16 +209,10 @@ constexpr int64_t kn_sweep_rows(int MB) { return MB >= 8 ? 16 : 8; }
 // Two ways of reading W that benchmarks/product_options.py measures on and off in one process
 // (cpu_kernels.h's options; both on by default): kChain, the team's helpers ask for the next
 // product's weights between products (cpu_kernels.h's Chain); kSingleRows, one row of x over rows
-// of W of at most kNarrow floats sweeps them a row at a time, a single stream of memory per thread.
-// In sweeps of 8 such rows each stream ends after a few lines, before the hardware prefetcher has
-// followed it. Chained products alone, in one process, GB/s with sweeps of 8 (whose rows, in this
-// measurement, also asked for the next sweep's) / of 1 row (two alternated runs each): [K, N] =
-// [1536, 576] 22.9 / 28.8, 22.4 / 26.5; [576, 576] 22.7 / 29.7, 23.5 / 26.0; [576, 192] 22.3 /
-// 31.9, 22.5 / 31.7; [512, 512] 23.9 / 29.5, 23.6 / 26.7. Wider rows kept their sweeps of 8: [768,
-// 768] 22.8 / 25.8, 24.3 / 23.6; [512, 1024] 25.5 / 23.7, 25.1 / 24.2; [576, 1536] 27.7 / 25.5; the
-// unembedding [512, 32000] 34.6 / 24.2. At 2 rows of x single rows lost for N = 128-192 (25.9 /
-// 22.6) and gained 10-15% for N = 512-576.
-constexpr int64_t kRowsAheadBytes = 4096;  // 8 KB measured as 4, 16 slower, in a C++ loop
+// of W of at most kNarrow floats sweeps them a row at a time, a single stream of memory per thread:
+// in sweeps of 8 such short rows each stream ends before the hardware prefetcher has followed it.
+// Wider rows keep their sweeps of 8, which read faster there.
+constexpr int64_t kRowsAheadBytes = 4096;
 constexpr int64_t kNarrow = 640;
 
 // Columns [c, c + VB * kLanes) of p over rows [k0, k0 + kb) of w, MB x VB sums in registers.
@@ -259,11 +245,7 @@ template <int MB>
 void kn_sweep(const float* x, int64_t K, const float* w, int64_t N, float* p, int64_t c0,
               int64_t c1, int64_t k0, int64_t kb, bool first, int64_t next) {
   // MB x VB sums in half the registers, VB more for the row of W; at one row of x, a quarter
-  // (16 sums and 16 loads took every register and more, so the compiler spilled): SmolLM2's and
-  // the peer model's shapes chained in C++, alternated builds, 1.03-1.18x as fast where N <= 640
-  // ([576, 576], [1536, 576], [1536, 512]), wide ones no slower; the batch-1 decode step, both
-  // alternated in one process, 0.886x and 0.946x the time (peer model, 16 rounds), 0.938x
-  // (SmolLM2, 10 rounds), the same tokens.
+  // (16 sums and 16 loads take every register and more, so the compiler spills).
   constexpr int VB = MB == 1 ? kVecRegs / 4 : std::max(1, kVecRegs / 2 / MB);
   int64_t c = c0;
   for (; c + VB * kLanes <= c1; c += VB * kLanes) kn_block<MB, VB>(x, K, w, N, p, c, k0, kb, first, next);
@@ -314,9 +296,8 @@ void kn_all(const float* x, const float* w, float* p, int64_t M, int64_t N, int6
 // 8 parts a thread (at most max_parts) that the threads claim as they go (Team::claim), so a
 // thread that finishes early takes the end of another's share; else one fixed share a thread.
 // Either way each thread starts at the front of its share, which tells the helpers what to read
-// ahead of the next product. Claimed against fixed shares, alternated in one process (20-40
-// rounds), the batch-1 decode step took 0.944x and 0.980x the time (peer model), 0.948x (SmolLM2):
-// in a C++ loop of [1536, 576] products the fixed halves had finished a median 10-60 us apart.
+// ahead of the next product. Fixed halves finish tens of microseconds apart, which claiming
+// recovers.
 constexpr int64_t kAnyParts = int64_t(1) << 30;
 
 template <typename Body>
@@ -355,7 +336,7 @@ int64_t over_parts(const void* w, int64_t rows, int64_t unit, int64_t row_bytes,
 // y[M, N] = x[M, K] . W, over the team. W[K, N]: part c of W's rows sums into its own p[M, N]
 // (part 0's is y) and y adds up the others in their order, so the sums are the same whichever
 // thread took a part; claimed parts up to 2 rows of x, their sums held to 64K floats (at 8 rows
-// adding them up cost more than the balance gained: the peer model's step 1.02x the time).
+// adding them up costs more than the balance gains).
 void matmul_f32(const float* xp, const float* wp, float* yp, int64_t M, int64_t N, int64_t K,
                 bool w_nk) {
   if (w_nk) {
@@ -415,19 +396,16 @@ ffi::Error MatmulF32(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
 // rows of k) front to back, one stream of memory, as a plain read does, holding the panel's
 // kPanel sums of each row of x in registers over k. Read in [K, N] instead, a row of x keeps
 // its sums in memory (kn_sweep: a load and a store of them for every few rows of W), and the
-// threads' reads of W are several streams or restart at each sweep. SmolLM2's batch-1 decode
-// products chained in C++ with gaps between them (benchmarks/chained_products.cc), at the
-// machine's fast minutes (a plain two-thread read at 56.7 GB/s): 9.93 ms a step in panels against
-// 12.81 in [K, N]; at its slow minutes (31.6 GB/s) 13.89 against 15.58. A decode step's product
+// threads' reads of W are several streams or restart at each sweep (benchmarks/chained_products.cc
+// compares the two). A decode step's product
 // (up to 8 rows of x) splits each panel into as many runs of k as give the team 8 units a thread,
 // which the threads claim (Team::claim) and whose sums add up in k's order; more rows (a prefill)
 // go through XLA's pool in units of a panel and up to kGroupRows rows of x, blocks of kPanelRows
 // rows of x against runs of kPanelK rows of the panel, which stays in L2 across the blocks.
 constexpr int64_t kPanel = 64, kPanelK = 256, kGroupRows = 48;
 // From 2 rows of x on, each row of a panel asks for the row 16 on (4 KB): at 8 rows a product's
-// arithmetic no longer hides memory's latency behind the hardware prefetcher. Decode step, on and
-// off alternated in one process (8 rounds): batch 8 0.827x and 0.866x the time (SmolLM2), 0.832x
-// (peer kit's model); batch 4 0.978x, batch 2 0.956x (SmolLM2); at one row 1.004x, so not there.
+// arithmetic no longer hides memory's latency behind the hardware prefetcher; at one row it does
+// not help, so not there.
 constexpr int64_t kPanelAhead = 16 * kPanel;
 constexpr int kPanelVecs = int(kPanel / kLanes);
 constexpr int64_t kPanelRows = 6;
@@ -814,7 +792,7 @@ ffi::Error GreedyScreened(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi:
 //
 // y[m] = (x[m] / sqrt(mean(x[m]^2) + eps)) * w for each row of x [M, D], as models/layers.rms_norm
 // computes it, in one call: XLA:CPU ran it as four operations (the squares, a partial sum, its
-// total and rsqrt, the scaling), about 1 us each with the gaps between them, twice a layer.
+// total and rsqrt, the scaling), each with its own gap, twice a layer.
 ffi::Error RmsNorm(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y,
                    float eps) {
   auto xd = x.dimensions();
