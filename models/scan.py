@@ -83,8 +83,8 @@ def run_layers(params: dict, x: jax.Array, cache: KVCache, start: Any, rules: Ru
     last_only: only the last position's output is wanted (a prompt's first token). The final
     layer is then called with last=True: it writes every position's keys and values to the cache
     and attends for every query, but takes the rest of its work (output projection, MLP) for the
-    last position alone, returning x [B, 1, D]. The peer kit's 8-layer model spends about a tenth
-    of a 128-token prompt's flops there. Scanned, the loop stops one period short and the final
+    last position alone, returning x [B, 1, D]: for a short prompt of a shallow model, a good
+    share of its flops. Scanned, the loop stops one period short and the final
     period runs after it, unrolled.
     """
     last_only = last_only and x.shape[1] > 1  # one position (decode): nothing to trim

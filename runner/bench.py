@@ -15,9 +15,8 @@ Measured (medians over --reps, after a warm-up that compiles every timed shape):
   ttft_s           time to first token inside the new_tokens generation (the engine's own clock)
   decode tokens/s  B*(N-1) / decode_s; decode_step_s = decode_s / (N-1), where decode_s is the time
                    from the first tokens to the last inside the new_tokens generation (the engine's
-                   clock). The peer kit's T(N) - T(1) (benchmarks/peer_podrun.py) differs by the
-                   noise of two separate prefills: a 2040-token prompt with 8 new tokens gave
-                   1.9 ms decode steps by T(N) - T(1) in one run, 16.3 ms on the engine's clock.
+                   clock), not T(N) - T(1) of two separate generations, which carries the noise
+                   of two prefills.
   compile_s        warm-up wall time less one timed run of each shape (compilation, or loading it
                    from the persistent compilation cache)
 Roofline of one decode step: bytes_per_step = weights a token must read (all of them, except that

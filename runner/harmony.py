@@ -266,7 +266,7 @@ def _encode(tokenizer, text: str) -> list[int]:
 
 
 @dataclasses.dataclass
-class Parsed:
+class Channels:
     """A completion by channel. Several messages on one channel are joined by a newline."""
 
     text: str  # the final channel's content ("" if none)
@@ -281,7 +281,7 @@ _HEADER_ENDS = frozenset((MESSAGE, START, END, RETURN, CALL))
 _CONTENT_ENDS = frozenset((END, RETURN, CALL, START, CHANNEL))  # the last two: <|end|> left out
 
 
-def parse(completion_ids: Sequence[int], tokenizer) -> Parsed:
+def parse(completion_ids: Sequence[int], tokenizer) -> Channels:
     """Splits a completion of a prompt that `render` ended with `<|start|>assistant` into its
     channels, as openai-harmony's parse_messages_from_completion_tokens(..., Role.ASSISTANT)
     does. Never raises: a completion cut off, or out of the grammar, keeps what could be read
@@ -348,7 +348,7 @@ def parse(completion_ids: Sequence[int], tokenizer) -> Parsed:
         pos, needs_role = stop + 2, True
         if pos == n:
             errors.append("cut off in a message header")
-    return Parsed(text="\n".join(by_channel["final"]), reasoning="\n".join(by_channel["analysis"]),
+    return Channels(text="\n".join(by_channel["final"]), reasoning="\n".join(by_channel["analysis"]),
                   commentary="\n".join(by_channel["commentary"]), complete=complete,
                   error="; ".join(dict.fromkeys(errors)), raw=_decode(tokenizer, ids))
 

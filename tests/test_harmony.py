@@ -26,7 +26,7 @@ from openai_harmony import (
 )
 
 from runner import harmony
-from runner.harmony import STOP_TOKEN_IDS, HarmonyOptions, Parsed, parse, render
+from runner.harmony import STOP_TOKEN_IDS, HarmonyOptions, Channels, parse, render
 from runner.sources import fetch_pypi_member
 from runner.tokenizer import load_tokenizer
 
@@ -254,7 +254,7 @@ COMPLETIONS = {
 
 
 def reference_parse(messages) -> dict:
-    """openai-harmony's messages as Parsed's fields: each channel's contents joined by newlines."""
+    """openai-harmony's messages as Channels's fields: each channel's contents joined by newlines."""
     out = {}
     for field, channel in (("text", "final"), ("reasoning", "analysis"), ("commentary", "commentary")):
         out[field] = "\n".join(m.content[0].text for m in messages if m.channel == channel)
@@ -265,7 +265,7 @@ def harmony_parse(enc, ids, strict=True) -> dict:
     return reference_parse(enc.parse_messages_from_completion_tokens(ids, Role.ASSISTANT, strict=strict))
 
 
-def fields(p: Parsed) -> dict:
+def fields(p: Channels) -> dict:
     return {"text": p.text, "reasoning": p.reasoning, "commentary": p.commentary}
 
 
