@@ -141,8 +141,8 @@ def parse_request(index: int, line: Line, tokenizer, s: Settings, vocab_size: in
         top_p = _number(d, "top_p", samp.top_p, float, lambda v: 0 < v <= 1)
         top_k = _number(d, "top_k", samp.top_k, int, lambda v: 0 <= v <= INT32_MAX)
         seed = _number(d, "seed", samp.seed, int, lambda v: True)
-        stop = d.get("stop") or ()
-        stop = (stop,) if isinstance(stop, str) else stop
+        stop = d.get("stop")
+        stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
         if not isinstance(stop, list | tuple) or not all(isinstance(x, str) and x for x in stop):
             raise ValueError(f"stop={_short(d['stop'])}: give a non-empty string or a list of them")
         ids = _prompt_ids(d, tokenizer, vocab_size, render_chat)
