@@ -35,13 +35,12 @@ from ml_collections import config_flags  # noqa: E402
 
 from runner import bench, convert  # noqa: E402
 from runner.engine import Request  # noqa: E402
-from runner.main import parse_flags, setup_devices  # noqa: E402
+from runner.cli import parse_flags, setup_devices  # noqa: E402
 from runner.run import load_model  # noqa: E402
 from runner.settings import from_config  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
-    "config", os.path.join(ROOT, "configs", "cpu.py"), "deployment config file", lock_config=True,
-    allow_override=True)
+    "config", os.path.join(ROOT, "configs", "cpu.py"), "deployment config file", lock_config=True)
 
 
 def main(argv: list[str]) -> None:

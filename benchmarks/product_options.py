@@ -34,12 +34,12 @@ from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from runner import bench  # noqa: E402
-from runner.main import parse_flags, setup_devices  # noqa: E402
+from runner.cli import parse_flags, setup_devices  # noqa: E402
 from runner.run import load_model  # noqa: E402
 from runner.settings import from_config  # noqa: E402
 
-_CONFIG = config_flags.DEFINE_config_file(  # runner.main defines one too
-    "config", None, "deployment config file", lock_config=True, allow_override=True)
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "deployment config file", lock_config=True)
 _BATCH = flags.DEFINE_integer("batch_size", 1, "rows")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 128, "prompt length (tokens)")
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 128, "tokens generated per row")

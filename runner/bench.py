@@ -59,23 +59,21 @@ from models.registry import Model
 from models.weights import is_lookup_table, is_weight
 from runner import hugepages
 from runner.engine import Completion, Engine, Request
-from runner.main import parse_flags, read_config, setup_devices
+from runner.cli import parse_flags, read_config, setup_devices
 from runner.run import load_model
 from runner.settings import Settings, from_config
 from sharding.rules import Rules
 
 if __name__ == "__main__":  # flags of this command only, so the module can be imported
-    # allow_override: runner.main and runner.convert (imported above) define --config and --output
-    # for their own commands.
     _CONFIG = config_flags.DEFINE_config_file("config", None, "deployment config file",
-                                              lock_config=True, allow_override=True)
+                                              lock_config=True)
     _BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "8"], "batch sizes to measure")
     _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 128, "prompt length (tokens)")
     _PROMPT_LENS = flags.DEFINE_list("prompt_lens", [], "several prompt lengths (replaces --prompt_len)")
     _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 128, "tokens generated per row")
     _REPS = flags.DEFINE_integer("reps", 3, "timed repetitions per shape (medians are reported)")
     _SEED = flags.DEFINE_integer("seed", 1234, "seed of the random prompts")
-    _OUTPUT = flags.DEFINE_string("output", "", "write the records as JSON here", allow_override=True)
+    _OUTPUT = flags.DEFINE_string("output", "", "write the records as JSON here")
     _BANDWIDTH = flags.DEFINE_float("bandwidth_gbps", 0.0, "memory read bandwidth for MBU (0 = measure)")
     _PEAK = flags.DEFINE_float("peak_gflops", 0.0, "peak flops for MFU, GFLOP/s (0 = measure)")
     _PROBE_MIB = flags.DEFINE_integer("probe_mib", 512, "array size of the bandwidth measurement")

@@ -24,10 +24,6 @@ from runner import checkpoint, sources, tokenizer
 from sharding.mesh import MeshShape, make_mesh
 from sharding.rules import Rules
 
-_SOURCE = flags.DEFINE_string("source", None, "HF checkpoint folder (config.json + safetensors) or .gguf file")
-_RANDOM = flags.DEFINE_string("random", None, "family:preset to initialise randomly instead of --source")
-_OUTPUT = flags.DEFINE_string("output", None, "directory to write the podrun checkpoint to")
-_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "stored weight dtype")
 
 
 def convert(source: str, output: str, dtype: str = "float32") -> checkpoint.Metadata:
@@ -97,5 +93,12 @@ def main(argv: list[str]) -> None:
     print(f"converted {_SOURCE.value or _RANDOM.value} -> {_OUTPUT.value}: {meta.model.family} {meta.model.config}")
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # flags of this command only, so the module can be imported
+    _SOURCE = flags.DEFINE_string("source", None,
+                                  "HF checkpoint folder (config.json + safetensors) or .gguf file")
+    _RANDOM = flags.DEFINE_string("random", None,
+                                  "family:preset to initialise randomly instead of --source")
+    _OUTPUT = flags.DEFINE_string("output", None, "directory to write the podrun checkpoint to")
+    _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"],
+                               "stored weight dtype")
     app.run(main)

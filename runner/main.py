@@ -5,73 +5,15 @@
 
 from __future__ import annotations
 
-import collections
-import os
-import socket
 import sys
-import time
 
 import jax
 from absl import app
 from ml_collections import config_flags
 
+from runner.cli import DistributedError, cache_counts, parse_flags, read_config, setup_devices
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "deployment config file", lock_config=True)
-
-
-def setup_devices(s) -> None:
-    """Before the backend starts: simulated CPU devices, the persistent compilation cache, and
-    jax.distributed when several processes share the mesh."""
-    from runner.log import quiet
-
-    quiet()
-    if s.num_cpu_devices > 0:
-        jax.config.update("jax_num_cpu_devices", s.num_cpu_devices)
-    d = s.distributed
-    timeouts = dict(initialization_timeout=d.timeout_s, heartbeat_timeout_seconds=d.heartbeat_timeout_s)
-    if d.mode == "auto" and d.coordinator:
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes only
-        if d.process_id != 0:  # process 0 serves the coordinator; the others must reach it
-            wait_for_coordinator(d.coordinator, d.process_id, d.timeout_s)
-        jax.distributed.initialize(d.coordinator, d.num_processes, d.process_id, **timeouts)
-    elif d.mode == "auto" and "," in os.environ.get("TPU_WORKER_HOSTNAMES", ""):  # a TPU VM pod
-        jax.distributed.initialize(**timeouts)
-    cache_dir = s.compilation_cache_dir
-    if cache_dir:
-        from runner.requests_io import check_bucket, is_remote
-
-        check_bucket(cache_dir, "compilation_cache.dir")  # jax would create a missing bucket
-        os.makedirs(cache_dir, exist_ok=True) if not is_remote(cache_dir) else None
-        jax.config.update("jax_compilation_cache_dir", cache_dir)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-        jax.monitoring.register_event_listener(lambda event, **_: _CACHE_EVENTS.update([event]))
-
-
-class DistributedError(RuntimeError):
-    """The other processes of a multi-process run cannot be reached."""
-
-
-def wait_for_coordinator(address: str, process_id: int, timeout_s: int) -> None:
-    """Waits until the coordinator's port answers. jax, when it cannot register, aborts the process
-    with a C++ stack trace; this says instead what is wrong, after the same timeout."""
-    host, _, port = address.rpartition(":")
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
-                return
-        except OSError as e:
-            if time.monotonic() > deadline:
-                raise DistributedError(
-                    f"process {process_id}: distributed.coordinator={address} did not answer within "
-                    f"distributed.timeout_s={timeout_s} s ({e.strerror or e}); is process 0 running "
-                    "there, and is the address right?") from e
-            time.sleep(0.5)
-
-
-# jax's compilation-cache events: compiles that asked the cache, and those it answered.
-_CACHE_EVENTS: collections.Counter = collections.Counter()
-_ASKED, _HITS = "/jax/compilation_cache/compile_requests_use_cache", "/jax/compilation_cache/cache_hits"
 
 
 def main(argv: list[str]) -> None:
@@ -92,63 +34,10 @@ def main(argv: list[str]) -> None:
         say(f"{jax.device_count()} {jax.devices()[0].platform} devices, {jax.process_count()} process(es)")
         run.run(settings)
         if settings.compilation_cache_dir:  # misses: compiled by XLA because the cache had no entry
-            hits = _CACHE_EVENTS[_HITS]
-            say(f"compilation cache: {hits} hits, {_CACHE_EVENTS[_ASKED] - hits} misses")
+            hits, misses = cache_counts()
+            say(f"compilation cache: {hits} hits, {misses} misses")
     except (*USER_ERRORS, DistributedError) as e:
         sys.exit(f"podrun: error: {e}")
-
-
-def read_config(flag, tool: str):
-    """The --config flag's ConfigDict (None when not given). ml_collections defers a config file's
-    load error to the first attribute read, as a multi-line OSError: here it is one line."""
-    try:
-        config = flag.value
-        if config is not None:
-            config.get("checkpoint")
-    except OSError as e:
-        lines = [x.strip() for x in str(e).splitlines() if x.strip()]
-        sys.exit(f"{tool}: error: --config: {lines[-1] if lines else e}")
-    return config
-
-
-def parse_flags(argv: list[str]) -> list[str]:
-    """absl's parser, with a misspelt --config override reported in one line."""
-    from absl import flags
-
-    try:
-        return flags.FLAGS(argv)
-    except (AttributeError, KeyError) as e:  # ml_collections: an override of a field not there
-        inner = e.args[0] if e.args else ""  # AttributeError wraps the KeyError of a nested field
-        inner = inner.args[0] if isinstance(inner, KeyError) and inner.args else inner
-        sys.exit(f"podrun: error: {unknown_override(argv, str(inner))}")
-    except flags.Error as e:
-        message = str(e)
-        if message[:1] == message[-1:] == "'":
-            message = message[1:-1]
-        message = message.replace("\\n", "\n").replace("\\'", "'")
-        lines = [x.strip() for x in message.splitlines() if x.strip()]
-        if "Traceback (most recent call last):" in lines:  # a config file's get_config raised
-            message = f"{lines[0]} {lines[-1]}"
-        sys.exit(f"podrun: error: {' '.join(message.split())}")
-
-
-def unknown_override(argv: list[str], detail: str) -> str:
-    """One line naming the --config.* override whose field does not exist, from ml_collections'
-    message ("'foo'", or "'batch_sizee' Did you mean "batch_size" ...")."""
-    import re
-
-    named = re.search(r"'([^']+)'", detail)
-    name = named.group(1) if named else detail
-    hint = re.search(r'Did you mean "([^"]+)"', detail)
-    for arg in argv:
-        flag = arg.split("=", 1)[0]
-        if flag.startswith("--config.") and name in flag.removeprefix("--config.").split("."):
-            path = flag.removeprefix("--config.")
-            where = path[: path.index(name) + len(name)]
-            did = f"; did you mean {hint.group(1)!r}?" if hint else ""
-            return (f"{flag}: the config has no field {where!r}{did} (configs/base.py lists "
-                    "the fields)")
-    return f"no config field {name!r} (configs/base.py lists the fields)"
 
 
 if __name__ == "__main__":

@@ -24,14 +24,14 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from runner.errors import USER_ERRORS
-from runner.main import parse_flags, read_config, setup_devices
+from runner.cli import parse_flags, read_config, setup_devices
 from runner.run import load_model
 from runner.settings import Settings, from_config
 from runner.tokenizer import load_tokenizer
 
 if __name__ == "__main__":
     _CONFIG = config_flags.DEFINE_config_file("config", None, "deployment config file",
-                                              lock_config=True, allow_override=True)
+                                              lock_config=True)
     _TEXT = flags.DEFINE_string("text", None, "a UTF-8 text file")
     _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 8192, "tokens of the text to score")
     _WINDOW = flags.DEFINE_integer("window", 512, "tokens per window (the context of a prediction)")
