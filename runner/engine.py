@@ -459,6 +459,8 @@ class Engine:
                stop_ids: Sequence[int] = ()) -> np.ndarray:
         """Prefills `requests` into the free cache rows `rows` (one each; as many as an insert
         size, padded to the next one otherwise) and returns their first tokens."""
+        if self.rows != self.batch_size:
+            raise RuntimeError("insert after shrink: reset the engine first")
         n = len(requests)
         if not 0 < n == len(rows) or n > self.insert_sizes[-1]:
             raise ValueError(f"insert takes 1..{self.insert_sizes[-1]} requests, one row each")
@@ -472,8 +474,6 @@ class Engine:
             positions[i, P - len(r.prompt):] = np.arange(len(r.prompt))
         pad = [Request((0,), 1)] * (R - n)
         every = list(requests) + pad
-        if self.rows != self.batch_size:
-            raise RuntimeError("insert after shrink: reset the engine first")
         host = Prompts(tokens, positions, np.array(list(rows) + [self.batch_size] * (R - n), np.int32),
                        np.array([r.max_tokens for r in every], np.int32),
                        np.array([r.seed for r in every], np.uint32),

@@ -60,32 +60,38 @@ lines = st.one_of(
 )
 
 
-def check(p, number: int, s) -> None:
-    """What a parsed line may be: a one-line error, or a request that fits the deployment."""
+def problems(p, s) -> list[str]:
+    """What is wrong with a parsed line ([] when nothing): it must be a one-line error, or a
+    request that fits the deployment."""
     if p.error:
-        assert isinstance(p.error, str) and "\n" not in p.error and len(p.error) < 500, p.error
-        return
+        ok = isinstance(p.error, str) and "\n" not in p.error and len(p.error) < 500
+        return [] if ok else [f"error {p.error!r} is not one short line"]
     g = s.generation
-    assert 0 < len(p.prompt_ids) <= g.max_prompt_len
-    assert all(isinstance(i, int) and 0 <= i < VOCAB_SIZE for i in p.prompt_ids)
-    assert 1 <= p.max_tokens <= g.max_new_tokens
-    assert math.isfinite(p.temperature) and p.temperature >= 0
-    assert 0 < p.top_p <= 1 and 0 <= p.top_k <= INT32_MAX
-    assert 0 <= p.seed < 2**32
-    assert all(isinstance(x, str) and x for x in p.stop)
+    checks = {
+        "prompt length": 0 < len(p.prompt_ids) <= g.max_prompt_len,
+        "prompt ids in the vocabulary": all(isinstance(i, int) and 0 <= i < VOCAB_SIZE
+                                            for i in p.prompt_ids),
+        "max_tokens": 1 <= p.max_tokens <= g.max_new_tokens,
+        "temperature": math.isfinite(p.temperature) and p.temperature >= 0,
+        "top_p and top_k": 0 < p.top_p <= 1 and 0 <= p.top_k <= INT32_MAX,
+        "seed": 0 <= p.seed < 2**32,
+        "stop strings": all(isinstance(x, str) and x for x in p.stop),
+    }
+    return [name for name, ok in checks.items() if not ok]
 
 
 @settings(max_examples=400, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(line=lines, number=st.integers(1, 10**6))
 def test_any_line_gets_one_result(tok, s, line, number):
     p = parse_request(0, Line(number, line), tok, s, VOCAB_SIZE)
-    check(p, number, s)
+    assert not problems(p, s), (p, problems(p, s))
 
 
 @settings(max_examples=300, deadline=None, derandomize=True)
 @given(request=requests)
 def test_requests_without_a_tokenizer(s, request):
-    check(parse_request(0, Line(1, json.dumps(request)), None, s, VOCAB_SIZE), 1, s)
+    p = parse_request(0, Line(1, json.dumps(request)), None, s, VOCAB_SIZE)
+    assert not problems(p, s), (p, problems(p, s))
 
 
 def test_fields_and_typos_are_named(tok, s):
@@ -131,7 +137,7 @@ def test_the_writer_keeps_every_line_in_order_across_a_restart(tok, s, tmp_path_
         rows = []
         for i in indices:
             p = parse_request(i, got[i], tok, s, VOCAB_SIZE)
-            check(p, got[i].number, s)
+            assert not problems(p, s), (p, problems(p, s))
             text = tok.decode(list(p.prompt_ids)) if not p.error else ""
             rows.append((i, {"id": p.id, "error": p.error} if p.error else {"id": p.id, "text": text}))
         results.add(rows)
