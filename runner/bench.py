@@ -1,8 +1,13 @@
 """Generation speed of a deployment: time to first token, decode throughput, and how close a decode
-step comes to the machine's memory bandwidth (MBU) and peak flops (MFU).
+step comes to the machine's memory bandwidth (MBU) and peak flops (MFU), and a prefill to its flops.
 
     python -m runner.bench --config=configs/smollm2_cpu.py --batch_sizes=1,8 --prompt_len=128 \
         --new_tokens=128 [--prompt_lens=128,512] [--reps=3] [--output=results.json]
+    python -m runner.bench --config=configs/llama3_h100.py --random_weights --batch_sizes=1,64
+    python -m runner.bench --config=configs/smollm2_cpu.py --requests=requests.jsonl   # a whole job
+
+--random_weights draws checkpoint.model's weights at random on the devices instead of restoring
+the checkpoint: an 8B model's 16 GB are made where they are used, and nothing is read.
 
 Same config files and overrides as runner.main; the config's generation.batch_size,
 max_prompt_len, max_new_tokens and prefill_buckets are replaced by the workload: for each batch
@@ -28,7 +33,8 @@ each timed repetition and after the last (the bandwidth of a machine like this o
 half within minutes) -> MBU: each repetition's decode against the mean of the two measurements
 around it, the median over repetitions (mbu_all holds each; bandwidth_gbps is the measurements'
 median);
-flops_per_step = 2 * B * params per token + attention, against a large f32 matmul -> MFU. Counted
+flops_per_step = 2 * B * params per token + attention, against a large matmul in the activations'
+dtype -> MFU (prefill_flops: every prompt token's, causal attention, one unembedding a row). Counted
 once for the model: replicas over the `data` axis that each read their own copy of the weights (8
 simulated CPU devices) are not counted again, so their extra reads show up as a lower MBU.
 """
@@ -46,6 +52,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -53,15 +60,16 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from models import quant
+from models import quant, weights
 from models.layers import KVCache
 from models.registry import Model
-from models.weights import is_lookup_table, is_weight
-from runner import hugepages
+from models.weights import check_divisible, is_lookup_table, is_weight
+from runner import checkpoint, hugepages
 from runner.engine import Completion, Engine, Request
 from runner.cli import parse_flags, read_config, setup_devices
 from runner.run import load_model
 from runner.settings import Settings, from_config
+from sharding.mesh import make_mesh
 from sharding.rules import Rules
 
 if __name__ == "__main__":  # flags of this command only, so the module can be imported
@@ -80,6 +88,8 @@ if __name__ == "__main__":  # flags of this command only, so the module can be i
     _PROBE_MATMUL = flags.DEFINE_integer("probe_matmul", 2048, "per-device matmul size of the flops probe")
     _REQUESTS = flags.DEFINE_string("requests", "", "job mode: run this request file (runner.main's "
                                     "format) through the whole engine instead of fixed shapes")
+    _RANDOM = flags.DEFINE_bool("random_weights", False, "draw checkpoint.model's weights at random "
+                                "on the devices instead of restoring checkpoint.path")
 
 GiB = 1024**3
 
@@ -101,6 +111,30 @@ class DecodeCost:
     @property
     def bytes(self) -> float:
         return self.weight_bytes + self.kv_bytes
+
+
+def prefill_flops(model: Model, batch: int, prompt_len: int) -> float:
+    """The arithmetic of prefilling `batch` prompts of `prompt_len` tokens and taking each one's
+    logits at its last position (what a prefill computes; padding not counted): 2 x the weights a
+    token uses for every token, the unembedding once per prompt, and causal attention (each query
+    over itself and the keys before it, or its window)."""
+    decl = model.declare()
+    unembedding = model.unembedding(decl).w
+    k = getattr(model.config, "experts_per_token", 0)
+    body = head = 0.0
+    for path, w in jax.tree_util.tree_leaves_with_path(decl, is_leaf=is_weight):
+        size = math.prod(w.shape)
+        if w is unembedding:
+            head += size
+        elif "experts" in w.axes:
+            body += size * k / w.shape[w.axes.index("experts")]
+        elif not is_lookup_table(path, w):
+            body += size
+    windows, _, head_dim = model.module.cache_spec(model.config)
+    seen = np.arange(1, prompt_len + 1)  # keys the query at each position attends to
+    attended = sum(float(np.sum(np.minimum(seen, w) if w else seen)) for w in windows)
+    attention = 4 * batch * model.config.num_heads * head_dim * attended  # QK^T and PV
+    return 2 * batch * (prompt_len * body + head) + attention
 
 
 def decode_cost(model: Model, batch: int, prompt_len: int, new_tokens: int, param_itemsize: int,
@@ -164,24 +198,30 @@ def _over_devices(shape: tuple[int, ...]) -> jax.Array:
 
 
 class BandwidthProbe:
-    """The machine's read bandwidth, GB/s, measured anew at each call: bytes read per second from a
-    `mib` MiB f32 array split over every local device, by the faster of two readers: XLA's sum,
-    and on CPU podrun's product kernel (ones[1, R] . W[R, 4096], its threads each streaming a
-    contiguous share), which reads faster than XLA's reduction there (this 2-core machine: 72-77
-    GB/s where the sum read 45-68). On CPU the array sits on 2 MiB pages where the system gives
-    them, as the engine's weights do (runner/hugepages.py). The array exists while the probe is
-    open (`with`); `measure` opens it after a record's warm-up, whose peak memory leaves it out."""
+    """The machine's memory bandwidth, GB/s, measured anew at each call: bytes moved per second
+    over a `mib` MiB f32 array split over every local device, by the fastest of its movers:
+    - XLA's sum, which reads the array once;
+    - on an accelerator, a copy (read once, written once: twice its bytes), the figure GPU
+      bandwidth is usually quoted as;
+    - on CPU, podrun's product kernel (ones[1, R] . W[R, 4096], its threads each streaming a
+      contiguous share), which reads faster than XLA's reduction there.
+    On CPU the array sits on 2 MiB pages where the system gives them, as the engine's weights do
+    (runner/hugepages.py). `readings` holds each mover's figure from the last call. The array
+    exists while the probe is open (`with`); `measure` opens it after a record's warm-up, whose
+    peak memory leaves it out."""
 
     def __init__(self, mib: int):
         self.mib = mib
-        self.x, self.readers = None, []
+        self.x, self.movers, self.readings = None, {}, {}
 
     def __enter__(self) -> BandwidthProbe:
         n = max(1, self.mib * 2**20 // 4 // len(jax.local_devices()))
         n -= n % 4096 if n > 4096 else 0
         self.x = x = _over_devices((n,))
-        self.readers = [jax.jit(jnp.sum)]
-        if x.sharding.mesh.devices.flat[0].platform == "cpu":
+        self.movers = {"read": (jax.jit(jnp.sum), 1)}
+        if x.sharding.mesh.devices.flat[0].platform != "cpu":
+            self.movers["copy"] = (jax.jit(lambda a: a + 1), 2)
+        else:
             hugepages.collapse(x)
             from models.kernels import cpu
 
@@ -192,21 +232,28 @@ class BandwidthProbe:
                     return cpu.matmul_f32(jnp.ones((1, n // 4096), jnp.float32),
                                           a.reshape(n // 4096, 4096))
 
-                self.readers.append(jax.jit(jax.shard_map(
-                    read, mesh=x.sharding.mesh, in_specs=P("d"), out_specs=P("d"), check_vma=False)))
+                self.movers["kernel_read"] = (jax.jit(jax.shard_map(
+                    read, mesh=x.sharding.mesh, in_specs=P("d"), out_specs=P("d"), check_vma=False)), 1)
         return self
 
     def __exit__(self, *exc) -> None:
-        self.x, self.readers = None, []
+        self.x, self.movers = None, {}
         gc.collect()
 
     def __call__(self) -> float:
-        return self.x.nbytes / min(_best_of(f, self.x) for f in self.readers) / 1e9
+        self.readings = {name: passes * self.x.nbytes / _best_of(f, self.x) / 1e9
+                         for name, (f, passes) in self.movers.items()}
+        return max(self.readings.values())
 
 
-def peak_gflops(m: int) -> float:
-    """An f32 [m, m] @ [m, m] matmul on every local device at once."""
-    x = _over_devices((m, m))
+def peak_gflops(m: int, dtype=jnp.float32) -> float:
+    """A [m, m] @ [m, m] matmul of random `dtype` numbers on every local device at once (the
+    activations' dtype: bfloat16 runs on other units than float32)."""
+    devices = jax.local_devices()
+    sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(devices), ("d",)),
+                                          jax.sharding.PartitionSpec("d"))
+    x = jax.jit(lambda: jax.random.normal(jax.random.key(0), (len(devices), m, m), dtype),
+                out_shardings=sharding)()
     seconds = _best_of(jax.jit(lambda a: jnp.einsum("dij,djk->dik", a, a)), x, reps=3)
     return 2 * x.shape[0] * m**3 / seconds / 1e9
 
@@ -274,6 +321,24 @@ def tool_config(tool: str, args: Sequence[str], c):
     return c
 
 
+def random_model(s: Settings, seed: int = 0) -> tuple[checkpoint.Metadata, Rules, Any]:
+    """checkpoint.model's weights drawn at random straight into their shards on the devices, then
+    made ready as restored ones are (Model.prepare): (metadata without a tokenizer, rules, params).
+    Speed does not depend on the values, and nothing is read or sent."""
+    if not s.checkpoint_model:
+        raise BenchError("--random_weights needs checkpoint.model (family:preset) to size the weights")
+    try:
+        model = Model.named(s.checkpoint_model)
+    except ValueError as e:
+        raise BenchError(f"checkpoint.model: {e}") from e
+    rules = Rules.make(make_mesh(s.mesh), s.rules)
+    decl = model.declare()
+    check_divisible(decl, rules)
+    params = weights.init(decl, jax.random.key(seed), rules, jnp.dtype(s.policy.params))
+    meta = checkpoint.Metadata(model, {}, source=f"random:{s.checkpoint_model}:{seed}")
+    return meta, rules, model.prepare(params, rules, s.policy)
+
+
 def make_engine(s: Settings, model: Model, params, rules: Rules, batch: int,
                 prompt_lens: Sequence[int], new_tokens: int) -> Engine:
     """An engine compiled for exactly these prompt lengths and new_tokens."""
@@ -328,11 +393,12 @@ def measure(s: Settings, model: Model, params, rules: Rules, w: Workload,
         for P in w.prompt_lens:
             requests_p, warmup = requests[P], warmups[P]
             load_before = os.getloadavg()[0]
-            t1s, tns, ttfts, decodes, bandwidths = [], [], [], [], []
+            t1s, tns, ttfts, decodes, bandwidths, readings = [], [], [], [], [], []
             with BandwidthProbe(probe_mib) if probe_mib else contextlib.nullcontext() as probe:
                 for _ in range(w.reps):
                     if probe:
                         bandwidths.append(probe())
+                        readings.append(probe.readings)
                     t1s.append(_timed(engine, requests_p, 1)[0])
                     seconds, out = _timed(engine, requests_p, N)
                     tns.append(seconds)
@@ -340,6 +406,7 @@ def measure(s: Settings, model: Model, params, rules: Rules, w: Workload,
                     decodes.append(out[0].decode_s)
                 if probe:
                     bandwidths.append(probe())
+                    readings.append(probe.readings)
             t1, tn = statistics.median(t1s), statistics.median(tns)
             decode = max(statistics.median(decodes), 1e-9)
             cost = decode_cost(model, B, P, N, p_size, kv_size, s.policy.quantize,
@@ -354,9 +421,10 @@ def measure(s: Settings, model: Model, params, rules: Rules, w: Workload,
                 "compile_s": max(0.0, warmup - t1 - tn), "warmup_s": warmup,
                 "bytes_per_step": cost.bytes, "weight_bytes_per_step": cost.weight_bytes,
                 "kv_bytes_per_step": cost.kv_bytes, "flops_per_step": cost.flops,
+                "prefill_flops": prefill_flops(model, B, P),
                 "peak_rss_gib": rss, "prefill_all_s": t1s, "total_all_s": tns,
                 "bandwidth_gbps": statistics.median(bandwidths) if bandwidths else None,
-                "bandwidth_all_gbps": bandwidths,
+                "bandwidth_all_gbps": bandwidths, "bandwidth_readings_gbps": readings,
                 "decode_all_s": decodes, "huge_page_bytes": engine.huge_pages[0],
                 "screen_bytes": engine.screen_bytes,
                 "loadavg_before_after": [load_before, os.getloadavg()[0]],
@@ -367,7 +435,9 @@ def measure(s: Settings, model: Model, params, rules: Rules, w: Workload,
 
 
 def rate(records: list[dict], bandwidth_gbps: float, gflops: float) -> None:
-    """MBU and MFU of each record's decode step against the machine's figures: the record's own
+    """MBU and MFU of each record's decode step, and MFU of its prefill (prefill_flops over
+    prefill_s: the wall time of a 1-token generation, the host's share included), against the
+    machine's figures: the record's own
     measured bandwidth (measure's probe), else `bandwidth_gbps`. With the probe, each timed
     repetition's decode is rated against the mean of the two measurements around it (mbu_all) and
     the record's MBU is their median: the bandwidth can change between repetitions, and a median
@@ -381,7 +451,8 @@ def rate(records: list[dict], bandwidth_gbps: float, gflops: float) -> None:
         r.update(bandwidth_gbps=bandwidth, peak_gflops=gflops, mbu_all=per_rep,
                  mbu=(statistics.median(per_rep) if per_rep and len(probes) == len(decodes) + 1
                       else r["bytes_per_step"] / r["decode_step_s"] / (bandwidth * 1e9)),
-                 mfu=r["flops_per_step"] / r["decode_step_s"] / (gflops * 1e9))
+                 mfu=r["flops_per_step"] / r["decode_step_s"] / (gflops * 1e9),
+                 prefill_mfu=r["prefill_flops"] / r["prefill_s"] / (gflops * 1e9))
 
 
 def describe_run(s: Settings, model: Model, rules: Rules) -> dict:
@@ -398,7 +469,7 @@ def describe_run(s: Settings, model: Model, rules: Rules) -> dict:
 def table(records: list[dict]) -> str:
     head = (f"{'B':>4} {'rows':>4} {'P':>5} {'N':>5} {'compile_s':>9} {'prefill_ms':>10} "
             f"{'ttft_ms':>8} {'step_ms':>8} {'decode_tok/s':>12} {'MB/step':>8} {'MBU':>6} "
-            f"{'MFU':>6} {'rss_GiB':>7}")
+            f"{'MFU':>6} {'pf_MFU':>6} {'rss_GiB':>7}")
     lines = [head]
     for r in records:
         lines.append(
@@ -406,21 +477,23 @@ def table(records: list[dict]) -> str:
             f"{r['compile_s']:>9.2f} {1e3 * r['prefill_s']:>10.1f} {1e3 * r['ttft_s']:>8.1f} "
             f"{1e3 * r['decode_step_s']:>8.2f} {r['decode_tokens_per_s']:>12.1f} "
             f"{r['bytes_per_step'] / 1e6:>8.1f} {100 * r['mbu']:>5.1f}% {100 * r['mfu']:>5.1f}% "
-            f"{r['peak_rss_gib']:>7.2f}")
+            f"{100 * r['prefill_mfu']:>5.1f}% {r['peak_rss_gib']:>7.2f}")
     return "\n".join(lines)
 
 
 # --- the command --------------------------------------------------------------------------------
 
-def run_job(s: Settings, requests: str) -> dict:
+def run_job(s: Settings, requests: str, loaded=None) -> dict:
     """Job mode: `requests` through runner.main's whole job (parsing, scheduling, generation,
-    results written to a throwaway file) on the config's own engine settings; its figures."""
+    results written to a throwaway file) on the config's own engine settings; its figures.
+    `loaded`: the model already on the devices (random_model), whose requests give token ids."""
     import tempfile
 
     from runner import run
 
     with tempfile.TemporaryDirectory() as d:
-        summary = run.run(dataclasses.replace(s, input=requests, output=os.path.join(d, "out.jsonl")))
+        summary = run.run(dataclasses.replace(s, input=requests, output=os.path.join(d, "out.jsonl")),
+                          loaded)
     return summary.record()
 
 
@@ -457,13 +530,14 @@ def main(argv: list[str]) -> None:
         try:
             s = from_config(config)
             setup_devices(s)
-            record = run_job(s, _REQUESTS.value)
-        except USER_ERRORS as e:
+            record = run_job(s, _REQUESTS.value, random_model(s) if _RANDOM.value else None)
+        except (*USER_ERRORS, BenchError) as e:
             sys.exit(f"podrun bench: error: {e}")
         record.update(model=s.checkpoint_model, checkpoint=s.checkpoint_path,
                       precision=dataclasses.asdict(s.policy), devices=jax.device_count(),
                       platform=jax.devices()[0].platform, requests_file=_REQUESTS.value,
                       batch_size=s.generation.batch_size, process_s=time.perf_counter() - started,
+                      random_weights=_RANDOM.value,
                       config=[a for a in sys.argv[1:] if a.startswith("--config")])
         if jax.process_index() == 0:
             print(job_table(record))
@@ -475,7 +549,7 @@ def main(argv: list[str]) -> None:
         work = Workload(_ints(_BATCH_SIZES.value, "batch_sizes"),
                         _ints(_PROMPT_LENS.value, "prompt_lens") or (_PROMPT_LEN.value,),
                         _NEW_TOKENS.value, _REPS.value, _SEED.value)
-        meta, rules, params = load_model(s)
+        meta, rules, params = random_model(s) if _RANDOM.value else load_model(s)
         model = meta.model
         run = describe_run(s, model, rules)
         say(f"bench {run['model']} on {run['devices']} {run['platform']} devices, mesh {run['mesh']}, "
@@ -484,13 +558,14 @@ def main(argv: list[str]) -> None:
         records = measure(s, model, params, rules, work, 0 if _BANDWIDTH.value else _PROBE_MIB.value)
         del params
         gc.collect()
-        gflops = _PEAK.value or peak_gflops(_PROBE_MATMUL.value)
+        gflops = _PEAK.value or peak_gflops(_PROBE_MATMUL.value, s.policy.dtype)
     except (*USER_ERRORS, BenchError) as e:
         sys.exit(f"podrun bench: error: {e}")
     rate(records, _BANDWIDTH.value, gflops)
     config_args = [a for a in sys.argv[1:] if a.startswith("--config")]
     for r in records:
-        r.update(run, config=config_args, bandwidth_measured=not _BANDWIDTH.value,
+        r.update(run, config=config_args, random_weights=_RANDOM.value,
+                 bandwidth_measured=not _BANDWIDTH.value,
                  peak_gflops_measured=not _PEAK.value)
     if jax.process_index() == 0:
         print(f"{run['model']}: {run['devices']} {run['platform']} devices, mesh {run['mesh']}, "

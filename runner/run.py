@@ -150,13 +150,16 @@ def load_model(s: Settings) -> tuple[checkpoint.Metadata, Rules, Any]:
     return meta, rules, params
 
 
-def run(s: Settings) -> Summary:
+def run(s: Settings, loaded: tuple | None = None) -> Summary:
+    """The job. `loaded`: (metadata, rules, params) of a model already on the devices, in place
+    of checkpoint.path's (runner.bench --random_weights); it has no tokenizer, so its requests
+    give prompt_token_ids."""
     # a bad request file or output path fails before the checkpoint is touched
     lines = read_lines(s.input)
     results = Results(s.output, lines, writer=jax.process_index() == 0)
-    meta, rules, params = load_model(s)
+    meta, rules, params = loaded or load_model(s)
     mesh = rules.mesh
-    tokenizer = load_tokenizer(s.checkpoint_path)
+    tokenizer = None if loaded else load_tokenizer(s.checkpoint_path)
     g = s.generation
     engine = Engine(meta.model, params, rules, s.policy, g.batch_size, g.max_prompt_len,
                     g.max_new_tokens, g.steps_per_dispatch, g.prefill_buckets, prefill_rows=g.prefill_rows)

@@ -68,6 +68,38 @@ def test_decode_cost_counts_what_a_step_reads_and_computes(kind, batch):
     assert screened.flops == cost.flops
 
 
+def independent_prefill_flops(m, batch: int, prompt_len: int) -> float:
+    """A prefill's arithmetic from the transformers model's own parameters: every parameter a token
+    uses (top-k of the experts) for every prompt token, except the token embedding (looked up) and
+    the unembedding (once per prompt, at its last position); causal attention, each query over
+    itself and the keys before it within its layer's window."""
+    cfg = m.config
+    k, E = getattr(cfg, "num_experts_per_tok", 0), getattr(cfg, "num_local_experts", 1)
+    body = 0.0
+    for name, p in m.named_parameters():  # a tied lm_head is the embedding, listed once
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            continue
+        body += p.numel() * (k / E if ".experts." in name else 1)
+    head = cfg.vocab_size * cfg.hidden_size
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+    attended = 0
+    for kind in types:
+        window = cfg.sliding_window if kind == "sliding_attention" else None
+        attended += sum(min(t + 1, window) if window else t + 1 for t in range(prompt_len))
+    return 2 * batch * (prompt_len * body + head) + 4 * batch * heads * head_dim * attended
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gptoss"])  # untied, tied, top-2 of 8 experts
+@pytest.mark.parametrize("batch,prompt_len", [(1, 5), (3, 40)])  # inside and past gptoss' window
+def test_prefill_flops_count_what_a_prefill_computes(kind, batch, prompt_len):
+    m = tiny_hf(kind, seed=2)
+    model = Model.from_hf_config(m.config.to_dict())
+    assert bench.prefill_flops(model, batch, prompt_len) == pytest.approx(
+        independent_prefill_flops(m, batch, prompt_len), rel=1e-12)
+
+
 @pytest.fixture(scope="module")
 def llama_ckpt(tmp_path_factory):
     m = tiny_hf("llama", seed=7)
@@ -110,6 +142,8 @@ def test_bench_writes_a_record_per_batch_and_prompt_len_and_decodes_every_token(
         assert r["mbu_all"] == [pytest.approx(want_bytes / step / around)]
         assert r["mbu"] == pytest.approx(want_bytes / r["decode_step_s"] / (r["bandwidth_gbps"] * 1e9))
         assert r["mfu"] == pytest.approx(want_flops / r["decode_step_s"] / (r["peak_gflops"] * 1e9))
+        prefill = independent_prefill_flops(m, r["batch_size"], r["prompt_len"])
+        assert r["prefill_mfu"] == pytest.approx(prefill / r["prefill_s"] / (r["peak_gflops"] * 1e9))
         assert r["decode_tokens_per_s"] == pytest.approx(r["batch_size"] * (NEW - 1) / r["decode_s"])
         # one rep: the engine's clocks (first tokens, then the rest) lie inside the run's wall time
         assert 0 < r["ttft_s"] and 0 < r["decode_s"] and r["ttft_s"] + r["decode_s"] <= r["total_s"]
@@ -123,6 +157,7 @@ def test_mbu_rates_each_repetition_against_the_bandwidth_measured_around_it():
     median step against the median probe (40) would rate all three against a bandwidth none saw."""
     steps, nbytes = 127, 450e6
     record = {"new_tokens": steps + 1, "bytes_per_step": nbytes, "flops_per_step": 1e9,
+              "prefill_flops": 3e9, "prefill_s": 0.5,
               "bandwidth_all_gbps": [30.0, 30.0, 50.0, 50.0], "bandwidth_gbps": 40.0,
               "decode_all_s": [steps * 0.016, steps * 0.0155, steps * 0.0105]}
     record["decode_step_s"] = float(np.median(record["decode_all_s"])) / steps
@@ -131,6 +166,7 @@ def test_mbu_rates_each_repetition_against_the_bandwidth_measured_around_it():
     assert record["mbu_all"] == pytest.approx(want)
     assert record["mbu"] == pytest.approx(sorted(want)[1])
     assert record["mfu"] == pytest.approx(1e9 / 0.0155 / 100e9)
+    assert record["prefill_mfu"] == pytest.approx(3e9 / 0.5 / 100e9)
 
 
 def test_a_row_that_stops_early_is_an_error():
@@ -188,3 +224,35 @@ def test_job_mode_runs_a_request_file_through_the_whole_engine(tmp_path):
     assert r["engine_decode_steps"] * 2 >= sum(max_tokens) - len(max_tokens)
     assert r["ttft_median_s"] <= r["ttft_p99_s"] and r["latency_median_s"] <= r["latency_p99_s"]
     assert r["tokens_per_s"] > 0 and r["process_s"] >= r["generate_s"]
+
+
+def test_random_weights_need_no_checkpoint_for_shapes_or_jobs(tmp_path):
+    """--random_weights: checkpoint.model's weights made on the devices, nothing read (the path
+    does not exist). Fixed shapes decode every token; a job of token ids answers each with its
+    max_tokens, and a text prompt, which needs the tokenizer no random model has, is its error."""
+    from tests.test_end_to_end import podrun, write_jsonl
+
+    common = ["--config=configs/cpu.py:/no/such/checkpoint", "--random_weights",
+              "--config.checkpoint.model=llama:tiny", "--config.mesh.num_cpu_devices=1",
+              "--config.mesh.data=1", f"--config.compilation_cache.dir={tmp_path / 'xla'}"]
+    podrun("runner.bench", *common, "--batch_sizes=2", "--prompt_len=8", "--new_tokens=4", "--reps=1",
+           "--probe_mib=16", "--probe_matmul=128", f"--output={tmp_path / 'shapes.json'}")
+    [r] = json.loads((tmp_path / "shapes.json").read_text())
+    assert r["random_weights"] and r["generated_tokens"] == 2 * 4 and r["model"] == "llama:tiny"
+    rows = [{"id": i, "prompt_token_ids": list(range(1, n + 1)), "max_tokens": m}
+            for i, (n, m) in enumerate([(5, 3), (12, 7), (2, 1)])]
+    rows.append({"id": "text", "prompt": "hello"})
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    podrun("runner.bench", *common, f"--requests={inp}", f"--output={tmp_path / 'job.json'}",
+           "--config.generation.batch_size=2", "--config.generation.max_prompt_len=16",
+           "--config.generation.max_new_tokens=8")
+    job = json.loads((tmp_path / "job.json").read_text())
+    assert (job["requests"], job["errors"], job["generated"]) == (4, 1, 3)
+    assert job["completion_tokens"] == 3 + 7 + 1 and job["random_weights"]
+    p = subprocess.run([sys.executable, "-m", "runner.bench", "--config=configs/cpu.py:/x",
+                        "--random_weights", "--config.mesh.num_cpu_devices=1", "--config.mesh.data=1"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0
+    assert p.stderr.strip().splitlines()[-1] == (
+        "podrun bench: error: --random_weights needs checkpoint.model (family:preset) to size the "
+        "weights")
