@@ -59,6 +59,10 @@ def base_config() -> ConfigDict:
         # holds a prompt's [T, T] scores in HBM, where XLA's attention keeps them as temporaries.
         # Checked in interpret mode and compiled AOT for v5e.
         "pallas_prefill": True,
+        # NVIDIA GPUs: prefill attention in cuDNN's flash kernel (models/kernels/gpu.py), which
+        # likewise keeps the [T, T] scores out of GPU memory; XLA's attention where there are
+        # sinks (GPT-OSS).
+        "cudnn_prefill": False,
         # The KV cache donated to each device call and updated in place (False: copied per call).
         "donate_cache": True,
         # CPU, Linux: the engine's weights and KV cache moved onto transparent huge pages (2 MiB,

@@ -42,6 +42,8 @@ class Policy:
     scan_layers: bool = False
     # TPU prefill attention in the Pallas flash kernel (models/kernels/tpu.flash_prefill).
     pallas_prefill: bool = True
+    # NVIDIA GPUs: prefill attention in cuDNN's flash kernel (models/kernels/gpu.py); not with sinks.
+    cudnn_prefill: bool = False
     # TPU: GPT-OSS's experts over many tokens as ragged groups of a Pallas grouped matmul.
     pallas_moe: bool = False
     # The engine donates the KV cache to every prefill and decode call, which then update it in
@@ -531,8 +533,8 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Ar
     else:
         new_pos = jax.lax.dynamic_slice_in_dim(cache.pos, start, T, axis=1)  # [B, T]
     if isinstance(start, int) and start == 0:
-        if rules.platform == "tpu" and policy.pallas_prefill and rules.shards("cache_seq") == 1:
-            return _prefill_kernel(q, k, v, positions, new_pos, rules, **kw), cache.write(
+        if kernel := _flash_prefill(rules, policy, kw.get("sinks")):
+            return _prefill_kernel(kernel, q, k, v, positions, new_pos, rules, **kw), cache.write(
                 layer, k, v, start, rules)
         B, _, K, H = k.shape
         none = jnp.zeros((B, K, 0, H), jnp.float32)
@@ -610,20 +612,36 @@ def _attention_kernel(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array
                          in_specs=specs)(*args)
 
 
-def _prefill_kernel(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
-                    rules: Rules, *, window: int | None = None, sinks: jax.Array | None = None,
-                    scale: float | None = None) -> jax.Array:
-    """`attention` of a prompt over its own keys in the Pallas flash kernel (models/kernels/tpu.py):
-    no [T, T] scores in HBM. On a sharded mesh it runs per (batch, kv-head) shard."""
-    from models.kernels import tpu
+def _flash_prefill(rules: Rules, policy: Policy, sinks: jax.Array | None):
+    """The flash kernel for a prompt's attention over its own keys, or None for XLA's attention:
+    on TPU the Pallas kernel (precision.pallas_prefill, models/kernels/tpu.py), on NVIDIA GPUs
+    cuDNN's (precision.cudnn_prefill, without sinks; models/kernels/gpu.py). Either keeps a
+    prompt's [T, T] scores out of HBM. Not on a cache split along its slots."""
+    if rules.shards("cache_seq") > 1:
+        return None
+    if rules.platform == "tpu" and policy.pallas_prefill:
+        from models.kernels import tpu
 
+        return tpu.flash_prefill
+    if rules.platform == "gpu" and policy.cudnn_prefill and sinks is None:
+        from models.kernels import gpu
+
+        return gpu.flash_prefill
+    return None
+
+
+def _prefill_kernel(kernel, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
+                    k_pos: jax.Array, rules: Rules, *, window: int | None = None,
+                    sinks: jax.Array | None = None, scale: float | None = None) -> jax.Array:
+    """`attention` of a prompt over its own keys in a flash `kernel` (_flash_prefill). On a
+    sharded mesh it runs per (batch, kv-head) shard."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     has_sinks = sinks is not None
     sinks = jnp.zeros(q.shape[2:3], jnp.float32) if sinks is None else sinks
     k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, K, T, H]
 
     def local(q, k, v, q_pos, k_pos, sinks):
-        return tpu.flash_prefill(q, k, v, q_pos, k_pos, sinks if has_sinks else None, window, scale)
+        return kernel(q, k, v, q_pos, k_pos, sinks if has_sinks else None, window, scale)
 
     if rules.mesh.size == 1:
         return local(q, k, v, q_pos, k_pos, sinks)

@@ -419,6 +419,35 @@ def test_pallas_flash_prefill_matches_numpy_in_interpret_mode(T, window, with_si
     np.testing.assert_allclose(np.asarray(got)[real], want[real], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("T,window", [(40, None), (256, 16), (384, 100)])
+def test_cudnn_flash_prefill_call_matches_numpy(T, window):
+    """The GPU prefill kernel's call of jax.nn.dot_product_attention (bias for padding and
+    positions, causal by index, grouped kv heads), through XLA's implementation of the same call on
+    CPU. Left padding: padding queries see nothing, and their rows must stay finite, since the next
+    layer's keys and values at those slots are made from them."""
+    from models.kernels import gpu
+
+    rng = np.random.default_rng(T)
+    B, K, G, H = 2, 2, 4, 64
+    N = K * G
+    f32 = np.float32
+    q = rng.standard_normal((B, T, N, H)).astype(f32)
+    k, v = (rng.standard_normal((B, K, T, H)).astype(f32) for _ in range(2))
+    pos = np.tile(np.arange(T, dtype=np.int32), (B, 1))
+    pos[1, :30] = -1  # left padding
+    pos[1, 30:] = np.arange(T - 30)
+    got = np.asarray(jax.jit(gpu.flash_prefill, static_argnames=("window", "scale", "implementation"))(
+        q, k, v, pos, pos, None, window=window, scale=0.125, implementation="xla"))
+    empty = np.zeros((B, K, 1, H), f32)
+    want = np_attention(q, empty, empty, np.full((B, 1), -1, np.int32), k, v, pos, pos, None,
+                        window, 0.125)
+    real = pos >= 0
+    np.testing.assert_allclose(got[real], want[real], rtol=1e-4, atol=1e-4)
+    assert np.isfinite(got).all()
+    with pytest.raises(ValueError, match="sinks"):
+        gpu.flash_prefill(q, k, v, pos, pos, np.zeros(N, f32), window, 0.125, implementation="xla")
+
+
 def quantize_slots(x):
     """[B, K, S, H] -> int8 and per-slot scales [B, K, S] (numpy, independent of the model code)."""
     scale = (np.abs(x).max(-1) / np.float32(127)).astype(np.float32)
