@@ -1,0 +1,315 @@
+"""The device check: podrun on one NVIDIA GPU beside transformers on the same card, in at most
+`--budget_s` seconds (8 minutes by default), from random weights made on the GPU.
+
+    python benchmarks/gpu_check.py --out=DIR [--config=configs/llama3_h100.py] [--budget_s=480]
+    python benchmarks/gpu_check.py --out=DIR --small     # the same steps on a tiny model, any machine
+
+Each step is one command, run with what is left of the budget (a step that would start with too
+little is skipped and says so), in this order, the targets' figures first:
+  preflight   jax sees the GPU; a tiny model runs through runner.bench (else the check stops)
+  attention   cuDNN's prefill attention against XLA's on the GPU, and both timed at 4,096 tokens
+              (if it fails, every later step runs with precision.cudnn_prefill=False)
+  decode      python -m runner.bench --random_weights, batch 1, 8, 64 and 256, 128-token prompts,
+              128 new tokens
+  prefill     the same, one prompt of 1,024 and of 4,096 tokens
+  peer        benchmarks/hf_generate_peer.py: transformers' compiled static-cache generate at
+              batch 1 and 64 on the same shapes
+  job         python -m runner.bench --requests: 1,000 requests of varied prompt and completion
+              lengths (token ids) through the continuous-batching engine, 128 rows, its layers
+              scanned (about 20 programs, each compiled in seconds rather than 15-20 s unrolled)
+  prefill_xla the prefills again with XLA's attention (precision.cudnn_prefill=False)
+  scan        batch 1 with the layers scanned, as the job runs them, without and with XLA's
+              dynamic-slice fusion (whether XLA:GPU then reads each layer's weights in place)
+DIR receives three files: gpu_check.json (every step's command, records and, when it failed, the
+end of its log; the targets), gpu_check.log (the steps' logs) and gpu_check.md, the table printed
+last, which docs/benchmarks/gpu-h100.md records.
+
+Bandwidth and flops are the card's own, measured by runner.bench in the same process (a large
+copy, counting bytes read and written, and a bfloat16 matmul of 8192^3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPT, NEW = 128, 128
+
+
+def job_file(path: str, n: int, max_prompt: int, max_new: int, vocab: int, seed: int = 0) -> dict:
+    """n requests of token ids, prompt and completion lengths log-uniform (many short, a few long):
+    prompts 16..max_prompt, completions 8..max_new."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    prompts = np.exp(rng.uniform(math.log(16), math.log(max_prompt), n)).astype(int)
+    news = np.exp(rng.uniform(math.log(8), math.log(max_new), n)).astype(int)
+    with open(path, "w") as f:
+        for i, (p, m) in enumerate(zip(prompts, news)):
+            ids = rng.integers(0, vocab, int(p)).tolist()
+            f.write(json.dumps({"id": f"r{i}", "prompt_token_ids": ids, "max_tokens": int(m)}) + "\n")
+    return {"requests": n, "prompt_tokens": int(prompts.sum()), "max_tokens": int(news.sum())}
+
+
+class Steps:
+    """Runs the steps' commands within the budget; their files go to `work`, their logs also to
+    `log`."""
+
+    def __init__(self, work: str, log: str, budget_s: float):
+        self.out, self.log, self.deadline = work, log, time.monotonic() + budget_s
+        self.results: dict[str, dict] = {}
+
+    def run(self, name: str, argv: list[str], least_s: float, json_out: str | None = None,
+            env: dict | None = None) -> None:
+        left = self.deadline - time.monotonic()
+        if left < least_s:
+            self.results[name] = {"skipped": f"{left:.0f} s of the budget left, {least_s:.0f} needed"}
+            print(f"== {name}: skipped ({left:.0f} s left)", flush=True)
+            return
+        print(f"== {name}: {shlex.join(argv)}", flush=True)
+        t0 = time.monotonic()
+        log = os.path.join(self.out, f"{name}.log")
+        with open(log, "w") as f:
+            try:
+                rc = subprocess.run(argv, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                    timeout=left).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        took = time.monotonic() - t0
+        record = {"command": shlex.join(argv), "rc": rc, "wall_s": took}
+        if json_out and os.path.exists(json_out):
+            try:
+                with open(json_out) as f:
+                    record["records"] = json.load(f)
+            except ValueError as e:
+                record["records_error"] = str(e)
+        with open(log) as f:
+            text = f.read()
+        with open(self.log, "a") as f:
+            f.write(f"== {name}: {shlex.join(argv)}\n{text}\n")
+        if rc != 0:
+            record["log_tail"] = text[-3000:]
+        self.results[name] = record
+        print(f"   rc={rc} in {took:.0f} s", flush=True)
+        if rc != 0:
+            print(record["log_tail"][-1500:], flush=True)
+
+
+def bench(config: str, out: str, name: str, flags: list[str], small: bool) -> tuple[list[str], str]:
+    path = os.path.join(out, f"{name}.json")
+    probes = ["--probe_mib=64", "--probe_matmul=512"] if small else ["--probe_mib=2048",
+                                                                      "--probe_matmul=8192"]
+    return ([sys.executable, "-m", "runner.bench", f"--config={config}", "--random_weights",
+             *probes, f"--output={path}", *flags], path)
+
+
+def summarise(results: dict) -> tuple[dict, str]:
+    """The targets and a markdown table of what was measured."""
+    recs = {}
+    for step in ("decode", "prefill", "prefill_xla", "scan", "scan_dsf"):
+        for r in (results.get(step, {}).get("records") or []):
+            recs[(step, r["batch_size"], r["prompt_len"])] = r
+    peer = {r["batch_size"]: r for r in (results.get("peer", {}).get("records") or [])}
+
+    def copy_mbu(r):  # the decode step's bytes against the copy bandwidth measured beside it
+        copies = [x["copy"] for x in r.get("bandwidth_readings_gbps", []) if "copy" in x]
+        return r["bytes_per_step"] / r["decode_step_s"] / (sorted(copies)[len(copies) // 2] * 1e9) \
+            if copies else None
+
+    lines = ["| step | B | prompt | decode tok/s | whole tok/s | step ms | MBU (copy bw) | decode MFU "
+             "| prefill ms | prefill MFU | compile s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (step, B, P), r in sorted(recs.items(), key=lambda kv: (kv[0][0] != "decode", kv[0])):
+        mbu = copy_mbu(r)
+        lines.append(f"| {step} | {B} | {P} | {r['decode_tokens_per_s']:.1f} | "
+                     f"{r['e2e_tokens_per_s']:.1f} | {1e3 * r['decode_step_s']:.2f} | {'-' if mbu is None else f'{100 * mbu:.1f}%'} | "
+                     f"{100 * r['mfu']:.2f}% | {1e3 * r['prefill_s']:.1f} | "
+                     f"{100 * r['prefill_mfu']:.1f}% | {r['compile_s']:.1f} |")
+    for B, p in sorted(peer.items()):
+        ours = recs.get(("decode", B, PROMPT))
+        ratio = f"{ours['e2e_tokens_per_s'] / p['tokens_per_s']:.2f}x" if ours else "-"
+        lines.append(f"| transformers | {B} | {PROMPT} | - | {p['tokens_per_s']:.1f} | - | - | - | - | "
+                     f"- | warm-up {p['warmup_s']:.0f} | podrun {ratio} |")
+    any_rec = next(iter(recs.values()), {})
+    machine = {"bandwidth_gbps": any_rec.get("bandwidth_gbps"),
+               "readings_gbps": any_rec.get("bandwidth_readings_gbps"),
+               "peak_gflops": any_rec.get("peak_gflops"), "platform": any_rec.get("platform"),
+               "devices": any_rec.get("devices")}
+    b1, b64 = recs.get(("decode", 1, PROMPT)), recs.get(("decode", 64, PROMPT))
+    p4k = recs.get(("prefill", 1, 4096))
+    targets = {
+        "b1_mbu_vs_copy_bw": copy_mbu(b1) if b1 else None,
+        "b64_over_b1_tokens_per_s": (b64["decode_tokens_per_s"] / b1["decode_tokens_per_s"]
+                                     if b1 and b64 else None),
+        "prefill_4096_mfu": p4k["prefill_mfu"] if p4k else None,
+        **{f"b{B}_over_transformers": (recs[("decode", B, PROMPT)]["e2e_tokens_per_s"]
+                                       / peer[B]["tokens_per_s"])
+           for B in (1, 64) if B in peer and ("decode", B, PROMPT) in recs},
+    }
+    job = results.get("job", {}).get("records")
+    if isinstance(job, dict):
+        lines.append("")
+        lines.append(f"job: {job['requests']} requests, {job['prompt_tokens']} prompt + "
+                     f"{job['completion_tokens']} completion tokens in {job['generate_s']:.1f} s: "
+                     f"{job['tokens_per_s']:.0f} completion tokens/s, rows {100 * job['utilisation']:.1f}% "
+                     f"used, ttft {job['ttft_median_s']:.3f} / {job['ttft_p99_s']:.3f} s, latency "
+                     f"{job['latency_median_s']:.2f} / {job['latency_p99_s']:.2f} s (median / p99)")
+    lines += ["", "targets: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} -"
+                                          for k, v in targets.items()),
+              f"machine: {json.dumps(machine)}"]
+    return {"targets": targets, "machine": machine}, "\n".join(lines)
+
+
+def attention_check() -> dict:
+    """cuDNN's prefill attention (models/kernels/gpu.py) on the GPU against podrun's XLA attention
+    in float32 (relative error over the real queries of left-padded prompts), then both timed on
+    one 4,096-token prompt of Llama-3.1-8B's heads in bfloat16."""
+    sys.path.insert(0, ROOT)
+    from runner.log import quiet
+
+    quiet()
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from models.kernels import gpu
+    from models.layers import Policy, attention
+
+    def xla(q, k, v, pos, policy):  # k, v [B, K, T, H]
+        return attention(q, pos, [(k, v, pos, None, None)], policy)
+
+    rng = np.random.default_rng(0)
+    B, T, K, G, H = 2, 512, 8, 4, 128
+    q = rng.standard_normal((B, T, K * G, H)).astype(np.float32)
+    k, v = (rng.standard_normal((B, K, T, H)).astype(np.float32) for _ in range(2))
+    pos = np.tile(np.arange(T, dtype=np.int32), (B, 1))
+    pos[1, :100], pos[1, 100:] = -1, np.arange(T - 100)
+    want = np.asarray(jax.jit(xla, static_argnums=4)(q, k, v, pos, Policy()))
+    bf = lambda x: jnp.asarray(x, jnp.bfloat16)
+    flash = jax.jit(gpu.flash_prefill, static_argnums=(5, 6, 7))
+    got = np.asarray(flash(bf(q), bf(k), bf(v), pos, pos, None, None, H**-0.5)).astype(np.float32)
+    real = pos >= 0
+    out = {"rel_error_bf16_vs_f32": float(np.linalg.norm(got[real] - want[real])
+                                          / np.linalg.norm(want[real])),
+           "finite": bool(np.isfinite(got).all())}
+    T = 4096
+    q = jax.random.normal(jax.random.key(1), (1, T, K * G, H), jnp.bfloat16)
+    k, v = (jax.random.normal(jax.random.key(i), (1, K, T, H), jnp.bfloat16) for i in (2, 3))
+    pos = jnp.arange(T, dtype=jnp.int32)[None]
+    policy = Policy(params="bfloat16", activations="bfloat16", matmul="default")
+    for name, fn in (("xla_ms", jax.jit(lambda *a: xla(*a, policy))),
+                     ("cudnn_ms", jax.jit(lambda q, k, v, p: gpu.flash_prefill(q, k, v, p, p, None,
+                                                                              None, H**-0.5)))):
+        jax.block_until_ready(fn(q, k, v, pos))
+        times = []
+        for _ in range(10):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(q, k, v, pos))
+            times.append(time.perf_counter() - t0)
+        out[name] = 1e3 * sorted(times)[len(times) // 2]
+    if not (out["finite"] and out["rel_error_bf16_vs_f32"] < 2e-2):
+        raise SystemExit(f"cuDNN's attention disagrees with XLA's: {out}")
+    print(json.dumps(out))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT") or "gpu_check_out")
+    ap.add_argument("--config", default="configs/llama3_h100.py")
+    ap.add_argument("--budget_s", type=float, default=480)
+    ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--small", action="store_true",
+                    help="a tiny model and small shapes, to try the script anywhere (CPU too)")
+    ap.add_argument("--attention_check", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.attention_check:
+        result = attention_check()
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        return
+    os.makedirs(args.out, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="gpu_check-")
+    log = os.path.join(args.out, "gpu_check.log")
+    open(log, "w").close()
+    steps = Steps(work, log, args.budget_s)
+    cfg = args.config
+    small = args.small
+    probe = ("from runner.log import quiet; quiet(); import jax; d = jax.devices(); "
+             "print(jax.__version__, d, d[0].device_kind); assert d[0].platform == 'gpu' or "
+             f"{small}, 'no GPU'")
+    steps.run("preflight", [sys.executable, "-c", probe], 1)
+    tiny, _ = bench(cfg, work, "tiny", ["--config.checkpoint.model=llama:tiny", "--batch_sizes=1",
+                                        "--prompt_len=16", "--new_tokens=4", "--reps=1",
+                                        "--config.precision.cudnn_prefill=False"], True)
+    steps.run("tiny", tiny, 1)
+    if steps.results["preflight"]["rc"] or steps.results["tiny"]["rc"]:  # nothing else would run
+        with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
+            json.dump({"steps": steps.results}, f, indent=1)
+        sys.exit("gpu_check: error: no GPU, or podrun fails on it; see gpu_check.json")
+    over = ["--config.checkpoint.model=llama:tiny", "--config.precision.scan_layers=True"] if small else []
+    path = os.path.join(work, "attention.json")
+    steps.run("attention", [sys.executable, __file__, "--attention_check", f"--out={path}"], 1, path)
+    if steps.results["attention"]["rc"] != 0:  # cuDNN's kernel failed here: XLA's attention
+        over.append("--config.precision.cudnn_prefill=False")
+    batches = "1,2,4,8" if small else "1,8,64,256"
+    prompt, n = (PROMPT // 8, 16) if small else (PROMPT, NEW)
+    prefill = "64,256" if small else "1024,4096"
+
+    def decode(name: str, sizes: str, *flags: str, env: dict | None = None) -> None:
+        argv, path = bench(cfg, work, name, over + [f"--batch_sizes={sizes}", f"--prompt_len={prompt}",
+                                                    f"--new_tokens={n}", "--reps=2", *flags], small)
+        steps.run(name, argv, 60, path, env)
+
+    def prefills(name: str, *flags: str) -> None:
+        argv, path = bench(cfg, work, name, over + ["--batch_sizes=1", f"--prompt_lens={prefill}",
+                                                    "--new_tokens=2", "--reps=3", *flags], small)
+        steps.run(name, argv, 40, path)
+
+    decode("decode", batches)
+    prefills("prefill")
+    if not small:
+        path = os.path.join(work, "peer.json")
+        steps.run("peer", [sys.executable, "benchmarks/hf_generate_peer.py", "--model=llama:llama3.1-8b",
+                           "--batch_sizes=1,64", f"--prompt_len={PROMPT}",
+                           f"--new_tokens={NEW}", "--reps=2", f"--output={path}"], 90, path)
+
+    max_prompt, max_new = (64, 32) if small else (1024, 512)
+    vocab = 256 if small else 128256
+    requests = os.path.join(work, "job_requests.jsonl")
+    shape = job_file(requests, 40 if small else args.requests, max_prompt, max_new, vocab)
+    path = os.path.join(work, "job.json")
+    job_over = [f"--config.generation.batch_size={8 if small else 128}",
+                f"--config.generation.max_prompt_len={max_prompt}",
+                f"--config.generation.max_new_tokens={max_new}", "--config.generation.prefill_rows=8",
+                f"--config.generation.prefill_buckets={(16, 32, 64) if small else (128, 256, 512, 1024)}",
+                "--config.precision.scan_layers=True"]
+    steps.run("job", [sys.executable, "-m", "runner.bench", f"--config={cfg}", "--random_weights",
+                      f"--requests={requests}", f"--output={path}", *over, *job_over], 150, path)
+    steps.results["job"]["workload"] = shape
+
+    if "--config.precision.cudnn_prefill=False" not in over:
+        prefills("prefill_xla", "--config.precision.cudnn_prefill=False")
+    decode("scan", "1", "--config.precision.scan_layers=True")
+    dsf = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_dynamic_slice_fusion=true"
+    decode("scan_dsf", "1", "--config.precision.scan_layers=True", env=dict(os.environ, XLA_FLAGS=dsf))
+
+    shutil.rmtree(work)
+    summary, table = summarise(steps.results)
+    with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
+        json.dump({"summary": summary, "steps": steps.results, "config": cfg}, f, indent=1)
+    with open(os.path.join(args.out, "gpu_check.md"), "w") as f:
+        f.write(table + "\n")
+    print(table, flush=True)
+
+
+if __name__ == "__main__":
+    main()
