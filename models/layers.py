@@ -608,6 +608,16 @@ def _attention_kernel(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array
     if rules.mesh.size == 1:
         return local(*args)
     specs = (heads, cache, cache, rows, new, new, rows, rows, P(kv)) + (P(b, kv, None),) * len(scales)
+    if kc.shape[2] == 0:  # a prompt over no cache (CPU; new keys [B, T, K, H]): each shard makes
+        # the empty block itself, as jaxlib 0.11's Shardy crashes compiling a shard_map with an
+        # operand of size zero
+        def local(q, kn, vn, new_pos, q_pos, sinks, _with_cache=local):
+            B, _, K, H = kn.shape
+            none = jnp.zeros((B, K, 0, H), kc.dtype)
+            return _with_cache(q, none, none, jnp.zeros((B, 0), k_pos.dtype), kn, vn, new_pos,
+                               q_pos, sinks)
+
+        args, specs = (q, k, v, new_pos, q_pos, sinks), (heads, new, new, rows, rows, P(kv))
     return jax.shard_map(local, mesh=rules.mesh, out_specs=heads, check_vma=False,
                          in_specs=specs)(*args)
 
