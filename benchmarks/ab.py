@@ -52,7 +52,7 @@ def main(argv: list[str]) -> None:
     switch = _SWITCH.value
     if not isinstance(getattr(s.policy, switch or "", None), bool):
         booleans = [f.name for f in dataclasses.fields(s.policy)
-                    if isinstance(getattr(s.policy, f.name), bool) and f.name != "one_cpu_device"]
+                    if isinstance(getattr(s.policy, f.name), bool) and f.name != "backend"]
         sys.exit(f"ab: error: --switch={switch} is not a boolean precision field; one of {booleans}")
     setup_devices(s)
     n, B, P = _NEW_TOKENS.value, _BATCH.value, _PROMPT_LEN.value

@@ -378,7 +378,7 @@ def moe_block(p: dict, x: jax.Array, c: Config, rules: Rules, policy: Policy) ->
         expert_axes = tuple(a for a in rules.axes("experts") if rules.mesh.shape[a] > 1)
         model_axes = tuple(a for a in rules.axes("mlp") if rules.mesh.shape[a] > 1)
         fn = partial(_moe_shard, c=c, policy=policy, expert_axes=expert_axes, model_axes=model_axes,
-                     ragged=policy.pallas_moe and rules.platform == "tpu")
+                     ragged=policy.backend.ragged_experts)
         y = jax.shard_map(
             fn, mesh=rules.mesh, check_vma=False,
             in_specs=(act, route, route, specs),

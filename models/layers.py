@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models import panels, quant
+from models.backend import Backend
 from sharding.rules import Rules, constrain, fit
 
 MASKED = -1e30  # finite, so a row with nothing to attend to (a padding query) gives no NaN
@@ -24,13 +25,16 @@ MASKED = -1e30  # finite, so a row with nothing to attend to (a padding query) g
 @dataclasses.dataclass(frozen=True)
 class Policy:
     """Precision policy: what weights, activations and the KV cache are held in, matmul precision,
-    and how the products run (fused, quantised, in podrun's kernels)."""
+    quantisation and the programs' shape (fused, scanned, donated); the kernel switches of the
+    config (precision.*), which only `Backend.resolve` reads; and, once `on` a mesh, the backend
+    that those switches give there, which every kernel choice asks."""
 
     params: str = "float32"
     activations: str = "float32"
     kv_cache: str = "float32"
     matmul: str = "highest"  # default | high | highest (jax.lax.Precision names)
     quantize: str = "none"  # none | int8 | int4 (weight-only: models/quant.py)
+    # The kernel switches (models/backend.py says what each gives on which platform):
     kernels: bool = True  # podrun's own kernels (models/kernels) where they apply, else XLA's
     # TPU decode attention in Pallas (models/kernels/tpu.py). Off by default: XLA then copies each
     # layer's cache on every step, as the kernel reads it while the write updates it in place
@@ -57,14 +61,13 @@ class Policy:
     # CPU, one device, float32: the projections held in column panels (models/panels.py), which
     # podrun's product kernel reads as one stream a thread, in decode steps and prefills.
     panel_weights: bool = True
-    # Set by the engine (not a config field) when its mesh is one CPU device: float32 projections
-    # of a few rows then run in podrun's CPU kernel, which takes each weight whole.
-    one_cpu_device: bool = False
+    # What the switches give on the mesh computed on: set by `on` (not a config field).
+    backend: Backend = Backend()
 
     def on(self, rules: Rules) -> Policy:
-        """This policy for computations on `rules`' mesh."""
-        alone = rules.platform == "cpu" and rules.mesh.size == 1
-        return self if alone == self.one_cpu_device else dataclasses.replace(self, one_cpu_device=alone)
+        """This policy for computations on `rules`' mesh: its backend resolved there."""
+        backend = Backend.resolve(self, rules)
+        return self if backend == self.backend else dataclasses.replace(self, backend=backend)
 
     @property
     def dtype(self) -> Any:
@@ -85,7 +88,8 @@ class Policy:
         """
         if isinstance(operands[-1], (quant.QWeight, quant.Q4Weight)):  # stored output dims first
             x, w = operands
-            return quant.matmul(x, w, len(w.contract_axes), self.precision, self.kernels)
+            return quant.matmul(x, w, len(w.contract_axes), self.precision,
+                                self.backend.quant_kernels)
         if isinstance(operands[-1], panels.PanelWeight):
             x, w = operands
             plan = _projection(spec, x.ndim, w.ndim)
@@ -127,17 +131,12 @@ class Policy:
 
     def _product_kernel_applies(self, rows: int, x: jax.Array, w: jax.Array) -> bool:
         """podrun's float32 product kernel (models/kernels/cpu.matmul_f32) for a decode step's
-        projections on one CPU device: up to PRODUCT_KERNEL_ROWS rows. XLA:CPU's dot runs a
-        decode step's small products on one thread; the kernel splits each product over threads
+        projections, where the backend has it: up to PRODUCT_KERNEL_ROWS rows. XLA:CPU's dot runs
+        a decode step's small products on one thread; the kernel splits each product over threads
         that spin between products. A prefill's many rows (the kernel reads W once per 8 rows)
         go faster through XLA's dot."""
-        if not (self.kernels and self.one_cpu_device and rows <= PRODUCT_KERNEL_ROWS):
-            return False
-        if x.dtype != jnp.float32 or w.dtype != jnp.float32:
-            return False
-        from models.kernels import cpu
-
-        return cpu.available()
+        return (self.backend.product_kernel and rows <= PRODUCT_KERNEL_ROWS
+                and x.dtype == jnp.float32 and w.dtype == jnp.float32)
 
 
 PRODUCT_KERNEL_ROWS = 8
@@ -533,7 +532,7 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Ar
     else:
         new_pos = jax.lax.dynamic_slice_in_dim(cache.pos, start, T, axis=1)  # [B, T]
     if isinstance(start, int) and start == 0:
-        if kernel := _flash_prefill(rules, policy, kw.get("sinks")):
+        if kernel := _flash_prefill(policy, kw.get("sinks")):
             return _prefill_kernel(kernel, q, k, v, positions, new_pos, rules, **kw), cache.write(
                 layer, k, v, start, rules)
         B, _, K, H = k.shape
@@ -547,8 +546,8 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Ar
         overwritten = (jnp.arange(S) - first) % S < T  # slots [start, start + T) (mod S on a ring)
         cached = (cache.k[layer], cache.v[layer], jnp.where(overwritten, -1, k_pos),
                   cache.k_scale[layer], cache.v_scale[layer])
-    if _attention_kernel_applies(q, k, v, cached, rules, policy):
-        out = _attention_kernel(q, k, v, positions, new_pos, cached, rules, **kw)
+    if _attention_kernel_applies(q, k, v, cached, policy):
+        out = _attention_kernel(q, k, v, positions, new_pos, cached, rules, policy.backend, **kw)
         return out, cache.write(layer, k, v, start, rules)
     new = (jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), new_pos, None, None)  # [B, K, T, H]
     blocks = [cached, new] if cached[0].shape[2] else [new]
@@ -557,34 +556,27 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Ar
 
 
 def _attention_kernel_applies(q: jax.Array, k: jax.Array, v: jax.Array, cached: tuple,
-                              rules: Rules, policy: Policy) -> bool:
-    """podrun's attention kernels take an unsplit cache: on CPU float32 queries, a decode step's
-    few or a whole prompt's over no cache, over a float32 or int8 cache; on TPU (Pallas) one query
-    per row over the cache, in any precision."""
-    if not policy.kernels or rules.shards("cache_seq") > 1:
-        return False
+                              policy: Policy) -> bool:
+    """Whether the backend's attention kernel takes this call: on CPU float32 queries, a decode
+    step's few or a whole prompt's over no cache, over a float32 or int8 cache; on TPU (Pallas)
+    one query per row over the cache, in any precision."""
     kc, k_scale, S = cached[0], cached[3], cached[0].shape[2]
-    if rules.platform == "cpu":
-        from models.kernels import cpu
-
-        if not cpu.available():
-            return False
+    if policy.backend.attention_kernel:
         cache_ok = kc.dtype == jnp.float32 or (kc.dtype == jnp.int8 and k_scale is not None)
         return ((q.shape[1] <= 16 or S == 0) and cache_ok
                 and all(a.dtype == jnp.float32 for a in (q, k, v)))
-    return rules.platform == "tpu" and policy.pallas_attention and q.shape[1] == 1 and S > 0
+    return policy.backend.pallas_decode and q.shape[1] == 1 and S > 0
 
 
 def _attention_kernel(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
-                      new_pos: jax.Array, cached: tuple, rules: Rules, *,
+                      new_pos: jax.Array, cached: tuple, rules: Rules, backend: Backend, *,
                       window: int | None = None, sinks: jax.Array | None = None,
                       scale: float | None = None) -> jax.Array:
-    """`attention` over the cached block and the new keys in models/kernels: on CPU through XLA's
-    FFI (XLA:CPU spends tens of microseconds on each of a decode step's small attention products,
-    and takes a prompt's attention through transposes and masked [T, T] scores),
-    on TPU in Pallas (the cache read once per kv head, flash-decoding style). On a sharded mesh it
-    runs per (batch, kv-head) shard."""
-    from models.kernels import cpu, tpu
+    """`attention` over the cached block and the new keys in the backend's kernel: on CPU through
+    XLA's FFI (XLA:CPU spends tens of microseconds on each of a decode step's small attention
+    products, and takes a prompt's attention through transposes and masked [T, T] scores), on TPU
+    in Pallas (the cache read once per kv head, flash-decoding style). On a sharded mesh it runs
+    per (batch, kv-head) shard."""
 
     kc, vc, k_pos, k_scale, v_scale = cached
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -593,9 +585,13 @@ def _attention_kernel(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array
     b, kv = rules.spec("cache_batch", "cache_kv_heads", None, None, shape=kc.shape)[:2]
     P = jax.sharding.PartitionSpec
     heads, cache, rows = P(b, None, kv, None), P(b, kv, None, None), P(b, None)
-    if rules.platform == "cpu":  # the new keys [B, T, K, H] as they are
+    if backend.attention_kernel:  # CPU: the new keys [B, T, K, H] as they are
+        from models.kernels import cpu
+
         kernel, new = cpu.decode_attention, heads
-    else:  # [B, K, T, H]
+    else:  # Pallas: [B, K, T, H]
+        from models.kernels import tpu
+
         kernel, new, k, v = tpu.decode_attention, cache, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
 
     scales = () if k_scale is None else (k_scale, v_scale)  # an int8 cache's, [B, K, S]
@@ -622,18 +618,15 @@ def _attention_kernel(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array
                          in_specs=specs)(*args)
 
 
-def _flash_prefill(rules: Rules, policy: Policy, sinks: jax.Array | None):
-    """The flash kernel for a prompt's attention over its own keys, or None for XLA's attention:
-    on TPU the Pallas kernel (precision.pallas_prefill, models/kernels/tpu.py), on NVIDIA GPUs
-    cuDNN's (precision.cudnn_prefill, without sinks; models/kernels/gpu.py). Either keeps a
-    prompt's [T, T] scores out of HBM. Not on a cache split along its slots."""
-    if rules.shards("cache_seq") > 1:
-        return None
-    if rules.platform == "tpu" and policy.pallas_prefill:
+def _flash_prefill(policy: Policy, sinks: jax.Array | None):
+    """The backend's flash kernel for a prompt's attention over its own keys, or None for XLA's
+    attention: Pallas on TPU (models/kernels/tpu.py), cuDNN's on NVIDIA GPUs, which takes no
+    sinks (models/kernels/gpu.py). Either keeps a prompt's [T, T] scores out of HBM."""
+    if policy.backend.flash_prefill == "pallas":
         from models.kernels import tpu
 
         return tpu.flash_prefill
-    if rules.platform == "gpu" and policy.cudnn_prefill and sinks is None:
+    if policy.backend.flash_prefill == "cudnn" and sinks is None:
         from models.kernels import gpu
 
         return gpu.flash_prefill

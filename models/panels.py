@@ -45,18 +45,6 @@ def takes_panels(w: Weight) -> bool:
     return quant.quantizable(w) and "experts" not in w.axes and "vocab" not in w.axes
 
 
-def applies(policy: Any, rules: Any) -> bool:
-    """Whether `policy` on `rules`' mesh holds its projections in panels."""
-    if not (policy.panel_weights and policy.kernels and policy.quantize == "none"
-            and rules.platform == "cpu" and rules.mesh.size == 1
-            and jnp.dtype(policy.params) == jnp.float32
-            and jnp.dtype(policy.activations) == jnp.float32):
-        return False
-    from models.kernels import cpu
-
-    return cpu.available()
-
-
 def _matrix(w: Weight, x: jax.Array) -> jax.Array:
     """The declared weight x as [C, O]."""
     out, contract = quant.projection_dims(w)

@@ -264,13 +264,14 @@ def _dequantized_dot(x: jax.Array, q: jax.Array, *scales: jax.Array) -> jax.Arra
 
 def matmul(x: jax.Array, w: QWeight | Q4Weight, n_contract: int, precision: Any, kernels: bool
            ) -> jax.Array:
-    """x [*free, *contract] . w -> [*free, *out], in float32 (x's dtype for the XLA path)."""
+    """x [*free, *contract] . w -> [*free, *out], in float32 (x's dtype for the XLA path);
+    `kernels`: in podrun's CPU kernels (the backend's quant_kernels), else XLA's dot."""
     free, out = x.shape[: x.ndim - n_contract], tuple(w.q.shape[: len(w.out_axes)])
     C, O = math.prod(x.shape[x.ndim - n_contract:]), math.prod(out)
     int4 = isinstance(w, Q4Weight)
     from models.kernels import cpu
 
-    if not (kernels and w.rules.platform == "cpu" and cpu.available()):
+    if not kernels:
         if int4:  # dequantised for the dot (XLA has no product over packed nibbles)
             q = dequantize_int4(w.q, w.d, w.m, x.dtype).reshape(O, C)
             return jax.lax.dot_general(x.reshape(*free, C), q, (((len(free),), (1,)), ((), ())),

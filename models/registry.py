@@ -35,24 +35,26 @@ class Model:
     def prepare(self, params: Any, rules: Rules, policy: Policy) -> Any:
         """Restored weights made ready to run, as the policy says: projections fused, then
         quantised or packed in panels, then stacked for a scan over layers. `params` is consumed."""
-        decl = self.declare(policy.fuse_projections)
+        decl, backend = self.declare(policy.fuse_projections), policy.on(rules).backend
         if policy.fuse_projections:
             params = fused.fuse(self.declare(), params, rules)
         if policy.quantize != "none":
             params = quant.quantize(decl, params, rules, policy.quantize)
-        if panels.applies(policy, rules):
+        if backend.panels:
             params = panels.pack(decl, params)
-        params = weights.pin_tables_row_major(decl, params, rules)
+        if backend.row_major_tables:
+            params = weights.pin_tables_row_major(decl, params)
         if policy.scan_layers:
             params = scan.stack(params, self.scan_period)
         return params
 
     def abstract_params(self, rules: Rules, policy: Policy) -> Any:
         """What `prepare` gives, as ShapeDtypeStructs with their shardings (for AOT compiles)."""
-        decl = self.declare(policy.fuse_projections)
+        decl, backend = self.declare(policy.fuse_projections), policy.on(rules).backend
         tree = quant.abstract_tree(decl, rules, jnp.dtype(policy.params), policy.quantize)
-        tree = weights.pin_tables_row_major(decl, tree, rules)
-        if panels.applies(policy, rules):
+        if backend.row_major_tables:
+            tree = weights.pin_tables_row_major(decl, tree)
+        if backend.panels:
             tree = panels.abstract(decl, tree, rules)
         return scan.abstract(tree, self.scan_period) if policy.scan_layers else tree
 
@@ -80,8 +82,10 @@ class Model:
 
     def forward(self, params, tokens, positions, cache, start, rules, policy, last_only=False,
                 trim=True, head=True):
+        """The family's forward pass, with `policy`'s backend resolved on `rules`' mesh: every
+        caller (the engine, perplexity, the tests) runs the kernels serving runs."""
         return self.module.forward(params, tokens, positions, cache, start, self.config, rules,
-                                   policy, last_only, trim, head)
+                                   policy.on(rules), last_only, trim, head)
 
     def unembedding(self, params) -> Unembedding:
         """The weight that turns the final hidden state into logits (forward's head)."""

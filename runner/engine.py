@@ -304,14 +304,11 @@ class Engine:
         # (bytes on 2 MiB pages, bytes asked) of the weights and cache: CPU only, and only where
         # the system gives huge pages (Linux 6.1 on); (0, 0) when not asked
         self.huge_pages = (hugepages.collapse((self.params, self.cache, self.screen))
-                           if allocate and policy.huge_pages and rules.platform == "cpu" else (0, 0))
+                           if allocate and self.policy.backend.huge_pages else (0, 0))
         # Every array crossing the jit boundary has a fixed sharding, so no call recompiles. What the
         # host reads back (tokens) is replicated, so every process of a multi-host run can read all
         # of it and take the same decisions.
-        # XLA:CPU's default copy insertion copies every layer's whole cache on every step when a
-        # layer's cache is both read (attention) and written in place; region analysis sees that
-        # the read comes first (SmolLM2 decode, B=1: 120 copies of [1, 3, 256, 64] per step gone).
-        opts = {"xla_cpu_copy_insertion_use_region_analysis": True} if rules.platform == "cpu" else None
+        opts = self.policy.backend.compiler_options
         # The cache is updated in place, not copied. The rows' state (a few [B] arrays) is not
         # donated: aliasing it makes XLA:TPU keep temporaries larger than the cache itself.
         donate = (1,) if policy.donate_cache else ()
@@ -334,16 +331,15 @@ class Engine:
 
     def _greedy_screen(self):
         """The unembedding's int8 screen (models/kernels/cpu.greedy_screen) where greedy tokens can
-        come through it: precision.greedy_screen, one CPU device with podrun's kernels, float32
-        activations and unembedding, and a batch of up to PRODUCT_KERNEL_ROWS rows; else None."""
-        p, u = self.policy, self.model.unembedding(self.params)
-        if not (p.greedy_screen and p.kernels and p.one_cpu_device and p.dtype == jnp.float32
-                and isinstance(u.w, jax.Array) and u.w.dtype == jnp.float32
-                and self.batch_size <= PRODUCT_KERNEL_ROWS):
+        come through it: the backend's greedy_screen, a float32 unembedding and a batch of up to
+        PRODUCT_KERNEL_ROWS rows; else None."""
+        u = self.model.unembedding(self.params)
+        if not (self.policy.backend.greedy_screen and isinstance(u.w, jax.Array)
+                and u.w.dtype == jnp.float32 and self.batch_size <= PRODUCT_KERNEL_ROWS):
             return None
         from models.kernels import cpu
 
-        return cpu.greedy_screen(u.w, w_nk=u.vocab_first) if cpu.available() else None
+        return cpu.greedy_screen(u.w, w_nk=u.vocab_first)
 
     @property
     def screen_bytes(self) -> int:

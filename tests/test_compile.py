@@ -290,12 +290,13 @@ def test_pinning_the_lookup_tables_keeps_their_values_and_shards(monkeypatch):
     model, params = to_podrun(tiny_hf("gptoss"), rules)
     before = np.asarray(params["embed"])
     monkeypatch.setattr(Rules, "platform", property(lambda self: "tpu"))
-    pinned = pin_tables_row_major(model.declare(), params, rules)
+    assert Policy().on(rules).backend.row_major_tables
+    pinned = pin_tables_row_major(model.declare(), params)
     assert pinned["embed"].format.layout.major_to_minor == (0, 1)
     assert pinned["embed"].sharding == params["embed"].sharding
     np.testing.assert_array_equal(np.asarray(pinned["embed"]), before)
     assert pinned["unembed"] is params["unembed"]
-    abstract = pin_tables_row_major(model.declare(), model.abstract_params(rules, Policy()), rules)
+    abstract = model.abstract_params(rules, Policy())  # pinned by the backend
     assert abstract["embed"].format.layout.major_to_minor == (0, 1)
     assert abstract["unembed"].dtype == jnp.float32
 

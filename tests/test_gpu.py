@@ -13,6 +13,7 @@ import pytest
 from jax.sharding import Mesh
 
 from models import weights
+from models.backend import Backend
 from models.kernels import cpu, gpu, tpu
 from models.layers import Policy
 from models.registry import Model
@@ -84,7 +85,7 @@ def test_a_gpu_mesh_prefills_in_cudnn_and_runs_nothing_cpu_or_tpu_only(tripwires
     policy = Policy(params="bfloat16", activations="bfloat16", kv_cache="bfloat16", matmul="default",
                     quantize=quantize, kernels=True, pallas_attention=True, pallas_prefill=True,
                     pallas_moe=True, cudnn_prefill=True).on(rules)
-    assert not policy.one_cpu_device
+    assert policy.backend == Backend("gpu", flash_prefill="cudnn")
     decl = model.declare()
     params = jax.eval_shape(lambda: weights.init(decl, jax.random.key(0), rules, jnp.bfloat16))
     if quantize != "none":  # the quantised layout, without quantising anything

@@ -110,7 +110,7 @@ def test_decode_in_the_cpu_product_kernel_matches_transformers(kind, fuse, B):
 
     rules = rules_for("1dev")
     policy = Policy().on(rules)
-    assert policy.one_cpu_device and not Policy().on(rules_for("data8")).one_cpu_device
+    assert policy.backend.product_kernel and not Policy().on(rules_for("data8")).backend.product_kernel
     m = tiny_hf(kind)
     model, params = to_podrun(m, rules, fuse)
     seqs = np.random.RandomState(3).randint(0, VOCAB, (B, 10)).astype(np.int32)
