@@ -14,12 +14,12 @@ little is skipped and says so), in this order, the targets' figures first:
   prefill     the same, one prompt of 1,024 and of 4,096 tokens
   peer        benchmarks/hf_generate_peer.py: transformers' compiled static-cache generate at
               batch 1 and 64 on the same shapes
+  scan_dsf    batch 1 with the layers scanned and XLA's dynamic-slice fusion on: whether XLA:GPU
+              then reads each layer's weights in place rather than through a copy
   job         python -m runner.bench --requests: 1,000 requests of varied prompt and completion
               lengths (token ids) through the continuous-batching engine, 128 rows, its layers
-              scanned (about 20 programs, each compiled in seconds rather than 15-20 s unrolled)
+              scanned (about 15 programs, each compiled in seconds rather than 15-20 s unrolled)
   prefill_xla the prefills again with XLA's attention (precision.cudnn_prefill=False)
-  scan        batch 1 with the layers scanned, as the job runs them, without and with XLA's
-              dynamic-slice fusion (whether XLA:GPU then reads each layer's weights in place)
 DIR receives three files: gpu_check.json (every step's command, records and, when it failed, the
 end of its log; the targets), gpu_check.log (the steps' logs) and gpu_check.md, the table printed
 last, which docs/benchmarks/gpu-h100.md records.
@@ -115,7 +115,7 @@ def bench(config: str, out: str, name: str, flags: list[str], small: bool) -> tu
 def summarise(results: dict) -> tuple[dict, str]:
     """The targets and a markdown table of what was measured."""
     recs = {}
-    for step in ("decode", "prefill", "prefill_xla", "scan", "scan_dsf"):
+    for step in ("decode", "prefill", "prefill_xla", "scan_dsf"):
         for r in (results.get(step, {}).get("records") or []):
             recs[(step, r["batch_size"], r["prompt_len"])] = r
     peer = {r["batch_size"]: r for r in (results.get("peer", {}).get("records") or [])}
@@ -281,6 +281,10 @@ def main() -> None:
         steps.run("peer", [sys.executable, "benchmarks/hf_generate_peer.py", "--model=llama:llama3.1-8b",
                            "--batch_sizes=1,64", f"--prompt_len={PROMPT}",
                            f"--new_tokens={NEW}", "--reps=2", f"--output={path}"], 90, path)
+    # scanned layers with XLA's dynamic-slice fusion, against the unrolled decode above: whether
+    # XLA:GPU then reads each layer's weights in place (scanned, programs compile in seconds)
+    dsf = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_dynamic_slice_fusion=true"
+    decode("scan_dsf", "1", "--config.precision.scan_layers=True", env=dict(os.environ, XLA_FLAGS=dsf))
 
     max_prompt, max_new = (64, 32) if small else (1024, 512)
     vocab = 256 if small else 128256
@@ -290,17 +294,14 @@ def main() -> None:
     job_over = [f"--config.generation.batch_size={8 if small else 128}",
                 f"--config.generation.max_prompt_len={max_prompt}",
                 f"--config.generation.max_new_tokens={max_new}", "--config.generation.prefill_rows=8",
-                f"--config.generation.prefill_buckets={(16, 32, 64) if small else (128, 256, 512, 1024)}",
+                f"--config.generation.prefill_buckets={(32, 64) if small else (256, 1024)}",
                 "--config.precision.scan_layers=True"]
     steps.run("job", [sys.executable, "-m", "runner.bench", f"--config={cfg}", "--random_weights",
-                      f"--requests={requests}", f"--output={path}", *over, *job_over], 150, path)
+                      f"--requests={requests}", f"--output={path}", *over, *job_over], 120, path)
     steps.results["job"]["workload"] = shape
 
     if "--config.precision.cudnn_prefill=False" not in over:
         prefills("prefill_xla", "--config.precision.cudnn_prefill=False")
-    decode("scan", "1", "--config.precision.scan_layers=True")
-    dsf = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_dynamic_slice_fusion=true"
-    decode("scan_dsf", "1", "--config.precision.scan_layers=True", env=dict(os.environ, XLA_FLAGS=dsf))
 
     shutil.rmtree(work)
     summary, table = summarise(steps.results)

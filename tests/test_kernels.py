@@ -393,6 +393,20 @@ def test_pallas_decode_attention_matches_numpy_in_interpret_mode(S, window, with
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
 
 
+def left_padded_prompts(T: int):
+    """Two prompts of T slots for a prefill kernel, the second left-padded by 30: q [2, T, 8, 64],
+    k and v [2, 2, T, 64] (4 query heads a kv head), positions [2, T] (-1 = padding), and the
+    generator, seeded by T, for whatever else the test draws."""
+    rng = np.random.default_rng(T)
+    B, K, G, H = 2, 2, 4, 64
+    q = rng.standard_normal((B, T, K * G, H)).astype(np.float32)
+    k, v = (rng.standard_normal((B, K, T, H)).astype(np.float32) for _ in range(2))
+    pos = np.tile(np.arange(T, dtype=np.int32), (B, 1))
+    pos[1, :30] = -1
+    pos[1, 30:] = np.arange(T - 30)
+    return q, k, v, pos, rng
+
+
 @pytest.mark.parametrize("T,window,with_sinks", [(40, None, False), (384, 100, True), (256, 16, True),
                                                  (512, None, True)])
 def test_pallas_flash_prefill_matches_numpy_in_interpret_mode(T, window, with_sinks):
@@ -401,15 +415,8 @@ def test_pallas_flash_prefill_matches_numpy_in_interpret_mode(T, window, with_si
     window, left padding, sinks. Padding queries' outputs are never used and are not compared."""
     from models.kernels import tpu
 
-    rng = np.random.default_rng(T)
-    B, K, G, H = 2, 2, 4, 64
-    N = K * G
-    f32 = np.float32
-    q = rng.standard_normal((B, T, N, H)).astype(f32)
-    k, v = (rng.standard_normal((B, K, T, H)).astype(f32) for _ in range(2))
-    pos = np.tile(np.arange(T, dtype=np.int32), (B, 1))
-    pos[1, :30] = -1  # left padding
-    pos[1, 30:] = np.arange(T - 30)
+    q, k, v, pos, rng = left_padded_prompts(T)
+    (B, _, N, H), K, f32 = q.shape, k.shape[1], np.float32
     sinks = rng.standard_normal(N).astype(f32) if with_sinks else None
     got = tpu.flash_prefill(q, k, v, np.maximum(pos, 0), pos, sinks, window, 0.125, interpret=True)
     empty = np.zeros((B, K, 1, H), f32)
@@ -427,15 +434,8 @@ def test_cudnn_flash_prefill_call_matches_numpy(T, window):
     layer's keys and values at those slots are made from them."""
     from models.kernels import gpu
 
-    rng = np.random.default_rng(T)
-    B, K, G, H = 2, 2, 4, 64
-    N = K * G
-    f32 = np.float32
-    q = rng.standard_normal((B, T, N, H)).astype(f32)
-    k, v = (rng.standard_normal((B, K, T, H)).astype(f32) for _ in range(2))
-    pos = np.tile(np.arange(T, dtype=np.int32), (B, 1))
-    pos[1, :30] = -1  # left padding
-    pos[1, 30:] = np.arange(T - 30)
+    q, k, v, pos, _ = left_padded_prompts(T)
+    (B, _, N, H), K, f32 = q.shape, k.shape[1], np.float32
     got = np.asarray(jax.jit(gpu.flash_prefill, static_argnames=("window", "scale", "implementation"))(
         q, k, v, pos, pos, None, window=window, scale=0.125, implementation="xla"))
     empty = np.zeros((B, K, 1, H), f32)
