@@ -258,8 +258,10 @@ def test_prefill_attention_compiles_as_the_pallas_flash_kernel_for_tpu(scan):
 
 
 def test_without_donation_the_decode_step_writes_a_new_cache():
-    """precision.donate_cache=False: no output of the decode program reuses an input buffer, so a
-    chip holds the cache twice during a call; donated (the default), the cache is aliased."""
+    """precision.donate_cache=False: no output of the decode program reuses an input buffer, and
+    the program never needs less memory; donated (the default), the cache is aliased. (How much
+    more a copy costs is the compiler's: with libtpu 0.0.42 a whole cache more, with 0.0.48, which
+    writes the new cache straight into its output, a few KiB.)"""
     from runner.compile import compile_deployment
     from runner.memory import footprint
 
@@ -269,7 +271,7 @@ def test_without_donation_the_decode_step_writes_a_new_cache():
     _, copied = compile_deployment(kept, SMALL, only=("decode",))
     cache = footprint(s, SMALL).kv_cache
     assert donated["decode"].alias_bytes >= cache and copied["decode"].alias_bytes == 0
-    assert copied["decode"].peak_bytes >= donated["decode"].peak_bytes + cache
+    assert copied["decode"].peak_bytes >= donated["decode"].peak_bytes
 
 
 def test_pinning_the_lookup_tables_keeps_their_values_and_shards(monkeypatch):
