@@ -315,7 +315,7 @@ class KVCache(NamedTuple):
     Stacked (for a scan over layers, models/scan.py): with layers in a period of P (GPT-OSS
     alternates windowed and full layers: P = 2), k[j], v[j] hold layers j, j + P, ... as
     [B, L/P, K, S, H] (scales [B, L/P, K, S]); the batch stays first.
-    rows, when not None, makes `write` record each layer's new k, v instead of writing them (a
+    pending, when not None, makes `write` record each layer's new k, v instead of writing them (a
     view of one period of a stacked cache, inside the scan): one write after the scan then stores
     them all.
     """
@@ -326,7 +326,7 @@ class KVCache(NamedTuple):
     ring_pos: jax.Array  # [B, 0] when no layer is windowed
     k_scale: list[jax.Array | None]
     v_scale: list[jax.Array | None]
-    rows: tuple | None = None
+    pending: tuple | None = None
 
     @staticmethod
     def bytes_per_element(dtype: Any, head_dim: int) -> float:
@@ -417,28 +417,28 @@ class KVCache(NamedTuple):
 
     def layer_view(self, i: jax.Array) -> KVCache:
         """Of a stacked cache: layers i * P .. i * P + P - 1 as a P-layer cache that records its
-        writes (`rows`) for `write_layers`."""
+        writes (`pending`) for `write_layers`."""
         def pick(x):
             return None if x is None else jax.lax.dynamic_index_in_dim(x, i, axis=1, keepdims=False)
 
         return KVCache([pick(x) for x in self.k], [pick(x) for x in self.v], self.pos, self.ring_pos,
                        [pick(x) for x in self.k_scale], [pick(x) for x in self.v_scale],
-                       rows=(None,) * len(self.k))
+                       pending=(None,) * len(self.k))
 
     def write(self, layer: int, k: jax.Array, v: jax.Array, start: jax.Array | int,
               rules: Rules) -> KVCache:
         """Writes one layer's new k, v [B, T, K, H] for columns [start, start + T)."""
-        if self.rows is not None:
-            rows = list(self.rows)
-            rows[layer] = (k, v)
-            return self._replace(rows=tuple(rows))
+        if self.pending is not None:
+            pending = list(self.pending)
+            pending[layer] = (k, v)
+            return self._replace(pending=tuple(pending))
         return self._store(layer, k, v, start, rules, stacked=False)
 
-    def write_layers(self, rows: tuple, start: jax.Array | int, rules: Rules) -> KVCache:
-        """Of a stacked cache: rows[j] = (k, v) [L/P, B, T, K, H], the new columns of layers j,
+    def write_layers(self, pending: tuple, start: jax.Array | int, rules: Rules) -> KVCache:
+        """Of a stacked cache: pending[j] = (k, v) [L/P, B, T, K, H], the new columns of layers j,
         j + P, ..., as a scan over layers collected them from `layer_view`s."""
         cache = self
-        for j, (k, v) in enumerate(rows):
+        for j, (k, v) in enumerate(pending):
             cache = cache._store(j, jnp.moveaxis(k, 0, 1), jnp.moveaxis(v, 0, 1), start, rules,
                                  stacked=True)
         return cache

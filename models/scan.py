@@ -104,14 +104,14 @@ def run_layers(params: dict, x: jax.Array, cache: KVCache, start: Any, rules: Ru
         view = cache.layer_view(i)
         for j, p in enumerate(period_at(i)):
             x, view = layer(p, x, view, j, False)
-        return x, view.rows
+        return x, view.pending
 
     looped = depth - 1 if last_only else depth
-    x, rows = jax.lax.scan(body, x, jnp.arange(looped))
+    x, pending = jax.lax.scan(body, x, jnp.arange(looped))
     if last_only:
         view = cache.layer_view(looped)
         ps = period_at(looped)
         for j, p in enumerate(ps):
             x, view = layer(p, x, view, j, j == len(ps) - 1)
-        rows = jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), rows, view.rows)
-    return x, cache.write_layers(rows, start, rules)
+        pending = jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), pending, view.pending)
+    return x, cache.write_layers(pending, start, rules)

@@ -22,7 +22,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -76,6 +76,14 @@ class Rows(NamedTuple):
     def dtypes() -> Rows:
         i, f = jnp.int32, jnp.float32
         return Rows(i, i, i, i, jnp.bool_, i, jnp.uint32, f, i, f)
+
+
+class Weights(NamedTuple):
+    """What every program reads: the prepared params and the unembedding's int8 screen, where
+    greedy tokens come through one (Engine._greedy_screen), else None."""
+
+    params: Any
+    screen: Any
 
 
 class Prompts(NamedTuple):
@@ -342,6 +350,10 @@ class Engine:
         return cpu.greedy_screen(u.w, w_nk=u.vocab_first)
 
     @property
+    def weights(self) -> Weights:
+        return Weights(self.params, self.screen)
+
+    @property
     def screen_bytes(self) -> int:
         """Bytes of the screen, which a greedy step reads in place of the unembedding (0: none)."""
         return sum(a.nbytes for a in jax.tree.leaves(self.screen))
@@ -355,7 +367,7 @@ class Engine:
         """Every function generation runs, lowered for the mesh's devices (which may be an AOT
         topology with no devices attached): per bucket P the insert of the most rows at once
         (`prefill_{P}`, the largest of its sizes) and the decode step."""
-        weights = (self.params, self.screen)
+        weights = self.weights
         stops = jax.ShapeDtypeStruct((MAX_STOP_IDS,), jnp.int32, sharding=self._everywhere)
         R = self.prefill_rows
         dtypes = (jnp.int32, jnp.int32, jnp.int32, jnp.int32, jnp.uint32, jnp.float32, jnp.int32,
@@ -412,9 +424,9 @@ class Engine:
         def step(carry, _):
             cache, r = carry
             write_pos = jnp.where(r.done, -1, r.pos)[:, None]
-            out, cache = self.model.forward(weights[0], r.token[:, None], write_pos, cache, r.slot,
+            out, cache = self.model.forward(weights.params, r.token[:, None], write_pos, cache, r.slot,
                                             self.rules, self.policy, last_only=True,
-                                            head=weights[1] is None)
+                                            head=weights.screen is None)
             nxt = self._next_tokens(weights, out, r.seed, r.count, r.temperature, r.top_k, r.top_p)
             emitted = jnp.where(r.done, -1, nxt)
             count = r.count + jnp.where(r.done, 0, 1)
@@ -429,7 +441,7 @@ class Engine:
     @staticmethod
     def _gather_fn(cache: KVCache, state: Rows, take: jax.Array, live: jax.Array):
         """Rows `take` of the cache and state; those not `live` (padding) are done."""
-        rows = jax.tree.map(lambda x: x[take], cache._replace(rows=None))
+        rows = jax.tree.map(lambda x: x[take], cache._replace(pending=None))
         state = jax.tree.map(lambda x: x[take], state)
         return rows, state._replace(done=state.done | ~live)
 
@@ -478,7 +490,7 @@ class Engine:
                        np.array([r.top_p for r in every], np.float32))
         prompts = jax.tree.map(jax.device_put, host, self._prompt_shardings(R))
         with self._first_call(f"the prefill of {R} x {P} tokens"):
-            first, self.cache, self.state = self._insert((self.params, self.screen), self.cache,
+            first, self.cache, self.state = self._insert(self.weights, self.cache,
                                                          self.state, prompts, self._stop_array(stop_ids))
             return np.asarray(first)[:n]
 
@@ -486,7 +498,7 @@ class Engine:
         """steps_per_dispatch steps of every row: the tokens [rows, steps] (-1 where a row was
         done)."""
         with self._first_call(f"the decode step of {self.rows} rows"):
-            emitted, self.cache, self.state = self._decode((self.params, self.screen), self.cache,
+            emitted, self.cache, self.state = self._decode(self.weights, self.cache,
                                                            self.state, self._stop_array(stop_ids))
             return np.asarray(emitted)
 
