@@ -4,7 +4,7 @@ the Pallas kernels on TPU (models/kernels/tpu.py), cuDNN's attention on NVIDIA G
 policy's Backend (models.layers.Policy.on); none of them tests the platform.
 
 What a Backend says holds for every call on its mesh. A kernel may still decline a call whose
-operands it does not take (a dtype, a row count, a cache split along its slots); those checks stay
+operands it does not take (a dtype, a row count, a query count); those checks stay
 with the call.
 """
 
