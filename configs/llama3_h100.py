@@ -9,8 +9,7 @@ the HF checkpoint once:
 
 On a machine of several GPUs, --config.mesh.data=8 runs a replica on each (the weights fit one
 card), or --config.mesh.model=2 splits heads and the MLP over two. Nothing TPU- or CPU-only runs
-here: the Pallas TPU kernels and podrun's CPU kernels are chosen by the mesh's platform, and XLA
-compiles the rest for the GPU.
+here: models/backend.py chooses the kernels once per mesh, and XLA compiles the rest for the GPU.
 
 Fit (python -m runner.memory --config=configs/llama3_h100.py): 15.0 GiB of weights and 32 GiB of
 KV cache for 128 rows of 1,024 prompt + 1,024 new tokens, 59% of the card before activations.
@@ -18,7 +17,7 @@ Prefill takes 8 prompts at a time, and its attention runs in cuDNN's flash kerne
 the [T, T] scores out of memory (4.3x faster than XLA's attention at 4,096 tokens on an H100).
 The layers are unrolled: scanned (precision.scan_layers), a batch-1 decode step took 15.9 ms
 instead of 6.5, about what copying each layer's weights out of the stack on every step costs.
-Each program then takes 15-20 s to compile; the compilation cache keeps them for the next run.
+Each program then takes 15-22 s to compile; the compilation cache keeps them for the next run.
 Measured on an H100 against transformers on the same card: docs/benchmarks/gpu-h100.md
 (benchmarks/gpu_check.py).
 """
