@@ -14,12 +14,11 @@ here: models/backend.py chooses the kernels once per mesh, and XLA compiles the 
 Fit (python -m runner.memory --config=configs/llama3_h100.py): 15.0 GiB of weights and 32 GiB of
 KV cache for 128 rows of 1,024 prompt + 1,024 new tokens, 59% of the card before activations.
 Prefill takes 8 prompts at a time, and its attention runs in cuDNN's flash kernel, which keeps
-the [T, T] scores out of memory (4.3x faster than XLA's attention at 4,096 tokens on an H100).
-The layers are unrolled: scanned (precision.scan_layers), a batch-1 decode step took 15.9 ms
-instead of 6.5, about what copying each layer's weights out of the stack on every step costs.
+the [T, T] scores out of memory. The layers are unrolled: scanned (precision.scan_layers),
+XLA:GPU's decode step ran 2.4x slower, as if it copied each layer's weights out of the stack.
 Each program then takes 15-22 s to compile; the compilation cache keeps them for the next run.
-Measured on an H100 against transformers on the same card: docs/benchmarks/gpu-h100.md
-(benchmarks/gpu_check.py).
+On an H100: batch-1 decode 6.46 ms a step, 99% of the measured bandwidth
+(docs/benchmarks/gpu-h100.md, benchmarks/gpu_check.py).
 """
 
 from configs.base import base_config

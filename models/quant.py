@@ -269,8 +269,6 @@ def matmul(x: jax.Array, w: QWeight | Q4Weight, n_contract: int, precision: Any,
     free, out = x.shape[: x.ndim - n_contract], tuple(w.q.shape[: len(w.out_axes)])
     C, O = math.prod(x.shape[x.ndim - n_contract:]), math.prod(out)
     int4 = isinstance(w, Q4Weight)
-    from models.kernels import cpu
-
     if not kernels:
         if int4:  # dequantised for the dot (XLA has no product over packed nibbles)
             q = dequantize_int4(w.q, w.d, w.m, x.dtype).reshape(O, C)
@@ -283,6 +281,8 @@ def matmul(x: jax.Array, w: QWeight | Q4Weight, n_contract: int, precision: Any,
         y = jax.lax.dot_general(x.reshape(*free, C), q, (((len(free),), (1,)), ((), ())),
                                 precision=precision, preferred_element_type=jnp.float32)
         return (y * w.scale.reshape(O)).astype(x.dtype).reshape(*free, *out)
+    from models.kernels import cpu
+
     rules = w.rules
     free_axes = ("batch", "seq")[: len(free)] if len(free) <= 2 else (None,) * len(free)
     x_spec = rules.spec(*free_axes, *w.contract_axes, shape=x.shape)

@@ -58,9 +58,8 @@ def abstract(decl: Any, rules: Rules, dtype: Any) -> Any:
 
 def init(decl: Any, key: jax.Array, rules: Rules, dtype: Any) -> Any:
     """Random weights, each created directly in its shards, by one small program per distinct
-    (shape, init, scale, sharding), which the layers' repeated weights share. One program making
-    them all is a graph of hundreds of random-number generators that XLA:GPU took minutes to
-    compile for an 8B model."""
+    (shape, init, scale, sharding), which the layers' repeated weights share: one program making
+    them all would be a graph of hundreds of random-number generators, slow to compile."""
     leaves, treedef = jax.tree.flatten(decl, is_leaf=is_weight)
     keys = jax.random.split(key, len(leaves))
     made = [_maker(w.shape, w.init, w.scale, jnp.dtype(dtype), rules.sharding(*w.axes))(k)

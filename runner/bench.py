@@ -190,11 +190,15 @@ def _best_of(fn, *args, reps: int = 5) -> float:
     return min(times)
 
 
-def _over_devices(shape: tuple[int, ...]) -> jax.Array:
+def _over_devices(shape: tuple[int, ...], dtype=jnp.float32, random: bool = False) -> jax.Array:
+    """[local devices, *shape] of ones (or random normals), one slice on each local device."""
     devices = jax.local_devices()
     mesh = jax.sharding.Mesh(np.array(devices), ("d",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
-    return jax.jit(lambda: jnp.ones((len(devices), *shape), jnp.float32), out_shardings=sharding)()
+    full = (len(devices), *shape)
+    make = (lambda: jax.random.normal(jax.random.key(0), full, dtype)) if random else (
+        lambda: jnp.ones(full, dtype))
+    return jax.jit(make, out_shardings=sharding)()
 
 
 class BandwidthProbe:
@@ -249,11 +253,7 @@ class BandwidthProbe:
 def peak_gflops(m: int, dtype=jnp.float32) -> float:
     """A [m, m] @ [m, m] matmul of random `dtype` numbers on every local device at once (the
     activations' dtype: bfloat16 runs on other units than float32)."""
-    devices = jax.local_devices()
-    sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(devices), ("d",)),
-                                          jax.sharding.PartitionSpec("d"))
-    x = jax.jit(lambda: jax.random.normal(jax.random.key(0), (len(devices), m, m), dtype),
-                out_shardings=sharding)()
+    x = _over_devices((m, m), dtype, random=True)
     seconds = _best_of(jax.jit(lambda a: jnp.einsum("dij,djk->dik", a, a)), x, reps=3)
     return 2 * x.shape[0] * m**3 / seconds / 1e9
 
