@@ -180,8 +180,9 @@ def attention_check() -> dict:
     import jax.numpy as jnp
     import numpy as np
 
+    from models.attention import attention
     from models.kernels import gpu
-    from models.layers import Policy, attention
+    from models.policy import Policy
 
     def xla(q, k, v, pos, policy):  # k, v [B, K, T, H]
         return attention(q, pos, [(k, v, pos, None, None)], policy)

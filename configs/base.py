@@ -45,7 +45,7 @@ def base_config() -> ConfigDict:
         # all of it to XLA (same results; slower, much slower for int8 and int4).
         "kernels": True,
         # TPU: decode attention in the Pallas kernel (off: XLA's attention, which avoids a copy of
-        # each layer's cache per step that the kernel still causes; see models/layers.Policy).
+        # each layer's cache per step that the kernel still causes; see models/policy.Policy).
         "pallas_attention": False,
         # q/k/v as one matrix product and gate/up as another (models/fused.py): the checkpoint's
         # separate weights are fused once after restore. Same results either way; off because it

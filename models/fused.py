@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from models.layers import add_bias
+from models.decoder import add_bias
 from models.weights import Weight, shardings
 from sharding.rules import Rules
 

@@ -8,14 +8,14 @@ the token embedding reused as the unembedding.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from models import quant, scan
-from models.layers import KVCache, Policy, Unembedding, cached_attention, layer_norm
+from models import quant
+from models.decoder import Unembedding
+from models.norms import layer_norm
+from models.policy import Policy
 from models.weights import Weight
 from sharding.rules import Rules, constrain
 
@@ -26,7 +26,7 @@ class Config:
     hidden_size: int = 768  # D
     num_layers: int = 12
     num_heads: int = 12  # N
-    max_position: int = 1024  # P
+    max_position: int = 1024
     layer_norm_eps: float = 1e-5
 
     @property
@@ -61,8 +61,7 @@ def config_from_hf(hf: dict) -> Config:
 
 
 def declare(c: Config) -> dict:
-    D, F, N, H, V, P = (c.hidden_size, c.intermediate_size, c.num_heads, c.head_dim,
-                        c.vocab_size, c.max_position)
+    D, F, N, H, V = c.hidden_size, c.intermediate_size, c.num_heads, c.head_dim, c.vocab_size
     layer = {
         "ln1_w": Weight((D,), ("embed",), init="ones"),
         "ln1_b": Weight((D,), ("embed",), init="zeros"),
@@ -79,7 +78,7 @@ def declare(c: Config) -> dict:
     }
     return {
         "wte": Weight((V, D), ("vocab", "embed"), contract=-1),  # [V, D], also the unembedding
-        "wpe": Weight((P, D), (None, "embed"), scale=0.01),  # [P, D]
+        "wpe": Weight((c.max_position, D), (None, "embed"), scale=0.01),  # [max_position, D]
         "layers": [dict(layer) for _ in range(c.num_layers)],
         "lnf_w": Weight((D,), ("embed",), init="ones"),
         "lnf_b": Weight((D,), ("embed",), init="zeros"),
@@ -90,46 +89,46 @@ def cache_spec(c: Config) -> tuple[tuple[int | None, ...], int, int]:
     return (None,) * c.num_layers, c.num_heads, c.head_dim
 
 
-def attention_block(p: dict, x: jax.Array, positions: jax.Array, cache: KVCache, layer: int,
-                    start: Any, rules: Rules, policy: Policy, last: bool = False
-                    ) -> tuple[jax.Array, KVCache]:
-    """last: the output of the last position alone (scan.run_layers); every position's keys and
-    values still go to the cache, and attention runs for every query (as the prompt kernels take
-    them), the rest of the block for the last."""
+# --- the decoder's pieces (models/decoder.py runs them) -----------------------------------------
+
+def rope(c: Config) -> None:
+    return None  # learned absolute positions, added in `embed`
+
+
+def embed(params: dict, tokens: jax.Array, positions: jax.Array, c: Config,
+          policy: Policy) -> jax.Array:
+    return (quant.lookup(params["wte"], tokens) + params["wpe"][positions]).astype(policy.dtype)
+
+
+def attn_norm(p: dict, x: jax.Array, c: Config, policy: Policy) -> jax.Array:
+    return layer_norm(x, p["ln1_w"], p["ln1_b"], c.layer_norm_eps)
+
+
+def qkv(p: dict, x: jax.Array, c: Config, policy: Policy) -> tuple[jax.Array, jax.Array, jax.Array]:
     qkv = policy.einsum("BTD,DINH->BTINH", x, p["wqkv"]) + p["bqkv"]  # I indexes q, k, v
-    q, k, v = (constrain(qkv[:, :, i], rules, "batch", "seq", "act_heads", None) for i in range(3))
-    out, cache = cached_attention(q, k, v, positions, cache, layer, start, rules, policy)
-    out = out[:, -1:] if last else out
-    return policy.einsum("BTNH,NHD->BTD", out, p["wo"]) + p["bo"], cache
+    return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
 
 
-def mlp_block(p: dict, x: jax.Array, rules: Rules, policy: Policy) -> jax.Array:
+def attention_options(p: dict, layer: int, c: Config) -> dict:
+    return {}
+
+
+def attention_out(p: dict, out: jax.Array, policy: Policy) -> jax.Array:
+    return policy.einsum("BTNH,NHD->BTD", out, p["wo"]) + p["bo"]
+
+
+def mlp_norm(p: dict, x: jax.Array, c: Config, policy: Policy) -> jax.Array:
+    return layer_norm(x, p["ln2_w"], p["ln2_b"], c.layer_norm_eps)
+
+
+def mlp(p: dict, x: jax.Array, c: Config, rules: Rules, policy: Policy) -> jax.Array:
     h = jax.nn.gelu(policy.einsum("BTD,DF->BTF", x, p["w_fc"]) + p["b_fc"], approximate=True)
     h = constrain(h, rules, "batch", "seq", "act_mlp")
     return policy.einsum("BTF,FD->BTD", h, p["w_proj"]) + p["b_proj"]
 
 
-def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache, start: Any,
-            c: Config, rules: Rules, policy: Policy, last_only: bool = False,
-            trim: bool = True, head: bool = True) -> tuple[jax.Array, KVCache]:
-    """As llama.forward: tokens, positions [B, T] (-1 = padding) -> logits, updated cache."""
-    cache = cache.write_positions(positions, start)
-    positions = jnp.maximum(positions, 0)
-    x = (quant.lookup(params["wte"], tokens) + params["wpe"][positions]).astype(policy.dtype)  # [B, T, D]
-    x = constrain(x, rules, "batch", "seq", "act_embed")
-    eps = c.layer_norm_eps
-
-    def layer(p, x, cache, i, last):
-        h, cache = attention_block(p, layer_norm(x, p["ln1_w"], p["ln1_b"], eps), positions,
-                                   cache, i, start, rules, policy, last)
-        x = constrain((x[:, -1:] if last else x) + h, rules, "batch", "seq", "act_embed")
-        h = mlp_block(p, layer_norm(x, p["ln2_w"], p["ln2_b"], eps), rules, policy)
-        return constrain(x + h, rules, "batch", "seq", "act_embed"), cache
-
-    x, cache = scan.run_layers(params, x, cache, start, rules, layer, last_only and trim)
-    x = layer_norm(x[:, -1:] if last_only else x, params["lnf_w"], params["lnf_b"], eps)
-    out = unembedding(params).logits(x, rules, policy) if head else x
-    return (out[:, 0] if last_only else out), cache
+def final_norm(params: dict, x: jax.Array, c: Config, policy: Policy) -> jax.Array:
+    return layer_norm(x, params["lnf_w"], params["lnf_b"], c.layer_norm_eps)
 
 
 def unembedding(params: dict) -> Unembedding:

@@ -21,17 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import fused, quant, scan
-from models.layers import (
-    KVCache,
-    Policy,
-    Rope,
-    RopeTable,
-    Unembedding,
-    apply_rope,
-    cached_attention,
-    rope_table,
-)
+from models import llama, quant
+from models.decoder import Unembedding
+from models.policy import Policy
+from models.rope import Rope
 from models.weights import Weight
 from sharding.rules import Rules, constrain
 
@@ -92,9 +85,9 @@ PRESETS: dict[str, Config] = {
 
 
 def config_from_hf(hf: dict) -> Config:
-    rope = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
-    theta = hf.get("rope_theta") or rope.pop("rope_theta", 150000.0)
-    rope.pop("rope_theta", None)
+    scaling = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+    theta = hf.get("rope_theta") or scaling.pop("rope_theta", 150000.0)
+    scaling.pop("rope_theta", None)
     layers = hf["num_hidden_layers"]
     types = hf.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
                                       for i in range(layers)]
@@ -112,7 +105,7 @@ def config_from_hf(hf: dict) -> Config:
         sliding_layers=tuple(t == "sliding_attention" for t in types),
         rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
         rope_theta=float(theta),
-        rope_scaling=tuple(sorted(rope.items())) if rope else YARN,
+        rope_scaling=tuple(sorted(scaling.items())) if scaling else YARN,
         swiglu_alpha=hf.get("swiglu_alpha", 1.702),
         swiglu_limit=hf.get("swiglu_limit", 7.0),
         max_position=hf.get("max_position_embeddings", 131072),
@@ -155,24 +148,6 @@ def declare(c: Config) -> dict:
 
 def cache_spec(c: Config) -> tuple[tuple[int | None, ...], int, int]:
     return tuple(c.window(i) for i in range(c.num_layers)), c.num_kv_heads, c.head_dim
-
-
-# --- attention --------------------------------------------------------------------------------
-
-def attention_block(p: dict, x: jax.Array, positions: jax.Array, table: RopeTable, cache: KVCache,
-                    layer: int, start: Any, c: Config, rules: Rules, policy: Policy,
-                    last: bool = False) -> tuple[jax.Array, KVCache]:
-    """last: the output of the last position alone (scan.run_layers); every position's keys and
-    values still go to the cache, and attention runs for every query (as the prompt kernels take
-    them), the rest of the block for the last."""
-    q, k, v = fused.qkv(p, x, policy)  # [B, T, N, H], [B, T, K, H] twice
-    q = constrain(apply_rope(q, table), rules, "batch", "seq", "act_heads", None)
-    k = constrain(apply_rope(k, table), rules, "batch", "seq", "act_kv_heads", None)
-    v = constrain(v, rules, "batch", "seq", "act_kv_heads", None)
-    out, cache = cached_attention(q, k, v, positions, cache, layer, start, rules, policy,
-                                  window=c.window(layer), sinks=p["sinks"])
-    out = out[:, -1:] if last else out
-    return policy.einsum("BTNH,NHD->BTD", out, p["wo"]) + p["bo"], cache
 
 
 # --- mixture of experts -----------------------------------------------------------------------
@@ -387,30 +362,24 @@ def moe_block(p: dict, x: jax.Array, c: Config, rules: Rules, policy: Policy) ->
         return constrain(y, rules, "batch", "seq", "act_embed")
 
 
-# --- forward ----------------------------------------------------------------------------------
+# --- the decoder's pieces (models/decoder.py runs them) -----------------------------------------
 
-def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache, start: Any,
-            c: Config, rules: Rules, policy: Policy, last_only: bool = False,
-            trim: bool = True, head: bool = True) -> tuple[jax.Array, KVCache]:
-    """As llama.forward: tokens, positions [B, T] (-1 = padding) -> logits, updated cache."""
-    cache = cache.write_positions(positions, start)
-    positions = jnp.maximum(positions, 0)
-    table = rope_table(positions, c.rope, policy.dtype)
-    x = quant.lookup(params["embed"], tokens).astype(policy.dtype)  # [B, T, D]
-    x = constrain(x, rules, "batch", "seq", "act_embed")
+# As Llama's: the token embedding, RMSNorms, rotary q/k/v with biases.
+rope, embed, attn_norm, qkv = llama.rope, llama.embed, llama.attn_norm, llama.qkv
+mlp_norm, final_norm = llama.mlp_norm, llama.final_norm
 
-    def layer(p, x, cache, i, last):  # i: the layer, or its place in the scanned period (same window)
-        normed = policy.rms_norm(x, p["attn_norm"], c.rms_norm_eps)
-        h, cache = attention_block(p, normed, positions, table, cache, i, start, c, rules, policy,
-                                   last)
-        x = constrain((x[:, -1:] if last else x) + h, rules, "batch", "seq", "act_embed")
-        h = moe_block(p, policy.rms_norm(x, p["mlp_norm"], c.rms_norm_eps), c, rules, policy)
-        return constrain(x + h, rules, "batch", "seq", "act_embed"), cache
 
-    x, cache = scan.run_layers(params, x, cache, start, rules, layer, last_only and trim)
-    x = policy.rms_norm(x[:, -1:] if last_only else x, params["final_norm"], c.rms_norm_eps)
-    out = unembedding(params).logits(x, rules, policy) if head else x
-    return (out[:, 0] if last_only else out), cache
+def attention_options(p: dict, layer: int, c: Config) -> dict:
+    """The layer's window (scanned: its place in the period, as the windows repeat) and sinks."""
+    return {"window": c.window(layer), "sinks": p["sinks"]}
+
+
+def attention_out(p: dict, out: jax.Array, policy: Policy) -> jax.Array:
+    return policy.einsum("BTNH,NHD->BTD", out, p["wo"]) + p["bo"]
+
+
+def mlp(p: dict, x: jax.Array, c: Config, rules: Rules, policy: Policy) -> jax.Array:
+    return moe_block(p, x, c, rules, policy)
 
 
 def unembedding(params: dict) -> Unembedding:

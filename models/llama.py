@@ -11,21 +11,12 @@ import dataclasses
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from models import fused, quant, scan
-from models.layers import (
-    KVCache,
-    Policy,
-    Rope,
-    RopeTable,
-    Unembedding,
-    add_bias,
-    apply_rope,
-    cached_attention,
-    rope_table,
-)
+from models import fused, quant
+from models.decoder import Unembedding, add_bias
+from models.policy import Policy
+from models.rope import Rope
 from models.weights import Weight
 from sharding.rules import Rules, constrain
 
@@ -158,57 +149,46 @@ def cache_spec(c: Config) -> tuple[tuple[int | None, ...], int, int]:
     return (None,) * c.num_layers, c.num_kv_heads, c.head_dim
 
 
-# --- blocks -----------------------------------------------------------------------------------
+# --- the decoder's pieces (models/decoder.py runs them) -----------------------------------------
 
-def attention_block(p: dict, x: jax.Array, positions: jax.Array, table: RopeTable, cache: KVCache,
-                    layer: int, start: Any, c: Config, rules: Rules, policy: Policy,
-                    last: bool = False) -> tuple[jax.Array, KVCache]:
-    """last: the output of the last position alone (scan.run_layers); every position's keys and
-    values still go to the cache, and attention runs for every query (as the prompt kernels take
-    them), the rest of the block for the last."""
-    q, k, v = fused.qkv(p, x, policy)  # [B, T, N, H], [B, T, K, H] twice
-    q = constrain(apply_rope(q, table), rules, "batch", "seq", "act_heads", None)
-    k = constrain(apply_rope(k, table), rules, "batch", "seq", "act_kv_heads", None)
-    v = constrain(v, rules, "batch", "seq", "act_kv_heads", None)
-    out, cache = cached_attention(q, k, v, positions, cache, layer, start, rules, policy)
-    out = out[:, -1:] if last else out
-    return add_bias(policy.einsum("BTNH,NHD->BTD", out, p["wo"]), p["bo"]), cache
+def rope(c: Config) -> Rope:
+    return c.rope
 
 
-def mlp_block(p: dict, x: jax.Array, rules: Rules, policy: Policy) -> jax.Array:
+def embed(params: dict, tokens: jax.Array, positions: jax.Array, c: Config,
+          policy: Policy) -> jax.Array:
+    return quant.lookup(params["embed"], tokens).astype(policy.dtype)
+
+
+def attn_norm(p: dict, x: jax.Array, c: Config, policy: Policy) -> jax.Array:
+    return policy.rms_norm(x, p["attn_norm"], c.rms_norm_eps)
+
+
+def qkv(p: dict, x: jax.Array, c: Config, policy: Policy) -> tuple[jax.Array, jax.Array, jax.Array]:
+    return fused.qkv(p, x, policy)
+
+
+def attention_options(p: dict, layer: int, c: Config) -> dict:
+    return {}
+
+
+def attention_out(p: dict, out: jax.Array, policy: Policy) -> jax.Array:
+    return add_bias(policy.einsum("BTNH,NHD->BTD", out, p["wo"]), p["bo"])
+
+
+def mlp_norm(p: dict, x: jax.Array, c: Config, policy: Policy) -> jax.Array:
+    return policy.rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
+
+
+def mlp(p: dict, x: jax.Array, c: Config, rules: Rules, policy: Policy) -> jax.Array:
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
     gate, up = fused.gate_up(p, x, policy)  # [B, T, F] each
     h = constrain(jax.nn.silu(gate) * up, rules, "batch", "seq", "act_mlp")
     return add_bias(policy.einsum("BTF,FD->BTD", h, p["w_down"]), p["b_down"])
 
 
-def forward(params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache, start: Any,
-            c: Config, rules: Rules, policy: Policy, last_only: bool = False,
-            trim: bool = True, head: bool = True) -> tuple[jax.Array, KVCache]:
-    """tokens, positions: [B, T] (position -1 marks padding); start: first cache slot written.
-
-    Returns logits [B, T, V] (or [B, V] for the last position) and the updated cache; without
-    head, the final norm's output [B, T, D] (or [B, D]) instead, for `unembedding`. With
-    last_only and trim, the final layer's output projection and MLP run for the last position
-    alone (scan.run_layers).
-    """
-    cache = cache.write_positions(positions, start)
-    positions = jnp.maximum(positions, 0)
-    table = rope_table(positions, c.rope, policy.dtype)
-    x = quant.lookup(params["embed"], tokens).astype(policy.dtype)  # [B, T, D]
-    x = constrain(x, rules, "batch", "seq", "act_embed")
-
-    def layer(p, x, cache, i, last):
-        normed = policy.rms_norm(x, p["attn_norm"], c.rms_norm_eps)
-        h, cache = attention_block(p, normed, positions, table, cache, i, start, c, rules, policy,
-                                   last)
-        x = constrain((x[:, -1:] if last else x) + h, rules, "batch", "seq", "act_embed")
-        h = mlp_block(p, policy.rms_norm(x, p["mlp_norm"], c.rms_norm_eps), rules, policy)
-        return constrain(x + h, rules, "batch", "seq", "act_embed"), cache
-
-    x, cache = scan.run_layers(params, x, cache, start, rules, layer, last_only and trim)
-    x = policy.rms_norm(x[:, -1:] if last_only else x, params["final_norm"], c.rms_norm_eps)
-    out = unembedding(params).logits(x, rules, policy) if head else x
-    return (out[:, 0] if last_only else out), cache
+def final_norm(params: dict, x: jax.Array, c: Config, policy: Policy) -> jax.Array:
+    return policy.rms_norm(x, params["final_norm"], c.rms_norm_eps)
 
 
 def unembedding(params: dict) -> Unembedding:

@@ -8,8 +8,10 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from models import fused, gpt2, gptoss, llama, panels, quant, scan, weights
-from models.layers import KVCache, Policy, Unembedding
+from models import decoder, fused, gpt2, gptoss, llama, panels, quant, scan, weights
+from models.decoder import Mode, Output, Unembedding
+from models.kv_cache import KVCache
+from models.policy import Policy
 from sharding.rules import Rules
 
 FAMILIES: dict[str, ModuleType] = {"llama": llama, "gpt2": gpt2, "gptoss": gptoss}
@@ -80,15 +82,16 @@ class Model:
     def num_layers(self) -> int:
         return len(self.module.cache_spec(self.config)[0])
 
-    def forward(self, params, tokens, positions, cache, start, rules, policy, last_only=False,
-                trim=True, head=True):
-        """The family's forward pass, with `policy`'s backend resolved on `rules`' mesh: every
-        caller (the engine, perplexity, the tests) runs the kernels serving runs."""
-        return self.module.forward(params, tokens, positions, cache, start, self.config, rules,
-                                   policy.on(rules), last_only, trim, head)
+    def forward(self, params, tokens, positions, cache, rules, policy, mode: Mode,
+                column=0, output: Output = Output.LOGITS):
+        """The decoder (models/decoder.forward) of this family, with `policy`'s backend resolved on
+        `rules`' mesh: every caller (the engine, perplexity, the tests) runs the kernels serving
+        runs."""
+        return decoder.forward(self.module, params, tokens, positions, cache, self.config, rules,
+                               policy.on(rules), mode, column, output)
 
     def unembedding(self, params) -> Unembedding:
-        """The weight that turns the final hidden state into logits (forward's head)."""
+        """The weight that turns the final hidden state into logits (Output.LAST_HIDDEN's)."""
         return self.module.unembedding(params)
 
     def to_json(self) -> dict:

@@ -5,7 +5,7 @@ once and loops over it, so compile time no longer grows with depth. The layers m
 period P (Llama: every layer alike, P = 1; GPT-OSS alternates sliding-window and full attention,
 P = 2): params["layer_stack"] is a list of P trees whose leaves hold layers j, j + P, ... stacked
 on a leading axis of L / P (never sharded), and the KV cache is stacked the same way
-(models/layers.KVCache). Inside the loop, each period attends over its layers' caches as they were;
+(models/kv_cache.KVCache). Inside the loop, each period attends over its layers' caches as they were;
 the new keys and values come out of the loop and are written once after it.
 
 Weights are restored, fused and quantised per layer as always, then stacked (`stack`), one weight
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from models.layers import KVCache
+from models.kv_cache import KVCache
 from sharding.rules import Rules
 
 
@@ -71,27 +71,28 @@ def stack(params: dict, P: int) -> dict:
     return {**{k: v for k, v in params.items() if k != "layers"}, "layer_stack": out}
 
 
-def run_layers(params: dict, x: jax.Array, cache: KVCache, start: Any, rules: Rules,
+def run_layers(params: dict, x: jax.Array, cache: KVCache, column: Any, rules: Rules,
                layer: Callable[[Any, jax.Array, KVCache, int, bool], tuple[jax.Array, KVCache]],
-               last_only: bool = False) -> tuple[jax.Array, KVCache]:
-    """x through every layer: layer(p, x, cache, i, last) -> (x, cache) applies layer i's weights p.
+               final_position_only: bool = False) -> tuple[jax.Array, KVCache]:
+    """x through every layer: layer(p, x, cache, i, final_position_only) -> (x, cache) applies
+    layer i's weights p; `column` is where the pass writes the cache (models/kv_cache.py).
 
     Unrolled (params["layers"]) i runs over the layers. Scanned (params["layer_stack"]) i runs over
     one period, 0..P-1, and `cache` is a view of that period's layers: the windows of layers i and
     i + P agree, so whatever `layer` derives from i statically holds for every period.
 
-    last_only: only the last position's output is wanted (a prompt's first token). The final
-    layer is then called with last=True: it writes every position's keys and values to the cache
-    and attends for every query, but takes the rest of its work (output projection, MLP) for the
-    last position alone, returning x [B, 1, D]: for a short prompt of a shallow model, a good
-    share of its flops. Scanned, the loop stops one period short and the final
-    period runs after it, unrolled.
+    final_position_only: only the last position's output is wanted (a prompt's first token). The
+    final layer is then called with it set: it writes every position's keys and values to the
+    cache and attends for every query, but takes the rest of its work (output projection, MLP)
+    for the last position alone, returning x [B, 1, D]: for a short prompt of a shallow model, a
+    good share of its flops. Scanned, the loop stops one period short and the final period runs
+    after it, unrolled.
     """
-    last_only = last_only and x.shape[1] > 1  # one position (decode): nothing to trim
+    final_position_only = final_position_only and x.shape[1] > 1  # one position: nothing to leave
     if "layers" in params:
         n = len(params["layers"])
         for i, p in enumerate(params["layers"]):
-            x, cache = layer(p, x, cache, i, last_only and i == n - 1)
+            x, cache = layer(p, x, cache, i, final_position_only and i == n - 1)
         return x, cache
     groups = params["layer_stack"]
     depth = jax.tree.leaves(groups[0])[0].shape[0]
@@ -106,12 +107,12 @@ def run_layers(params: dict, x: jax.Array, cache: KVCache, start: Any, rules: Ru
             x, view = layer(p, x, view, j, False)
         return x, view.pending
 
-    looped = depth - 1 if last_only else depth
+    looped = depth - 1 if final_position_only else depth
     x, pending = jax.lax.scan(body, x, jnp.arange(looped))
-    if last_only:
+    if final_position_only:
         view = cache.layer_view(looped)
         ps = period_at(looped)
         for j, p in enumerate(ps):
             x, view = layer(p, x, view, j, j == len(ps) - 1)
         pending = jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), pending, view.pending)
-    return x, cache.write_layers(pending, start, rules)
+    return x, cache.write_layers(pending, column, rules)

@@ -61,7 +61,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from models import quant, weights
-from models.layers import KVCache
+from models.kv_cache import KVCache
 from models.registry import Model
 from models.weights import check_divisible, is_lookup_table, is_weight
 from runner import checkpoint, hugepages
@@ -144,7 +144,7 @@ def decode_cost(model: Model, batch: int, prompt_len: int, new_tokens: int, para
     Weights: every declared weight once per step, except embedding tables (only the `batch` rows
     gathered, unless the table is also the unembedding), expert weights (min(batch * k, E) of
     the E experts; each token uses k) and, where greedy tokens come through a screen of the
-    unembedding (screen_bytes > 0, Engine.screen_bytes), the unembedding: the screen's bytes
+    unembedding (screen_bytes > 0, Engine.greedy_screen_bytes), the unembedding: the screen's bytes
     instead (the few rows of the unembedding it leaves to compute, kilobytes, are not counted).
     KV cache: step i of the decode (i = 1..N-1) attends over prompt_len + i positions, or the window.
     """
@@ -410,7 +410,7 @@ def measure(s: Settings, model: Model, params, rules: Rules, w: Workload,
             t1, tn = statistics.median(t1s), statistics.median(tns)
             decode = max(statistics.median(decodes), 1e-9)
             cost = decode_cost(model, B, P, N, p_size, kv_size, s.policy.quantize,
-                               engine.screen_bytes)
+                               engine.greedy_screen_bytes)
             records.append({
                 "batch_size": B, "rows": engine.batch_size, "prompt_len": P, "new_tokens": N,
                 "steps_per_dispatch": engine.steps, "reps": w.reps,
@@ -426,7 +426,7 @@ def measure(s: Settings, model: Model, params, rules: Rules, w: Workload,
                 "bandwidth_gbps": statistics.median(bandwidths) if bandwidths else None,
                 "bandwidth_all_gbps": bandwidths, "bandwidth_readings_gbps": readings,
                 "decode_all_s": decodes, "huge_page_bytes": engine.huge_pages[0],
-                "screen_bytes": engine.screen_bytes,
+                "screen_bytes": engine.greedy_screen_bytes,
                 "loadavg_before_after": [load_before, os.getloadavg()[0]],
             })
         del engine

@@ -6,10 +6,10 @@ donated to both:
   together into a cache of their own, then copied into R free rows of the engine's cache in
   place of whatever those rows held; their first tokens are sampled;
 - `decode`: `steps_per_dispatch` decode steps of every row.
-Each row keeps its own decode state (`Rows`: newest token, position, next cache slot, count,
-sampling settings): a row's prompt fills slots [0, P) of its row and its tokens follow, so rows
-inserted at different times write different slots in the same step; positions (-1 for empty
-slots and padding) drive RoPE and the masks. Sampling happens on device with a key per request
+Each row keeps its own decode state (`Rows`: newest token, position, next cache column, count,
+sampling settings): a row's prompt fills columns [0, P) of its row and its tokens follow, so rows
+inserted at different times write different columns in the same step; positions (-1 for empty
+columns and padding) drive RoPE and the masks. Sampling happens on device with a key per request
 (its seed folded with its count of tokens), so a request's tokens depend on its seed alone, not
 on its neighbours or on when it entered. The host loop that decides what goes where is
 runner/scheduler.py.
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, NamedTuple
@@ -28,7 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.layers import PRODUCT_KERNEL_ROWS, KVCache, Policy
+from models.decoder import Mode, Output
+from models.kv_cache import KVCache
+from models.policy import PRODUCT_KERNEL_ROWS, Policy
 from models.registry import Model
 from runner import hugepages
 from sharding.rules import Rules
@@ -63,7 +64,7 @@ class Rows(NamedTuple):
 
     token: jax.Array  # int32: the newest token, the next step's input
     pos: jax.Array  # int32: its position in its sequence
-    slot: jax.Array  # int32: the cache slot it is written to
+    column: jax.Array  # int32: the cache column it is written to
     count: jax.Array  # int32: tokens generated so far
     done: jax.Array  # bool
     max_tokens: jax.Array  # int32
@@ -79,11 +80,12 @@ class Rows(NamedTuple):
 
 
 class Weights(NamedTuple):
-    """What every program reads: the prepared params and the unembedding's int8 screen, where
-    greedy tokens come through one (Engine._greedy_screen), else None."""
+    """What every program reads: the prepared params and the greedy screen, an int8 copy of the
+    unembedding that greedy tokens come through where the backend has one
+    (Engine._make_greedy_screen), else None."""
 
     params: Any
-    screen: Any
+    greedy_screen: Any
 
 
 class Prompts(NamedTuple):
@@ -111,7 +113,7 @@ def buckets(max_prompt_len: int, smallest: int = 16) -> tuple[int, ...]:
     return tuple(x for x in out if x < max_prompt_len) + (max_prompt_len,)
 
 
-def first_max(logits: jax.Array) -> jax.Array:
+def greedy_tokens(logits: jax.Array) -> jax.Array:
     """jnp.argmax over the last axis (ties to the lowest index) as two plain reductions: XLA:CPU
     runs argmax's paired (value, index) reduction element by element, far slower."""
     V = logits.shape[-1]
@@ -233,7 +235,7 @@ def sample(logits: jax.Array | Callable[[], jax.Array], seeds: jax.Array, counts
     """
     if greedy is None:
         logits = logits.astype(jnp.float32)
-        greedy = first_max(logits)
+        greedy = greedy_tokens(logits)
 
     def stochastic() -> jax.Array:
         scaled = (logits() if callable(logits) else logits).astype(jnp.float32)
@@ -308,10 +310,10 @@ class Engine:
                                       jax.eval_shape(lambda: self._new_cache(B, self.cache_len)),
                                       cache_sh)
             self.state = idle
-        self.screen = self._greedy_screen() if allocate else None
+        self.greedy_screen = self._make_greedy_screen() if allocate else None
         # (bytes on 2 MiB pages, bytes asked) of the weights and cache: CPU only, and only where
         # the system gives huge pages (Linux 6.1 on); (0, 0) when not asked
-        self.huge_pages = (hugepages.collapse((self.params, self.cache, self.screen))
+        self.huge_pages = (hugepages.collapse((self.params, self.cache, self.greedy_screen))
                            if allocate and self.policy.backend.huge_pages else (0, 0))
         # Every array crossing the jit boundary has a fixed sharding, so no call recompiles. What the
         # host reads back (tokens) is replicated, so every process of a multi-host run can read all
@@ -337,7 +339,7 @@ class Engine:
         self._called.add(what)
         return self.announce(what)
 
-    def _greedy_screen(self):
+    def _make_greedy_screen(self):
         """The unembedding's int8 screen (models/kernels/cpu.greedy_screen) where greedy tokens can
         come through it: the backend's greedy_screen, a float32 unembedding and a batch of up to
         PRODUCT_KERNEL_ROWS rows; else None."""
@@ -351,12 +353,13 @@ class Engine:
 
     @property
     def weights(self) -> Weights:
-        return Weights(self.params, self.screen)
+        return Weights(self.params, self.greedy_screen)
 
     @property
-    def screen_bytes(self) -> int:
-        """Bytes of the screen, which a greedy step reads in place of the unembedding (0: none)."""
-        return sum(a.nbytes for a in jax.tree.leaves(self.screen))
+    def greedy_screen_bytes(self) -> int:
+        """Bytes of the greedy screen, which a greedy step reads in place of the unembedding (0:
+        none)."""
+        return sum(a.nbytes for a in jax.tree.leaves(self.greedy_screen))
 
     def _prompt_shardings(self, R: int) -> Prompts:
         one, two = (self.rules.sharding("batch", shape=(R,)),
@@ -383,10 +386,16 @@ class Engine:
 
     # --- device functions ---------------------------------------------------------------------
 
+    @property
+    def output(self) -> Output:
+        """What the programs' forward passes return: with a greedy screen the last hidden state,
+        which `_next_tokens` unembeds, else the last logits."""
+        return Output.LAST_LOGITS if self.greedy_screen is None else Output.LAST_HIDDEN
+
     def _next_tokens(self, weights, out, seeds, counts, temperature, top_k, top_p) -> jax.Array:
         """The next token of each row from the forward pass' last position: `out` is its logits
-        [B, V], or with a screen its hidden state [B, D] (forward without head), whose greedy
-        tokens come through the screen and whose logits are made only for rows that sample."""
+        [B, V], or with a greedy screen its hidden state [B, D], whose greedy tokens come through
+        the screen and whose logits are made only for rows that sample."""
         params, screen = weights
         if screen is None:
             return sample(out, seeds, counts, temperature, top_k, top_p)
@@ -399,17 +408,16 @@ class Engine:
 
     def _insert_fn(self, weights, cache: KVCache, state: Rows, new: Prompts, stop_ids):
         """Prefills R prompts into a cache of their own, copies it into their rows of `cache`
-        (slots [0, P)) and starts those rows' decode state at the first sampled token."""
-        params, screen = weights
+        (columns [0, P)) and starts those rows' decode state at the first sampled token."""
         R, P = new.tokens.shape
         fresh = self._new_cache(R, P)
-        out, fresh = self.model.forward(params, new.tokens, new.positions, fresh, 0, self.rules,
-                                        self.policy, last_only=True, head=screen is None)
+        out, fresh = self.model.forward(weights.params, new.tokens, new.positions, fresh, self.rules,
+                                        self.policy, Mode.PREFILL, output=self.output)
         first = self._next_tokens(weights, out, new.seed, jnp.zeros_like(new.top_k),
                                   new.temperature, new.top_k, new.top_p)
         cache = cache.insert(fresh, new.rows, self.rules)
         started = Rows(token=first, pos=jnp.max(new.positions, axis=1) + 1,
-                       slot=jnp.full((R,), P, jnp.int32), count=jnp.ones((R,), jnp.int32),
+                       column=jnp.full((R,), P, jnp.int32), count=jnp.ones((R,), jnp.int32),
                        done=jnp.isin(first, stop_ids) | (new.max_tokens <= 1),
                        max_tokens=new.max_tokens, seed=new.seed, temperature=new.temperature,
                        top_k=new.top_k, top_p=new.top_p)
@@ -418,21 +426,22 @@ class Engine:
         return first, cache, state
 
     def _decode_fn(self, weights, cache: KVCache, state: Rows, stop_ids):
-        """`self.steps` decode steps of every row: its newest token is written to its next slot
+        """`self.steps` decode steps of every row: its newest token is written to its next column
         and the next one sampled. Finished rows write no position and emit -1."""
 
         def step(carry, _):
             cache, r = carry
             write_pos = jnp.where(r.done, -1, r.pos)[:, None]
-            out, cache = self.model.forward(weights.params, r.token[:, None], write_pos, cache, r.slot,
-                                            self.rules, self.policy, last_only=True,
-                                            head=weights.screen is None)
+            out, cache = self.model.forward(weights.params, r.token[:, None], write_pos, cache,
+                                            self.rules, self.policy, Mode.APPEND, r.column,
+                                            self.output)
             nxt = self._next_tokens(weights, out, r.seed, r.count, r.temperature, r.top_k, r.top_p)
             emitted = jnp.where(r.done, -1, nxt)
             count = r.count + jnp.where(r.done, 0, 1)
             done = r.done | jnp.isin(nxt, stop_ids) | (count >= r.max_tokens)
             r = r._replace(token=jnp.where(r.done, r.token, nxt), pos=r.pos + 1,
-                           slot=jnp.minimum(r.slot + 1, self.cache_len - 1), count=count, done=done)
+                           column=jnp.minimum(r.column + 1, self.cache_len - 1), count=count,
+                           done=done)
             return (cache, r), emitted
 
         (cache, state), out = jax.lax.scan(step, (cache, state), None, length=self.steps)

@@ -18,7 +18,7 @@ from absl import app
 from ml_collections import config_flags
 
 from models import quant
-from models.layers import KVCache
+from models.kv_cache import KVCache
 from models.registry import Model
 from models.weights import check_divisible, is_weight
 from runner.settings import Settings, from_config

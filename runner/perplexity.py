@@ -23,6 +23,7 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
+from models.decoder import Mode
 from runner.errors import USER_ERRORS
 from runner.cli import parse_flags, read_config, setup_devices
 from runner.run import load_model
@@ -85,12 +86,12 @@ def nll(s: Settings, meta, rules, params, win: np.ndarray, chunk: int = 0) -> tu
     def score(params, tokens, positions):
         cache = model.new_cache(tokens.shape[0], W, jnp.dtype(s.policy.kv_cache), rules)
         if C == W:  # the whole window at once: it attends to its own keys alone
-            logits, _ = model.forward(params, tokens, positions, cache, 0, rules, s.policy)
+            logits, _ = model.forward(params, tokens, positions, cache, rules, s.policy, Mode.PREFILL)
         else:  # one compiled chunk in a loop; each attends to the cache, where later slots are empty
             def feed(cache, a):
                 window = partial(jax.lax.dynamic_slice_in_dim, start_index=a, slice_size=C, axis=1)
-                out, cache = model.forward(params, window(tokens), window(positions), cache, a, rules,
-                                           s.policy)
+                out, cache = model.forward(params, window(tokens), window(positions), cache, rules,
+                                           s.policy, Mode.APPEND, a)
                 return cache, out
             _, parts = jax.lax.scan(feed, cache, jnp.arange(0, W, C))  # [W / C, B, C, V]
             logits = jnp.moveaxis(parts, 0, 1).reshape(tokens.shape[0], W, -1)

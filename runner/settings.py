@@ -7,7 +7,7 @@ import os
 
 from ml_collections import ConfigDict
 
-from models.layers import Policy
+from models.policy import Policy
 from sharding.mesh import MESH_AXES, MeshShape
 
 

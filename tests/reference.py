@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import transformers
 
-from models.layers import Policy
+from models.policy import Policy
 from models.registry import Model
 from models.weights import shardings
 from sharding.rules import Rules

@@ -225,11 +225,10 @@ def test_int8_gptoss_experts_are_not_dequantised_into_a_copy_on_every_decode_ste
 
 @pytest.mark.parametrize("quantize", ["none", "int8"])
 def test_a_gptoss_decode_step_accesses_at_most_a_quarter_more_than_its_floor_on_v5e(quantize):
-    """Issue 5's TPU target: GPT-OSS-20B's decode step for v5e (batch 64, all 24 layers: two
-    counted 1.12x where 24 counted 1.37x), by XLA's cost analysis with VMEM prefetches off (it
-    counts each as extra traffic), accesses at most 1.25x the bytes a chip must read: its
-    weights and KV cache as declared (runner.memory). It counted 1.37x (int8) while the experts'
-    fallback for overloaded routing ran through buckets of capacity M."""
+    """The TPU target: GPT-OSS-20B's decode step for v5e (batch 64, all 24 layers, as two layers
+    understate it), by XLA's cost analysis with VMEM prefetches off (it counts each as extra
+    traffic), accesses at most 1.25x the bytes a chip must read: its weights and KV cache as
+    declared (runner.memory)."""
     from runner.memory import footprint
 
     s = from_config(load(os.path.join(ROOT, "configs", "gptoss_v5e.py")).get_config())
@@ -281,7 +280,7 @@ def test_pinning_the_lookup_tables_keeps_their_values_and_shards(monkeypatch):
     is left alone."""
     import jax.numpy as jnp
 
-    from models.layers import Policy
+    from models.policy import Policy
     from models.weights import pin_tables_row_major
     from sharding.rules import Rules
     from tests.conftest import rules_for

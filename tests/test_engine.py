@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.layers import Policy
+from models.policy import Policy
 from runner.engine import Engine, Request, sample
 from tests.conftest import rules_for
 from tests.reference import VOCAB, hf_greedy, tiny_hf, to_podrun
@@ -339,7 +339,7 @@ def test_greedy_tokens_through_the_unembedding_screen_match_transformers(kind, p
     devices, make no screen."""
     m = tiny_hf(kind, seed=5)
     engine = make_engine(m, "1dev", batch_size=3)
-    assert engine.screen is not None and engine.screen_bytes > 0
+    assert engine.greedy_screen is not None and engine.greedy_screen_bytes > 0
     lowered = engine.lower()
     assert all("podrun_greedy_screened" in f.as_text() for f in lowered.values()), list(lowered)
     rows = prompts[:3]
@@ -350,5 +350,5 @@ def test_greedy_tokens_through_the_unembedding_screen_match_transformers(kind, p
     assert mixed[0].token_ids == want[0] and mixed[2].token_ids == want[2]
     grouped = make_engine(m, "1dev", batch_size=3, prefill_rows=1)  # prefill a row at a time
     assert [c.token_ids for c in grouped.generate([Request(p, STEPS) for p in rows])] == want
-    assert make_engine(m, "1dev", Policy(greedy_screen=False), batch_size=3).screen is None
-    assert make_engine(m, "data8", batch_size=8).screen is None
+    assert make_engine(m, "1dev", Policy(greedy_screen=False), batch_size=3).greedy_screen is None
+    assert make_engine(m, "data8", batch_size=8).greedy_screen is None

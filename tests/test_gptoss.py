@@ -7,7 +7,8 @@ import pytest
 import torch
 import transformers
 
-from models.layers import Policy
+from models.decoder import Mode, Output
+from models.policy import Policy
 from runner.engine import Engine, Request
 from tests.conftest import MOE_MESHES, rules_for
 from tests.reference import VOCAB, hf_greedy, hf_logits, tiny_hf, to_podrun
@@ -77,8 +78,8 @@ def test_decode_with_the_ring_cache_matches_full_forward(gptoss, mesh_name):
         tokens[b, P - n:] = seqs[b, :n]
         positions[b, P - n:] = np.arange(n)
     import jax
-    prefill = jax.jit(lambda p, t, pos, c: model.forward(p, t, pos, c, 0, rules, Policy(), True))
-    step = jax.jit(lambda p, t, pos, c, s: model.forward(p, t, pos, c, s, rules, Policy(), True))
+    prefill = jax.jit(lambda p, t, pos, c: model.forward(p, t, pos, c, rules, Policy(), Mode.PREFILL, 0, Output.LAST_LOGITS))
+    step = jax.jit(lambda p, t, pos, c, s: model.forward(p, t, pos, c, rules, Policy(), Mode.APPEND, s, Output.LAST_LOGITS))
     logits, cache = prefill(params, tokens, positions, cache)
     got = [np.asarray(logits)]
     for i in range(steps):

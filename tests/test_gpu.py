@@ -14,8 +14,9 @@ from jax.sharding import Mesh
 
 from models import weights
 from models.backend import Backend
+from models.decoder import Mode, Output
 from models.kernels import cpu, gpu, tpu
-from models.layers import Policy
+from models.policy import Policy
 from models.registry import Model
 from runner import log
 from runner.memory import footprint
@@ -95,10 +96,10 @@ def test_a_gpu_mesh_prefills_in_cudnn_and_runs_nothing_cpu_or_tpu_only(tripwires
     ids = jax.ShapeDtypeStruct((2, 16), jnp.int32)
 
     def prefill(params, tokens, positions, cache):
-        return model.forward(params, tokens, positions, cache, 0, rules, policy, last_only=True)
+        return model.forward(params, tokens, positions, cache, rules, policy, Mode.PREFILL, 0, Output.LAST_LOGITS)
 
     def step(params, tokens, positions, cache, slots):
-        return model.forward(params, tokens, positions, cache, slots, rules, policy, last_only=True)
+        return model.forward(params, tokens, positions, cache, rules, policy, Mode.APPEND, slots, Output.LAST_LOGITS)
 
     jax.make_jaxpr(prefill)(params, ids, ids, cache)
     layers = model.num_layers

@@ -7,7 +7,7 @@ import sys
 import jax
 import numpy as np
 
-from models.layers import Policy
+from models.policy import Policy
 from runner import hugepages
 from runner.engine import Engine, Request
 from tests.conftest import rules_for

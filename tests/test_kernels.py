@@ -485,7 +485,8 @@ def test_decode_attention_over_an_int8_cache_matches_numpy(pallas):
 def test_without_a_compiler_the_kernels_give_way_to_xla(monkeypatch, tmp_path):
     """No C++ compiler and nothing built yet: one warning, and the model still decodes (through
     XLA) with the same logits as with the kernels."""
-    from models.layers import Policy
+    from models.decoder import Mode, Output
+    from models.policy import Policy
     from tests.conftest import rules_for
     from tests.reference import tiny_hf, to_podrun
 
@@ -496,9 +497,9 @@ def test_without_a_compiler_the_kernels_give_way_to_xla(monkeypatch, tmp_path):
 
     def decode():
         cache = model.new_cache(2, 8, np.float32, rules)
-        _, cache = model.forward(params, tokens, positions, cache, 0, rules, Policy(), True)
-        step = jax.jit(lambda c, s: model.forward(params, tokens[:, :1], positions[:, :1] + 6, c, s,
-                                                  rules, Policy(), True))
+        _, cache = model.forward(params, tokens, positions, cache, rules, Policy(), Mode.PREFILL, 0, Output.LAST_LOGITS)
+        step = jax.jit(lambda c, s: model.forward(params, tokens[:, :1], positions[:, :1] + 6, c, rules,
+                                                  Policy(), Mode.APPEND, s, Output.LAST_LOGITS))
         return np.asarray(step(cache, np.int32(6))[0])
 
     with_kernels = decode()

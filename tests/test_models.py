@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.layers import Policy
+from models.decoder import Mode, Output
+from models.policy import Policy
 from tests.conftest import rules_for
 from tests.reference import VOCAB, hf_logits, tiny_hf, to_podrun
 
@@ -16,7 +17,7 @@ def full_forward(model, params, tokens, rules, cache_len=64):
     B, T = tokens.shape
     cache = model.new_cache(B, cache_len, jnp.float32, rules)
     positions = np.tile(np.arange(T, dtype=np.int32), (B, 1))
-    fwd = jax.jit(lambda p, t, pos, c: model.forward(p, t, pos, c, 0, rules, Policy()))
+    fwd = jax.jit(lambda p, t, pos, c: model.forward(p, t, pos, c, rules, Policy(), Mode.PREFILL))
     return fwd(params, tokens, positions, cache)
 
 
@@ -85,8 +86,8 @@ def test_decode_matches_full_forward(kind, fuse, mesh_rules):
     for b, n in enumerate(lengths):
         tokens[b, P - n:] = seqs[b, :n]
         positions[b, P - n:] = np.arange(n)
-    prefill = jax.jit(lambda p, t, pos, c: model.forward(p, t, pos, c, 0, mesh_rules, Policy(), True))
-    step = jax.jit(lambda p, t, pos, c, s: model.forward(p, t, pos, c, s, mesh_rules, Policy(), True))
+    prefill = jax.jit(lambda p, t, pos, c: model.forward(p, t, pos, c, mesh_rules, Policy(), Mode.PREFILL, 0, Output.LAST_LOGITS))
+    step = jax.jit(lambda p, t, pos, c, s: model.forward(p, t, pos, c, mesh_rules, Policy(), Mode.APPEND, s, Output.LAST_LOGITS))
     logits, cache = prefill(params, tokens, positions, cache)
     got = [np.asarray(logits)]
     for i in range(steps):
@@ -117,8 +118,8 @@ def test_decode_in_the_cpu_product_kernel_matches_transformers(kind, fuse, B):
     P, steps = 6, 4
     cache = model.new_cache(B, P + steps, jnp.float32, rules)
     positions = np.tile(np.arange(P, dtype=np.int32), (B, 1))
-    prefill = jax.jit(lambda p, t, pos, c: model.forward(p, t, pos, c, 0, rules, policy, True))
-    step = jax.jit(lambda p, t, pos, c, s: model.forward(p, t, pos, c, s, rules, policy, True))
+    prefill = jax.jit(lambda p, t, pos, c: model.forward(p, t, pos, c, rules, policy, Mode.PREFILL, 0, Output.LAST_LOGITS))
+    step = jax.jit(lambda p, t, pos, c, s: model.forward(p, t, pos, c, rules, policy, Mode.APPEND, s, Output.LAST_LOGITS))
     _, cache = prefill(params, seqs[:, :P], positions, cache)
     hlo = step.lower(params, seqs[:, P:P + 1], positions[:, :1] + P, cache, np.int32(P)).as_text()
     assert "podrun_matmul_f32" in hlo

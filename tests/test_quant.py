@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from models import quant
+from models.decoder import Mode, Output
 from models.kernels import cpu
-from models.layers import Policy
+from models.policy import Policy
 from tests.conftest import rules_for
 from tests.reference import VOCAB, hf_logits, tiny_hf, to_podrun
 
@@ -217,8 +218,8 @@ def decode_logits(model, params, rules, policy, cache_dtype, seed, steps):
     tokens, positions = np.zeros((B, P), np.int32), np.full((B, P), -1, np.int32)
     for b, n in enumerate(lengths):
         tokens[b, P - n:], positions[b, P - n:] = seqs[b, :n], np.arange(n)
-    prefill = jax.jit(lambda p, t, pos, c: model.forward(p, t, pos, c, 0, rules, policy, True))
-    step = jax.jit(lambda p, t, pos, c, s: model.forward(p, t, pos, c, s, rules, policy, True))
+    prefill = jax.jit(lambda p, t, pos, c: model.forward(p, t, pos, c, rules, policy, Mode.PREFILL, 0, Output.LAST_LOGITS))
+    step = jax.jit(lambda p, t, pos, c, s: model.forward(p, t, pos, c, rules, policy, Mode.APPEND, s, Output.LAST_LOGITS))
     logits, cache = prefill(params, tokens, positions, cache)
     got = [np.asarray(logits)]
     for i in range(steps):

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from models import scan
-from models.layers import Policy
+from models.decoder import Mode
+from models.policy import Policy
 from runner.engine import Engine, Request
 from tests.conftest import rules_for
 from tests.reference import VOCAB, hf_greedy, hf_logits, tiny_hf, to_podrun
@@ -60,5 +61,5 @@ def test_scanned_prefill_logits_match_transformers():
     tokens = np.random.RandomState(1).randint(0, VOCAB, (8, 40)).astype(np.int32)
     cache = model.new_cache(8, 64, np.float32, rules, stacked=True)
     positions = np.tile(np.arange(40, dtype=np.int32), (8, 1))
-    logits, _ = jax.jit(lambda p, c: model.forward(p, tokens, positions, c, 0, rules, policy))(params, cache)
+    logits, _ = jax.jit(lambda p, c: model.forward(p, tokens, positions, c, rules, policy, Mode.PREFILL))(params, cache)
     np.testing.assert_allclose(np.asarray(logits), hf_logits(m, tokens), atol=2e-4, rtol=1e-4)

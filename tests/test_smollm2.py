@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from models.layers import Policy
+from models.decoder import Mode
+from models.policy import Policy
 from runner import checkpoint
 from runner.convert import convert
 from runner.engine import Engine, Request
@@ -63,7 +64,7 @@ def test_logits_match_transformers(engine, reference, prompt_ids):
     m, _ = reference
     ids = prompt_ids[2]
     cache = engine.model.new_cache(1, 64, np.float32, engine.rules)
-    logits, _ = jax.jit(lambda p, t, pos, c: engine.model.forward(p, t, pos, c, 0, engine.rules, Policy()))(
+    logits, _ = jax.jit(lambda p, t, pos, c: engine.model.forward(p, t, pos, c, engine.rules, Policy(), Mode.PREFILL))(
         engine.params, np.array([ids], np.int32), np.arange(len(ids), dtype=np.int32)[None], cache)
     with torch.no_grad():
         ref = m(torch.tensor([ids])).logits.numpy()
@@ -94,8 +95,8 @@ def test_embedded_default_answers_with_real_text(converted, tmp_path):
 @pytest.mark.parametrize("tokens", [1024, pytest.param(4096, marks=pytest.mark.slow)])
 def test_int8_perplexity_within_one_percent_of_float32(converted, tokens):
     """Weight-only int8 (every projection, the tied embedding included) and an int8 KV cache on real
-    English text: the perplexity of SmolLM2-135M stays within 1% of float32's (issue 5's quality
-    bar). The cache is only read when a window is fed in chunks (each chunk attends to the earlier
+    English text: the perplexity of SmolLM2-135M stays within 1% of float32's (the quality bar
+    for a precision). The cache is only read when a window is fed in chunks (each chunk attends to the earlier
     ones through it); in float32, chunking must not change the perplexity. The default suite scores
     1024 tokens (four runs of about 10 s here); the issue's figures are over 4096 (-m slow), which
     also scores int4 weights (the GGUF's own Q4_1 numbers, its vocabulary's tables in int8)."""

@@ -259,7 +259,7 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, k_pos
     """One softmax over the cache (k, v [B, K, S, H], k_pos [B, S]) and this step's keys (k_new,
     v_new [B, T, K, H] as the projections give them, new_pos [B, T]) for q [B, T, N, H] at q_pos
     [B, T]; float32, or an int8 cache with k_scale, v_scale [B, K, S]. Visibility and sinks as
-    models.layers.attention; a query that sees nothing gives zeros. A decode step has a few
+    models/attention.attention; a query that sees nothing gives zeros. A decode step has a few
     queries per row; a prefill passes an empty cache (S = 0) and the whole prompt."""
     register()
     has_sinks = sinks is not None

@@ -615,7 +615,7 @@ ffi::Error MatmulNKS4(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 // of the logits' spread) are computed from W, with float64 sums. The step reads a quarter of W's
 // bytes and returns the argmax of the logits computed in float64, ties to the lowest index.
 // A row of x that is not finite gets the float32 logits' first maximum (V - 1 where they are
-// NaN), as the engine's first_max; logits flat enough to leave more than kManyCandidates rows in
+// NaN), as the engine's greedy_tokens; logits flat enough to leave more than kManyCandidates rows in
 // 1024 (a zero x: all of them) are all computed, one pass over W.
 
 constexpr int64_t kManyCandidates = 16;
@@ -655,7 +655,7 @@ void exact_logits(const float* x, const float* w, bool w_nk, int64_t V, int64_t 
   else share(0, 1);
 }
 
-// The first index of the largest of y[0, V), V - 1 when it is NaN (the engine's first_max)
+// The first index of the largest of y[0, V), V - 1 when it is NaN (the engine's greedy_tokens)
 int32_t first_max(const float* y, int64_t V) {
   float top = -INFINITY;
   for (int64_t v = 0; v < V; ++v)
@@ -790,7 +790,7 @@ ffi::Error GreedyScreened(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi:
 
 // --- a decode step's RMS norm -----------------------------------------------------------------
 //
-// y[m] = (x[m] / sqrt(mean(x[m]^2) + eps)) * w for each row of x [M, D], as models/layers.rms_norm
+// y[m] = (x[m] / sqrt(mean(x[m]^2) + eps)) * w for each row of x [M, D], as models/norms.rms_norm
 // computes it, in one call: XLA:CPU ran it as four operations (the squares, a partial sum, its
 // total and rsqrt, the scaling), each with its own gap, twice a layer.
 ffi::Error RmsNorm(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y,

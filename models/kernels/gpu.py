@@ -7,7 +7,7 @@ back in each pass of the softmax. Visibility (padding, causality by position, wi
 an additive bias [B, 1, T, T], finite so that a padding query, which sees nothing, still gets a
 finite (unused) row. Causality by index lets the kernel skip the blocks above the diagonal as
 well: the engine's prompts are left-padded, their positions increasing along T, so a key after a
-query by index is after it by position too. cuDNN's attention has no sinks; models.layers keeps
+query by index is after it by position too. cuDNN's attention has no sinks; models/attention.py keeps
 XLA's attention for GPT-OSS's.
 
 Checked on CPU through the same call with implementation="xla" (tests/test_kernels.py), and on an
@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-NEG = -1e30  # finite, as models.layers.MASKED
+NEG = -1e30  # finite, as models/attention.MASKED
 IMPLEMENTATION = "cudnn"
 
 
@@ -27,7 +27,7 @@ def flash_prefill(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_
                   sinks: jax.Array | None, window: int | None, scale: float,
                   implementation: str = IMPLEMENTATION) -> jax.Array:
     """q [B, T, N, H] at q_pos [B, T] over k, v [B, K, T, H] at k_pos [B, T] (-1 = padding;
-    positions increasing along T) -> [B, T, N, H], as models.layers.attention."""
+    positions increasing along T) -> [B, T, N, H], as models/attention.attention."""
     if sinks is not None:
         raise ValueError("cuDNN's attention takes no sinks")
     visible = (k_pos[:, None, :] >= 0) & (k_pos[:, None, :] <= q_pos[:, :, None])  # [B, T, T]

@@ -7,7 +7,7 @@ decode_attention: one decode token per row (T = 1) over the KV cache [B, K, S, H
 style. The grid walks (row, kv head, block of cache slots); the block's keys and values are read
 from HBM once for all G query heads that share the kv head, with a running max and sum (online
 softmax) in VMEM. The last block also takes this step's key and value (not yet in the cache) and the
-attention sinks, then normalises. Visibility, windows and sinks as models.layers.attention.
+attention sinks, then normalises. Visibility, windows and sinks as models/attention.attention.
 
 flash_prefill: see its section below.
 """

@@ -1,0 +1,146 @@
+"""The decoder every family is: tokens embedded, layers of attention and MLP blocks, each added to
+the residual stream after a norm of it, a final norm, and the unembedding.
+
+    x = embed(tokens, positions)
+    for each layer:  x = x + attention_out(attention(rope(qkv(attn_norm(x))), cache))
+                     x = x + mlp(mlp_norm(x))
+    out = unembed(final_norm(x))
+
+A family module (models/llama.py, gpt2.py, gptoss.py) fills in the pieces (`Family` lists them)
+and `forward` runs them; the activations are constrained to the rules' shardings here, once.
+
+Einsum legend: B batch, T positions, D embed, N query heads, K kv heads, H head_dim, V vocab.
+"""
+
+from __future__ import annotations
+
+import enum
+from types import ModuleType
+from typing import Any, NamedTuple, Protocol
+
+import jax
+import jax.numpy as jnp
+
+from models import scan
+from models.attention import cached_attention
+from models.kv_cache import KVCache, Mode
+from models.policy import Policy
+from models.rope import Rope, RopeTable, apply_rope, rope_table
+from sharding.rules import Rules, constrain
+
+__all__ = ["Family", "Mode", "Output", "Unembedding", "add_bias", "forward"]
+
+
+class Output(enum.Enum):
+    """What `forward` returns beside the cache."""
+
+    LOGITS = "logits"  # [B, T, V], every position's
+    LAST_LOGITS = "last_logits"  # [B, V], the last position's: a prompt's next token, a decode step
+    # [B, D], the last position's final norm, for the caller to unembed (the engine's greedy screen)
+    LAST_HIDDEN = "last_hidden"
+
+    @property
+    def last(self) -> bool:
+        return self is not Output.LOGITS
+
+
+class Unembedding(NamedTuple):
+    """A model's unembedding: w [V, D] where vocab_first (a tied embedding, read as it is stored),
+    else [D, V]. The engine applies it apart from the forward pass (Output.LAST_HIDDEN) to pick
+    greedy tokens without every logit (models/kernels/cpu.greedy_screened)."""
+
+    w: Any
+    vocab_first: bool
+
+    def logits(self, x: jax.Array, rules: Rules, policy: Policy) -> jax.Array:
+        """x [B, T, D] -> [B, T, V]."""
+        spec = "BTD,VD->BTV" if self.vocab_first else "BTD,DV->BTV"
+        return constrain(policy.einsum(spec, x, self.w), rules, "batch", "seq", "act_vocab")
+
+
+class Family(Protocol):
+    """What a family module defines. `p` is one layer's weights, `params` the whole tree."""
+
+    def rope(self, c: Any) -> Rope | None: ...  # None: positions enter through `embed`
+
+    def embed(self, params: dict, tokens: jax.Array, positions: jax.Array, c: Any,
+              policy: Policy) -> jax.Array: ...  # [B, T] -> [B, T, D]
+
+    def attn_norm(self, p: dict, x: jax.Array, c: Any, policy: Policy) -> jax.Array: ...
+
+    def qkv(self, p: dict, x: jax.Array, c: Any, policy: Policy
+            ) -> tuple[jax.Array, jax.Array, jax.Array]: ...  # q [B, T, N, H], k, v [B, T, K, H]
+
+    def attention_options(self, p: dict, layer: int, c: Any) -> dict: ...  # window, sinks, scale
+
+    def attention_out(self, p: dict, out: jax.Array, policy: Policy) -> jax.Array: ...
+
+    def mlp_norm(self, p: dict, x: jax.Array, c: Any, policy: Policy) -> jax.Array: ...
+
+    def mlp(self, p: dict, x: jax.Array, c: Any, rules: Rules, policy: Policy) -> jax.Array: ...
+
+    def final_norm(self, params: dict, x: jax.Array, c: Any, policy: Policy) -> jax.Array: ...
+
+    def unembedding(self, params: dict) -> Unembedding: ...
+
+
+def add_bias(x: jax.Array, b: jax.Array | None) -> jax.Array:
+    """x + b, or x where the weight has no bias."""
+    return x if b is None else x + b
+
+
+def forward(family: Family | ModuleType, params: dict, tokens: jax.Array, positions: jax.Array,
+            cache: KVCache, c: Any, rules: Rules, policy: Policy, mode: Mode,
+            column: jax.Array | int = 0, output: Output = Output.LOGITS
+            ) -> tuple[jax.Array, KVCache]:
+    """tokens, positions [B, T] (position -1 marks padding) through the decoder.
+
+    mode says how the pass meets the cache (Mode.PREFILL: an empty one, written from column 0;
+    Mode.APPEND: written from `column` on, one column for every row or one per row [B]).
+    Returns `output` and the cache with this pass's keys and values written. For a last-position
+    output the final layer's output projection and MLP run for the last position alone.
+    """
+    if mode is Mode.PREFILL and not (isinstance(column, int) and column == 0):
+        raise ValueError(f"a prefill writes an empty cache from column 0, not {column!r}")
+    cache = cache.write_positions(positions, column)
+    positions = jnp.maximum(positions, 0)
+    rope = family.rope(c)
+    table = rope_table(positions, rope, policy.dtype) if rope else None
+    x = act(family.embed(params, tokens, positions, c, policy), rules)  # [B, T, D]
+
+    def layer(p, x, cache, i, final_position_only):
+        """Layer i (scanned: its place in the period, which fixes its window) on x [B, T, D]."""
+        h, cache = attention_block(family, p, family.attn_norm(p, x, c, policy), positions, table,
+                                   cache, i, mode, column, c, rules, policy, final_position_only)
+        x = act((x[:, -1:] if final_position_only else x) + h, rules)
+        return act(x + family.mlp(p, family.mlp_norm(p, x, c, policy), c, rules, policy), rules), cache
+
+    x, cache = scan.run_layers(params, x, cache, column, rules, layer, output.last)
+    x = family.final_norm(params, x[:, -1:] if output.last else x, c, policy)
+    if output is not Output.LAST_HIDDEN:
+        x = family.unembedding(params).logits(x, rules, policy)
+    return (x[:, 0] if output.last else x), cache
+
+
+def attention_block(family: Family | ModuleType, p: dict, x: jax.Array, positions: jax.Array,
+                    table: RopeTable | None, cache: KVCache, layer: int, mode: Mode,
+                    column: jax.Array | int, c: Any, rules: Rules, policy: Policy,
+                    final_position_only: bool) -> tuple[jax.Array, KVCache]:
+    """Self-attention of x [B, T, D] over the cache. final_position_only: every position's keys
+    and values still go to the cache and every query attends (as the prompt kernels take them);
+    the output projection runs for the last position alone, giving [B, 1, D]."""
+    q, k, v = family.qkv(p, x, c, policy)  # [B, T, N, H], [B, T, K, H] twice
+    if table is not None:
+        q, k = apply_rope(q, table), apply_rope(k, table)
+    q = constrain(q, rules, "batch", "seq", "act_heads", None)
+    k = constrain(k, rules, "batch", "seq", "act_kv_heads", None)
+    v = constrain(v, rules, "batch", "seq", "act_kv_heads", None)
+    out, cache = cached_attention(q, k, v, positions, cache, layer, mode, column, rules, policy,
+                                  **family.attention_options(p, layer, c))
+    out = out[:, -1:] if final_position_only else out
+    return family.attention_out(p, out, policy), cache
+
+
+def act(x: jax.Array, rules: Rules) -> jax.Array:
+    """The residual stream [B, T, D], constrained to its sharding."""
+    return constrain(x, rules, "batch", "seq", "act_embed")
