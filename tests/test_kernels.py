@@ -161,20 +161,13 @@ def test_greedy_screen_for_flat_and_non_finite_rows():
     assert got[3] == int(first_max(jnp.asarray(x[3:4]) @ jnp.asarray(w))[0])
 
 
-@pytest.mark.parametrize("chain,single_rows,balance,prefetch_rows,chain_attention,own_share", [
-    (True, True, True, True, True, True), (False,) * 6, (True, False, True, True, True, False),
-    (False, True, False, True, True, True), (True, True, False, False, False, True),
-    (True, True, True, True, False, False)])
-def test_chained_products_match_numpy_with_each_product_option(chain, single_rows, balance,
-                                                               prefetch_rows, chain_attention,
-                                                               own_share):
+def test_chained_products_match_numpy():
     """A step's products and decode attention called again and again, as decode calls them: the
     kernels learn their order and the helpers read ahead what comes next (cpu_kernels.h's Chain:
-    the next product's weights, and with chain_attention the attention's cache rows in use; with
-    own_share each helper its own share alone), one row over short rows of W sweeps them a row at
-    a time, the threads claim parts of W as they go (kBalance), and lines ask for those a few KB
-    on (kPrefetchRows); with each of these on or off the results are numpy's, and the same bits
-    every call whichever thread took which part."""
+    the next product's weights and the attention's cache rows in use, each helper its own share),
+    one row over short rows of W sweeps them a row at a time, the threads claim parts of W as they
+    go, and lines ask for those a few KB on; the results are numpy's, and the same bits every call
+    whichever thread took which part."""
     rng = np.random.default_rng(7)
     kn = [rng.standard_normal((K, N), dtype=np.float32) for K, N in [(64, 96), (96, 520), (520, 64)]]
     K, G, H, S = 2, 2, 64, 40  # attention: 4 query heads over 2 kv heads, a 40-slot cache
@@ -210,16 +203,11 @@ def test_chained_products_match_numpy_with_each_product_option(chain, single_row
 
     x = rng.standard_normal((1, 64), dtype=np.float32)
     f = jax.jit(step)
-    try:
-        cpu.set_product_options(chain, single_rows, balance, prefetch_rows, chain_attention,
-                                own_share)
-        first = np.asarray(f(x))
-        for _ in range(6):
-            got = np.asarray(f(x))
-            np.testing.assert_allclose(got, want(x), rtol=1e-4, atol=1e-3 * np.abs(want(x)).max())
-            np.testing.assert_array_equal(got, first)
-    finally:
-        cpu.set_product_options()
+    first = np.asarray(f(x))
+    for _ in range(6):
+        got = np.asarray(f(x))
+        np.testing.assert_allclose(got, want(x), rtol=1e-4, atol=1e-3 * np.abs(want(x)).max())
+        np.testing.assert_array_equal(got, first)
 
 
 def np_attention(q, kc, vc, k_pos, kn, vn, new_pos, q_pos, sinks, window, scale):

@@ -149,18 +149,6 @@ def register() -> None:
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
 
 
-def set_product_options(chain: bool = True, single_rows: bool = True, balance: bool = True,
-                        prefetch_rows: bool = True, chain_attention: bool = True,
-                        own_share_ahead: bool = True) -> None:
-    """How the products read their weights, in this process (all on by default; cpu_kernels.h's
-    kChain, kSingleRows, kBalance, kPrefetchRows, kChainAttention and kOwnShareAhead): for
-    benchmarks/product_options.py, which measures them on and off."""
-    register()
-    ctypes.cdll.LoadLibrary(str(build())).podrun_set_product_options(
-        int(chain) | 2 * int(single_rows) | 4 * int(balance) | 8 * int(prefetch_rows)
-        | 16 * int(chain_attention) | 32 * int(own_share_ahead))
-
-
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     """x [..., D] / sqrt(mean(x^2, -1) + eps) * w [D], float32, in one call (a decode step's norm:
     XLA:CPU runs it as four operations)."""

@@ -541,9 +541,9 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, const 
   // threads claiming them as they go; XLA's pool takes longer to wake than the work is worth, so
   // there they would run on this thread alone, or mostly.
   // A prefill's runs go to XLA's pool, taken one at a time (later runs see more keys).
-  // In the product chain (kChainAttention, cpu_kernels.h's Chain), a step's call tells the
-  // product before it which rows of the cache it reads (the slots in use, and this step's), for
-  // the helpers to ask for first, and gets the next product's weights to ask for in turn.
+  // In the product chain (cpu_kernels.h's Chain), a step's call tells the product before it
+  // which rows of the cache it reads (the slots in use, and this step's), for the helpers to ask
+  // for first, and gets the next product's weights to ask for in turn.
   int64_t tasks = B * K * runs;
   if (tasks < 4 || (S > 0 && T <= kQueries)) {
     Team& team = Team::get();
@@ -552,7 +552,7 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, const 
       for (int64_t c; (c = team.claim(t)) >= 0;) heads(c, c + 1);
     };
     Team::Ahead ahead;
-    if (S > 0 && options.load(std::memory_order_relaxed) & kChainAttention) {
+    if (S > 0) {
       int64_t used = 0;  // slots up to the last in use, over the rows
       for (int64_t b = 0; b < B; ++b) {
         int64_t j = S;

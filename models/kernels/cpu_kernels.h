@@ -179,15 +179,6 @@ inline std::pair<int64_t, int64_t> part(int64_t total, int64_t unit, int t, int 
   return {begin, end};
 }
 
-// How the products read their weights and what the team reads ahead (podrun_set_product_options,
-// all on by default; benchmarks/product_options.py measures them on and off): cpu_matmul.cc's
-// kChain, kSingleRows, kBalance and kPrefetchRows; kChainAttention, decode attention in the chain
-// (Chain, below); kOwnShareAhead, each helper reads ahead only its own share (Team::read_ahead).
-constexpr int kChain = 1, kSingleRows = 2, kBalance = 4, kPrefetchRows = 8, kChainAttention = 16,
-              kOwnShareAhead = 32;
-inline std::atomic<int> options{kChain | kSingleRows | kBalance | kPrefetchRows | kChainAttention |
-                                kOwnShareAhead};
-
 // A team of threads for the products of one decode step, which come a few microseconds apart: a
 // helper spins for a while after each product (kSpin) before it sleeps, so the next product finds
 // it awake. The team has one thread per core this process may run on, the caller included, up to
@@ -216,9 +207,9 @@ class Team {
   };
 
   // body(t, T) for every t in [0, T): this thread takes t = 0, each helper one other t. Helpers
-  // that finish then ask for the first kAheadBytes of every thread's share of `ahead` (the
-  // product expected next), until the next call starts. With `chunks`, the bodies take their
-  // work from claim().
+  // that finish then ask for the first kAheadBytes of their own share of `ahead` (the product
+  // expected next), until the next call starts. With `chunks`, the bodies take their work from
+  // claim().
   template <typename Body>
   void run(Body& body, Ahead ahead = {}, int64_t chunks = 0) {
     std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
@@ -298,46 +289,27 @@ class Team {
     }
   }
 
-  // A line at a time from the start of every thread's share of `a`, until the next call starts
-  // (the caller meanwhile runs XLA's operations between two products, with memory idle). With
-  // kOwnShareAhead, helper `id` asks only for its own share, which it takes first in the next
-  // call: lines one core fetched for another's share made that share slower to read at the
-  // machine's fast minutes, when DRAM streams faster than one core takes lines from another's
-  // L2.
-  //   slow minutes:  every share  11.0 37.2 12.0 36.6 96.8 99.7 98.4
-  //                  own share    10.1 38.4 12.2 37.9 102.5 102.1 101.5
-  //                  none         14.3 39.9 14.4 40.0 106.0 104.6 104.4
-  // The whole step: Chain's comment.
+  // A line at a time from the start of helper `id`'s own share of `a` (the share it takes first
+  // in the next call), until the next call starts; the caller meanwhile runs XLA's operations
+  // between two products, with memory idle. Only its own share: lines one core fetches for
+  // another's share make that share slower to read when DRAM streams faster than one core takes
+  // lines from another's L2.
   void read_ahead(const Ahead& a, uint64_t seen, int id) {
-    const int T = int(threads_) + 1;
-    const bool own = options.load(std::memory_order_relaxed) & kOwnShareAhead;
-    // A share as runs of `len` bytes from the start of its rows: with `used` or `second`, each
+    auto [begin, end] = part(a.rows, a.unit, id, int(threads_) + 1);
+    // The share as runs of `len` bytes from the start of its rows: with `used` or `second`, each
     // row's used bytes in `base`, then in `second`; otherwise the whole share as one run.
     const bool whole = !a.second && (a.used <= 0 || a.used >= a.row_bytes);
-    struct Cursor {
-      int64_t row, end, len, at = 0, done = 0;
-      bool second = false;
-    } c[kMaxThreads];
-    for (int t = 0; t < T; ++t) {
-      auto [b, e] = part(a.rows, a.unit, t, T);
-      c[t] = whole ? Cursor{b, std::min(e, b + 1), (e - b) * a.row_bytes}
-                   : Cursor{b, e, a.used > 0 ? std::min(a.used, a.row_bytes) : a.row_bytes};
-    }
-    for (int64_t i = 0;; ++i) {
+    const int64_t len = whole ? (end - begin) * a.row_bytes
+                              : a.used > 0 ? std::min(a.used, a.row_bytes) : a.row_bytes;
+    if (whole) end = std::min(end, begin + 1);
+    bool second = false;
+    for (int64_t i = 0, row = begin, at = 0; row < end && i * 64 < kAheadBytes; ++i) {
       if ((i & 15) == 0 && gen_.load(std::memory_order_relaxed) != seen) return;
-      bool any = false;
-      for (int t = 0; t < T; ++t) {
-        Cursor& u = c[t];
-        if (u.row >= u.end || u.done >= kAheadBytes || (own && t != id)) continue;
-        any = true;
-        __builtin_prefetch((u.second ? a.second : a.base) + u.row * a.row_bytes + u.at, 0, 3);
-        u.done += 64;
-        if ((u.at += 64) < u.len) continue;
-        u.at = 0;
-        if (a.second && !u.second) u.second = true;
-        else u.second = false, ++u.row;
-      }
-      if (!any) return;
+      __builtin_prefetch((second ? a.second : a.base) + row * a.row_bytes + at, 0, 3);
+      if ((at += 64) < len) continue;
+      at = 0;
+      if (a.second && !second) second = true;
+      else second = false, ++row;
     }
   }
 
@@ -378,15 +350,13 @@ class Team {
 // followed its own last time (Team::Ahead), whose first bytes the helpers ask for once done, while
 // XLA runs the operations between two products and memory would idle. A wrong guess (a first
 // step, another device's calls in between) only reads memory in vain; calls that find the chain in
-// use skip it. benchmarks/product_options.py measures it on and off.
-// Decode attention (cpu_attention.cc) joins the chain with kChainAttention: the product before it
-// hands the helpers its cache rows in use (keys and values), which arrive cold from DRAM every
-// step and which the attention's few streams read at one or two threads' bandwidth, and while the
-// caller finishes its heads the helpers ask for the next product's weights.
+// use skip it. Decode attention (cpu_attention.cc) joins the chain: the product before it hands
+// the helpers its cache rows in use (keys and values), which arrive cold from DRAM every step and
+// which the attention's few streams read at one or two threads' bandwidth, and while the caller
+// finishes its heads the helpers ask for the next product's weights.
 class Chain {
  public:
   static Team::Ahead next(const Team::Ahead& self) {
-    if (!(options.load(std::memory_order_relaxed) & kChain)) return {};
     static Chain* chain = new Chain();
     std::unique_lock<std::mutex> l(chain->mu_, std::try_to_lock);
     if (!l.owns_lock()) return {};

@@ -197,21 +197,18 @@ int64_t grain(int64_t n, int64_t unit, int64_t threads) {
 // the part's partial sums p[M, N] (part 0's are y); the caller adds them up after. Split by
 // columns instead, the threads would read interleaved pieces of the same rows (slower). From 2
 // rows of x on, each W row is prefetched 512 bytes ahead (256 at 8 rows); at 1 row each line of W
-// asks instead for the line 4 KB on (single rows) or of the next sweep into L2 (kPrefetchRows): a
-// core alone holds too few misses in flight to read at the machine's bandwidth, and the hardware
-// prefetcher asks too late. Rows per sweep (kn_sweep_rows): 8 up to 4 rows of x, 16 at 8, where
-// the reloads of p cost more than the extra streams.
+// asks instead, into L2, for the line 4 KB on (rows swept one at a time, kNarrow) or for its line
+// in the next sweep: a core alone holds too few misses in flight to read at the machine's
+// bandwidth, and the hardware prefetcher asks too late. Rows per sweep (kn_sweep_rows): 8 up to
+// 4 rows of x, 16 at 8, where the reloads of p cost more than the extra streams.
 
 constexpr int64_t kKB = 16;
 
 constexpr int64_t kn_sweep_rows(int MB) { return MB >= 8 ? 16 : 8; }
 
-// Two ways of reading W that benchmarks/product_options.py measures on and off in one process
-// (cpu_kernels.h's options; both on by default): kChain, the team's helpers ask for the next
-// product's weights between products (cpu_kernels.h's Chain); kSingleRows, one row of x over rows
-// of W of at most kNarrow floats sweeps them a row at a time, a single stream of memory per thread:
-// in sweeps of 8 such short rows each stream ends before the hardware prefetcher has followed it.
-// Wider rows keep their sweeps of 8, which read faster there.
+// One row of x over rows of W of at most kNarrow floats sweeps them a row at a time, a single
+// stream of memory per thread: in sweeps of 8 such short rows each stream ends before the hardware
+// prefetcher has followed it. Wider rows keep their sweeps of 8, which read faster there.
 constexpr int64_t kRowsAheadBytes = 4096;
 constexpr int64_t kNarrow = 640;
 
@@ -266,16 +263,15 @@ template <int MB>
 void kn_rows(const float* x, const float* w, float* p, int64_t N, int64_t K, int64_t k0,
              int64_t k1) {
   constexpr int64_t chunk = 16384 / MB;
-  // one row of x over short rows of W: a row at a time (see kNarrow); with kPrefetchRows, each
-  // line asks for the line of the row kRowsAheadBytes on (single rows) or of the next sweep
-  const int opts = options.load(std::memory_order_relaxed);
-  int64_t sweep = MB == 1 && N <= kNarrow && opts & kSingleRows ? 1 : kn_sweep_rows(MB);
+  // At one row of x, short rows of W go a row at a time (see kNarrow), each line asking for its
+  // line in the row kRowsAheadBytes on; wider rows go in sweeps, each line asking for its line in
+  // the next sweep. From 2 rows of x on, kn_block reads ahead within each row itself.
+  const int64_t sweep = MB == 1 && N <= kNarrow ? 1 : kn_sweep_rows(MB);
   const int64_t ahead = sweep == 1 ? (kRowsAheadBytes + N * 4 - 1) / (N * 4) : sweep;
-  const bool asks = MB == 1 && opts & kPrefetchRows;
   for (int64_t c0 = 0; c0 < N; c0 += chunk)
     for (int64_t k = k0; k < k1; k += sweep)
       kn_sweep<MB>(x, K, w, N, p, c0, std::min(N, c0 + chunk), k, std::min(sweep, k1 - k), k == k0,
-                   asks && k + ahead + sweep <= k1 ? ahead * N : 0);
+                   MB == 1 && k + ahead + sweep <= k1 ? ahead * N : 0);
 }
 
 void kn_all(const float* x, const float* w, float* p, int64_t M, int64_t N, int64_t K, int64_t k0,
@@ -292,12 +288,12 @@ void kn_all(const float* x, const float* w, float* p, int64_t M, int64_t N, int6
 }
 
 // body(t, c, begin, end) for the parts c of W's `rows` rows (of `row_bytes` each), split in
-// multiples of `unit`, on the team (t: the thread); returns the number of parts. With kBalance,
-// 8 parts a thread (at most max_parts) that the threads claim as they go (Team::claim), so a
-// thread that finishes early takes the end of another's share; else one fixed share a thread.
+// multiples of `unit`, on the team (t: the thread); returns the number of parts. 8 parts a
+// thread (at most max_parts) that the threads claim as they go (Team::claim), so a thread that
+// finishes early takes the end of another's share: fixed shares finish tens of microseconds
+// apart. With fewer than 2 parts a thread (max_parts, or few rows), one fixed share a thread.
 // Either way each thread starts at the front of its share, which tells the helpers what to read
-// ahead of the next product. Fixed halves finish tens of microseconds apart, which claiming
-// recovers.
+// ahead of the next product.
 constexpr int64_t kAnyParts = int64_t(1) << 30;
 
 template <typename Body>
@@ -307,7 +303,7 @@ int64_t over_parts(const void* w, int64_t rows, int64_t unit, int64_t row_bytes,
   const int T = team.size();
   const char* base = static_cast<const char*>(w);
   int64_t size = 0, parts = 0;
-  if (T > 1 && rows > 0 && options.load(std::memory_order_relaxed) & kBalance) {
+  if (T > 1 && rows > 0) {
     parts = std::min<int64_t>(8 * T, max_parts);
     size = (rows + parts * unit - 1) / (parts * unit) * unit;
     parts = (rows + size - 1) / size;
@@ -826,9 +822,6 @@ ffi::Error RmsNorm(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Result
 }
 
 }  // namespace
-
-// cpu_kernels.h's options (benchmarks/product_options.py measures them on and off).
-extern "C" void podrun_set_product_options(int what) { options.store(what); }
 
 // Which vector path of cpu_kernels.h this build uses (models/kernels/cpu.vector_path).
 extern "C" const char* podrun_vector_path() { return kVectorPath; }
