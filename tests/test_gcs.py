@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from runner import checkpoint
+from runner.checkpoints import store
 from sharding.mesh import MeshShape, make_mesh
 from sharding.rules import Rules
 from tests.reference import hf_greedy, tiny_hf
@@ -191,12 +191,12 @@ def test_restore_onto_a_different_mesh_across_two_processes(gcs, setup):
     """Saved sharded over data=2 x model=4 in one process, restored over data=2 x expert=2 x model=2
     by two processes that each read their own shards from gs://; one process writes the results."""
     ck = setup.root / "ck"
-    meta = checkpoint.load_metadata(str(ck))
-    params = checkpoint.restore(str(ck), meta.model, Rules.make(make_mesh(MeshShape(data=2, model=4))),
+    meta = store.load_metadata(str(ck))
+    params = store.restore(str(ck), meta.model, Rules.make(make_mesh(MeshShape(data=2, model=4))),
                                 jnp.float32)
     assert any(not x.sharding.is_fully_replicated for x in jax.tree.leaves(params))  # saved in shards
-    files = {f.name: f.read_bytes() for f in ck.iterdir() if f.is_file() and f.name != checkpoint.METADATA}
-    checkpoint.save(f"{GS}/ck-2x4", meta, params, files)
+    files = {f.name: f.read_bytes() for f in ck.iterdir() if f.is_file() and f.name != store.METADATA}
+    store.save(f"{GS}/ck-2x4", meta, params, files)
     assert objects(gcs, f"{GS}/ck-2x4/params")
 
     port = free_port()

@@ -27,7 +27,7 @@ from openai_harmony import (
 
 from runner import harmony
 from runner.harmony import STOP_TOKEN_IDS, HarmonyOptions, Channels, parse, render
-from runner.sources import fetch_pypi_member
+from runner.checkpoints.pypi import fetch_pypi_member
 from runner.tokenizer import load_tokenizer
 
 SHAKESPEARE = os.path.join(os.path.dirname(__file__), "data", "shakespeare.txt")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from models.layers import Policy
-from runner import checkpoint
+from runner.checkpoints import store
 from runner.convert import convert
 from runner.engine import Engine, Request
 from runner.tokenizer import load_tokenizer
@@ -46,9 +46,9 @@ def prompt_ids(reference):
 
 @pytest.fixture(scope="module")
 def engine(converted):
-    meta = checkpoint.load_metadata(converted)
+    meta = store.load_metadata(converted)
     rules = Rules.make(make_mesh(MeshShape(data=1, model=3), jax.devices()[:3]))  # 9 heads, 3 kv heads
-    params = checkpoint.restore(converted, meta.model, rules, "float32")
+    params = store.restore(converted, meta.model, rules, "float32")
     return Engine(meta.model, params, rules, Policy(), batch_size=len(PROMPTS) + len(CHATS),
                   max_prompt_len=64, max_new_tokens=STEPS, steps_per_dispatch=8)
 
@@ -131,9 +131,9 @@ def test_int4_holds_the_gguf_q4_1_blocks_bit_for_bit(smollm2_gguf, converted):
 
     from models import quant
 
-    meta = checkpoint.load_metadata(converted)
+    meta = store.load_metadata(converted)
     rules = Rules.make(make_mesh(MeshShape(data=1), jax.devices()[:1]))
-    params = checkpoint.restore(converted, meta.model, rules, "float32")
+    params = store.restore(converted, meta.model, rules, "float32")
     held = meta.model.prepare(params, rules, Policy(quantize="int4"))
     names = {"attn_v": "wv", "attn_output": "wo", "ffn_gate": "w_gate", "ffn_up": "w_up",
              "ffn_down": "w_down"}
