@@ -12,10 +12,10 @@ import sys
 
 from absl import app, flags
 
-from runner import tokenizer
 from runner.checkpoints import store
 from runner.checkpoints.convert import convert, random_checkpoint
 from runner.checkpoints.source import SourceError
+from runner.text import tokenizer
 
 
 def main(argv: list[str]) -> None:

@@ -5,7 +5,7 @@ from runner.checkpoints.source import SourceError
 from runner.checkpoints.store import CheckpointError
 from runner.requests_io import AllFailedError, RequestFileError
 from runner.settings import SettingsError
-from runner.tokenizer import TokenizerError
+from runner.text.tokenizer import TokenizerError
 from sharding.mesh import MeshError
 from sharding.rules import RulesError
 

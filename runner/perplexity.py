@@ -27,7 +27,7 @@ from runner.errors import USER_ERRORS
 from runner.cli import parse_flags, read_config, setup_devices
 from runner.run import load_model
 from runner.settings import Settings, from_config
-from runner.tokenizer import load_tokenizer
+from runner.text.tokenizer import load_tokenizer
 
 if __name__ == "__main__":
     _CONFIG = config_flags.DEFINE_config_file("config", None, "deployment config file",

@@ -23,7 +23,7 @@ from runner.log import say
 from runner.requests_io import AllFailedError, Parsed, Results, parse_request, read_lines
 from runner.scheduler import Scheduler, Stats
 from runner.settings import Settings
-from runner.tokenizer import load_tokenizer
+from runner.text.tokenizer import load_tokenizer
 from sharding.mesh import make_mesh
 from sharding.rules import Rules
 
@@ -224,7 +224,7 @@ def chat_format(model, tokenizer, s: Settings):
     <|call|>), else the checkpoint's own template and no parsing."""
     if model.family != "gptoss" or tokenizer is None:
         return None, None, ()
-    from runner import harmony
+    from runner.text import harmony
 
     def render(messages: list[dict], request: dict) -> list[int]:
         effort = request.get("reasoning_effort", s.generation.reasoning_effort)

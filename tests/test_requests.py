@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from runner.requests_io import (FIELDS, FUTURE, INT32_MAX, Line, RequestFileError, Results, parse_request,
                                 read_lines)
-from runner.tokenizer import load_tokenizer
+from runner.text.tokenizer import load_tokenizer
 from tests.test_tokenizer import bpe_folder  # noqa: F401 (a fixture: a BPE tokenizer with a chat template)
 
 VOCAB_SIZE = 400

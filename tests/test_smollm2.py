@@ -12,7 +12,7 @@ from models.layers import Policy
 from runner.checkpoints import store
 from runner.convert import convert
 from runner.engine import Engine, Request
-from runner.tokenizer import load_tokenizer
+from runner.text.tokenizer import load_tokenizer
 from sharding.mesh import MeshShape, make_mesh
 from sharding.rules import Rules
 from tests.test_end_to_end import ROOT, podrun, read_jsonl

@@ -16,11 +16,11 @@ from etils import epath
 
 from models import weights
 from models.registry import Model
-from runner import tokenizer
 from runner.checkpoints import store
 from runner.checkpoints.gguf_source import read_gguf
 from runner.checkpoints.hf_folder import read_hf_folder
 from runner.checkpoints.source import Source, SourceError
+from runner.text import tokenizer
 from sharding.mesh import MeshShape, make_mesh
 from sharding.rules import Rules
 
@@ -64,7 +64,7 @@ def convert(source: str, output: str, dtype: str = "float32") -> store.Metadata:
 def random_checkpoint(spec: str, output: str, seed: int = 0) -> store.Metadata:
     """A randomly initialised checkpoint of a preset (with the o200k_harmony tokenizer when the
     model's vocabulary is that size): a real end-to-end run without downloading a model."""
-    from runner import harmony  # the o200k_harmony vocabulary is only built when asked for
+    from runner.text import harmony  # the o200k_harmony vocabulary is only built when asked for
 
     model = Model.named(spec)
     rules = Rules.make(make_mesh(MeshShape(data=1), jax.devices()[:1]))
