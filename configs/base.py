@@ -67,7 +67,7 @@ def base_config() -> ConfigDict:
         "donate_cache": True,
         # CPU, Linux: the engine's weights and KV cache moved onto transparent huge pages (2 MiB,
         # madvise MADV_COLLAPSE), fewer TLB misses as a decode step streams them
-        # (runner/hugepages.py).
+        # (runner/engine/hugepages.py).
         "huge_pages": True,
         # CPU, one device, float32 unembedding: greedy tokens from an int8 copy of it with error
         # bounds, and the few rows those cannot rule out in float32 (models/kernels/cpu.py,

@@ -64,9 +64,8 @@ from models import quant, weights
 from models.layers import KVCache
 from models.registry import Model
 from models.weights import check_divisible, is_lookup_table, is_weight
-from runner import hugepages
 from runner.checkpoints import store
-from runner.engine import Completion, Engine, Request
+from runner.engine import Completion, Engine, Request, hugepages
 from runner.cli import parse_flags, read_config, setup_devices
 from runner.run import load_model
 from runner.settings import Settings, from_config
@@ -211,7 +210,7 @@ class BandwidthProbe:
     - on CPU, podrun's product kernel (ones[1, R] . W[R, 4096], its threads each streaming a
       contiguous share), which reads faster than XLA's reduction there.
     On CPU the array sits on 2 MiB pages where the system gives them, as the engine's weights do
-    (runner/hugepages.py). `readings` holds each mover's figure from the last call. The array
+    (runner/engine/hugepages.py). `readings` holds each mover's figure from the last call. The array
     exists while the probe is open (`with`); `measure` opens it after a record's warm-up, whose
     peak memory leaves it out."""
 

@@ -16,12 +16,10 @@ from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from models.weights import check_divisible
-from runner import hugepages
 from runner.checkpoints import convert, pypi, store
-from runner.engine import Completion, Engine, Request
+from runner.engine import Completion, Engine, Request, Scheduler, Stats, hugepages
 from runner.log import say
 from runner.requests_io import AllFailedError, Parsed, Results, parse_request, read_lines
-from runner.scheduler import Scheduler, Stats
 from runner.settings import Settings
 from runner.text.tokenizer import load_tokenizer
 from sharding.mesh import make_mesh

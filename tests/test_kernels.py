@@ -157,7 +157,7 @@ def test_greedy_screen_for_flat_and_non_finite_rows():
     assert got[0] == 0
     assert got[1] == _exact_argmax(x[1:2], w, False)[0]
     assert got[2] == V - 1
-    from runner.engine import first_max
+    from runner.engine.engine import first_max
     assert got[3] == int(first_max(jnp.asarray(x[3:4]) @ jnp.asarray(w))[0])
 
 

@@ -30,7 +30,7 @@ import numpy as np
 
 from models.layers import PRODUCT_KERNEL_ROWS, KVCache, Policy
 from models.registry import Model
-from runner import hugepages
+from runner.engine import hugepages
 from sharding.rules import Rules
 
 MAX_STOP_IDS = 16  # stop ids are passed as a fixed-size array, so their number never recompiles
@@ -535,7 +535,7 @@ class Engine:
         request ends (runner/scheduler.py); completions in the order of `requests`.
         `stop_check(i, tokens)` lets the caller end request i on the host (stop strings);
         stop_ids end a row on device."""
-        from runner.scheduler import Scheduler
+        from runner.engine.scheduler import Scheduler
 
         out: list[Completion | None] = [None] * len(requests)
 
