@@ -15,7 +15,7 @@ One CPU device unless the command line sets the mesh (these belong to the one-de
 kernel). With float32 weights in panels (precision.panel_weights, the default) only kChain,
 kChainAttention and kOwnShareAhead concern their products: --config.precision.panel_weights=False
 measures the others on W[K, N]. Per round and setting: one warm generation, then one timed; prints
-the median decode step (the engine's clock, as runner.bench's decode_step_s) of each setting over
+the median decode step (the engine's clock, as runner.tools.bench's decode_step_s) of each setting over
 the rounds, and the median over rounds of its step against the first setting's ('none' by default)
 in the same round. Random prompts, no stop ids.
 """
@@ -33,10 +33,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from runner import bench  # noqa: E402
 from runner.cli import parse_flags, setup_devices  # noqa: E402
 from runner.run import load_model  # noqa: E402
 from runner.settings import from_config  # noqa: E402
+from runner.tools import bench  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "deployment config file", lock_config=True)

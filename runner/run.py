@@ -43,7 +43,7 @@ class Summary:
     stats: Stats | None = None  # the scheduler's (None when nothing was generated)
 
     def record(self) -> dict:
-        """The figures as one JSON-able dict (runner.bench --requests)."""
+        """The figures as one JSON-able dict (runner.tools.bench --requests)."""
         q = lambda xs, f: _rank(xs, f) if xs else None
         out = {k: getattr(self, k) for k in ("requests", "already_done", "errors", "generated",
                                              "prompt_tokens", "completion_tokens", "generate_s",
@@ -93,7 +93,7 @@ def ensure_checkpoint(s: Settings) -> None:
         raise store.CheckpointError(
             f"checkpoint.path={s.checkpoint_path} does not exist; checkpoint.fetch="
             f"{s.checkpoint_fetch} fetches only into {FETCH_HOME}/ (convert a checkpoint into that "
-            "path with python -m runner.convert, or leave checkpoint.path to the config)")
+            "path with python -m runner.tools.convert, or leave checkpoint.path to the config)")
     if s.checkpoint_fetch.startswith("random:"):
         say(f"initialising {s.checkpoint_fetch} into {s.checkpoint_path}")
         convert.random_checkpoint(s.checkpoint_fetch.removeprefix("random:"), s.checkpoint_path)
@@ -134,7 +134,7 @@ def load_model(s: Settings) -> tuple[store.Metadata, Rules, Any]:
 
 def run(s: Settings, loaded: tuple | None = None) -> Summary:
     """The job. `loaded`: (metadata, rules, params) of a model already on the devices, in place
-    of checkpoint.path's (runner.bench --random_weights); it has no tokenizer, so its requests
+    of checkpoint.path's (runner.tools.bench --random_weights); it has no tokenizer, so its requests
     give prompt_token_ids."""
     # a bad request file or output path fails before the checkpoint is touched
     lines = read_lines(s.input)

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from runner.checkpoints import store
-from runner.convert import convert
+from runner.checkpoints.convert import convert
 from tests.conftest import rules_for
 from tests.reference import tiny_hf
 

