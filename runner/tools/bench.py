@@ -67,7 +67,7 @@ from models.weights import check_divisible, is_lookup_table, is_weight
 from runner.checkpoints import store
 from runner.cli import parse_flags, read_config, setup_devices
 from runner.engine import Completion, Engine, Request, hugepages
-from runner.run import load_model
+from runner.job import load_model
 from runner.settings import Settings, from_config
 from sharding.mesh import make_mesh
 from sharding.rules import Rules
@@ -489,11 +489,11 @@ def run_job(s: Settings, requests: str, loaded=None) -> dict:
     `loaded`: the model already on the devices (random_model), whose requests give token ids."""
     import tempfile
 
-    from runner import run
+    from runner import job
 
     with tempfile.TemporaryDirectory() as d:
-        summary = run.run(dataclasses.replace(s, input=requests, output=os.path.join(d, "out.jsonl")),
-                          loaded)
+        summary = job.answer(dataclasses.replace(s, input=requests, output=os.path.join(d, "out.jsonl")),
+                             loaded)
     return summary.record()
 
 

