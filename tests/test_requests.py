@@ -149,7 +149,7 @@ def test_the_writer_keeps_every_line_in_order_across_a_restart(tok, s, tmp_path_
     assert sorted(second.done) == list(range(min(cut, len(got))))
     second.open()
     answer(second, [i for i in range(len(got)) if i not in second.done])
-    second.finish(len(got))
+    second.write_final(len(got))
     with open(out, encoding="utf-8") as f:
         written = [json.loads(x) for x in f.read().split("\n") if x]
     assert len(written) == len(got)

