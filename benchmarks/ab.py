@@ -7,9 +7,9 @@ machine's swings of speed from one minute to the next fall on both settings alik
 One engine per setting (each restores and prepares the weights as its policy says), one CPU device
 unless the command line sets the mesh. Per round and setting, in alternating order: a 1-token
 generation (prefill, wall time) and a new_tokens generation (decode step on the engine's clock, as
-runner.bench's decode_step_s). Prints the medians of each setting and the median over rounds of
+runner.tools.bench's decode_step_s). Prints the medians of each setting and the median over rounds of
 on / off within a round, and whether both settings gave the same greedy tokens. Random prompts,
-no stop ids. Each round first measures the machine's read bandwidth (runner.bench's probe,
+no stop ids. Each round first measures the machine's read bandwidth (runner.tools.bench's probe,
 --probe_mib, 0 for none), and the on / off ratios are given again for the rounds above and below
 its median: on the 2-core VM the bandwidth moved between about 33 and 60 GB/s from one minute to
 the next, and what a change gains can depend on which.
@@ -31,10 +31,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from runner import bench  # noqa: E402
 from runner.cli import parse_flags, setup_devices  # noqa: E402
-from runner.run import load_model  # noqa: E402
+from runner.job import load_model  # noqa: E402
 from runner.settings import from_config  # noqa: E402
+from runner.tools import bench  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "deployment config file", lock_config=True)

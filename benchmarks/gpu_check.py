@@ -6,17 +6,17 @@
 
 Each step is one command, run with what is left of the budget (a step that would start with too
 little is skipped and says so), in this order, the targets' figures first:
-  preflight   jax sees the GPU; a tiny model runs through runner.bench (else the check stops)
+  preflight   jax sees the GPU; a tiny model runs through runner.tools.bench (else the check stops)
   attention   cuDNN's prefill attention against XLA's on the GPU, and both timed at 4,096 tokens
               (if it fails, every later step runs with precision.cudnn_prefill=False)
-  decode      python -m runner.bench --random_weights, batch 1, 8, 64 and 256, 128-token prompts,
+  decode      python -m runner.tools.bench --random_weights, batch 1, 8, 64 and 256, 128-token prompts,
               128 new tokens
   prefill     the same, one prompt of 1,024 and of 4,096 tokens
   peer        benchmarks/hf_generate_peer.py: transformers' compiled static-cache generate at
               batch 1 and 64 on the same shapes
   scan_dsf    batch 1 with the layers scanned and XLA's dynamic-slice fusion on: whether XLA:GPU
               then reads each layer's weights in place rather than through a copy
-  job         python -m runner.bench --requests: 1,000 requests of varied prompt and completion
+  job         python -m runner.tools.bench --requests: 1,000 requests of varied prompt and completion
               lengths (token ids) through the continuous-batching engine, 128 rows, its layers
               scanned (about 15 programs, each compiled in seconds rather than 15-20 s unrolled)
   prefill_xla the prefills again with XLA's attention (precision.cudnn_prefill=False)
@@ -24,7 +24,7 @@ DIR receives three files: gpu_check.json (every step's command, records and, whe
 end of its log; the targets), gpu_check.log (the steps' logs) and gpu_check.md, the table printed
 last, which docs/benchmarks/gpu-h100.md records.
 
-Bandwidth and flops are the card's own, measured by runner.bench in the same process (a large
+Bandwidth and flops are the card's own, measured by runner.tools.bench in the same process (a large
 copy, counting bytes read and written, and a bfloat16 matmul of 8192^3).
 """
 
@@ -108,7 +108,7 @@ def bench(config: str, out: str, name: str, flags: list[str], small: bool) -> tu
     path = os.path.join(out, f"{name}.json")
     probes = ["--probe_mib=64", "--probe_matmul=512"] if small else ["--probe_mib=2048",
                                                                       "--probe_matmul=8192"]
-    return ([sys.executable, "-m", "runner.bench", f"--config={config}", "--random_weights",
+    return ([sys.executable, "-m", "runner.tools.bench", f"--config={config}", "--random_weights",
              *probes, f"--output={path}", *flags], path)
 
 
@@ -297,7 +297,7 @@ def main() -> None:
                 f"--config.generation.max_new_tokens={max_new}", "--config.generation.prefill_rows=8",
                 f"--config.generation.prefill_buckets={(32, 64) if small else (256, 1024)}",
                 "--config.precision.scan_layers=True"]
-    steps.run("job", [sys.executable, "-m", "runner.bench", f"--config={cfg}", "--random_weights",
+    steps.run("job", [sys.executable, "-m", "runner.tools.bench", f"--config={cfg}", "--random_weights",
                       f"--requests={requests}", f"--output={path}", *over, *job_over], 120, path)
     steps.results["job"]["workload"] = shape
 

@@ -1,5 +1,5 @@
 """The peer on the same card: transformers' `generate` with a static KV cache, which it compiles
-(torch.compile of the decode step, CUDA graphs), on the shapes runner.bench measures.
+(torch.compile of the decode step, CUDA graphs), on the shapes runner.tools.bench measures.
 
     python benchmarks/hf_generate_peer.py --model=llama:llama3.1-8b --batch_sizes=1,64 \
         --prompt_len=128 --new_tokens=128 [--reps=3] [--output=hf.json]
@@ -8,7 +8,7 @@ The model is podrun's preset, built as a transformers LlamaForCausalLM with rand
 weights made on the GPU (nothing is read). Greedy, and no end-of-sequence id, so every row
 decodes all new_tokens. Per batch size: a warm-up generation (compiling), then the median T of
 `reps` generations: tokens_per_s = B * N / T, the whole generate (prefill included), as
-runner.bench's e2e_tokens_per_s. A generation of another length would size the static cache
+runner.tools.bench's e2e_tokens_per_s. A generation of another length would size the static cache
 anew and compile again, so the decode alone is not timed apart.
 """
 

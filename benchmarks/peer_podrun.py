@@ -9,7 +9,7 @@ sets --config.mesh.num_cpu_devices or --config.mesh.data.
 
 The kit's random Llama ($PEER_MODEL, default $PEERS_HOME/model, written by make_model.py) is
 converted once into podrun-<its folder name> beside it ($PEERS_HOME/podrun-model by default, as
-`python -m runner.convert` would) unless
+`python -m runner.tools.convert` would) unless
 --config.checkpoint.path names a converted checkpoint. The kit's environment applies
 (PEER_BATCHES, PEER_PROMPT_LEN, PEER_NEW_TOKENS, PEER_REPS, PEER_OUT); results go to
 $PEERS_HOME/results/podrun-<params dtype>[-int8].json. The kit is found at $PEERS_KIT, default
@@ -33,11 +33,12 @@ import jax  # noqa: E402
 from absl import app  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from runner import bench, convert  # noqa: E402
-from runner.engine import Request  # noqa: E402
+from runner.checkpoints import convert  # noqa: E402
 from runner.cli import parse_flags, setup_devices  # noqa: E402
-from runner.run import load_model  # noqa: E402
+from runner.engine import Request  # noqa: E402
+from runner.job import load_model  # noqa: E402
 from runner.settings import from_config  # noqa: E402
+from runner.tools import bench  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(ROOT, "configs", "cpu.py"), "deployment config file", lock_config=True)

@@ -1,11 +1,11 @@
 """Per-chip HBM traffic of one decode step of a TPU deployment, from XLA's AOT cost analysis,
-against the floor a step must read (the declared weights and KV cache per chip, runner.memory).
+against the floor a step must read (the declared weights and KV cache per chip, runner.tools.memory).
 
     JAX_PLATFORMS=cpu python benchmarks/tpu_decode_bytes.py configs/gptoss_v5e.py \
         [precision.pallas_attention=True ...]
 
 Compiles the decode step alone, one step per call (no loop), for the config's mesh.tpu_topology
-(libtpu needed, as for runner.compile), and prints temporaries, bytes accessed and their ratio to
+(libtpu needed, as for runner.tools.compile), and prints temporaries, bytes accessed and their ratio to
 the floor. Overrides are `section.key=value`.
 
 On v5e it compiles twice. XLA's "bytes accessed" counts each prefetch of an operand into VMEM
@@ -35,8 +35,8 @@ from jax.experimental import topologies
 
 from models.registry import Model
 from runner.engine import Engine
-from runner.memory import footprint
 from runner.settings import from_config
+from runner.tools.memory import footprint
 from sharding.mesh import make_mesh
 from sharding.rules import Rules
 

@@ -12,7 +12,7 @@ from sharding.rules import DEFAULT_RULES
 
 def base_config() -> ConfigDict:
     c = ConfigDict()
-    # A converted podrun checkpoint (python -m runner.convert). `fetch` names an embedded model
+    # A converted podrun checkpoint (python -m runner.tools.convert). `fetch` names an embedded model
     # that is downloaded and converted into `path` when `path` does not exist yet. `model`
     # ("family:preset") names the architecture a deployment is sized for, so its fit can be checked
     # without the checkpoint; at start the checkpoint's own metadata must agree with it.
@@ -20,7 +20,7 @@ def base_config() -> ConfigDict:
     # Mesh axis sizes; -1 fills with the remaining devices. num_cpu_devices > 0 simulates that many
     # devices when running on CPU (ignored on TPU/GPU).
     # device_memory_gib: HBM per chip, for the memory report (0 = unknown); tpu_topology: what
-    # python -m runner.compile compiles for (e.g. "v5e:2x4").
+    # python -m runner.tools.compile compiles for (e.g. "v5e:2x4").
     c.mesh = ConfigDict({"data": -1, "model": 1, "expert": 1, "sequence": 1, "num_cpu_devices": 8,
                          "device_memory_gib": 0.0, "tpu_topology": "",
                          # Multislice: how many slices each axis spans (over the data-center
@@ -67,7 +67,7 @@ def base_config() -> ConfigDict:
         "donate_cache": True,
         # CPU, Linux: the engine's weights and KV cache moved onto transparent huge pages (2 MiB,
         # madvise MADV_COLLAPSE), fewer TLB misses as a decode step streams them
-        # (runner/hugepages.py).
+        # (runner/engine/hugepages.py).
         "huge_pages": True,
         # CPU, one device, float32 unembedding: greedy tokens from an int8 copy of it with error
         # bounds, and the few rows those cannot rule out in float32 (models/kernels/cpu.py,

@@ -4,9 +4,9 @@ their hidden units over 4; heads over 4; the vocabulary over all 32.
     python -m runner.main --config=configs/gptoss_120b_v5e.py --config.checkpoint.path=gs://BUCKET/gpt-oss-120b \
         --config.io.input=gs://BUCKET/requests.jsonl --config.io.output=gs://BUCKET/results.jsonl
 
-Fit, from the declarations (python -m runner.memory --config=configs/gptoss_120b_v5e.py): 7.2 GiB
+Fit, from the declarations (python -m runner.tools.memory --config=configs/gptoss_120b_v5e.py): 7.2 GiB
 of weights + 1.2 GiB of KV cache per chip at batch 64 and 2k tokens (53% of HBM).
-Compiled for v5e:4x8 on a CPU (python -m runner.compile --config=configs/gptoss_120b_v5e.py, 5 min
+Compiled for v5e:4x8 on a CPU (python -m runner.tools.compile --config=configs/gptoss_120b_v5e.py, 5 min
 on 2 cores): peak 12.9 GiB per chip (81% of HBM) for prefill_1024 with prefill_rows=4 and the
 Pallas flash prefill, 8.7 GiB (54%) for decode.
 """

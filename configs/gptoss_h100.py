@@ -5,9 +5,9 @@
 
 Install jax's CUDA plugin beside podrun first (pip install -r requirements-gpu.txt), and convert
 the HF checkpoint once (the MXFP4 experts become bfloat16):
-    python -m runner.convert --source=gpt-oss-20b/ --output=/data/gpt-oss-20b --dtype=bfloat16
+    python -m runner.tools.convert --source=gpt-oss-20b/ --output=/data/gpt-oss-20b --dtype=bfloat16
 
-Fit (python -m runner.memory --config=configs/gptoss_h100.py): 39 GiB of weights and 3 GiB of
+Fit (python -m runner.tools.memory --config=configs/gptoss_h100.py): 39 GiB of weights and 3 GiB of
 KV cache for 64 rows of 1,024 prompt + 1,024 new tokens (half the layers keep a 128-token
 window), 53% of the card before activations. The experts run as XLA's dense products over
 buckets of routed tokens; the Pallas grouped matmul (precision.pallas_moe) is a TPU kernel.

@@ -5,13 +5,13 @@ hidden units over 2; attention heads, the KV cache and the vocabulary over all 8
         --config.io.input=gs://BUCKET/requests.jsonl --config.io.output=gs://BUCKET/results.jsonl
 
 Convert the HF checkpoint first (MXFP4 experts are dequantised to bf16):
-    python -m runner.convert --source=gpt-oss-20b/ --output=gs://BUCKET/gpt-oss-20b --dtype=bfloat16
+    python -m runner.tools.convert --source=gpt-oss-20b/ --output=gs://BUCKET/gpt-oss-20b --dtype=bfloat16
 
-Fit, from the declarations (python -m runner.memory --config=configs/gptoss_v5e.py): 4.9 GiB of
+Fit, from the declarations (python -m runner.tools.memory --config=configs/gptoss_v5e.py): 4.9 GiB of
 weights + 0.4 GiB of KV cache per chip at batch 64 and 2k tokens (33% of HBM). With heads and the
 vocabulary over model alone, the 4 expert shards each held the same half of the cache and of the
 vocabulary: 6.1 + 1.6 GiB.
-Compiled for v5e:2x4 on a CPU (python -m runner.compile --config=configs/gptoss_v5e.py, 3.5 min
+Compiled for v5e:2x4 on a CPU (python -m runner.tools.compile --config=configs/gptoss_v5e.py, 3.5 min
 on 2 cores): peak 7.4 GiB per chip (46% of HBM) for prefill_1024 with prefill_rows=4 and the
 Pallas flash prefill, 5.4 GiB (34%) for decode. All 64 rows at once (prefill_rows=0) ask for
 15.8 GiB and do not fit.

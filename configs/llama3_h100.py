@@ -5,13 +5,13 @@
 
 Install jax's CUDA plugin beside podrun first (pip install -r requirements-gpu.txt), and convert
 the HF checkpoint once:
-    python -m runner.convert --source=Llama-3.1-8B-Instruct/ --output=/data/llama-3.1-8b --dtype=bfloat16
+    python -m runner.tools.convert --source=Llama-3.1-8B-Instruct/ --output=/data/llama-3.1-8b --dtype=bfloat16
 
 On a machine of several GPUs, --config.mesh.data=8 runs a replica on each (the weights fit one
 card), or --config.mesh.model=2 splits heads and the MLP over two. Nothing TPU- or CPU-only runs
 here: models/backend.py chooses the kernels once per mesh, and XLA compiles the rest for the GPU.
 
-Fit (python -m runner.memory --config=configs/llama3_h100.py): 15.0 GiB of weights and 32 GiB of
+Fit (python -m runner.tools.memory --config=configs/llama3_h100.py): 15.0 GiB of weights and 32 GiB of
 KV cache for 128 rows of 1,024 prompt + 1,024 new tokens, 59% of the card before activations.
 Prefill takes 8 prompts at a time, and its attention runs in cuDNN's flash kernel, which keeps
 the [T, T] scores out of memory. The layers are unrolled: scanned (precision.scan_layers),

@@ -26,7 +26,7 @@ class Backend:
     attention_kernel: bool = False  # attention of a decode step's few queries, or of a prompt
     panels: bool = False  # float32 projections held in column panels (models/panels.py)
     greedy_screen: bool = False  # greedy tokens through an int8 screen of a float32 unembedding
-    huge_pages: bool = False  # weights and KV cache on 2 MiB pages (runner/hugepages.py)
+    huge_pages: bool = False  # weights and KV cache on 2 MiB pages (runner/engine/hugepages.py)
     # TPU:
     pallas_decode: bool = False  # a decode step's attention in Pallas (precision.pallas_attention)
     ragged_experts: bool = False  # GPT-OSS's experts as ragged groups of megablox' gmm

@@ -47,7 +47,7 @@ class Policy:
     # The engine donates the KV cache to every prefill and decode call, which then update it in
     # place; without, each call writes a new cache and the old one lives until it returns.
     donate_cache: bool = True
-    # CPU: the engine moves its weights and KV cache onto 2 MiB pages (runner/hugepages.py).
+    # CPU: the engine moves its weights and KV cache onto 2 MiB pages (runner/engine/hugepages.py).
     huge_pages: bool = True
     # CPU, one device: greedy tokens through an int8 screen of a float32 unembedding, which reads
     # a quarter of its bytes and gives the same tokens (models/kernels/cpu.greedy_screened).

@@ -1,11 +1,11 @@
 """The errors that mean "bad input": reported as one line and a non-zero exit, no traceback."""
 
 from models.weights import WeightError
-from runner.checkpoint import CheckpointError
+from runner.checkpoints.source import SourceError
+from runner.checkpoints.store import CheckpointError
 from runner.requests_io import AllFailedError, RequestFileError
 from runner.settings import SettingsError
-from runner.sources import SourceError
-from runner.tokenizer import TokenizerError
+from runner.text.tokenizer import TokenizerError
 from sharding.mesh import MeshError
 from sharding.rules import RulesError
 

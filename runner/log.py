@@ -10,7 +10,8 @@ import jax
 from absl import logging
 
 
-def say(message: str) -> None:
+def info(message: str) -> None:
+    """One line on stderr: `podrun[<process index>]: <message>`."""
     print(f"podrun[{jax.process_index()}]: {message}", file=sys.stderr, flush=True)
 
 

@@ -23,19 +23,18 @@ def main(argv: list[str]) -> None:
     if config is None:
         sys.exit("podrun: error: --config=configs/<deployment>.py is required")
     # Imported here so that absl has parsed flags before the library pulls in the backend.
-    from runner import run
+    from runner import job, log
     from runner.errors import USER_ERRORS
-    from runner.log import say
     from runner.settings import from_config
 
     try:
         settings = from_config(config)
         setup_devices(settings)
-        say(f"{jax.device_count()} {jax.devices()[0].platform} devices, {jax.process_count()} process(es)")
-        run.run(settings)
+        log.info(f"{jax.device_count()} {jax.devices()[0].platform} devices, {jax.process_count()} process(es)")
+        job.answer(settings)
         if settings.compilation_cache_dir:  # misses: compiled by XLA because the cache had no entry
             hits, misses = cache_counts()
-            say(f"compilation cache: {hits} hits, {misses} misses")
+            log.info(f"compilation cache: {hits} hits, {misses} misses")
     except (*USER_ERRORS, DistributedError) as e:
         sys.exit(f"podrun: error: {e}")
 

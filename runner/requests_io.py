@@ -269,7 +269,7 @@ def _check_writable(output: str) -> None:
 
 
 class Results:
-    """Appends finished results to `<output>.partial`; `finish` writes `<output>` in input order.
+    """Appends finished results to `<output>.partial`; `write_final` writes `<output>` in input order.
 
     Every process reads what is already done; only the writer (process 0) writes, after `open`.
     """
@@ -365,7 +365,9 @@ class Results:
             self._append([{"_index": i, **r} for i, r in index_and_results])
         self.done.update(index_and_results)
 
-    def finish(self, total: int) -> None:
+    def write_final(self, total: int) -> None:
+        """`<output>` whole, in input order, in place of `<output>.partial` (a RuntimeError where
+        one of the `total` requests has no result)."""
         if not self._opened:
             return
         if self._f is not None:

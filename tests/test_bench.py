@@ -1,4 +1,4 @@
-"""`python -m runner.bench`: its records, and its roofline counts against the checkpoints' own arrays."""
+"""`python -m runner.tools.bench`: its records, and its roofline counts against the checkpoints' own arrays."""
 
 import importlib
 import json
@@ -12,8 +12,8 @@ import torch
 import transformers
 
 from models.registry import Model
-from runner import bench
 from runner.engine import Completion
+from runner.tools import bench
 from tests.reference import hf_greedy, tiny_hf
 from tests.test_end_to_end import ROOT, podrun
 
@@ -105,14 +105,14 @@ def llama_ckpt(tmp_path_factory):
     m = tiny_hf("llama", seed=7)
     root = tmp_path_factory.mktemp("bench")
     m.save_pretrained(root / "hf")
-    podrun("runner.convert", f"--source={root / 'hf'}", f"--output={root / 'ck'}")
+    podrun("runner.tools.convert", f"--source={root / 'hf'}", f"--output={root / 'ck'}")
     return m, root
 
 
 def test_bench_writes_a_record_per_batch_and_prompt_len_and_decodes_every_token(llama_ckpt):
     m, root = llama_ckpt
     out = root / "bench.json"
-    p = podrun("runner.bench", f"--config=configs/cpu.py:{root / 'ck'}",
+    p = podrun("runner.tools.bench", f"--config=configs/cpu.py:{root / 'ck'}",
                f"--config.compilation_cache.dir={root / 'xla'}",
                "--config.generation.stop_token_ids=(0,1,2,3)",  # the bench stops on no id
                f"--batch_sizes={','.join(map(str, BATCHES))}",
@@ -184,7 +184,7 @@ def test_bad_workloads_are_refused_in_one_line(llama_ckpt):
     for args, message in [(("--new_tokens=1",), "new_tokens >= 2"),
                           (("--batch_sizes=1,x",), "--batch_sizes=1,x: give comma-separated integers"),
                           (("--prompt_len=250", "--new_tokens=8"), "exceeds the model's 256 positions")]:
-        p = podrun("runner.bench", f"--config=configs/cpu.py:{root / 'ck'}", *args, check=False)
+        p = podrun("runner.tools.bench", f"--config=configs/cpu.py:{root / 'ck'}", *args, check=False)
         assert p.returncode != 0
         last = p.stderr.strip().splitlines()[-1]
         assert last.startswith("podrun bench: error:") and message in last, p.stderr[-2000:]
@@ -205,14 +205,14 @@ def test_job_mode_runs_a_request_file_through_the_whole_engine(tmp_path):
     from tests.test_end_to_end import podrun, write_jsonl
 
     tiny_hf("llama", seed=3).save_pretrained(tmp_path / "hf")
-    podrun("runner.convert", f"--source={tmp_path / 'hf'}", f"--output={tmp_path / 'ck'}")
+    podrun("runner.tools.convert", f"--source={tmp_path / 'hf'}", f"--output={tmp_path / 'ck'}")
     rng = np.random.RandomState(0)
     lengths, max_tokens = [3, 17, 9, 30, 5, 12], [4, 20, 1, 9, 16, 7]
     rows = [{"id": i, "prompt_token_ids": rng.randint(1, 100, n).tolist(), "max_tokens": m}
             for i, (n, m) in enumerate(zip(lengths, max_tokens))]
     rows.append({"id": "bad", "prompt_token_ids": [1, 2], "max_tokens": 999})
     inp = write_jsonl(tmp_path / "in.jsonl", rows)
-    podrun("runner.bench", f"--config=configs/cpu.py:{tmp_path / 'ck'}", f"--requests={inp}",
+    podrun("runner.tools.bench", f"--config=configs/cpu.py:{tmp_path / 'ck'}", f"--requests={inp}",
            f"--output={tmp_path / 'job.json'}", "--config.generation.batch_size=2",
            "--config.mesh.num_cpu_devices=1", "--config.mesh.data=1",
            "--config.generation.max_prompt_len=32", "--config.generation.max_new_tokens=24",
@@ -235,7 +235,7 @@ def test_random_weights_need_no_checkpoint_for_shapes_or_jobs(tmp_path):
     common = ["--config=configs/cpu.py:/no/such/checkpoint", "--random_weights",
               "--config.checkpoint.model=llama:tiny", "--config.mesh.num_cpu_devices=1",
               "--config.mesh.data=1", f"--config.compilation_cache.dir={tmp_path / 'xla'}"]
-    podrun("runner.bench", *common, "--batch_sizes=2", "--prompt_len=8", "--new_tokens=4", "--reps=1",
+    podrun("runner.tools.bench", *common, "--batch_sizes=2", "--prompt_len=8", "--new_tokens=4", "--reps=1",
            "--probe_mib=16", "--probe_matmul=128", f"--output={tmp_path / 'shapes.json'}")
     [r] = json.loads((tmp_path / "shapes.json").read_text())
     assert r["random_weights"] and r["generated_tokens"] == 2 * 4 and r["model"] == "llama:tiny"
@@ -243,13 +243,13 @@ def test_random_weights_need_no_checkpoint_for_shapes_or_jobs(tmp_path):
             for i, (n, m) in enumerate([(5, 3), (12, 7), (2, 1)])]
     rows.append({"id": "text", "prompt": "hello"})
     inp = write_jsonl(tmp_path / "in.jsonl", rows)
-    podrun("runner.bench", *common, f"--requests={inp}", f"--output={tmp_path / 'job.json'}",
+    podrun("runner.tools.bench", *common, f"--requests={inp}", f"--output={tmp_path / 'job.json'}",
            "--config.generation.batch_size=2", "--config.generation.max_prompt_len=16",
            "--config.generation.max_new_tokens=8")
     job = json.loads((tmp_path / "job.json").read_text())
     assert (job["requests"], job["errors"], job["generated"]) == (4, 1, 3)
     assert job["completion_tokens"] == 3 + 7 + 1 and job["random_weights"]
-    p = subprocess.run([sys.executable, "-m", "runner.bench", "--config=configs/cpu.py:/x",
+    p = subprocess.run([sys.executable, "-m", "runner.tools.bench", "--config=configs/cpu.py:/x",
                         "--random_weights", "--config.mesh.num_cpu_devices=1", "--config.mesh.data=1"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode != 0

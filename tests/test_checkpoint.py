@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from runner import checkpoint
-from runner.convert import convert
+from runner.checkpoints import store
+from runner.checkpoints.convert import convert
 from tests.conftest import rules_for
 from tests.reference import tiny_hf
 
@@ -27,9 +27,9 @@ def converted(tmp_path_factory):
 @pytest.mark.parametrize("mesh_name", ["1dev", "data8", "data2_model4"])
 def test_restore_onto_a_different_mesh(converted, mesh_name):
     m, path = converted
-    meta = checkpoint.load_metadata(str(path))
+    meta = store.load_metadata(str(path))
     rules = rules_for(mesh_name)
-    params = checkpoint.restore(str(path), meta.model, rules, "float32")
+    params = store.restore(str(path), meta.model, rules, "float32")
     sd = {k: v.detach().numpy() for k, v in m.state_dict().items()}
     wq = params["layers"][1]["wq"]  # [D, N, H] from torch's [N*H, D]
     np.testing.assert_array_equal(np.asarray(wq), sd["model.layers.1.self_attn.q_proj.weight"].T.reshape(wq.shape))
@@ -44,8 +44,8 @@ def test_restore_onto_a_different_mesh(converted, mesh_name):
 
 def test_restore_casts_to_the_policy_dtype(converted):
     m, path = converted
-    meta = checkpoint.load_metadata(str(path))
-    params = checkpoint.restore(str(path), meta.model, rules_for("data8"), "bfloat16")
+    meta = store.load_metadata(str(path))
+    params = store.restore(str(path), meta.model, rules_for("data8"), "bfloat16")
     leaf = params["layers"][0]["w_up"]
     assert leaf.dtype == jax.numpy.bfloat16
     ref = m.state_dict()["model.layers.0.mlp.up_proj.weight"].numpy().T.astype(ml_dtypes.bfloat16)
@@ -58,31 +58,31 @@ def test_restore_refuses_shapes_that_disagree_with_the_metadata(converted, tmp_p
     meta["model"]["config"]["intermediate_size"] = 128
     (path / "podrun.json").write_text(json.dumps(meta))
     try:
-        bad = checkpoint.load_metadata(str(path))
-        with pytest.raises(checkpoint.CheckpointError, match=r"w_down has shape \(96, 64\).*needs \(128, 64\)"):
-            checkpoint.restore(str(path), bad.model, rules_for("data8"), "float32")
+        bad = store.load_metadata(str(path))
+        with pytest.raises(store.CheckpointError, match=r"w_down has shape \(96, 64\).*needs \(128, 64\)"):
+            store.restore(str(path), bad.model, rules_for("data8"), "float32")
     finally:
         meta["model"]["config"]["intermediate_size"] = 96
         (path / "podrun.json").write_text(json.dumps(meta))
 
 
 def test_missing_checkpoint_is_named(tmp_path):
-    with pytest.raises(checkpoint.CheckpointError, match=f"{tmp_path}/none: no such directory"):
-        checkpoint.load_metadata(str(tmp_path / "none"))
+    with pytest.raises(store.CheckpointError, match=f"{tmp_path}/none: no such directory"):
+        store.load_metadata(str(tmp_path / "none"))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(checkpoint.CheckpointError, match="no podrun.json"):
-        checkpoint.load_metadata(str(tmp_path / "empty"))
+    with pytest.raises(store.CheckpointError, match="no podrun.json"):
+        store.load_metadata(str(tmp_path / "empty"))
 
 
 def test_a_checkpoint_saved_from_one_mesh_restores_onto_another(converted, tmp_path):
     """Saved from weights sharded over data=2 x model=4, restored over data=8 and one device."""
     m, path = converted
-    meta = checkpoint.load_metadata(str(path))
-    sharded = checkpoint.restore(str(path), meta.model, rules_for("data2_model4"), "float32")
-    checkpoint.save(str(tmp_path / "resaved"), meta, sharded)
+    meta = store.load_metadata(str(path))
+    sharded = store.restore(str(path), meta.model, rules_for("data2_model4"), "float32")
+    store.save(str(tmp_path / "resaved"), meta, sharded)
     sd = {k: v.detach().numpy() for k, v in m.state_dict().items()}
     for mesh_name in ("data8", "1dev"):
-        params = checkpoint.restore(str(tmp_path / "resaved"), meta.model, rules_for(mesh_name), "float32")
+        params = store.restore(str(tmp_path / "resaved"), meta.model, rules_for(mesh_name), "float32")
         np.testing.assert_array_equal(np.asarray(params["layers"][1]["w_down"]),
                                       sd["model.layers.1.mlp.down_proj.weight"].T)
         np.testing.assert_array_equal(np.asarray(params["layers"][0]["wo"]).reshape(-1, 64),

@@ -11,7 +11,7 @@ CACHE_LINE = re.compile(r"podrun\[0\]: compilation cache: (\d+) hits, (\d+) miss
 
 def test_a_second_run_compiles_nothing(tmp_path):
     tiny_hf("llama", seed=3).save_pretrained(tmp_path / "hf")
-    podrun("runner.convert", f"--source={tmp_path / 'hf'}", f"--output={tmp_path / 'ck'}")
+    podrun("runner.tools.convert", f"--source={tmp_path / 'hf'}", f"--output={tmp_path / 'ck'}")
     inp = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt_token_ids": [i + 1] * (1 + 3 * i), "max_tokens": 5}
                                              for i in range(6)])
 

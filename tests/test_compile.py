@@ -43,8 +43,8 @@ SMALL = Model("gptoss", gptoss.Config(vocab_size=1024, hidden_size=256, intermed
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
 def test_a_small_deployment_compiles_for_a_v5e_topology_with_its_shards_per_chip(scan):
     """scan: the layers in one loop over stacked weights and caches (what a chip holds is the same)."""
-    from runner.compile import compile_deployment, report
-    from runner.memory import footprint
+    from runner.tools.compile import compile_deployment, report
+    from runner.tools.memory import footprint
 
     s = tiny_tpu_settings(scan, prefill_rows=2)
     model = Model("gptoss", dataclasses.replace(SMALL.config, num_layers=4)) if scan else SMALL
@@ -55,7 +55,7 @@ def test_a_small_deployment_compiles_for_a_v5e_topology_with_its_shards_per_chip
     assert engine.prefill_rows == 2
 
     # XLA's own count of a chip's inputs is what the declarations say a chip holds (weights and
-    # KV cache, runner.memory), plus a few per-row scalars; everything is on some chip.
+    # KV cache, runner.tools.memory), plus a few per-row scalars; everything is on some chip.
     total = sum(math.prod(w.shape) * 2 for w in jax.tree.leaves(model.declare(), is_leaf=is_weight))
     declared = footprint(s, model)
     for c in compiled.values():
@@ -71,7 +71,7 @@ def test_a_small_deployment_compiles_for_a_v5e_topology_with_its_shards_per_chip
 
 
 def test_a_two_slice_deployment_compiles_with_data_across_the_slices():
-    from runner.compile import compile_deployment
+    from runner.tools.compile import compile_deployment
 
     c = base_config()
     c.checkpoint.update(path="/unused", model="gptoss:tiny")
@@ -88,7 +88,7 @@ def test_a_two_slice_deployment_compiles_with_data_across_the_slices():
 def test_prefill_rows_caps_the_prompts_one_insert_prefills():
     """generation.prefill_rows=2 on a batch of 8: inserts take 1 or 2 prompts, and the program
     compiled (2 rows) needs no more temporaries than one taking all 8 at once."""
-    from runner.compile import compile_deployment
+    from runner.tools.compile import compile_deployment
 
     def prefill(rows):
         s = tiny_tpu_settings(prefill_rows=rows, batch_size=8, max_prompt_len=256, prefill_buckets=(256,))
@@ -101,7 +101,7 @@ def test_prefill_rows_caps_the_prompts_one_insert_prefills():
 
 
 def test_asking_for_a_program_the_deployment_lacks_names_it_and_compiles_nothing():
-    from runner.compile import compile_deployment
+    from runner.tools.compile import compile_deployment
 
     with pytest.raises(ValueError, match=r"no program \['prefill_7'\] to compile; .*'decode'"):
         compile_deployment(tiny_tpu_settings(), SMALL, only=("decode", "prefill_7"))
@@ -109,7 +109,7 @@ def test_asking_for_a_program_the_deployment_lacks_names_it_and_compiles_nothing
 
 def run_compile(*args):
     env = dict(os.environ, PYTHONPATH=ROOT)
-    return subprocess.run([sys.executable, "-m", "runner.compile", *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "runner.tools.compile", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)
 
 
@@ -152,7 +152,7 @@ def test_decode_attention_compiles_as_the_pallas_kernel_for_tpu(kernels, kv_cach
     """With precision.pallas_attention the decode step's attention is the Pallas kernel (a Mosaic
     custom call in the program compiled for v5e), over a bf16 or an int8 cache; without, XLA's
     (the prefill kernel is off here, so that no program has any other custom call)."""
-    from runner.compile import compile_deployment
+    from runner.tools.compile import compile_deployment
 
     s = tiny_tpu_settings()
     s = dataclasses.replace(s, policy=dataclasses.replace(s.policy, pallas_attention=kernels,
@@ -228,8 +228,8 @@ def test_a_gptoss_decode_step_accesses_at_most_a_quarter_more_than_its_floor_on_
     """The TPU target: GPT-OSS-20B's decode step for v5e (batch 64, all 24 layers, as two layers
     understate it), by XLA's cost analysis with VMEM prefetches off (it counts each as extra
     traffic), accesses at most 1.25x the bytes a chip must read: its weights and KV cache as
-    declared (runner.memory)."""
-    from runner.memory import footprint
+    declared (runner.tools.memory)."""
+    from runner.tools.memory import footprint
 
     s = from_config(load(os.path.join(ROOT, "configs", "gptoss_v5e.py")).get_config())
     s = dataclasses.replace(s, policy=dataclasses.replace(s.policy, quantize=quantize))
@@ -244,7 +244,7 @@ def test_a_gptoss_decode_step_accesses_at_most_a_quarter_more_than_its_floor_on_
 def test_prefill_attention_compiles_as_the_pallas_flash_kernel_for_tpu(scan):
     """With precision.pallas_prefill every prefill program's attention is the Pallas flash kernel
     (a Mosaic custom call in the program compiled for v5e), and decode keeps XLA's attention."""
-    from runner.compile import compile_deployment
+    from runner.tools.compile import compile_deployment
 
     s = tiny_tpu_settings(scan)
     s = dataclasses.replace(s, policy=dataclasses.replace(s.policy, pallas_prefill=True))
@@ -260,8 +260,8 @@ def test_without_donation_the_decode_step_writes_a_new_cache():
     """precision.donate_cache=False: no output of the decode program reuses an input buffer, and
     the program never needs less memory; donated (the default), the cache is aliased. How much
     more the copy costs is the compiler's to decide (up to a whole cache)."""
-    from runner.compile import compile_deployment
-    from runner.memory import footprint
+    from runner.tools.compile import compile_deployment
+    from runner.tools.memory import footprint
 
     s = tiny_tpu_settings()
     kept = dataclasses.replace(s, policy=dataclasses.replace(s.policy, donate_cache=False))
@@ -305,7 +305,7 @@ def test_the_experts_compile_as_the_pallas_grouped_matmul_for_tpu():
     """With precision.pallas_moe (the attention kernels off) the programs that route many tokens
     (prefill; decode at batch 4 x 2 experts over 2 local experts) run the experts in megablox's
     grouped matmul, a Mosaic custom call, in the program compiled for v5e."""
-    from runner.compile import compile_deployment
+    from runner.tools.compile import compile_deployment
 
     s = tiny_tpu_settings()
     s = dataclasses.replace(s, policy=dataclasses.replace(s.policy, pallas_moe=True,

@@ -54,7 +54,7 @@ def test_the_default_runs_on_one_device_and_mesh8_on_eight():
 def test_memory_report_of_the_gptoss_deployments():
     """Weights per the model cards (gpt-oss-20b: 20.9B parameters, 120b: 116.8B), and both fit
     a v5e chip's 16 GiB with room for activations."""
-    from runner.memory import footprint
+    from runner.tools.memory import footprint
 
     for name, params in (("gptoss_v5e.py", 20.9e9), ("gptoss_120b_v5e.py", 116.8e9)):
         s = from_config(load(os.path.join(ROOT, "configs", name)).get_config())
@@ -68,7 +68,7 @@ def test_the_gptoss_20b_deployment_splits_its_kv_cache_over_all_8_chips():
     """configs/gptoss_v5e.py shards the 8 kv heads over model x expert: each chip holds 1/8 of the
     cache, counted here from the architecture (a window's ring on the sliding layers), where
     heads over model alone leave the 4 expert shards each a copy of half of it."""
-    from runner.memory import footprint
+    from runner.tools.memory import footprint
 
     s = from_config(load(os.path.join(ROOT, "configs", "gptoss_v5e.py")).get_config())
     model = Model.named(s.checkpoint_model)

@@ -1,4 +1,4 @@
-"""`python -m runner.convert` + `python -m runner.main` against transformers, and bad input."""
+"""`python -m runner.tools.convert` + `python -m runner.main` against transformers, and bad input."""
 
 import json
 import os
@@ -38,7 +38,7 @@ def model_dir(request, tmp_path_factory):
     m = tiny_hf(request.param, seed=11)
     root = tmp_path_factory.mktemp(request.param)
     m.save_pretrained(root / "hf", max_shard_size="100KB")  # sharded safetensors + index
-    podrun("runner.convert", f"--source={root / 'hf'}", f"--output={root / 'ck'}")
+    podrun("runner.tools.convert", f"--source={root / 'hf'}", f"--output={root / 'ck'}")
     return m, root
 
 
@@ -176,7 +176,7 @@ def test_bad_setups_fail_in_one_line_and_write_nothing(kind, tmp_path_factory, t
     m = tiny_hf(kind)
     root = tmp_path_factory.mktemp("bad")
     m.save_pretrained(root / "hf")
-    podrun("runner.convert", f"--source={root / 'hf'}", f"--output={root / 'ck'}")
+    podrun("runner.tools.convert", f"--source={root / 'hf'}", f"--output={root / 'ck'}")
     inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt_token_ids": [1, 2]}])
     out = tmp_path / "out.jsonl"
     (tmp_path / "blank.jsonl").write_text("\n  \n")
@@ -211,7 +211,7 @@ def test_bad_setups_fail_in_one_line_and_write_nothing(kind, tmp_path_factory, t
     assert p.stderr.strip().splitlines()[-1] == (
         f"podrun: error: checkpoint.path={root / 'typo'} does not exist; checkpoint.fetch=smollm2-135m-instruct "
         "fetches only into ~/.cache/podrun/checkpoints/ (convert a checkpoint into that path with python -m "
-        "runner.convert, or leave checkpoint.path to the config)")
+        "runner.tools.convert, or leave checkpoint.path to the config)")
     # a checkpoint whose weights disagree with its metadata
     meta = json.loads((root / "ck" / "podrun.json").read_text())
     meta["model"]["config"]["num_layers"] = 3
@@ -219,6 +219,6 @@ def test_bad_setups_fail_in_one_line_and_write_nothing(kind, tmp_path_factory, t
     p = run_main(root, inp, out, check=False)
     assert p.returncode != 0 and "layers.2.attn_norm is missing" in p.stderr.strip().splitlines()[-1]
     assert not out.exists()
-    p = podrun("runner.convert", f"--source={root / 'nothing'}", f"--output={root / 'ck2'}", check=False)
+    p = podrun("runner.tools.convert", f"--source={root / 'nothing'}", f"--output={root / 'ck2'}", check=False)
     assert p.returncode != 0 and str(root / "nothing") in p.stderr.strip().splitlines()[-1]
     assert not (root / "ck2").exists()

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from models.policy import Policy
-from runner.engine import Engine, Request, sample
+from runner.engine import Engine, Request
+from runner.engine.engine import sample
 from tests.conftest import rules_for
 from tests.reference import VOCAB, hf_greedy, tiny_hf, to_podrun
 
@@ -134,7 +135,7 @@ def test_the_last_requests_gathered_into_fewer_rows_match_transformers(llama, pr
     rows = []
     decode = engine._decode
     engine._decode = lambda w, cache, state, *a: rows.append(state.done.shape[0]) or decode(w, cache, state, *a)
-    from runner.scheduler import Scheduler
+    from runner.engine import Scheduler
 
     requests = [Request(prompts[i], n) for i, n in zip(order, lengths)] + [sampled]
     got: dict[int, object] = {}
@@ -229,7 +230,7 @@ def test_sampling_draws_the_nucleus_distribution_whichever_way_a_row_goes():
     whose nucleus does not (sampled over the whole vocabulary). Over 2000 seeds each peaked row's
     draws follow numpy's nucleus probabilities (top_p, top_k, temperature), and every row draws
     the same tokens beside the flat row as alone: a row's way depends on its own logits."""
-    from runner.engine import CANDIDATES, _candidate_nucleus
+    from runner.engine.engine import CANDIDATES, _candidate_nucleus
 
     rng = np.random.default_rng(1)
     V, n = 3000, 2000
@@ -270,7 +271,7 @@ def test_top_k_and_top_p_keep_what_transformers_warpers_keep(seed):
     import torch
     from transformers import TopKLogitsWarper, TopPLogitsWarper
 
-    from runner.engine import nucleus
+    from runner.engine.engine import nucleus
 
     rng = np.random.default_rng(seed)
     B, V = 8, 3000
@@ -292,7 +293,7 @@ def test_top_k_and_top_p_keep_what_transformers_warpers_keep(seed):
 def test_top_k_and_top_p_keep_every_tie_of_the_last_kept_logit():
     """bf16-rounded logits (many equal values): numpy over the distinct values; top_k keeps every
     logit equal to the k-th largest, top_p every logit equal to the smallest in the nucleus."""
-    from runner.engine import nucleus
+    from runner.engine.engine import nucleus
 
     rng = np.random.default_rng(3)
     B, V = 6, 4000
@@ -320,14 +321,14 @@ def test_top_k_and_top_p_keep_every_tie_of_the_last_kept_logit():
     assert ties >= 2  # rows whose last kept logit is tied: the case at stake
 
 
-def test_first_max_is_argmax_with_ties_to_the_lowest_index():
-    from runner.engine import first_max
+def test_greedy_tokens_are_argmax_with_ties_to_the_lowest_index():
+    from runner.engine.engine import greedy_tokens
 
     rng = np.random.default_rng(0)
     x = rng.integers(-3, 4, (64, 50)).astype(np.float32)  # many ties
     x[5] = -np.inf
     x[6, 10] = np.inf
-    np.testing.assert_array_equal(np.asarray(first_max(jnp.asarray(x))), np.argmax(x, axis=-1))
+    np.testing.assert_array_equal(np.asarray(greedy_tokens(jnp.asarray(x))), np.argmax(x, axis=-1))
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2", "gptoss"])

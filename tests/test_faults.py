@@ -15,7 +15,7 @@ from tests.test_end_to_end import ROOT, podrun, read_jsonl, write_jsonl
 @pytest.mark.slow
 def test_sigkill_at_random_points_then_restart_loses_and_repeats_nothing(tmp_path):
     tiny_hf("llama", seed=2).save_pretrained(tmp_path / "hf")
-    podrun("runner.convert", f"--source={tmp_path / 'hf'}", f"--output={tmp_path / 'ck'}")
+    podrun("runner.tools.convert", f"--source={tmp_path / 'hf'}", f"--output={tmp_path / 'ck'}")
     inp = write_jsonl(tmp_path / "in.jsonl",
                       [{"id": i, "prompt_token_ids": [i % 90 + 1, 5], "max_tokens": 64} for i in range(2000)])
 

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from runner import checkpoint
+from runner.checkpoints import store
 from sharding.mesh import MeshShape, make_mesh
 from sharding.rules import Rules
 from tests.reference import hf_greedy, tiny_hf
@@ -139,8 +139,8 @@ def setup(gcs, tmp_path_factory) -> Setup:
     root = tmp_path_factory.mktemp("gcs")
     m = tiny_hf("gptoss", seed=5)
     m.save_pretrained(root / "hf")
-    podrun("runner.convert", f"--source={root / 'hf'}", f"--output={root / 'ck'}")
-    podrun("runner.convert", f"--source={root / 'hf'}", f"--output={GS}/ck")
+    podrun("runner.tools.convert", f"--source={root / 'hf'}", f"--output={root / 'ck'}")
+    podrun("runner.tools.convert", f"--source={root / 'hf'}", f"--output={GS}/ck")
     rows = [{"id": f"r{i}", "prompt_token_ids": [(7 * i + j) % 100 + 1 for j in range(1 + i % 9)],
             "max_tokens": 6 + i % 5, **({"temperature": 0.9, "seed": i} if i % 3 == 0 else {})}
             for i in range(29)]
@@ -191,12 +191,12 @@ def test_restore_onto_a_different_mesh_across_two_processes(gcs, setup):
     """Saved sharded over data=2 x model=4 in one process, restored over data=2 x expert=2 x model=2
     by two processes that each read their own shards from gs://; one process writes the results."""
     ck = setup.root / "ck"
-    meta = checkpoint.load_metadata(str(ck))
-    params = checkpoint.restore(str(ck), meta.model, Rules.make(make_mesh(MeshShape(data=2, model=4))),
+    meta = store.load_metadata(str(ck))
+    params = store.restore(str(ck), meta.model, Rules.make(make_mesh(MeshShape(data=2, model=4))),
                                 jnp.float32)
     assert any(not x.sharding.is_fully_replicated for x in jax.tree.leaves(params))  # saved in shards
-    files = {f.name: f.read_bytes() for f in ck.iterdir() if f.is_file() and f.name != checkpoint.METADATA}
-    checkpoint.save(f"{GS}/ck-2x4", meta, params, files)
+    files = {f.name: f.read_bytes() for f in ck.iterdir() if f.is_file() and f.name != store.METADATA}
+    store.save(f"{GS}/ck-2x4", meta, params, files)
     assert objects(gcs, f"{GS}/ck-2x4/params")
 
     port = free_port()
@@ -278,7 +278,7 @@ def test_missing_buckets_and_objects_fail_in_one_line_naming_the_path(gcs, setup
         last = p.stderr.strip().splitlines()[-1]
         assert p.returncode != 0 and last.startswith("podrun: error: ") and message in last, p.stderr[-2000:]
         assert "Traceback" not in p.stderr
-    p = podrun("runner.convert", f"--source={setup.root / 'hf'}", "--output=gs://no-such-bucket/ck", check=False)
+    p = podrun("runner.tools.convert", f"--source={setup.root / 'hf'}", "--output=gs://no-such-bucket/ck", check=False)
     assert p.returncode != 0
     assert "checkpoint=gs://no-such-bucket/ck: bucket gs://no-such-bucket does not exist" in p.stderr.splitlines()[-1]
     assert not gcs.exists("no-such-bucket")  # nothing created it on the way

@@ -115,7 +115,7 @@ def test_greedy_generation_matches_transformers(gptoss, mesh_name, batch, rows):
 
 
 def test_an_mxfp4_checkpoint_converts_and_generates_as_transformers_does(tmp_path):
-    """A quantised HF folder (MXFP4 experts, as released) through runner.convert and runner.main;
+    """A quantised HF folder (MXFP4 experts, as released) through runner.tools.convert and runner.main;
     the reference is transformers loading the same folder (dequantising on CPU), run in f32."""
     from tests.test_end_to_end import podrun, read_jsonl, write_jsonl
     from tests.test_sources_gptoss import tiny_gpt_oss, write_quantised_folder
@@ -125,7 +125,7 @@ def test_an_mxfp4_checkpoint_converts_and_generates_as_transformers_does(tmp_pat
     ref = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "hf", dtype=torch.bfloat16, attn_implementation="eager").float().eval()
     ref.generation_config.eos_token_id = None
-    podrun("runner.convert", f"--source={tmp_path / 'hf'}", f"--output={tmp_path / 'ck'}")
+    podrun("runner.tools.convert", f"--source={tmp_path / 'hf'}", f"--output={tmp_path / 'ck'}")
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8], [7]]
     inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt_token_ids": p} for p in prompts])
     podrun("runner.main", f"--config=configs/cpu.py:{tmp_path / 'ck'}", f"--config.io.input={inp}",

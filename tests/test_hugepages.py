@@ -1,4 +1,4 @@
-"""runner/hugepages.py: the engine's CPU arrays moved onto 2 MiB pages, their values untouched.
+"""runner/engine/hugepages.py: the engine's CPU arrays moved onto 2 MiB pages, their values untouched.
 What the kernel says (/proc/self/smaps) is the reference, not the function's own count."""
 
 import os
@@ -8,8 +8,7 @@ import jax
 import numpy as np
 
 from models.policy import Policy
-from runner import hugepages
-from runner.engine import Engine, Request
+from runner.engine import Engine, Request, hugepages
 from tests.conftest import rules_for
 from tests.reference import VOCAB, hf_greedy, tiny_hf, to_podrun
 

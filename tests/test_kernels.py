@@ -143,7 +143,7 @@ def test_greedy_screen_separates_logits_closer_than_its_int8_rows(w_nk):
 def test_greedy_screen_for_flat_and_non_finite_rows():
     """A zero row of x (every logit 0: the first index), one whose logits are all near the top
     (every row a candidate: all computed), and rows with NaN or infinity (the float32 logits'
-    first maximum as the engine's first_max, V - 1 for NaN)."""
+    first maximum as the engine's greedy_tokens, V - 1 for NaN)."""
     rng = np.random.default_rng(5)
     D, V = 64, 2000
     w = (0.1 * rng.standard_normal((D, V))).astype(np.float32)
@@ -157,8 +157,8 @@ def test_greedy_screen_for_flat_and_non_finite_rows():
     assert got[0] == 0
     assert got[1] == _exact_argmax(x[1:2], w, False)[0]
     assert got[2] == V - 1
-    from runner.engine import first_max
-    assert got[3] == int(first_max(jnp.asarray(x[3:4]) @ jnp.asarray(w))[0])
+    from runner.engine.engine import greedy_tokens
+    assert got[3] == int(greedy_tokens(jnp.asarray(x[3:4]) @ jnp.asarray(w))[0])
 
 
 def test_chained_products_match_numpy():

@@ -23,7 +23,7 @@ def free_port() -> int:
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("multihost")
     tiny_hf("gptoss", seed=5).save_pretrained(root / "hf")
-    podrun("runner.convert", f"--source={root / 'hf'}", f"--output={root / 'ck'}")
+    podrun("runner.tools.convert", f"--source={root / 'hf'}", f"--output={root / 'ck'}")
     rows = [{"id": f"r{i}", "prompt_token_ids": [(7 * i + j) % 100 + 1 for j in range(1 + i % 9)],
              "max_tokens": 6 + i % 5, **({"temperature": 0.9, "seed": i} if i % 3 == 0 else {})}
             for i in range(10)]

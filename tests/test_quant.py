@@ -289,7 +289,7 @@ def test_int4_decode_matches_transformers_on_dequantized_weights(kind, mesh, fus
 
 
 def test_windows_predict_every_token_once():
-    from runner.perplexity import windows
+    from runner.tools.perplexity import windows
 
     ids = list(range(100, 1100))
     for max_tokens, window in [(999, 64), (50, 7), (10, 100), (999, 2)]:
@@ -300,11 +300,11 @@ def test_windows_predict_every_token_once():
 
 
 def test_perplexity_nll_matches_transformers():
-    """runner.perplexity's negative log-likelihood over windows equals transformers' loss on the
+    """runner.tools.perplexity's negative log-likelihood over windows equals transformers' loss on the
     same windows (each window its own context), for float32 weights and for int8 ones."""
     from types import SimpleNamespace
 
-    from runner.perplexity import nll, windows
+    from runner.tools.perplexity import nll, windows
 
     rules = rules_for("data2_model4")
     m = tiny_hf("llama")
@@ -372,7 +372,7 @@ def test_int8_kv_cache_decodes_close_to_transformers(kind, mesh, scan, kernels):
 def test_chunked_perplexity_refuses_sliding_window_models():
     from types import SimpleNamespace
 
-    from runner.perplexity import PerplexityError, nll, windows
+    from runner.tools.perplexity import PerplexityError, nll, windows
 
     rules = rules_for("1dev")
     model, params = to_podrun(tiny_hf("gptoss"), rules)

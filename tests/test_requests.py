@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from runner.requests_io import (FIELDS, FUTURE, INT32_MAX, Line, RequestFileError, Results, parse_request,
                                 read_lines)
-from runner.tokenizer import load_tokenizer
+from runner.text.tokenizer import load_tokenizer
 from tests.test_tokenizer import bpe_folder  # noqa: F401 (a fixture: a BPE tokenizer with a chat template)
 
 VOCAB_SIZE = 400
@@ -149,7 +149,7 @@ def test_the_writer_keeps_every_line_in_order_across_a_restart(tok, s, tmp_path_
     assert sorted(second.done) == list(range(min(cut, len(got))))
     second.open()
     answer(second, [i for i in range(len(got)) if i not in second.done])
-    second.finish(len(got))
+    second.write_final(len(got))
     with open(out, encoding="utf-8") as f:
         written = [json.loads(x) for x in f.read().split("\n") if x]
     assert len(written) == len(got)

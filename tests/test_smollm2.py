@@ -10,10 +10,10 @@ import torch
 
 from models.decoder import Mode
 from models.policy import Policy
-from runner import checkpoint
-from runner.convert import convert
+from runner.checkpoints import store
+from runner.checkpoints.convert import convert
 from runner.engine import Engine, Request
-from runner.tokenizer import load_tokenizer
+from runner.text.tokenizer import load_tokenizer
 from sharding.mesh import MeshShape, make_mesh
 from sharding.rules import Rules
 from tests.test_end_to_end import ROOT, podrun, read_jsonl
@@ -47,9 +47,9 @@ def prompt_ids(reference):
 
 @pytest.fixture(scope="module")
 def engine(converted):
-    meta = checkpoint.load_metadata(converted)
+    meta = store.load_metadata(converted)
     rules = Rules.make(make_mesh(MeshShape(data=1, model=3), jax.devices()[:3]))  # 9 heads, 3 kv heads
-    params = checkpoint.restore(converted, meta.model, rules, "float32")
+    params = store.restore(converted, meta.model, rules, "float32")
     return Engine(meta.model, params, rules, Policy(), batch_size=len(PROMPTS) + len(CHATS),
                   max_prompt_len=64, max_new_tokens=STEPS, steps_per_dispatch=8)
 
@@ -103,7 +103,7 @@ def test_int8_perplexity_within_one_percent_of_float32(converted, tokens):
     text = os.path.join(ROOT, "tests", "data", "shakespeare.txt")
 
     def perplexity(*overrides):
-        out = podrun("runner.perplexity", "--config=configs/smollm2_cpu.py",
+        out = podrun("runner.tools.perplexity", "--config=configs/smollm2_cpu.py",
                      f"--config.checkpoint.path={converted}", "--config.mesh.num_cpu_devices=2",
                      "--config.mesh.data=2", f"--text={text}", f"--max_tokens={tokens}", *overrides).stdout
         return float(next(x for x in out.splitlines() if x.startswith("perplexity ")).split()[1])
@@ -132,9 +132,9 @@ def test_int4_holds_the_gguf_q4_1_blocks_bit_for_bit(smollm2_gguf, converted):
 
     from models import quant
 
-    meta = checkpoint.load_metadata(converted)
+    meta = store.load_metadata(converted)
     rules = Rules.make(make_mesh(MeshShape(data=1), jax.devices()[:1]))
-    params = checkpoint.restore(converted, meta.model, rules, "float32")
+    params = store.restore(converted, meta.model, rules, "float32")
     held = meta.model.prepare(params, rules, Policy(quantize="int4"))
     names = {"attn_v": "wv", "attn_output": "wo", "ffn_gate": "w_gate", "ffn_up": "w_up",
              "ffn_down": "w_down"}

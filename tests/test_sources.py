@@ -1,7 +1,7 @@
-"""runner.sources against independent references: transformers' own loaders (HF folders and GGUF),
-GGUF files written here the way llama.cpp's convert_hf_to_gguf.py writes them (names from gguf's
-own tensor map, its permute and transposes), gguf's quantisers, and K-quant blocks packed here from
-the ggml block layouts (ggml-common.h, dequantize_row_q{4,5,6}_K)."""
+"""runner/checkpoints/'s HF folder and GGUF readers against independent references: transformers'
+own loaders (HF folders and GGUF), GGUF files written here the way llama.cpp's convert_hf_to_gguf.py
+writes them (names from gguf's own tensor map, its permute and transposes), gguf's quantisers, and
+K-quant blocks packed here from the ggml block layouts (ggml-common.h, dequantize_row_q{4,5,6}_K)."""
 
 from __future__ import annotations
 
@@ -18,13 +18,11 @@ import transformers
 
 from models.llama import PRESETS as LLAMA_PRESETS
 from models.registry import Model
-from runner.gguf_file import GGUFFile
-from runner.sources import (
-    SourceError,
-    read_gguf,
-    read_hf_folder,
-    read_source,
-)
+from runner.checkpoints.convert import read_source
+from runner.checkpoints.gguf_file import GGUFFile
+from runner.checkpoints.gguf_source import read_gguf
+from runner.checkpoints.hf_folder import read_hf_folder
+from runner.checkpoints.source import SourceError
 from tests.reference import transformers_gguf_load
 
 Q = gguf.GGMLQuantizationType
@@ -404,8 +402,8 @@ def test_hf_folder_brings_tokenizer_files_and_chat_template(tmp_path):
 
 
 def test_gguf_file_reads_what_ggufs_own_reader_reads(tmp_path):
-    """runner.gguf_file against gguf.GGUFReader: every metadata value type, a wider alignment, and
-    tensors of float and quantised types, byte for byte."""
+    """runner.checkpoints.gguf_file against gguf.GGUFReader: every metadata value type, a wider
+    alignment, and tensors of float and quantised types, byte for byte."""
     w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
     w.add_custom_alignment(64)
     for kind, value in [("uint8", 200), ("int8", -5), ("uint16", 60000), ("int16", -300),

@@ -1,4 +1,4 @@
-"""runner.sources on gpt-oss folders against transformers: MXFP4 expert blocks dequantised by
+"""runner/checkpoints/ on gpt-oss folders against transformers: MXFP4 expert blocks dequantised by
 transformers' own convert_moe_packed_tensors, a quantised folder written here (blocks packed by a
 quantiser of this file) loaded by transformers' from_pretrained (which dequantises MXFP4 on CPU),
 and an unquantised folder from save_pretrained."""
@@ -16,8 +16,10 @@ import transformers
 from safetensors.numpy import save_file
 from transformers.integrations.mxfp4 import FP4_VALUES, convert_moe_packed_tensors
 
-from runner import sources
-from runner.sources import SourceError, read_hf_folder, read_source
+from runner.checkpoints import mxfp4
+from runner.checkpoints.convert import read_source
+from runner.checkpoints.hf_folder import read_hf_folder
+from runner.checkpoints.source import SourceError
 
 EXPERTS = ("gate_up_proj", "down_proj")
 NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
@@ -111,7 +113,7 @@ def write_experts(path: str, tensors: dict[str, np.ndarray]) -> None:
 @pytest.mark.parametrize("chunk", [1, 1 << 24])  # one expert per chunk, or all at once
 def test_mxfp4_blocks_dequantise_like_transformers(tmp_path, monkeypatch, scale_range, dtype,
                                                    chunk):
-    monkeypatch.setattr(sources, "_MXFP4_CHUNK", chunk)
+    monkeypatch.setattr(mxfp4, "_MXFP4_CHUNK", chunk)
     rng = np.random.default_rng(1)
     blocks = rng.integers(0, 256, (5, 40, 3, 16), dtype=np.uint8)  # 5 experts, 40 rows, 96 cols
     assert set(np.unique(blocks & 15)) == set(np.unique(blocks >> 4)) == set(range(16))

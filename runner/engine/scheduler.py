@@ -27,7 +27,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from runner.engine import Completion, Engine, Request
+from runner.engine.engine import Completion, Engine, Request
 
 
 @dataclasses.dataclass

@@ -12,7 +12,7 @@ inserted at different times write different columns in the same step; positions 
 columns and padding) drive RoPE and the masks. Sampling happens on device with a key per request
 (its seed folded with its count of tokens), so a request's tokens depend on its seed alone, not
 on its neighbours or on when it entered. The host loop that decides what goes where is
-runner/scheduler.py.
+runner/engine/scheduler.py.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from models.decoder import Mode, Output
 from models.kv_cache import KVCache
 from models.policy import PRODUCT_KERNEL_ROWS, Policy
 from models.registry import Model
-from runner import hugepages
+from runner.engine import hugepages
 from sharding.rules import Rules
 
 MAX_STOP_IDS = 16  # stop ids are passed as a fixed-size array, so their number never recompiles
@@ -260,7 +260,7 @@ def sample(logits: jax.Array | Callable[[], jax.Array], seeds: jax.Array, counts
 
 class Engine:
     """Continuous batching for one model on one mesh: `batch_size` rows of a KV cache, each refilled
-    as its request finishes (runner/scheduler.py). Its programs are compiled once per shape:
+    as its request finishes (runner/engine/scheduler.py). Its programs are compiled once per shape:
     `insert` per (rows, bucket) and one `decode`."""
 
     def __init__(self, model: Model, params, rules: Rules, policy: Policy, batch_size: int,
@@ -541,10 +541,10 @@ class Engine:
     def generate(self, requests: Sequence[Request], stop_ids: Sequence[int] = (),
                  stop_check: Callable[[int, list[int]], bool] | None = None) -> list[Completion]:
         """Generates for any number of requests, `batch_size` at a time, each row refilled as its
-        request ends (runner/scheduler.py); completions in the order of `requests`.
+        request ends (runner/engine/scheduler.py); completions in the order of `requests`.
         `stop_check(i, tokens)` lets the caller end request i on the host (stop strings);
         stop_ids end a row on device."""
-        from runner.scheduler import Scheduler
+        from runner.engine.scheduler import Scheduler
 
         out: list[Completion | None] = [None] * len(requests)
 

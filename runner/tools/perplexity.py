@@ -1,7 +1,7 @@
 """Perplexity of a deployment's model on a text file, to check that a precision change (int8
 weights, a bf16 cache) keeps the model's quality.
 
-    python -m runner.perplexity --config=configs/smollm2_cpu.py \
+    python -m runner.tools.perplexity --config=configs/smollm2_cpu.py \
         --text=tests/data/shakespeare.txt [--max_tokens=8192] [--window=512] \
         [--config.precision.quantize=int8|int4]
 
@@ -24,11 +24,11 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from models.decoder import Mode
-from runner.errors import USER_ERRORS
 from runner.cli import parse_flags, read_config, setup_devices
-from runner.run import load_model
+from runner.errors import USER_ERRORS
+from runner.job import load_model
 from runner.settings import Settings, from_config
-from runner.tokenizer import load_tokenizer
+from runner.text.tokenizer import load_tokenizer
 
 if __name__ == "__main__":
     _CONFIG = config_flags.DEFINE_config_file("config", None, "deployment config file",

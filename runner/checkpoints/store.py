@@ -89,12 +89,12 @@ def load_metadata(directory: str) -> Metadata:
     if not path.exists():
         raise CheckpointError(
             f"checkpoint.path={directory}: no such directory; convert a model first "
-            "(python -m runner.convert --source=... --output=...)"
+            "(python -m runner.tools.convert --source=... --output=...)"
         )
     if not meta_file.exists():
         raise CheckpointError(
             f"checkpoint.path={directory}: no {METADATA} in it; is this a podrun checkpoint? "
-            "Convert one with python -m runner.convert"
+            "Convert one with python -m runner.tools.convert"
         )
     try:
         d = json.loads(meta_file.read_text())

@@ -1,6 +1,6 @@
 """Bytes per device of a deployment's weights and KV cache, from the declarations alone.
 
-    python -m runner.memory --config=configs/gptoss_v5e.py
+    python -m runner.tools.memory --config=configs/gptoss_v5e.py
 
 Nothing is allocated: shapes come from the model's weight declarations (checkpoint.model) and the
 engine's cache, their shards from the config's mesh and rules.

@@ -1,6 +1,6 @@
 """Ahead-of-time compilation for a deployment's TPU topology, on a machine with no TPU.
 
-    python -m runner.compile --config=configs/gptoss_v5e.py
+    python -m runner.tools.compile --config=configs/gptoss_v5e.py
 
 Builds the config's mesh over libtpu's description of `mesh.tpu_topology` (e.g. v5e:2x4; one slice,
 times the slices that mesh.dcn asks for), lowers
@@ -29,8 +29,8 @@ from ml_collections import config_flags
 
 from models.registry import Model
 from runner.engine import Engine
-from runner.memory import GiB, footprint
 from runner.settings import Settings, from_config
+from runner.tools.memory import GiB, footprint
 from sharding.mesh import make_mesh
 from sharding.rules import Rules
 

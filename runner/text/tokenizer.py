@@ -362,7 +362,7 @@ def tokenizer_json_from_gguf(gguf_path: str) -> tuple[str, dict]:
 
 
 def _gguf_metadata(path: str) -> dict:
-    from runner.gguf_file import GGUFFile
+    from runner.checkpoints.gguf_file import GGUFFile
 
     try:
         return {k: v for k, v in GGUFFile(path).metadata.items() if k.startswith("tokenizer.")}

@@ -1,0 +1,2 @@
+"""Text in and out of token ids: a checkpoint's tokenizer and chat template (tokenizer.py), and
+GPT-OSS's Harmony chat format with its o200k_harmony vocabulary (harmony.py)."""
