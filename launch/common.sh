@@ -9,6 +9,25 @@ PROG=$(basename "$0")
 # TPU wheels: `jax[tpu]` pulls libtpu; JAX's install guide gives this page as --find-links.
 LIBTPU_FIND_LINKS=https://storage.googleapis.com/jax-releases/libtpu_releases.html
 
+# The options every launch script takes, for its usage (after its own --name, --type, ...).
+common_options_usage() {
+    cat <<'EOF'
+  --runtime VERSION  TPU software version [RUNTIME_VERSION], default v2-alpha-tpuv5-lite
+  --spot             create: Spot capacity [SPOT=1]
+  --best-effort      create: best-effort capacity (a gcloud alpha flag)
+  --async            delete: return before the deletion completes
+  --env NAME=VALUE   run: extra environment for podrun on every worker (repeatable)
+  --python PYTHON    setup: the workers' Python (3.11 or newer; installed with apt when missing)
+                     [PODRUN_PYTHON], default python3.11
+  --dest DIR         logs: local folder [LOG_DIR], default out/logs/NAME in the repository
+  --hosts N          workers per slice, for a type the built-in table lacks [HOSTS_PER_SLICE]
+  --dry-run          print the commands, one a line, instead of running them [DRY_RUN=1]
+  -h, --help         print this message
+create and wait check the state WAIT_TRIES times (default 120), WAIT_SECONDS apart (default 30).
+RUN_ID names a run's log files (default: the UTC time, e.g. 20250101-120000).
+EOF
+}
+
 usage_error() { printf '%s: error: %s (see %s -h)\n' "$PROG" "$*" "$PROG" >&2; exit 2; }
 fail() { printf '%s: error: %s\n' "$PROG" "$*" >&2; exit 1; }
 note() { printf '%s: %s\n' "$PROG" "$*" >&2; }

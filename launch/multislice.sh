@@ -34,19 +34,9 @@ Options (environment variable in brackets):
   --project PROJECT  Google Cloud project [PROJECT_ID]
   --zone ZONE        zone, e.g. us-west4-a [ZONE]
   --type TYPE        accelerator type of each slice [ACCELERATOR_TYPE], default v5litepod-8
-  --runtime VERSION  TPU software version [RUNTIME_VERSION], default v2-alpha-tpuv5-lite
-  --spot             create: Spot capacity [SPOT=1]
-  --best-effort      create: best-effort capacity (a gcloud alpha flag)
-  --async            delete: return before the deletion completes
-  --env NAME=VALUE   run: extra environment for podrun on every worker (repeatable)
-  --python PYTHON    setup: the workers' Python (3.11 or newer; installed with apt when missing)
-                     [PODRUN_PYTHON], default python3.11
-  --dest DIR         logs: local folder [LOG_DIR], default out/logs/NAME in the repository
-  --hosts N          workers per slice, for a type the built-in table lacks [HOSTS_PER_SLICE]
-  --dry-run          print the commands, one a line, instead of running them [DRY_RUN=1]
-  -h, --help         print this message
-create and wait check the state WAIT_TRIES times (default 120), WAIT_SECONDS apart (default 30).
-RUN_ID names a run's log files (default: the UTC time, e.g. 20250101-120000).
+EOF
+    common_options_usage
+    cat <<EOF
 
 Example (2 x v5litepod-16):
   $PROG create --name=podrun-ms --slices=2 --type=v5litepod-16 --project=my-project --zone=us-west4-a
