@@ -130,10 +130,9 @@ def attention_block(family: Family | ModuleType, p: dict, x: jax.Array, position
     and values still go to the cache and every query attends (as the prompt kernels take them);
     the output projection runs for the last position alone, giving [B, 1, D]."""
     q, k, v = family.qkv(p, x, c, policy)  # [B, T, N, H], [B, T, K, H] twice
-    if table is not None:
-        q, k = apply_rope(q, table), apply_rope(k, table)
-    q = constrain(q, rules, "batch", "seq", "act_heads", None)
-    k = constrain(k, rules, "batch", "seq", "act_kv_heads", None)
+    rotate = (lambda x: x) if table is None else (lambda x: apply_rope(x, table))
+    q = constrain(rotate(q), rules, "batch", "seq", "act_heads", None)
+    k = constrain(rotate(k), rules, "batch", "seq", "act_kv_heads", None)
     v = constrain(v, rules, "batch", "seq", "act_kv_heads", None)
     out, cache = cached_attention(q, k, v, positions, cache, layer, mode, column, rules, policy,
                                   **family.attention_options(p, layer, c))
