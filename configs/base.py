@@ -89,6 +89,10 @@ def base_config() -> ConfigDict:
         "steps_per_dispatch": 8,  # decode steps per device call
         "prefill_buckets": (0,),  # padded prompt lengths; (0,) = powers of two (and from 64 their midpoints)
         "prefill_rows": 0,  # rows prefilled at a time (bounds prefill memory); 0 = the whole batch
+        # Prompt tokens whose keys and values are kept for prompts that start the same way
+        # (runner/engine/prefixes.py), in blocks of prefix_block tokens; 0 = no prefix sharing.
+        "prefix_tokens": 4096,
+        "prefix_block": 16,
         "reasoning_effort": "medium",  # Harmony (GPT-OSS) chats: low | medium | high
     })
     # Several hosts: "auto" initialises jax.distributed on TPU VM pods (or wherever a coordinator

@@ -67,13 +67,14 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Ar
 
 def _attention_kernel_applies(q: jax.Array, k: jax.Array, v: jax.Array, cached: tuple,
                               policy: Policy) -> bool:
-    """Whether the backend's attention kernel takes this call: on CPU float32 queries, a decode
-    step's few or a whole prompt's over no cache, over a float32 or int8 cache; on TPU (Pallas)
-    one query per row over the cache, in any precision."""
+    """Whether the backend's attention kernel takes this call: on CPU float32 queries, up to 128
+    over the cache (a decode step's, the rest of a prompt after a shared prefix) or a whole
+    prompt's over no cache, over a float32 or int8 cache; on TPU (Pallas) one query per row over
+    the cache, in any precision."""
     kc, k_scale, S = cached[0], cached[3], cached[0].shape[2]
     if policy.backend.attention_kernel:
         cache_ok = kc.dtype == jnp.float32 or (kc.dtype == jnp.int8 and k_scale is not None)
-        return ((q.shape[1] <= 16 or S == 0) and cache_ok
+        return ((q.shape[1] <= 128 or S == 0) and cache_ok
                 and all(a.dtype == jnp.float32 for a in (q, k, v)))
     return policy.backend.pallas_decode and q.shape[1] == 1 and S > 0
 

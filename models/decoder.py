@@ -36,18 +36,25 @@ class Output(enum.Enum):
 
     LOGITS = "logits"  # [B, T, V], every position's
     LAST_LOGITS = "last_logits"  # [B, V], the last position's: a prompt's next token, a decode step
-    # [B, D], the last position's final norm, for the caller to unembed (the engine's greedy screen)
+    # The final norm's output, for the caller to unembed: [B, T, D] every position's (a prompt's
+    # log-probabilities, a few positions at a time), [B, D] the last one's (the greedy screen)
+    HIDDEN = "hidden"
     LAST_HIDDEN = "last_hidden"
 
     @property
     def last(self) -> bool:
-        return self is not Output.LOGITS
+        return self in (Output.LAST_LOGITS, Output.LAST_HIDDEN)
+
+    @property
+    def logits(self) -> bool:
+        return self in (Output.LOGITS, Output.LAST_LOGITS)
 
 
 class Unembedding(NamedTuple):
     """A model's unembedding: w [V, D] where vocab_first (a tied embedding, read as it is stored),
-    else [D, V]. The engine applies it apart from the forward pass (Output.LAST_HIDDEN) to pick
-    greedy tokens without every logit (models/kernels/cpu.greedy_screened)."""
+    else [D, V]. The engine applies it apart from the forward pass (Output.HIDDEN, LAST_HIDDEN) to
+    pick greedy tokens without every logit (models/kernels/cpu.greedy_screened) and to take a
+    prompt's log-probabilities a few positions at a time."""
 
     w: Any
     vocab_first: bool
@@ -117,7 +124,7 @@ def forward(family: Family | ModuleType, params: dict, tokens: jax.Array, positi
 
     x, cache = scan.run_layers(params, x, cache, column, rules, layer, output.last)
     x = family.final_norm(params, x[:, -1:] if output.last else x, c, policy)
-    if output is not Output.LAST_HIDDEN:
+    if output.logits:
         x = family.unembedding(params).logits(x, rules, policy)
     return (x[:, 0] if output.last else x), cache
 

@@ -141,6 +141,52 @@ class KVCache(NamedTuple):
             vss.append(put(self.v_scale[j], new.v_scale[j], -1, 0, *kv[:-1]) if scaled else None)
         return KVCache(ks, vs, pos, ring_pos, kss, vss)
 
+    def columns(self, rows: jax.Array, starts: jax.Array, length: int) -> KVCache:
+        """Of a cache whose layers are all full-attention: columns [starts[i], starts[i] + length)
+        of row rows[i], for each i of [N], as a cache of N rows and `length` columns (blocks of a
+        prompt kept for reuse)."""
+        if self.ring_pos.shape[1]:
+            raise ValueError("a window's ring keeps only its last columns; take blocks of full layers")
+
+        def take(x, axis):  # x [B, ...] -> [N, ...], `length` slots along `axis`
+            if x is None:
+                return None
+            one = lambda row, start: jax.lax.dynamic_slice_in_dim(row, start, length, axis - 1)
+            return jax.vmap(one)(x[rows], starts)
+
+        kv = lambda xs: [take(x, x.ndim - 2) for x in xs]
+        scale = lambda xs: [None if x is None else take(x, x.ndim - 1) for x in xs]
+        return KVCache(kv(self.k), kv(self.v), take(self.pos, 1), self.ring_pos[rows],
+                       scale(self.k_scale), scale(self.v_scale))
+
+    def joined(self, blocks: int) -> KVCache:
+        """A cache of R * blocks rows of W columns each as R rows of blocks * W columns (block j of
+        row r from row r * blocks + j)."""
+        def join(x, axis):
+            x = x.reshape(x.shape[0] // blocks, blocks, *x.shape[1:])
+            x = jnp.moveaxis(x, 1, axis)  # the blocks beside their slots: [R, ..., blocks, W, ...]
+            return x.reshape(*x.shape[:axis], -1, *x.shape[axis + 2:])
+
+        kv = lambda xs: [join(x, x.ndim - 2) for x in xs]
+        return KVCache(kv(self.k), kv(self.v), join(self.pos, 1),
+                       self.ring_pos.reshape(self.ring_pos.shape[0] // blocks, -1),
+                       [None if x is None else join(x, x.ndim - 1) for x in self.k_scale],
+                       [None if x is None else join(x, x.ndim - 1) for x in self.v_scale])
+
+    def extended(self, length: int) -> KVCache:
+        """This cache (full-attention layers) with empty columns after its own, `length` in all."""
+        def pad(x, axis, value=0):
+            if x is None:
+                return None
+            widths = [(0, 0)] * x.ndim
+            widths[axis] = (0, length - x.shape[axis])
+            return jnp.pad(x, widths, constant_values=value)
+
+        return KVCache([pad(x, x.ndim - 2) for x in self.k], [pad(x, x.ndim - 2) for x in self.v],
+                       pad(self.pos, 1, -1), self.ring_pos,
+                       [None if x is None else pad(x, x.ndim - 1) for x in self.k_scale],
+                       [None if x is None else pad(x, x.ndim - 1) for x in self.v_scale])
+
     def layer_view(self, i: jax.Array) -> KVCache:
         """Of a stacked cache: layers i * P .. i * P + P - 1 as a P-layer cache that records its
         writes (`pending`) for `write_layers`."""

@@ -146,7 +146,10 @@ def answer(s: Settings, loaded: tuple | None = None) -> Summary:
     tokenizer = None if loaded else load_tokenizer(s.checkpoint_path)
     g = s.generation
     engine = Engine(meta.model, params, rules, s.policy, g.batch_size, g.max_prompt_len,
-                    g.max_new_tokens, g.steps_per_dispatch, g.prefill_buckets, prefill_rows=g.prefill_rows)
+                    g.max_new_tokens, g.steps_per_dispatch, g.prefill_buckets, prefill_rows=g.prefill_rows,
+                    prefix_tokens=g.prefix_tokens, prefix_block=g.prefix_block)
+    if engine.prefix_off:
+        log.info(f"prefix sharing off: {engine.prefix_off}")
     if engine.huge_pages[1]:
         log.info(f"weights and KV cache: {engine.huge_pages[0] / 2**20:.0f} of "
                  f"{engine.huge_pages[1] / 2**20:.0f} MiB on 2 MiB pages")
@@ -180,15 +183,16 @@ def answer(s: Settings, loaded: tuple | None = None) -> Summary:
 
     engine.announce = compiling
 
-    def done(ended: list[tuple[int, Completion]]) -> None:  # a call's finished requests, kept
+    def done(ended: list[tuple[int, list[Completion]]]) -> None:  # a call's finished requests
         rows = []
-        for i, c in ended:
+        for i, samples in ended:
             p = todo[i]
-            rows.append((p.index, _result_line(p, c, tokenizer, s.echo_prompt, parse_chat)))
+            rows.append((p.index, _result_line(p, samples, tokenizer, s.echo_prompt, parse_chat)))
             summary.prompt_tokens += len(p.prompt_ids)
             summary.completion_tokens += rows[-1][1]["usage"]["completion_tokens"]
-            summary.ttft_s.append(c.ttft_s)
-            summary.latency_s.append(c.ttft_s + c.decode_s)
+            for c in samples:
+                summary.ttft_s.append(c.ttft_s)
+                summary.latency_s.append(c.ttft_s + c.decode_s)
         results.add(rows)
         summary.generated += len(rows)
         bar.update(len(rows))
@@ -198,15 +202,22 @@ def answer(s: Settings, loaded: tuple | None = None) -> Summary:
         return bool(stops) and tokenizer is not None and any(st in tokenizer.decode(ids) for st in stops)
 
     t0 = time.perf_counter()
-    requests = [Request(p.prompt_ids, p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed)
+    requests = [Request(p.prompt_ids, p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed,
+                        logprobs=p.logprobs is not None,
+                        prompt_logprobs=p.prompt_logprobs is not None or p.continuation > 0,
+                        prompt_logprobs_from=(1 if p.prompt_logprobs is not None
+                                              else len(p.prompt_ids) - p.continuation), n=p.n)
                 for p in todo]
     stats = Scheduler(engine, requests, stop_ids, stop_check).run(done)
     summary.generate_s = time.perf_counter() - t0
     summary.utilisation, summary.stats = stats.utilisation, stats
     bar.close()
     if stats.inserts:
+        shared = stats.prompt_tokens - stats.prompt_tokens_computed
         log.info(f"{stats.inserts} prefills of {stats.prompt_slots} prompt slots in "
-                 f"{stats.insert_s:.1f} s, {stats.decode_calls} decode calls of "
+                 f"{stats.insert_s:.1f} s ({stats.prompt_tokens_computed} prompt tokens computed"
+                 + (f", {shared} served from shared prefixes" if shared else "") + "), "
+                 f"{stats.decode_calls} decode calls of "
                  f"{stats.decode_steps} steps in {stats.decode_s:.1f} s"
                  + (f" (the last requests gathered into fewer rows {stats.shrinks} times)"
                     if stats.shrinks else ""))
@@ -236,12 +247,34 @@ def chat_format(model, tokenizer, s: Settings):
     return render, lambda ids: harmony.parse(ids, tokenizer), tuple(harmony.STOP_TOKEN_IDS)
 
 
-def _result_line(p: Parsed, c, tokenizer, echo: bool, parse_chat=None) -> dict:
-    """The results file's line for request p and its completion c."""
+def _result_line(p: Parsed, samples: list[Completion], tokenizer, echo: bool,
+                 parse_chat=None) -> dict:
+    """The results file's line for request p and its samples' completions: one sample's fields
+    at the top, several as `choices`."""
+    choices = [_choice(p, c, tokenizer, parse_chat) for c in samples]
+    used = sum(len(c["token_ids"]) for c in choices)
+    r = {"id": p.id, **choices[0]} if p.n == 1 else {
+        "id": p.id, "choices": [{"index": k, **c} for k, c in enumerate(choices)]}
+    r["usage"] = {"prompt_tokens": len(p.prompt_ids), "completion_tokens": used}
+    scores = samples[0].prompt_logprobs
+    if p.prompt_logprobs is not None:  # the first prompt token has nothing before it
+        r["prompt_logprobs"] = [None] + [_logprob(t, x, p.prompt_logprobs, tokenizer)
+                                         for t, x in zip(p.prompt_ids[1:], scores)]
+    if p.continuation:  # lm-eval-harness' loglikelihood: its sum, and whether greedy decoding
+        tail = scores[len(scores) - p.continuation:]  # would have produced it
+        ids = p.prompt_ids[len(p.prompt_ids) - p.continuation:]
+        r["continuation"] = {"logprob": float(sum(float(x.logprob) for x in tail)),
+                             "is_greedy": all(int(x.top_ids[0]) == t for x, t in zip(tail, ids)),
+                             "token_ids": list(ids)}
+    if echo:
+        r["prompt_token_ids"] = list(p.prompt_ids)
+    return r
+
+
+def _choice(p: Parsed, c: Completion, tokenizer, parse_chat=None) -> dict:
+    """One sample's text, tokens, finish reason (and log-probabilities when asked)."""
     text, ids, stopped = cut_at_stop(tokenizer, c.token_ids, p.stop)
-    r = {"id": p.id, "text": text, "token_ids": ids,
-         "finish_reason": "stop" if stopped else c.finish_reason,
-         "usage": {"prompt_tokens": len(p.prompt_ids), "completion_tokens": len(ids)}}
+    r = {"text": text, "token_ids": ids, "finish_reason": "stop" if stopped else c.finish_reason}
     if p.chat and parse_chat is not None:  # Harmony: channels apart, the final one as the text
         h = parse_chat(ids)
         r.update(text=h.text, reasoning=h.reasoning)
@@ -250,6 +283,18 @@ def _result_line(p: Parsed, c, tokenizer, echo: bool, parse_chat=None) -> dict:
         if h.error or not h.complete:
             r["chat_format_error"] = h.error or "incomplete"
             r["raw"] = h.raw
-    if echo:
-        r["prompt_token_ids"] = list(p.prompt_ids)
+    if p.logprobs is not None:
+        r["logprobs"] = {"content": [_logprob(t, x, p.logprobs, tokenizer)
+                                     for t, x in zip(ids, c.logprobs)]}
     return r
+
+
+def _logprob(token: int, x, k: int, tokenizer) -> dict:
+    """Token `token`'s log-probability and the k most likely in its place (x: its
+    TokenLogprobs), as OpenAI's chat completions give them, with the ids."""
+    def text(i: int) -> str | None:
+        return tokenizer.decode([i], skip_special_tokens=False) if tokenizer else None
+
+    return {"id": int(token), "token": text(int(token)), "logprob": float(x.logprob),
+            "top_logprobs": [{"id": int(i), "token": text(int(i)), "logprob": float(lp)}
+                             for i, lp in zip(x.top_ids[:k], x.top_logprobs[:k])]}

@@ -2,8 +2,10 @@
 
 A request line: {"id": ..., "prompt": "..."} | {"id": ..., "messages": [{"role", "content"}]} |
 {"id": ..., "prompt_token_ids": [...]}, with optional max_tokens, temperature, top_p, top_k, stop,
-seed. A result line: {"id", "text", "token_ids", "finish_reason", "usage": {"prompt_tokens",
-"completion_tokens"}} (+ "prompt_token_ids" when echoing), or {"id", "error"}.
+seed, n, logprobs (top_logprobs), prompt_logprobs and continuation. A result line: {"id", "text",
+"token_ids", "finish_reason", "usage": {"prompt_tokens", "completion_tokens"}} (+ "logprobs",
+"prompt_logprobs", "continuation", "prompt_token_ids" when asked), with n > 1 {"id", "choices":
+[{"index", "text", ...}], "usage"}, or {"id", "error"}.
 
 Results are appended to `<output>.partial` as each batch completes (whole lines, flushed and synced);
 a rerun with the same input and output skips what is already there. When every request is done the
@@ -60,15 +62,21 @@ class Parsed:
     stop: tuple[str, ...] = ()
     seed: int = 0
     chat: bool = False  # given as messages (its completion may be parsed by the chat format)
+    n: int = 1
+    logprobs: int | None = None  # alternatives per generated token (None: no log-probabilities)
+    prompt_logprobs: int | None = None  # alternatives per prompt token
+    continuation: int = 0  # the prompt's last tokens that are a continuation to score
 
 
 # A request line's fields. FUTURE are fields of formats podrun does not serve yet (OpenAI Batch
-# lines, several samples, log-probabilities, tools, structured output): named as such, not as typos.
+# lines, tools, structured output): named as such, not as typos.
 FIELDS = ("id", "prompt", "messages", "prompt_token_ids", "max_tokens", "temperature", "top_p",
-          "top_k", "stop", "seed", "reasoning_effort")
-FUTURE = ("custom_id", "method", "url", "body", "n", "logprobs", "top_logprobs", "tools",
-          "tool_choice", "response_format")
+          "top_k", "stop", "seed", "reasoning_effort", "n", "logprobs", "top_logprobs",
+          "prompt_logprobs", "continuation")
+FUTURE = ("custom_id", "method", "url", "body", "tools", "tool_choice", "response_format")
 INT32_MAX = 2**31 - 1
+MAX_N = 128  # samples per request
+MAX_LOGPROBS = 20  # alternatives per token (runner/engine's programs compute this many)
 
 
 def _number(d: dict, key: str, default: Any, kind: type, ok) -> Any:
@@ -132,7 +140,14 @@ def parse_request(index: int, line: Line, tokenizer, s: Settings, vocab_size: in
     try:
         if unknown := _unknown(d):
             raise ValueError(unknown)
-        max_tokens = _number(d, "max_tokens", g.max_new_tokens, int, lambda v: v >= 1)
+        n = _number(d, "n", 1, int, lambda v: 1 <= v <= MAX_N)
+        logprobs, prompt_logprobs = _logprobs(d)
+        scoring = prompt_logprobs is not None or d.get("continuation") is not None
+        max_tokens = _number(d, "max_tokens", 0 if "continuation" in d else g.max_new_tokens, int,
+                             lambda v: v >= 0)
+        if max_tokens == 0 and not scoring:
+            raise ValueError("max_tokens=0 generates nothing: ask for prompt_logprobs or give a "
+                             "continuation to score")
         if max_tokens > g.max_new_tokens:
             raise ValueError(
                 f"max_tokens={max_tokens} exceeds generation.max_new_tokens={g.max_new_tokens}"
@@ -148,6 +163,8 @@ def parse_request(index: int, line: Line, tokenizer, s: Settings, vocab_size: in
         ids = _prompt_ids(d, tokenizer, vocab_size, render_chat)
         if not ids:
             raise ValueError("the prompt is empty")
+        continuation = _continuation(d, tokenizer, vocab_size)
+        ids = list(ids) + continuation
         if len(ids) > g.max_prompt_len:
             raise ValueError(
                 f"the prompt has {len(ids)} tokens, more than generation.max_prompt_len={g.max_prompt_len}"
@@ -161,7 +178,51 @@ def parse_request(index: int, line: Line, tokenizer, s: Settings, vocab_size: in
     row_seed = (seed if "seed" in d and d["seed"] is not None
                 else samp.seed * 1_000_003 + line.number) % (2**32)
     return Parsed(index, rid, tuple(ids), "", max_tokens, temperature, top_k, top_p,
-                  tuple(stop) + s.generation.stop, row_seed, chat="messages" in d)
+                  tuple(stop) + s.generation.stop, row_seed, chat="messages" in d, n=n,
+                  logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                  continuation=len(continuation))
+
+
+def _logprobs(d: dict) -> tuple[int | None, int | None]:
+    """(alternatives per generated token, per prompt token), None where not asked. `logprobs` is
+    a count (as in OpenAI's completions), or true with `top_logprobs` the count (as in its chat
+    completions)."""
+    ok = lambda v: 0 <= v <= MAX_LOGPROBS
+    given = d.get("logprobs")
+    if isinstance(given, bool):
+        top = _number(d, "top_logprobs", 0, int, ok)
+        generated = top if given else None
+        if not given and d.get("top_logprobs") is not None:
+            raise ValueError("top_logprobs needs logprobs: true")
+    else:
+        if d.get("top_logprobs") is not None:
+            raise ValueError("top_logprobs goes with logprobs: true; or give logprobs as a count")
+        generated = _number(d, "logprobs", None, int, ok)
+    prompt = _number(d, "prompt_logprobs", None, int, ok)
+    return generated, prompt
+
+
+def _continuation(d: dict, tokenizer, vocab_size: int) -> list[int]:
+    """A continuation's ids (text, tokenised without special tokens, or ids), to score after the
+    prompt; [] when there is none."""
+    c = d.get("continuation")
+    if c is None:
+        return []
+    if isinstance(c, str):
+        if tokenizer is None:
+            raise ValueError("this checkpoint has no tokenizer; give the continuation as ids")
+        ids = tokenizer.encode(c, add_special_tokens=False) if c else []
+    elif isinstance(c, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in c):
+        ids = c
+        outside = next((k for k, i in enumerate(ids) if not 0 <= i < vocab_size), None)
+        if outside is not None:
+            raise ValueError(f"continuation[{outside}]={_short(ids[outside])} is outside the "
+                             f"vocabulary of {vocab_size} ids")
+    else:
+        raise ValueError(f"continuation={_short(c)}: give a string or a list of token ids")
+    if not ids:
+        raise ValueError(f"continuation={_short(c)} tokenises to no tokens")
+    return list(ids)
 
 
 def _prompt_ids(d: dict, tokenizer, vocab_size: int, render_chat) -> list[int]:

@@ -26,6 +26,8 @@ class Generation:
     prefill_buckets: tuple[int, ...]
     prefill_rows: int
     reasoning_effort: str
+    prefix_tokens: int
+    prefix_block: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,10 +84,15 @@ def from_config(c: ConfigDict) -> Settings:
         prefill_buckets=tuple(int(x) for x in g.prefill_buckets if int(x) > 0),
         prefill_rows=int(g.prefill_rows),
         reasoning_effort=g.reasoning_effort,
+        prefix_tokens=int(g.prefix_tokens),
+        prefix_block=int(g.prefix_block),
     )
     for field in ("batch_size", "max_prompt_len", "max_new_tokens", "steps_per_dispatch"):
         if getattr(gen, field) < 1:
             raise SettingsError(f"generation.{field}={getattr(gen, field)} must be at least 1")
+    if gen.prefix_tokens < 0 or gen.prefix_block < 1:
+        raise SettingsError(f"generation.prefix_tokens={gen.prefix_tokens} must be 0 (no prefix "
+                            f"sharing) or more, prefix_block={gen.prefix_block} at least 1")
     if gen.prefill_rows < 0:
         raise SettingsError(f"generation.prefill_rows={gen.prefill_rows} must be 0 (the whole batch) or more")
     if gen.reasoning_effort not in ("low", "medium", "high"):

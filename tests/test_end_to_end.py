@@ -97,7 +97,7 @@ def test_bad_requests_get_an_error_and_the_rest_completes(model_dir, tmp_path):
         {"id": "big", "prompt_token_ids": [999999, 5]},
         {"id": "negative", "prompt_token_ids": [-5, 5]},
         {"id": "typo", "prompt_token_ids": [5], "max_tokenz": 3},
-        {"id": "later", "prompt_token_ids": [5], "n": 2},
+        {"id": "later", "prompt_token_ids": [5], "tools": []},
         {"id": "stop", "prompt_token_ids": [5], "stop": 5},
         {"id": "huge", "prompt_token_ids": [5], "top_k": 10**40},
         '{"id": "inf", "prompt_token_ids": [5], "temperature": Infinity}',
@@ -123,7 +123,7 @@ def test_bad_requests_get_an_error_and_the_rest_completes(model_dir, tmp_path):
     assert "prompt_token_ids[0]=999999" in r["big"]["error"] and f"{VOCAB} ids" in r["big"]["error"]
     assert "prompt_token_ids[0]=-5" in r["negative"]["error"]
     assert "'max_tokenz'" in r["typo"]["error"] and "'max_tokens'" in r["typo"]["error"]
-    assert "'n'" in r["later"]["error"] and "not supported" in r["later"]["error"]
+    assert "'tools'" in r["later"]["error"] and "not supported" in r["later"]["error"]
     assert r["stop"]["error"].startswith("stop=5")
     assert "top_k" in r["huge"]["error"] and "out of range" in r["huge"]["error"]
     assert "temperature" in r["inf"]["error"]
@@ -131,6 +131,82 @@ def test_bad_requests_get_an_error_and_the_rest_completes(model_dir, tmp_path):
     assert r[17]["error"] == "line 17 is not UTF-8 (byte 32 of the line)"
     for good, prompt, n in (("ok2", [9], 2), ("ok3", [4], STEPS)):
         assert r[good]["token_ids"] == hf_greedy(m, prompt, n)
+
+
+def test_logprobs_and_scores_match_transformers_log_softmax(model_dir, tmp_path):
+    """Through the CLI, at float32: each generated token's log-probability and its alternatives
+    (greedy and sampled rows), every prompt token's, a continuation's sum and whether it is the
+    greedy one, and n samples of one prompt, all against transformers' log_softmax of its logits
+    over the whole sequence; bad values get errors naming their field."""
+    import torch
+
+    m, root = model_dir
+    rng = np.random.RandomState(8)
+    p0, p1, ctx = ([int(t) for t in rng.randint(0, VOCAB, n)] for n in (9, 14, 11))
+    with torch.no_grad():
+        greedy_cont = m(torch.tensor([ctx])).logits[0, -1].argmax().item()
+    lines = [
+        {"id": "greedy", "prompt_token_ids": p0, "max_tokens": 6, "logprobs": 5, "prompt_logprobs": 3},
+        {"id": "sampled", "prompt_token_ids": p1, "max_tokens": 5, "temperature": 1.0, "seed": 7,
+         "logprobs": True, "top_logprobs": 2},
+        {"id": "cont", "prompt_token_ids": ctx, "continuation": [int(rng.randint(VOCAB)), 3]},
+        {"id": "greedy_cont", "prompt_token_ids": ctx, "continuation": [greedy_cont]},
+        {"id": "score", "prompt_token_ids": p1, "max_tokens": 0, "prompt_logprobs": 0},
+        {"id": "samples", "prompt_token_ids": p0, "max_tokens": 4, "temperature": 1.0, "n": 3,
+         "logprobs": 1},
+        {"id": "bad_n", "prompt_token_ids": p0, "n": 0},
+        {"id": "bad_k", "prompt_token_ids": p0, "logprobs": 21},
+        {"id": "bad_cont", "prompt_token_ids": p0, "continuation": []},
+        {"id": "bad_zero", "prompt_token_ids": p0, "max_tokens": 0},
+    ]
+    out = tmp_path / "out.jsonl"
+    run_main(root, write_jsonl(tmp_path / "in.jsonl", lines), out)
+    r = {x["id"]: x for x in read_jsonl(out)}
+
+    def ref(seq):  # transformers' log-probabilities [len(seq), V], float32
+        with torch.no_grad():
+            return torch.log_softmax(m(torch.tensor([seq])).logits[0].float(), -1).numpy()
+
+    def check(entry, logp, token, k):  # one token's entry against its row of log-probabilities
+        assert entry["id"] == token and abs(entry["logprob"] - logp[token]) < 1e-4
+        top = entry["top_logprobs"]
+        assert len(top) == k
+        np.testing.assert_allclose([t["logprob"] for t in top], np.sort(logp)[::-1][:k], atol=1e-4)
+        np.testing.assert_allclose([logp[t["id"]] for t in top], [t["logprob"] for t in top], atol=1e-4)
+
+    for rid, prompt, k in (("greedy", p0, 5), ("sampled", p1, 2)):
+        got = r[rid]
+        assert len(got["logprobs"]["content"]) == len(got["token_ids"]) == got["usage"]["completion_tokens"]
+        lp = ref(prompt + got["token_ids"])
+        for j, (entry, token) in enumerate(zip(got["logprobs"]["content"], got["token_ids"])):
+            check(entry, lp[len(prompt) - 1 + j], token, k)
+    assert r["greedy"]["token_ids"] == hf_greedy(m, p0, 6)
+    for rid, prompt, k in (("greedy", p0, 3), ("score", p1, 0)):
+        got, lp = r[rid]["prompt_logprobs"], ref(prompt)
+        assert len(got) == len(prompt) and got[0] is None
+        for j in range(1, len(prompt)):
+            check(got[j], lp[j - 1], prompt[j], k)
+    assert r["score"]["token_ids"] == [] and r["score"]["usage"]["completion_tokens"] == 0
+    for rid in ("cont", "greedy_cont"):
+        cont = lines[[x["id"] for x in lines].index(rid)]["continuation"]
+        lp = ref(ctx + cont)
+        want = sum(lp[len(ctx) - 1 + j, t] for j, t in enumerate(cont))
+        greedy = all(lp[len(ctx) - 1 + j].argmax() == t for j, t in enumerate(cont))
+        got = r[rid]["continuation"]
+        assert abs(got["logprob"] - want) < 1e-4 and got["is_greedy"] == greedy
+        assert got["token_ids"] == cont and r[rid]["token_ids"] == []
+    assert r["greedy_cont"]["continuation"]["is_greedy"]
+    choices = r["samples"]["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    assert r["samples"]["usage"] == {"prompt_tokens": len(p0), "completion_tokens": 12}
+    for c in choices:
+        lp = ref(p0 + c["token_ids"])
+        for j, (entry, token) in enumerate(zip(c["logprobs"]["content"], c["token_ids"])):
+            check(entry, lp[len(p0) - 1 + j], token, 1)
+    assert "n=0" in r["bad_n"]["error"] and "out of range" in r["bad_n"]["error"]
+    assert "logprobs=21" in r["bad_k"]["error"]
+    assert "continuation" in r["bad_cont"]["error"] and "no tokens" in r["bad_cont"]["error"]
+    assert "max_tokens=0" in r["bad_zero"]["error"]
 
 
 @pytest.mark.parametrize("model_dir", ONE_MODEL, indirect=True)

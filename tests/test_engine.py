@@ -34,7 +34,7 @@ def references(llama, prompts):
 
 def make_engine(m, mesh_name, policy=None, **kw):
     rules = rules_for(mesh_name)
-    model, params = to_podrun(m, rules)
+    model, params = to_podrun(m, rules, policy=policy)
     args = dict(batch_size=4, max_prompt_len=48, max_new_tokens=STEPS, steps_per_dispatch=8)
     args.update(kw)
     return Engine(model, params, rules, policy or Policy(), **args)
@@ -261,6 +261,86 @@ def test_sampling_draws_the_nucleus_distribution_whichever_way_a_row_goes():
         assert set(np.flatnonzero(got)) <= set(kept)
         assert np.abs(got - want).sum() / 2 < 0.06  # total variation; ~0.02 expected at n=2000
     assert len(set(together[:, 3])) > 1000  # the flat row really samples the whole vocabulary
+
+
+def test_n_samples_share_one_prefill_and_are_independent_draws(llama):
+    """n samples of a request come from one prefill: 8 samples in 8 free rows compute the prompt
+    once; 11 samples in 4 rows run in turns (three prefills). Over 96 requests of 8 samples the
+    first tokens follow transformers' softmax of the prompt's logits (chi-square), and two
+    samples of one request are equal no more often than two independent draws (sum of p^2)."""
+    from scipy import stats
+
+    from runner.engine import Scheduler
+    from tests.reference import hf_logits
+
+    prompt = tuple(int(t) for t in np.random.RandomState(9).randint(0, VOCAB, 20))
+    engine = make_engine(llama, "1dev", batch_size=8)
+    ended = []
+    one = Scheduler(engine, [Request(prompt, 3, temperature=1.0, seed=5, n=8)]).run(ended.extend)
+    assert (one.prompt_tokens_computed, one.prompt_tokens) == (len(prompt), 8 * len(prompt))
+    assert len(ended[0][1]) == 8 and len({tuple(c.token_ids) for c in ended[0][1]}) > 1
+    assert ended[0][1][0].token_ids == engine.generate([Request(prompt, 3, 1.0, seed=5)])[0].token_ids
+
+    small = make_engine(llama, "1dev", batch_size=4)
+    turns = Scheduler(small, [Request(prompt, 2, temperature=1.0, n=11)]).run(lambda e: None)
+    assert (turns.inserts, turns.prompt_tokens_computed) == (3, 3 * len(prompt))
+
+    requests = [Request(prompt, 1, temperature=1.0, seed=s, n=8) for s in range(96)]
+    draws = np.array([[c.token_ids[0] for c in cs] for cs in engine.generate(requests)])  # [96, 8]
+    z = hf_logits(llama, [prompt])[0, -1].astype(np.float64)
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    seen = np.bincount(draws.reshape(-1), minlength=VOCAB)
+    common = p * draws.size >= 5  # chi-square's bins: the likely tokens, the rest as one
+    observed = np.append(seen[common], seen[~common].sum())
+    expected = np.append(p[common], p[~common].sum()) * draws.size
+    assert stats.chisquare(observed, expected).pvalue > 1e-3
+    pairs = [(a, b) for a in range(8) for b in range(a + 1, 8)]
+    equal = sum(int(np.sum(draws[:, a] == draws[:, b])) for a, b in pairs)
+    trials, q = len(pairs) * len(draws), float(np.sum(p**2))
+    assert abs(equal - trials * q) < 4 * np.sqrt(trials * q * (1 - q)) * 3  # pairs share samples
+
+
+@pytest.mark.parametrize("mesh_name,policy", [("1dev", Policy()),
+                                              ("data2_model4", Policy(scan_layers=True))])
+def test_prompts_that_share_a_prefix_compute_it_once_and_match_transformers(llama, mesh_name, policy):
+    """Prompts behind one 40-token prefix (two blocks of 16 shared, the rest computed), and others
+    in between: greedy tokens equal transformers' for each prompt alone, in any order; the prefix
+    is computed for the first of them alone. A pool of two blocks evicts the least recently used
+    and still answers right; a scored continuation shares only what lies before it."""
+    from runner.engine import Scheduler
+    from tests.reference import hf_logits
+
+    rng = np.random.RandomState(12)
+    prefix = tuple(int(t) for t in rng.randint(0, VOCAB, 40))
+    other = tuple(int(t) for t in rng.randint(0, VOCAB, 35))
+    prompts = [prefix + tuple(int(t) for t in rng.randint(0, VOCAB, n)) for n in (3, 9, 1, 20, 6)]
+    prompts.insert(2, other + (1, 2))
+    prompts.insert(4, other + (3,))
+    want = [hf_greedy(llama, p, 8) for p in prompts]
+    for pool_tokens in (256, 32):
+        engine = make_engine(llama, mesh_name, policy, batch_size=4, max_new_tokens=8,
+                             max_prompt_len=64, prefix_tokens=pool_tokens, prefix_block=16)
+        ended = []
+        stats = Scheduler(engine, [Request(p, 8) for p in prompts]).run(ended.extend)
+        got = {i: cs[0].token_ids for i, cs in ended}
+        assert [got[i] for i in range(len(prompts))] == want
+        assert stats.prompt_tokens == sum(map(len, prompts))
+        if pool_tokens == 256:  # every prompt after the first of its prefix computes all but 32
+            assert stats.prompt_tokens - stats.prompt_tokens_computed == 32 * 4 + 32
+            # a continuation after 40 pooled tokens: 32 shared, its own log-probabilities computed
+            scored = prompts[3]
+            ended = []
+            again = Scheduler(engine, [Request(scored, 0, prompt_logprobs=True,
+                                               prompt_logprobs_from=len(prefix))]).run(ended.extend)
+            assert again.prompt_tokens_computed == len(scored) - 32
+            got = ended[0][1][0].prompt_logprobs  # for prompt tokens 1 .. len - 1
+            z = hf_logits(llama, [scored])[0].astype(np.float64)
+            logp = z - z.max(-1, keepdims=True)
+            logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+            assert got[:32] == [None] * 32
+            for j in range(len(prefix), len(scored)):
+                assert abs(float(got[j - 1].logprob) - logp[j - 1, scored[j]]) < 1e-4
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -48,6 +48,9 @@ field_values = {
     "top_p": st.floats() | json_values, "top_k": st.integers() | json_values,
     "stop": st.text(max_size=5) | st.lists(st.text(max_size=5), max_size=3) | json_values,
     "seed": st.integers() | json_values, "reasoning_effort": st.sampled_from(["low", "max"]),
+    "n": st.integers(-2, 200) | json_values, "logprobs": st.integers(-2, 25) | st.booleans() | json_values,
+    "top_logprobs": st.integers(-2, 25) | json_values, "prompt_logprobs": st.integers(-2, 25) | json_values,
+    "continuation": st.text(max_size=20) | st.lists(st.integers(-10, VOCAB_SIZE + 10), max_size=8) | json_values,
     **{k: json_values for k in FUTURE}, "max_tokenz": json_values, "": json_values}
 requests = st.fixed_dictionaries({}, optional=field_values)
 lines = st.one_of(
@@ -71,7 +74,11 @@ def problems(p, s) -> list[str]:
         "prompt length": 0 < len(p.prompt_ids) <= g.max_prompt_len,
         "prompt ids in the vocabulary": all(isinstance(i, int) and 0 <= i < VOCAB_SIZE
                                             for i in p.prompt_ids),
-        "max_tokens": 1 <= p.max_tokens <= g.max_new_tokens,
+        "max_tokens": (1 if p.prompt_logprobs is None and not p.continuation else 0)
+                      <= p.max_tokens <= g.max_new_tokens,
+        "n": 1 <= p.n <= 128,
+        "logprobs": all(k is None or 0 <= k <= 20 for k in (p.logprobs, p.prompt_logprobs)),
+        "continuation": 0 <= p.continuation < len(p.prompt_ids),
         "temperature": math.isfinite(p.temperature) and p.temperature >= 0,
         "top_p and top_k": 0 < p.top_p <= 1 and 0 <= p.top_k <= INT32_MAX,
         "seed": 0 <= p.seed < 2**32,

@@ -32,14 +32,23 @@ from models.kv_cache import KVCache
 from models.policy import PRODUCT_KERNEL_ROWS, Policy
 from models.registry import Model
 from runner.engine import hugepages
+from runner.engine.prefixes import PrefixIndex
 from sharding.rules import Rules
 
 MAX_STOP_IDS = 16  # stop ids are passed as a fixed-size array, so their number never recompiles
+# The most alternatives a token's log-probabilities list; the programs always compute this many,
+# so no request's `logprobs` recompiles anything.
+MAX_LOGPROBS = 20
+# Prompt positions unembedded at once for a prompt's log-probabilities: bounds the logits held to
+# rows x this x vocabulary.
+PROMPT_LOGPROB_POSITIONS = 64
 
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """One row to generate: prompt ids and per-request sampling settings."""
+    """One row to generate: prompt ids and per-request sampling settings. max_tokens 0 only
+    prefills (a prompt scored, nothing generated). logprobs, prompt_logprobs: whether the
+    completion carries each generated token's, or each prompt token's, log-probabilities."""
 
     prompt: tuple[int, ...]
     max_tokens: int
@@ -47,6 +56,23 @@ class Request:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    logprobs: bool = False
+    prompt_logprobs: bool = False
+    prompt_logprobs_from: int = 1  # the first prompt token whose log-probability is wanted
+    n: int = 1  # samples, drawn from one prefill where their rows are free together
+
+
+class TokenLogprobs(NamedTuple):
+    """Log-probabilities of tokens under the model's own distribution, the log_softmax of its
+    logits in float32 (before temperature, top_k and top_p): of the token itself, and of the
+    MAX_LOGPROBS most likely in its place with their ids, most likely first (ties: lowest id)."""
+
+    logprob: Any  # [...]
+    top_ids: Any  # [..., MAX_LOGPROBS]
+    top_logprobs: Any  # [..., MAX_LOGPROBS]
+
+    def at(self, i) -> TokenLogprobs:
+        return TokenLogprobs(*(x[i] for x in self))
 
 
 @dataclasses.dataclass
@@ -55,6 +81,9 @@ class Completion:
     finish_reason: str  # stop | length
     ttft_s: float = 0.0  # from the request's prefill call to its first token on the host
     decode_s: float = 0.0  # from then to its last token on the host
+    logprobs: list[TokenLogprobs] | None = None  # per generated token, when asked
+    # per prompt token after the first; None for those a shared prefix left uncomputed
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class Rows(NamedTuple):
@@ -88,9 +117,34 @@ class Weights(NamedTuple):
     greedy_screen: Any
 
 
+class Inserted(NamedTuple):
+    """What `Engine.insert` gives back, row by row of its targets (request by request, each
+    request's samples in turn): the first tokens, with logprobs their TokenLogprobs; and, with
+    prompt_logprobs, per request the TokenLogprobs of its prompt tokens after the first (None
+    for those in the blocks it shared)."""
+
+    first: np.ndarray
+    logprobs: TokenLogprobs | None = None
+    prompt_logprobs: list[list[TokenLogprobs | None]] | None = None
+
+
+def sample_seed(seed: int, sample: int) -> int:
+    """The seed sample `sample` of a request draws with: the request's own for sample 0 (so a
+    request of one sample draws as it always has), else SplitMix64's output for the 64 bits
+    (seed, sample), taken to 32: a stream of its own for every sample."""
+    if sample == 0:
+        return seed % 2**32
+    z = ((seed % 2**32) << 32 | sample) + 0x9E3779B97F4A7C15 & 2**64 - 1
+    z = (z ^ z >> 30) * 0xBF58476D1CE4E5B9 & 2**64 - 1
+    z = (z ^ z >> 27) * 0x94D049BB133111EB & 2**64 - 1
+    return (z ^ z >> 31) & 2**32 - 1
+
+
 class Prompts(NamedTuple):
-    """R prompts for `insert`: tokens and positions [R, P] (left-padded, -1 for padding), the
-    rows they go into [R] (B or more: a padding entry, dropped), their settings [R]."""
+    """R prompts for `insert`, each prefilled once into F rows (F samples of it): tokens and
+    positions [R, P] (left-padded, -1 for padding); the rows they go into [R * F], prompt i's
+    samples at i * F .. i * F + F - 1 (B or more: a padding entry, dropped), and the settings of
+    each row [R * F]."""
 
     tokens: jax.Array
     positions: jax.Array
@@ -111,6 +165,14 @@ def buckets(max_prompt_len: int, smallest: int = 16) -> tuple[int, ...]:
         out += [b, b * 3 // 2] if b >= 64 else [b]
         b *= 2
     return tuple(x for x in out if x < max_prompt_len) + (max_prompt_len,)
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array) -> TokenLogprobs:
+    """logits [..., V], tokens [...] -> their TokenLogprobs."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    top, ids = jax.lax.top_k(logp, min(MAX_LOGPROBS, logp.shape[-1]))
+    taken = jnp.take_along_axis(logp, jnp.maximum(tokens, 0)[..., None].astype(jnp.int32), axis=-1)
+    return TokenLogprobs(taken[..., 0], ids.astype(jnp.int32), top)
 
 
 def greedy_tokens(logits: jax.Array) -> jax.Array:
@@ -266,7 +328,7 @@ class Engine:
     def __init__(self, model: Model, params, rules: Rules, policy: Policy, batch_size: int,
                  max_prompt_len: int, max_new_tokens: int, steps_per_dispatch: int = 8,
                  prefill_buckets: Sequence[int] = (), allocate: bool = True, prefill_rows: int = 0,
-                 smallest_tail: int = TAIL_ROWS):
+                 smallest_tail: int = TAIL_ROWS, prefix_tokens: int = 0, prefix_block: int = 16):
         """`params` may be abstract (ShapeDtypeStructs) with allocate=False: enough to `lower`.
 
         prefill_rows > 0 caps how many prompts one `insert` prefills together (their activations
@@ -274,6 +336,8 @@ class Engine:
         An insert takes 1, 2, 4, ... up to that many rows, so a few free rows never pay for a
         whole batch's prefill.
         smallest_tail: the fewest rows `shrink` gathers the last requests of a job into.
+        prefix_tokens > 0 keeps that many prompt tokens' keys and values, in blocks of
+        prefix_block, for prompts that start the same way (runner/engine/prefixes.py).
         """
         data = rules.shards("batch")
         self.batch_size = B = -(-batch_size // data) * data  # a whole number of rows per data shard
@@ -295,6 +359,16 @@ class Engine:
         kv_dtype = jnp.dtype(policy.kv_cache)
         self._new_cache = partial(model.new_cache, dtype=kv_dtype, rules=rules,
                                   stacked=policy.scan_layers)
+        # Prefix sharing takes blocks out of rows' caches, which a sliding window's ring holds
+        # only its last columns of: models with windowed layers compute every prompt whole.
+        self.prefix, self.pool, self.prefix_off = None, None, ""
+        windows = model.module.cache_spec(model.config)[0]
+        if prefix_tokens >= prefix_block > 0 and any(windows):
+            self.prefix_off = "the model's sliding-window layers keep only their last columns"
+        elif prefix_tokens >= prefix_block > 0:
+            self.prefix = PrefixIndex(prefix_tokens // prefix_block, prefix_block)
+            if allocate:
+                self.pool = self._new_cache(self.prefix.blocks, prefix_block)
         cache_sh = model.cache_shardings(rules, kv_dtype == jnp.int8, policy.scan_layers)
         row = rules.sharding("batch", shape=(B,))
         rows_sh = Rows(*[row] * len(Rows._fields))
@@ -322,11 +396,16 @@ class Engine:
         # The cache is updated in place, not copied. The rows' state (a few [B] arrays) is not
         # donated: aliasing it makes XLA:TPU keep temporaries larger than the cache itself.
         donate = (1,) if policy.donate_cache else ()
+        # Variants that also return log-probabilities (static flags) compile only when a request
+        # asks for them.
         self._insert = jax.jit(self._insert_fn, donate_argnums=donate, compiler_options=opts,
-                               out_shardings=(everywhere, cache_sh, rows_sh))
+                               static_argnames=("logprobs", "prompt_logprobs"),
+                               out_shardings=(everywhere, cache_sh, rows_sh, everywhere))
         self._decode = jax.jit(self._decode_fn, donate_argnums=donate, compiler_options=opts,
-                               out_shardings=(everywhere, cache_sh, rows_sh))
+                               static_argnames=("logprobs",),
+                               out_shardings=(everywhere, cache_sh, rows_sh, everywhere))
         self._gather = jax.jit(self._gather_fn, out_shardings=(cache_sh, rows_sh))
+        self._store = jax.jit(self._store_fn, donate_argnums=(1,), compiler_options=opts)
         self._stops: dict[tuple[int, ...], jax.Array] = {}
         # Called around a program's first call, which compiles it (or loads it from the
         # compilation cache): announce(what) -> a context manager, e.g. to show it on a progress bar.
@@ -361,8 +440,8 @@ class Engine:
         none)."""
         return sum(a.nbytes for a in jax.tree.leaves(self.greedy_screen))
 
-    def _prompt_shardings(self, R: int) -> Prompts:
-        one, two = (self.rules.sharding("batch", shape=(R,)),
+    def _prompt_shardings(self, R: int, F: int = 1) -> Prompts:
+        one, two = (self.rules.sharding("batch", shape=(R * F,)),
                     self.rules.sharding("batch", None, shape=(R, 1)))
         return Prompts(two, two, *[one] * (len(Prompts._fields) - 2))
 
@@ -392,12 +471,14 @@ class Engine:
         which `_next_tokens` unembeds, else the last logits."""
         return Output.LAST_LOGITS if self.greedy_screen is None else Output.LAST_HIDDEN
 
-    def _next_tokens(self, weights, out, seeds, counts, temperature, top_k, top_p) -> jax.Array:
+    def _next_tokens(self, weights, out, output, seeds, counts, temperature, top_k, top_p
+                     ) -> jax.Array:
         """The next token of each row from the forward pass' last position: `out` is its logits
-        [B, V], or with a greedy screen its hidden state [B, D], whose greedy tokens come through
-        the screen and whose logits are made only for rows that sample."""
+        [B, V] (output LAST_LOGITS), or its hidden state [B, D] (LAST_HIDDEN, with a greedy
+        screen), whose greedy tokens come through the screen and whose logits are made only for
+        rows that sample."""
         params, screen = weights
-        if screen is None:
+        if output is Output.LAST_LOGITS:
             return sample(out, seeds, counts, temperature, top_k, top_p)
         from models.kernels import cpu
 
@@ -406,46 +487,97 @@ class Engine:
         logits = lambda: u.logits(out[:, None], self.rules, self.policy)[:, 0]
         return sample(logits, seeds, counts, temperature, top_k, top_p, greedy=greedy)
 
-    def _insert_fn(self, weights, cache: KVCache, state: Rows, new: Prompts, stop_ids):
-        """Prefills R prompts into a cache of their own, copies it into their rows of `cache`
-        (columns [0, P)) and starts those rows' decode state at the first sampled token."""
-        R, P = new.tokens.shape
-        fresh = self._new_cache(R, P)
+    def _insert_fn(self, weights, cache: KVCache, state: Rows, new: Prompts, stop_ids,
+                   pool: KVCache | None = None, blocks: jax.Array | None = None,
+                   logprobs: bool = False, prompt_logprobs: bool = False):
+        """Prefills R prompts into a cache of their own, copies each into its F rows of `cache`
+        (columns [0, P)) and starts those rows' decode state at their first sampled token, each
+        row's drawn with its own seed. With `blocks` [R, M], each prompt's first M blocks of
+        `pool` (prefix sharing) fill columns [0, C = M * block) and the tokens given, the rest of
+        the prompt, follow in columns [C, C + P). With logprobs, also the first tokens'
+        TokenLogprobs [R * F]; with prompt_logprobs, each position's next token's [R, P - 1]."""
+        (R, P), F = new.tokens.shape, new.rows.shape[0] // new.tokens.shape[0]
+        C = 0 if blocks is None else blocks.shape[1] * self.prefix.block
+        if C:  # the prompts' blocks, then empty columns for the rest
+            fresh = jax.tree.map(lambda x: x[blocks.reshape(-1)], pool).joined(blocks.shape[1])
+            fresh = fresh.extended(C + P)
+        else:
+            fresh = self._new_cache(R, P)
+        output = (Output.HIDDEN if prompt_logprobs else
+                  Output.LAST_LOGITS if logprobs else self.output)
         out, fresh = self.model.forward(weights.params, new.tokens, new.positions, fresh, self.rules,
-                                        self.policy, Mode.PREFILL, output=self.output)
-        first = self._next_tokens(weights, out, new.seed, jnp.zeros_like(new.top_k),
+                                        self.policy, Mode.APPEND if C else Mode.PREFILL, C, output)
+        scores = None
+        if prompt_logprobs:
+            unembedding = self.model.unembedding(weights.params)
+            scores = self._prompt_logprobs(unembedding, out, new.tokens)
+            out, output = unembedding.logits(out[:, -1:], self.rules, self.policy)[:, 0], Output.LAST_LOGITS
+        positions = new.positions
+        if F > 1:  # every prompt's prefill copied to its F rows
+            src = jnp.repeat(jnp.arange(R), F)
+            out, positions = out[src], positions[src]
+            fresh = jax.tree.map(lambda x: x[src], fresh)
+        first = self._next_tokens(weights, out, output, new.seed, jnp.zeros_like(new.top_k),
                                   new.temperature, new.top_k, new.top_p)
         cache = cache.insert(fresh, new.rows, self.rules)
-        started = Rows(token=first, pos=jnp.max(new.positions, axis=1) + 1,
-                       column=jnp.full((R,), P, jnp.int32), count=jnp.ones((R,), jnp.int32),
+        started = Rows(token=first, pos=jnp.max(positions, axis=1) + 1,
+                       column=jnp.full((R * F,), C + P, jnp.int32), count=jnp.ones((R * F,), jnp.int32),
                        done=jnp.isin(first, stop_ids) | (new.max_tokens <= 1),
                        max_tokens=new.max_tokens, seed=new.seed, temperature=new.temperature,
                        top_k=new.top_k, top_p=new.top_p)
         state = jax.tree.map(lambda x, y: x.at[new.rows].set(y.astype(x.dtype), mode="drop"),
                              state, started)
-        return first, cache, state
+        extra = (token_logprobs(out, first) if logprobs else None, scores)
+        return first, cache, state, extra
 
-    def _decode_fn(self, weights, cache: KVCache, state: Rows, stop_ids):
+    def _prompt_logprobs(self, unembedding, hidden: jax.Array, tokens: jax.Array) -> TokenLogprobs:
+        """Each position's next prompt token's TokenLogprobs [R, P - 1], from the final norm's
+        output hidden [R, P, D], PROMPT_LOGPROB_POSITIONS positions at a time."""
+        R, P, D = hidden.shape
+        C = min(PROMPT_LOGPROB_POSITIONS, P - 1)
+        n = -(-(P - 1) // C)
+        h = jnp.pad(hidden[:, : P - 1], ((0, 0), (0, n * C - (P - 1)), (0, 0)))
+        nxt = jnp.pad(tokens[:, 1:], ((0, 0), (0, n * C - (P - 1))))
+
+        def chunk(i):
+            hs = jax.lax.dynamic_slice_in_dim(h, i * C, C, axis=1)
+            return token_logprobs(unembedding.logits(hs, self.rules, self.policy),
+                                  jax.lax.dynamic_slice_in_dim(nxt, i * C, C, axis=1))
+
+        parts = jax.lax.map(chunk, jnp.arange(n))  # [n, R, C, ...]
+        return jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1).reshape(R, n * C, *x.shape[3:])[:, : P - 1],
+                            parts)
+
+    def _decode_fn(self, weights, cache: KVCache, state: Rows, stop_ids, logprobs: bool = False):
         """`self.steps` decode steps of every row: its newest token is written to its next column
-        and the next one sampled. Finished rows write no position and emit -1."""
+        and the next one sampled. Finished rows write no position and emit -1. With logprobs,
+        also every step's TokenLogprobs of the tokens taken [B, steps]."""
+        output = Output.LAST_LOGITS if logprobs else self.output
 
         def step(carry, _):
             cache, r = carry
             write_pos = jnp.where(r.done, -1, r.pos)[:, None]
             out, cache = self.model.forward(weights.params, r.token[:, None], write_pos, cache,
-                                            self.rules, self.policy, Mode.APPEND, r.column,
-                                            self.output)
-            nxt = self._next_tokens(weights, out, r.seed, r.count, r.temperature, r.top_k, r.top_p)
+                                            self.rules, self.policy, Mode.APPEND, r.column, output)
+            nxt = self._next_tokens(weights, out, output, r.seed, r.count, r.temperature, r.top_k,
+                                    r.top_p)
             emitted = jnp.where(r.done, -1, nxt)
             count = r.count + jnp.where(r.done, 0, 1)
             done = r.done | jnp.isin(nxt, stop_ids) | (count >= r.max_tokens)
             r = r._replace(token=jnp.where(r.done, r.token, nxt), pos=r.pos + 1,
                            column=jnp.minimum(r.column + 1, self.cache_len - 1), count=count,
                            done=done)
-            return (cache, r), emitted
+            return (cache, r), (emitted, token_logprobs(out, nxt) if logprobs else None)
 
-        (cache, state), out = jax.lax.scan(step, (cache, state), None, length=self.steps)
-        return out.T, cache, state
+        (cache, state), (out, scores) = jax.lax.scan(step, (cache, state), None, length=self.steps)
+        scores = None if scores is None else jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1), scores)
+        return out.T, cache, state, scores
+
+    def _store_fn(self, cache: KVCache, pool: KVCache, rows: jax.Array, starts: jax.Array,
+                  blocks: jax.Array) -> KVCache:
+        """Columns [starts[i], starts[i] + block) of cache row rows[i] into `pool`'s block
+        blocks[i], for each i (an index of the pool's size or more: padding, dropped)."""
+        return pool.insert(cache.columns(rows, starts, self.prefix.block), blocks, self.rules)
 
     @staticmethod
     def _gather_fn(cache: KVCache, state: Rows, take: jax.Array, live: jax.Array):
@@ -472,44 +604,124 @@ class Engine:
             self._stops[key] = jax.device_put(stops, self._everywhere)
         return self._stops[key]
 
-    def insert(self, rows: Sequence[int], requests: Sequence[Request],
-               stop_ids: Sequence[int] = ()) -> np.ndarray:
-        """Prefills `requests` into the free cache rows `rows` (one each; as many as an insert
-        size, padded to the next one otherwise) and returns their first tokens."""
+    def insert(self, targets: Sequence[Sequence[int]], requests: Sequence[Request],
+               stop_ids: Sequence[int] = (), samples: Sequence[Sequence[int]] | None = None,
+               shared: int = 0) -> Inserted:
+        """Prefills each of `requests` once into its free rows targets[i] (one per sample; as
+        many requests as an insert size, padded to the next one otherwise). samples[i] are the
+        sample indices those rows draw (default 0, 1, ...): each row's seed is
+        `sample_seed(request.seed, sample)`. shared > 0: every prompt's first `shared` blocks
+        are in the prefix pool (`prefix_match`), and only the rest is computed. Afterwards the
+        prompts' blocks that the pool lacks are kept in it."""
         if self.rows != self.batch_size:
             raise RuntimeError("insert after shrink: reset the engine first")
         n = len(requests)
-        if not 0 < n == len(rows) or n > self.insert_sizes[-1]:
-            raise ValueError(f"insert takes 1..{self.insert_sizes[-1]} requests, one row each")
+        if not 0 < n == len(targets) or n > self.insert_sizes[-1] or not all(targets):
+            raise ValueError(f"insert takes 1..{self.insert_sizes[-1]} requests, rows for each")
+        samples = samples or [range(len(t)) for t in targets]
         R = next(r for r in self.insert_sizes if r >= n)
-        P = self.bucket_for(max(len(r.prompt) for r in requests))
+        F = 1 << (max(len(t) for t in targets) - 1).bit_length()  # rows per prompt: a power of two
+        C = shared * self.prefix.block if shared else 0
+        blocks = None
+        if shared:
+            found = [self.prefix.match(r.prompt, shared) for r in requests]
+            if any(len(b) != shared for b in found):
+                raise ValueError(f"insert: not every prompt's first {shared} blocks are in the pool")
+            blocks = np.array(found + [found[0]] * (R - n), np.int32)
+        P = self.bucket_for(max(len(r.prompt) for r in requests) - C)
         # the same on every process; each puts its own rows. Padding entries: one token, no row.
         tokens, positions = np.zeros((R, P), np.int32), np.full((R, P), -1, np.int32)
-        positions[:, -1] = 0
+        positions[:, -1] = C
         for i, r in enumerate(requests):
-            tokens[i, P - len(r.prompt):] = r.prompt
-            positions[i, P - len(r.prompt):] = np.arange(len(r.prompt))
-        pad = [Request((0,), 1)] * (R - n)
-        every = list(requests) + pad
-        host = Prompts(tokens, positions, np.array(list(rows) + [self.batch_size] * (R - n), np.int32),
-                       np.array([r.max_tokens for r in every], np.int32),
-                       np.array([r.seed for r in every], np.uint32),
-                       np.array([r.temperature for r in every], np.float32),
-                       np.array([r.top_k for r in every], np.int32),
-                       np.array([r.top_p for r in every], np.float32))
-        prompts = jax.tree.map(jax.device_put, host, self._prompt_shardings(R))
-        with self._first_call(f"the prefill of {R} x {P} tokens"):
-            first, self.cache, self.state = self._insert(self.weights, self.cache,
-                                                         self.state, prompts, self._stop_array(stop_ids))
-            return np.asarray(first)[:n]
+            tokens[i, P - len(r.prompt) + C:] = r.prompt[C:]
+            positions[i, P - len(r.prompt) + C:] = np.arange(C, len(r.prompt))
+        rows = np.full((R, F), self.batch_size, np.int32)
+        seeds = np.zeros((R, F), np.uint32)
+        every = list(requests) + [Request((0,), 1)] * (R - n)
+        for i, (t, k) in enumerate(zip(targets, samples)):
+            rows[i, : len(t)] = t
+            seeds[i, : len(t)] = [sample_seed(requests[i].seed, j) for j in k]
+        each = lambda f, dtype: np.repeat(np.array([f(r) for r in every], dtype), F)
+        host = Prompts(tokens, positions, rows.reshape(-1), each(lambda r: r.max_tokens, np.int32),
+                       seeds.reshape(-1), each(lambda r: r.temperature, np.float32),
+                       each(lambda r: r.top_k, np.int32), each(lambda r: r.top_p, np.float32))
+        prompts = jax.tree.map(jax.device_put, host, self._prompt_shardings(R, F))
+        if blocks is not None:
+            blocks = jax.device_put(blocks, self.rules.sharding("batch", None, shape=blocks.shape))
+        logprobs = any(r.logprobs for r in requests)
+        prompt_logprobs = any(r.prompt_logprobs for r in requests) and P > 1
+        what = (f"the prefill of {R} x {P} tokens" + (f" after {C} shared" if C else "")
+                + (f" into {F} rows each" if F > 1 else "")
+                + (" with log-probabilities" if logprobs or prompt_logprobs else ""))
+        with self._first_call(what):
+            first, self.cache, self.state, (scores, prompt_scores) = self._insert(
+                self.weights, self.cache, self.state, prompts, self._stop_array(stop_ids),
+                self.pool if shared else None, blocks, logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs)
+            first = np.asarray(first).reshape(R, F)
+        if self.prefix is not None:
+            self._keep_blocks(requests, [t[0] for t in targets], P, C)
+        take = [(i, j) for i, t in enumerate(targets) for j in range(len(t))]
+        picked = lambda x: np.asarray(x).reshape(R, F, *x.shape[1:])[tuple(np.array(take).T)]
+        out_scores = None if scores is None else TokenLogprobs(*map(picked, scores))
+        per_prompt = None
+        if prompt_scores is not None:  # prompt token j > C sits in column P - len + j - C
+            prompt_scores = TokenLogprobs(*map(np.asarray, prompt_scores))
+            per_prompt = [[None] * C + [prompt_scores.at((i, P - len(r.prompt) + j - 1))
+                                        for j in range(C + 1, len(r.prompt))]
+                          for i, r in enumerate(requests)]
+        return Inserted(first[tuple(np.array(take).T)], out_scores, per_prompt)
 
-    def decode(self, stop_ids: Sequence[int] = ()) -> np.ndarray:
+    def prefix_match(self, r: Request) -> int:
+        """How many of r's first prompt blocks the prefix pool holds and an insert may take from
+        it: never the whole prompt (its last token is computed for the next one), nor a position
+        whose next token's log-probability r asks for; 0 without prefix sharing."""
+        if self.prefix is None:
+            return 0
+        scored = r.prompt_logprobs_from if r.prompt_logprobs else len(r.prompt)
+        return len(self.prefix.match(r.prompt, (min(len(r.prompt), scored) - 1) // self.prefix.block))
+
+    def shared_tokens(self, blocks: int) -> int:
+        return blocks * self.prefix.block if blocks else 0
+
+    def shares_first_block(self, a: Request, b: Request) -> bool:
+        """Whether two prompts start with the same block, which the pool does not hold yet."""
+        if self.prefix is None:
+            return False
+        da, db = self.prefix.digests(a.prompt)[:1], self.prefix.digests(b.prompt)[:1]
+        return bool(da) and da == db and not self.prefix.holds(da[0])
+
+    def _keep_blocks(self, requests: Sequence[Request], rows: Sequence[int], P: int, C: int):
+        """The full blocks of the prompts just inserted that the pool lacks, from their first rows
+        (prompt token j, from C on, sits in column C + P - len + j), into the pool."""
+        wanted, where = [], []
+        for r, row in zip(requests, rows):
+            for b, d in enumerate(self.prefix.digests(r.prompt)):
+                if b * self.prefix.block >= C and not self.prefix.holds(d) and d not in wanted:
+                    wanted.append(d)
+                    where.append((row, C + P - len(r.prompt) + b * self.prefix.block))
+        if not wanted:
+            return
+        blocks = self.prefix.claim(wanted)
+        where = where[: len(blocks)]
+        N = 1 << (len(blocks) - 1).bit_length()  # a power of two: few programs
+        rows_, starts, ids = (np.full(N, v, np.int32) for v in (0, 0, self.prefix.blocks))
+        rows_[: len(blocks)], starts[: len(blocks)] = zip(*where)
+        ids[: len(blocks)] = blocks
+        put = partial(jax.device_put, device=self._everywhere)
+        with self._first_call(f"keeping {N} prompt blocks"):
+            self.pool = self._store(self.cache, self.pool, put(rows_), put(starts), put(ids))
+
+    def decode(self, stop_ids: Sequence[int] = (), logprobs: bool = False
+               ) -> tuple[np.ndarray, TokenLogprobs | None]:
         """steps_per_dispatch steps of every row: the tokens [rows, steps] (-1 where a row was
-        done)."""
-        with self._first_call(f"the decode step of {self.rows} rows"):
-            emitted, self.cache, self.state = self._decode(self.weights, self.cache,
-                                                           self.state, self._stop_array(stop_ids))
-            return np.asarray(emitted)
+        done) and, with logprobs, their TokenLogprobs [rows, steps]."""
+        what = f"the decode step of {self.rows} rows" + (" with log-probabilities" if logprobs else "")
+        with self._first_call(what):
+            emitted, self.cache, self.state, scores = self._decode(
+                self.weights, self.cache, self.state, self._stop_array(stop_ids), logprobs=logprobs)
+            scores = None if scores is None else TokenLogprobs(*map(np.asarray, scores))
+            return np.asarray(emitted), scores
 
     def shrink(self, rows: Sequence[int]) -> int:
         """At the end of a job, when no request waits: the cache rows `rows` (the live ones) gathered
@@ -539,18 +751,18 @@ class Engine:
             self.rows = self.batch_size
 
     def generate(self, requests: Sequence[Request], stop_ids: Sequence[int] = (),
-                 stop_check: Callable[[int, list[int]], bool] | None = None) -> list[Completion]:
-        """Generates for any number of requests, `batch_size` at a time, each row refilled as its
-        request ends (runner/engine/scheduler.py); completions in the order of `requests`.
-        `stop_check(i, tokens)` lets the caller end request i on the host (stop strings);
-        stop_ids end a row on device."""
+                 stop_check: Callable[[int, list[int]], bool] | None = None) -> list:
+        """Generates for any number of requests, `batch_size` rows at a time, each row refilled as
+        its request ends (runner/engine/scheduler.py), in the order of `requests`: a Completion
+        per request, or for a request of n > 1 samples a list of n. `stop_check(i, tokens)` lets
+        the caller end request i on the host (stop strings); stop_ids end a row on device."""
         from runner.engine.scheduler import Scheduler
 
-        out: list[Completion | None] = [None] * len(requests)
+        out: list = [None] * len(requests)
 
-        def done(ended: list[tuple[int, Completion]]) -> None:
-            for i, c in ended:
-                out[i] = c
+        def done(ended: list[tuple[int, list[Completion]]]) -> None:
+            for i, samples in ended:
+                out[i] = samples[0] if requests[i].n == 1 else samples
 
         Scheduler(self, requests, stop_ids, stop_check).run(done)
         return out

@@ -8,7 +8,9 @@ Requests are taken in their order. A row frees when its request ends: a stop id 
 host; the device row runs on unseen until it is refilled). Before each decode call every free
 row is refilled while requests wait: the oldest waiting request and the next ones in its prompt
 bucket, as many as the largest insert size that the free rows and those requests fill, so no
-prefill pays for padding rows or for a longer bucket than its prompts need.
+prefill pays for padding rows or for a longer bucket than its prompts need. A request of n
+samples is prefilled once into as many free rows as it has samples left (its samples run in turns
+when fewer rows are free); each sample is a row of its own from then on.
 
 Once no request waits and at most half the rows are live, the live rows are gathered into a
 smaller cache (Engine.shrink: half the rows, or a quarter, ... down to Engine.tail_sizes' least),
@@ -27,7 +29,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from runner.engine.engine import Completion, Engine, Request
+from runner.engine.engine import Completion, Engine, Request, TokenLogprobs
 
 
 @dataclasses.dataclass
@@ -40,7 +42,9 @@ class Stats:
     row_steps: int = 0  # decode steps x the rows each ran with (fewer once the job's tail shrinks)
     shrinks: int = 0  # times the live rows were gathered into a smaller cache
     inserts: int = 0  # prefill calls
-    prompt_slots: int = 0  # rows x bucket over every insert: the prompt tokens prefilled, padding in
+    prompt_slots: int = 0  # rows x bucket over every insert: the prompt tokens computed, padding in
+    prompt_tokens: int = 0  # prompt tokens of every sample that entered a row
+    prompt_tokens_computed: int = 0  # of those, the ones prefilled (a prompt once for its samples)
     completion_tokens: int = 0
     insert_s: float = 0.0  # wall time in insert calls (prefill; a first call's compilation too)
     decode_s: float = 0.0  # wall time in decode calls
@@ -54,9 +58,12 @@ class Stats:
 @dataclasses.dataclass
 class _Live:
     index: int  # the request's index in the job
+    sample: int  # which of its samples
     tokens: list[int]
     queued_s: float  # from the start of the job to its insert
     first_s: float  # from the start of the job to its first token
+    logprobs: list[TokenLogprobs] | None = None  # per token, when the request asks
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class Scheduler:
@@ -67,50 +74,76 @@ class Scheduler:
         self.engine, self.requests = engine, requests
         self.stop_ids, self.stop_check = tuple(stop_ids), stop_check
         self.stats = Stats(rows=engine.batch_size)
-        # waiting request indices per prompt bucket, each in request order
+        # waiting request indices per prompt bucket, each in request order, and the samples each
+        # has yet to start
         self._waiting: dict[int, deque[int]] = {}
+        self._unstarted = {i: deque(range(r.n)) for i, r in enumerate(requests)}
         for i, r in enumerate(requests):
+            if r.n < 1:
+                raise ValueError(f"request {i}: n={r.n}; a request has one sample or more")
             self._waiting.setdefault(engine.bucket_for(len(r.prompt)), deque()).append(i)
+        self._ended: dict[int, dict[int, Completion]] = {}  # finished samples of unfinished requests
 
-    def run(self, on_done: Callable[[list[tuple[int, Completion]]], None]) -> Stats:
-        """Generates every request; on_done gets the (index, completion) pairs that ended in each
-        insert or decode call, as they end."""
+    def run(self, on_done: Callable[[list[tuple[int, list[Completion]]]], None]) -> Stats:
+        """Generates every request; on_done gets the requests that ended in each insert or decode
+        call, as they end: (index, its samples' completions in sample order)."""
         engine, t0 = self.engine, time.perf_counter()
         engine.reset()
         free = list(range(engine.batch_size))  # ascending
         live: dict[int, _Live] = {}
         while self._waiting or live:
-            ended: list[tuple[int, Completion]] = []
+            ended: list[tuple[int, list[Completion]]] = []
             while free and self._waiting:
-                group = self._next_group(len(free))
-                rows, free = free[: len(group)], free[len(group):]
+                group, samples, shared = self._next_group(len(free))
+                targets = []
+                for k in samples:
+                    targets.append(free[: len(k)])
+                    free = free[len(k):]
                 queued = time.perf_counter() - t0
-                first = engine.insert(rows, [self.requests[i] for i in group], self.stop_ids)
+                requests = [self.requests[i] for i in group]
+                got = engine.insert(targets, requests, self.stop_ids, samples, shared)
                 now = time.perf_counter() - t0
                 self.stats.insert_s += now - queued
                 self.stats.inserts += 1
-                self.stats.prompt_slots += len(group) * engine.bucket_for(
-                    max(len(self.requests[i].prompt) for i in group))
-                for row, i, token in zip(rows, group, first):
-                    live[row] = _Live(i, [int(token)], queued, now)
-                    self._end_if_done(row, live, free, ended, now)
+                computed = [len(r.prompt) - engine.shared_tokens(shared) for r in requests]
+                self.stats.prompt_slots += len(group) * engine.bucket_for(max(computed))
+                self.stats.prompt_tokens_computed += sum(computed)
+                at = 0
+                for g, (i, rows, k) in enumerate(zip(group, targets, samples)):
+                    r = self.requests[i]
+                    self.stats.prompt_tokens += len(r.prompt) * len(rows)
+                    for row, sample in zip(rows, k):
+                        token = int(got.first[at])
+                        live[row] = _Live(i, sample, [token], queued, now)
+                        if r.logprobs:
+                            live[row].logprobs = [got.logprobs.at(at)]
+                        if r.prompt_logprobs:
+                            live[row].prompt_logprobs = got.prompt_logprobs[g]
+                        if r.max_tokens == 0:  # scored, not generated
+                            live[row].tokens, live[row].logprobs = [], [] if r.logprobs else None
+                        at += 1
+                        self._end_if_done(row, live, free, ended, now)
             if live:
                 began = time.perf_counter() - t0
-                emitted = engine.decode(self.stop_ids)
+                emitted, scores = engine.decode(
+                    self.stop_ids, logprobs=any(self.requests[x.index].logprobs for x in live.values()))
                 now = time.perf_counter() - t0
                 self.stats.decode_s += now - began
                 self.stats.decode_calls += 1
                 self.stats.decode_steps += engine.steps
                 self.stats.row_steps += engine.steps * engine.rows
                 for row in sorted(live):
-                    tokens, limit = live[row].tokens, self.requests[live[row].index].max_tokens
-                    for t in emitted[row]:
+                    x = live[row]
+                    tokens, limit = x.tokens, self.requests[x.index].max_tokens
+                    for step, t in enumerate(emitted[row]):
                         if t < 0 or len(tokens) >= limit or tokens[-1] in self.stop_ids:
                             break
                         tokens.append(int(t))
+                        if x.logprobs is not None:
+                            x.logprobs.append(scores.at((row, step)))
                     self._end_if_done(row, live, free, ended, now)
             if ended:
-                self.stats.completion_tokens += sum(len(c.token_ids) for _, c in ended)
+                self.stats.completion_tokens += sum(len(c.token_ids) for _, cs in ended for c in cs)
                 on_done(ended)
             if live and not self._waiting and len(live) <= engine.rows // 2:
                 order = sorted(live)
@@ -120,33 +153,73 @@ class Scheduler:
                     self.stats.shrinks += 1
         return self.stats
 
-    def _next_group(self, free: int) -> list[int]:
-        """The oldest waiting request and the next ones of its bucket: the largest insert size
-        that both the free rows and those requests fill."""
+    def _next_group(self, free: int) -> tuple[list[int], list[list[int]], int]:
+        """(requests, the samples each starts, the prompt blocks they share from the prefix pool):
+        the oldest waiting request and the next ones of its bucket that share as many blocks and
+        leave as long a rest to compute, the largest insert size that both the free rows and
+        those requests fill; or a request with several samples left alone, with as many of them
+        as rows are free. A request whose first block others waiting share too, and that the
+        pool lacks, goes alone: once it is kept, the others take it from the pool."""
+        engine = self.engine
         bucket = min(self._waiting, key=lambda b: self._waiting[b][0])
         queue = self._waiting[bucket]
-        sizes = self.engine.insert_sizes
-        n = sizes[max(0, bisect.bisect_right(sizes, min(free, len(queue))) - 1)]
-        group = [queue.popleft() for _ in range(min(n, len(queue)))]
+        oldest = self.requests[queue[0]]
+        shared = engine.prefix_match(oldest)
+        first = self._unstarted[queue[0]]
+        if len(first) > 1:
+            group = [queue[0]]
+            samples = [[first.popleft() for _ in range(min(free, len(first)))]]
+            if not first:
+                queue.popleft()
+        elif not shared and any(engine.shares_first_block(oldest, self.requests[i])
+                                for i in list(queue)[1:]):
+            group = [queue.popleft()]
+            samples = [[first.popleft()]]
+        else:
+            key = self._rest_bucket(oldest, shared)
+            sizes = engine.insert_sizes
+            most = sizes[max(0, bisect.bisect_right(sizes, free) - 1)]
+            group = []
+            for i in list(queue):  # one-sample requests of the same shared blocks and rest
+                if len(group) == most:
+                    break
+                r = self.requests[i]
+                if len(self._unstarted[i]) == 1 and (
+                        i == queue[0] or (engine.prefix_match(r) >= shared
+                                          and self._rest_bucket(r, shared) == key)):
+                    group.append(i)
+            group = group[: sizes[max(0, bisect.bisect_right(sizes, len(group)) - 1)]]
+            for i in group:
+                queue.remove(i)
+            samples = [[self._unstarted[i].popleft()] for i in group]
         if not queue:
             del self._waiting[bucket]
-        return group
+        return group, samples, shared
+
+    def _rest_bucket(self, r: Request, shared: int) -> int:
+        """The bucket of what r's prompt leaves to compute after `shared` pool blocks."""
+        return self.engine.bucket_for(len(r.prompt) - self.engine.shared_tokens(shared))
 
     def _end_if_done(self, row: int, live: dict[int, _Live], free: list[int],
-                     ended: list[tuple[int, Completion]], now: float) -> None:
-        """Ends the row's request when a stop id, its max_tokens or the stop check says so; the
-        row is then free."""
-        r = live[row]
-        tokens = r.tokens
-        if tokens[-1] in self.stop_ids:
+                     ended: list[tuple[int, list[Completion]]], now: float) -> None:
+        """Ends the row's sample when a stop id, its max_tokens or the stop check says so; the row
+        is then free. A request ends with its last sample."""
+        x = live[row]
+        tokens, request = x.tokens, self.requests[x.index]
+        if tokens and tokens[-1] in self.stop_ids:
             reason = "stop"
-        elif self.stop_check is not None and self.stop_check(r.index, tokens):
+        elif tokens and self.stop_check is not None and self.stop_check(x.index, tokens):
             reason = "stop"
-        elif len(tokens) >= self.requests[r.index].max_tokens:
+        elif len(tokens) >= request.max_tokens:
             reason = "length"
         else:
             return
         del live[row]
         bisect.insort(free, row)
-        ended.append((r.index, Completion(tokens, reason, ttft_s=r.first_s - r.queued_s,
-                                          decode_s=now - r.first_s)))
+        done = self._ended.setdefault(x.index, {})
+        done[x.sample] = Completion(tokens, reason, ttft_s=x.first_s - x.queued_s,
+                                    decode_s=now - x.first_s, logprobs=x.logprobs,
+                                    prompt_logprobs=x.prompt_logprobs)
+        if len(done) == request.n:
+            del self._ended[x.index]
+            ended.append((x.index, [done[k] for k in range(request.n)]))

@@ -37,10 +37,11 @@ class Footprint:
     kv_cache: int
     total_weights: int  # bytes over all devices, replicas included once
     device_memory: int  # 0 = unknown
+    prefix_pool: int = 0  # the prefix pool's keys and values (generation.prefix_tokens)
 
     @property
     def per_device(self) -> int:
-        return self.weights + self.kv_cache
+        return self.weights + self.kv_cache + self.prefix_pool
 
 
 def _shard_bytes(shape, axes, rules: Rules, itemsize: int) -> int:
@@ -70,7 +71,12 @@ def footprint(s: Settings, model: Model) -> Footprint:
     axes = ("cache_batch", "cache_kv_heads", "cache_seq", None)
     kv = sum(int(2 * _shard_bytes((batch, kv_heads, n, head_dim), axes, rules, 1) * c_size)
              for n in KVCache.lengths(length, windows))
-    return Footprint(devices, w_bytes, kv, total, int(s.device_memory_gib * GiB))
+    pool = 0  # as runner/engine keeps it: blocks as rows of prefix_block columns, every layer
+    if g.prefix_tokens >= g.prefix_block > 0 and not any(windows):
+        blocks = g.prefix_tokens // g.prefix_block
+        pool = len(windows) * int(2 * _shard_bytes((blocks, kv_heads, g.prefix_block, head_dim),
+                                                   axes, rules, 1) * c_size)
+    return Footprint(devices, w_bytes, kv, total, int(s.device_memory_gib * GiB), pool)
 
 
 def describe(f: Footprint, model: Model) -> str:
@@ -78,6 +84,8 @@ def describe(f: Footprint, model: Model) -> str:
         f"model {model.family} ({f.total_weights / GiB:.2f} GiB of weights in all) on {f.devices} devices:",
         f"  weights   {f.weights / GiB:8.3f} GiB per device",
         f"  KV cache  {f.kv_cache / GiB:8.3f} GiB per device",
+        *([f"  prefixes  {f.prefix_pool / GiB:8.3f} GiB per device (generation.prefix_tokens)"]
+          if f.prefix_pool else []),
         f"  total     {f.per_device / GiB:8.3f} GiB per device",
     ]
     if f.device_memory:
