@@ -91,7 +91,7 @@ def test_rows_decode_only_the_calls_they_need(llama, prompts, references):
     assert engine.steps == 8
     calls = []
     decode = engine._decode
-    engine._decode = lambda *a: calls.append(1) or decode(*a)
+    engine._decode = lambda *a, **k: calls.append(1) or decode(*a, **k)
     lengths = (5, 17, 9)
     for stop_ids in ((), (VOCAB + 1,)):
         calls.clear()
@@ -111,7 +111,7 @@ def test_requests_inserted_mid_run_match_transformers(llama, prompts, references
     lengths = [3, 30, 1, 12, 25, 7, 20, 4, 16, 9]
     calls = []
     decode = engine._decode
-    engine._decode = lambda *a: calls.append(1) or decode(*a)
+    engine._decode = lambda *a, **k: calls.append(1) or decode(*a, **k)
     got = engine.generate([Request(prompts[i], n) for i, n in zip(order, lengths)])
     assert [c.token_ids for c in got] == [references[i][:n] for i, n in zip(order, lengths)]
     assert all(c.finish_reason == "length" for c in got)
@@ -134,12 +134,13 @@ def test_the_last_requests_gathered_into_fewer_rows_match_transformers(llama, pr
     alone = make_engine(llama, mesh_name, batch_size=2).generate([sampled])[0].token_ids
     rows = []
     decode = engine._decode
-    engine._decode = lambda w, cache, state, *a: rows.append(state.done.shape[0]) or decode(w, cache, state, *a)
+    engine._decode = lambda w, cache, state, *a, **k: rows.append(state.done.shape[0]) or decode(
+        w, cache, state, *a, **k)
     from runner.engine import Scheduler
 
     requests = [Request(prompts[i], n) for i, n in zip(order, lengths)] + [sampled]
     got: dict[int, object] = {}
-    stats = Scheduler(engine, requests).run(lambda ended: got.update(ended))
+    stats = Scheduler(engine, requests).run(lambda ended: got.update((i, cs[0]) for i, cs in ended))
     assert [got[k].token_ids for k in range(len(order))] == [references[i][:n] for i, n in zip(order, lengths)]
     assert got[len(order)].token_ids == alone
     assert rows[0] == 8 and rows[-1] <= 2 and rows == sorted(rows, reverse=True) and stats.shrinks >= 2
@@ -172,7 +173,7 @@ def test_one_compilation_per_insert_shape_and_one_decode_step(llama, prompts):
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, *_a, **_k: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None)
     insert = engine._insert
-    engine._insert = lambda w, c, s, p, *a: shapes.add(p.tokens.shape) or insert(w, c, s, p, *a)
+    engine._insert = lambda w, c, s, p, *a, **k: shapes.add(p.tokens.shape) or insert(w, c, s, p, *a, **k)
     requests = [Request(p, n) for p, n in zip(prompts, (12, 3, 12, 5, 9))]
     engine.generate(requests)
     first_pass = len(compiles)
