@@ -491,8 +491,8 @@ class Engine:
                    pool: KVCache | None = None, blocks: jax.Array | None = None,
                    logprobs: bool = False, prompt_logprobs: bool = False):
         """Prefills R prompts into a cache of their own, copies each into its F rows of `cache`
-        (columns [0, P)) and starts those rows' decode state at their first sampled token, each
-        row's drawn with its own seed. With `blocks` [R, M], each prompt's first M blocks of
+        and starts those rows' decode state at their first sampled token, each row's drawn with
+        its own seed. The tokens given fill columns [0, P). With `blocks` [R, M], each prompt's first M blocks of
         `pool` (prefix sharing) fill columns [0, C = M * block) and the tokens given, the rest of
         the prompt, follow in columns [C, C + P). With logprobs, also the first tokens'
         TokenLogprobs [R * F]; with prompt_logprobs, each position's next token's [R, P - 1]."""
@@ -511,7 +511,8 @@ class Engine:
         if prompt_logprobs:
             unembedding = self.model.unembedding(weights.params)
             scores = self._prompt_logprobs(unembedding, out, new.tokens)
-            out, output = unembedding.logits(out[:, -1:], self.rules, self.policy)[:, 0], Output.LAST_LOGITS
+            out = unembedding.logits(out[:, -1:], self.rules, self.policy)[:, 0]
+            output = Output.LAST_LOGITS
         positions = new.positions
         if F > 1:  # every prompt's prefill copied to its F rows
             src = jnp.repeat(jnp.arange(R), F)
