@@ -105,8 +105,8 @@ def attn_norm(p: dict, x: jax.Array, c: Config, policy: Policy) -> jax.Array:
 
 
 def qkv(p: dict, x: jax.Array, c: Config, policy: Policy) -> tuple[jax.Array, jax.Array, jax.Array]:
-    qkv = policy.einsum("BTD,DINH->BTINH", x, p["wqkv"]) + p["bqkv"]  # I indexes q, k, v
-    return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    y = policy.einsum("BTD,DINH->BTINH", x, p["wqkv"]) + p["bqkv"]  # I indexes q, k, v
+    return y[:, :, 0], y[:, :, 1], y[:, :, 2]
 
 
 def attention_options(p: dict, layer: int, c: Config) -> dict:

@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 import fsspec
 from etils import epath
 
+from runner.engine.engine import MAX_LOGPROBS  # alternatives per token the programs compute
 from runner.settings import Settings
 
 
@@ -76,7 +77,6 @@ FIELDS = ("id", "prompt", "messages", "prompt_token_ids", "max_tokens", "tempera
 FUTURE = ("custom_id", "method", "url", "body", "tools", "tool_choice", "response_format")
 INT32_MAX = 2**31 - 1
 MAX_N = 128  # samples per request
-MAX_LOGPROBS = 20  # alternatives per token (runner/engine's programs compute this many)
 
 
 def _number(d: dict, key: str, default: Any, kind: type, ok) -> Any:
