@@ -112,9 +112,11 @@ class KVCache(NamedTuple):
     def insert(self, new: KVCache, rows: jax.Array, rules: Rules) -> KVCache:
         """Rows of `new` (a prefill's cache of R rows, columns [0, T) written) in place of rows
         `rows` [R] of this one (an index of B or more drops that row): each row's columns keep
-        their slots, column c in slot c (c % W in a window's ring, as `new` holds them too), and
-        every other slot of the row is emptied. The other rows are untouched."""
-        W, T = self.ring_pos.shape[1], new.pos.shape[1]
+        their slots, column c in slot c (c % W in a window's ring), and every other slot of the
+        row is emptied. The other rows are untouched. `new`'s windowed layers may be rings of W
+        slots or hold every column (KVCache.create with no windows): either way the ring gets
+        their last W columns."""
+        W = self.ring_pos.shape[1]
 
         def fill(x, n, axis, value):  # x's axis padded with `value` to n slots
             widths = [(0, 0)] * x.ndim
@@ -122,13 +124,13 @@ class KVCache(NamedTuple):
             return jnp.pad(x, widths, constant_values=value)
 
         def put(store, x, axis, value, *names):
+            if store.shape[axis] == W != self.pos.shape[1]:  # a window's ring
+                x = _ringed(x, axis, W)
             x = fill(x.astype(store.dtype), store.shape[axis], axis, value)
             return constrain(store.at[rows].set(x, mode="drop"), rules, *names)
 
-        # a window's ring holds its layer's last W columns; `new` has a ring only when T > W
-        new_ring_pos = new.ring_pos if new.ring_pos.shape[1] else new.pos
         pos = put(self.pos, new.pos, 1, -1, "cache_batch", "cache_seq")
-        ring_pos = put(self.ring_pos, new_ring_pos[:, -W:] if T > W else new_ring_pos, 1, -1,
+        ring_pos = put(self.ring_pos, new.ring_pos if new.ring_pos.shape[1] else new.pos, 1, -1,
                        "cache_batch", "cache_seq") if W else self.ring_pos
         stack = (None,) * (self.k[0].ndim - 4)
         kv = ("cache_batch", *stack, "cache_kv_heads", "cache_seq", None)
@@ -158,6 +160,18 @@ class KVCache(NamedTuple):
         scale = lambda xs: [None if x is None else take(x, x.ndim - 1) for x in xs]
         return KVCache(kv(self.k), kv(self.v), take(self.pos, 1), self.ring_pos[rows],
                        scale(self.k_scale), scale(self.v_scale))
+
+    def reordered(self, src: jax.Array) -> KVCache:
+        """Of a cache whose layers are all full-attention: each row's columns in the order src
+        [B, T] gives (column c of row b from its column src[b, c])."""
+        def take(x, from_end):  # along the slot axis, `from_end` axes before the last
+            if x is None:
+                return None
+            return jax.vmap(lambda row, s: jnp.take(row, s, row.ndim - from_end))(x, src)
+
+        return KVCache([take(x, 2) for x in self.k], [take(x, 2) for x in self.v],
+                       take(self.pos, 1), self.ring_pos, [take(x, 1) for x in self.k_scale],
+                       [take(x, 1) for x in self.v_scale])
 
     def joined(self, blocks: int) -> KVCache:
         """A cache of R * blocks rows of W columns each as R rows of blocks * W columns (block j of
@@ -237,6 +251,15 @@ class KVCache(NamedTuple):
                 store[j] = constrain(out, rules, "cache_batch", *stack, "cache_kv_heads",
                                      "cache_seq", None)
             return self._replace(k=ks, v=vs, k_scale=kss, v_scale=vss)
+
+
+def _ringed(x: jax.Array, axis: int, W: int) -> jax.Array:
+    """Columns [0, T) along `axis` as a ring of W slots holds them (column c in slot c % W): the
+    last W, rotated into place. Fewer than W columns, or a ring already, stay as they are."""
+    T = x.shape[axis]
+    if T <= W:
+        return x
+    return jnp.roll(jax.lax.slice_in_dim(x, T - W, T, axis=axis), (T - W) % W, axis=axis)
 
 
 def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:

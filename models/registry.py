@@ -65,9 +65,13 @@ class Model:
         """Layers repeat with this period (their attention windows): what a scan loops over."""
         return scan.period(self.module.cache_spec(self.config)[0])
 
-    def new_cache(self, batch: int, length: int, dtype, rules, stacked: bool = False) -> KVCache:
-        """An empty KV cache for `length` columns, sharded by the rules (stacked: for a scan)."""
+    def new_cache(self, batch: int, length: int, dtype, rules, stacked: bool = False,
+                  rings: bool = True) -> KVCache:
+        """An empty KV cache for `length` columns, sharded by the rules (stacked: for a scan).
+        rings=False: windowed layers keep every column too, as full layers do (their window is
+        the attention's mask either way), so that any block of them can be taken out."""
         windows, kv_heads, head_dim = self.module.cache_spec(self.config)
+        windows = windows if rings else (None,) * len(windows)
         return KVCache.create(batch, length, windows, kv_heads, head_dim, dtype, rules,
                               self.scan_period if stacked else 0)
 

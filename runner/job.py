@@ -148,8 +148,6 @@ def answer(s: Settings, loaded: tuple | None = None) -> Summary:
     engine = Engine(meta.model, params, rules, s.policy, g.batch_size, g.max_prompt_len,
                     g.max_new_tokens, g.steps_per_dispatch, g.prefill_buckets, prefill_rows=g.prefill_rows,
                     prefix_tokens=g.prefix_tokens, prefix_block=g.prefix_block)
-    if engine.prefix_off:
-        log.info(f"prefix sharing off: {engine.prefix_off}")
     if engine.huge_pages[1]:
         log.info(f"weights and KV cache: {engine.huge_pages[0] / 2**20:.0f} of "
                  f"{engine.huge_pages[1] / 2**20:.0f} MiB on 2 MiB pages")

@@ -54,12 +54,15 @@ def test_a_small_deployment_compiles_for_a_v5e_topology_with_its_shards_per_chip
     assert sorted(compiled) == ["decode", "prefill_16", "prefill_32"]
     assert engine.prefill_rows == 2
 
-    # XLA's own count of a chip's inputs is what the declarations say a chip holds (weights and
-    # KV cache, runner.tools.memory), plus a few per-row scalars; everything is on some chip.
+    # XLA's own count of a chip's inputs is what the declarations say a chip holds (weights, KV
+    # cache and, for the prefills that fill it, the prefix pool: runner.tools.memory), plus a few
+    # per-row scalars; everything is on some chip.
     total = sum(math.prod(w.shape) * 2 for w in jax.tree.leaves(model.declare(), is_leaf=is_weight))
     declared = footprint(s, model)
+    assert declared.prefix_pool > 0
     for c in compiled.values():
-        assert declared.per_device <= c.argument_bytes <= declared.per_device * 1.02 + 2**14, c
+        held = declared.per_device - (0 if c.name.startswith("prefill") else declared.prefix_pool)
+        assert held <= c.argument_bytes <= held * 1.02 + 2**14, c
         assert 4 * c.argument_bytes >= total
         assert c.peak_bytes <= 16 * 2**30 and c.flops > 0 and c.bytes_accessed > 0
     assert declared.weights < 0.75 * total  # the experts and heads really are split
@@ -238,6 +241,30 @@ def test_a_gptoss_decode_step_accesses_at_most_a_quarter_more_than_its_floor_on_
     cost = compiled.cost_analysis()
     accessed = (cost[0] if isinstance(cost, list) else cost)["bytes accessed"]
     assert accessed <= 1.25 * footprint(s, model).per_device, (accessed, footprint(s, model))
+
+
+def test_the_programs_a_request_compiles_when_it_asks_compile_for_a_v5e_topology():
+    """With variants, runner.tools.compile also compiles what log-probabilities and a shared
+    prefix compile: the largest bucket's prefill with every prompt token's log-probabilities, the
+    decode step's, and the smallest bucket's after the most pool blocks that fit beside it. Each
+    takes the prefix pool as well (the decode steps apart), and fits the chip."""
+    from runner.tools.compile import compile_deployment
+    from runner.tools.memory import footprint
+
+    s = tiny_tpu_settings(prefix_tokens=256, prefix_block=8)
+    variants = ("prefill_32_logprobs", "decode_logprobs", "prefill_16_after_16")
+    engine, compiled = compile_deployment(s, SMALL, only=variants, variants=True)
+    assert sorted(compiled) == sorted(variants)
+    assert "prefill_16" in engine.lower(variants=True)
+    declared = footprint(s, SMALL)
+    # 2 layers x (k, v) x 256 tokens x 2 kv heads x 128 x 2 bytes, the kv heads over model = 2
+    assert declared.prefix_pool == 2 * 2 * 256 * 2 * 128 * 2 // 2
+    for c in compiled.values():
+        held = declared.per_device - (0 if c.name.startswith("prefill") else declared.prefix_pool)
+        assert held <= c.argument_bytes <= held * 1.02 + 2**14, c
+        assert c.peak_bytes <= 16 * 2**30
+    # the token log-probabilities: the [rows, steps, 20] top ids and values come out of the decode
+    assert compiled["decode_logprobs"].output_bytes >= 4 * 8 * 20 * 2 * 4
 
 
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])

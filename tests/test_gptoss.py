@@ -114,6 +114,34 @@ def test_greedy_generation_matches_transformers(gptoss, mesh_name, batch, rows):
         assert c.token_ids == hf_greedy(gptoss, p, 32)[:n]
 
 
+# Prompt tokens served from the pool (buckets 16, 32, 64): block 12 shares 36 tokens of the
+# 40-token prefix, but none with the 60-token prompt (after 36, 24 or 12 shared tokens the rest's
+# bucket, 32, 64 or 64, overflows the 64 prompt columns a row keeps); block 16 shares 32 with
+# every prompt after the first.
+@pytest.mark.parametrize("mesh_name,block,policy,shared", [
+    ("1dev", 12, Policy(), 36 * 3), ("data2_model4", 16, Policy(scan_layers=True), 32 * 4)])
+def test_prompts_that_share_a_prefix_compute_it_once_through_the_windowed_layers(
+        gptoss, mesh_name, block, policy, shared):
+    """Prompts behind one 40-token prefix, with a window of 8 on half the layers: what follows the
+    shared blocks attends to the pool's copy of the windowed layers' last columns before it, and
+    the rows' rings take their last 8 columns. Greedy tokens equal transformers' for each prompt
+    alone; the prefix is computed once."""
+    from runner.engine import Scheduler
+
+    rng = np.random.RandomState(13)
+    prefix = tuple(int(t) for t in rng.randint(0, VOCAB, 40))
+    prompts = [prefix + tuple(int(t) for t in rng.randint(0, VOCAB, n)) for n in (3, 9, 1, 20, 6)]
+    rules = rules_for(mesh_name)
+    model, params = to_podrun(gptoss, rules, policy=policy)
+    engine = Engine(model, params, rules, policy, batch_size=4, max_prompt_len=64, max_new_tokens=8,
+                    prefix_tokens=256, prefix_block=block)
+    ended = []
+    stats = Scheduler(engine, [Request(p, 8) for p in prompts]).run(ended.extend)
+    got = {i: cs[0].token_ids for i, cs in ended}
+    assert [got[i] for i in range(len(prompts))] == [hf_greedy(gptoss, p, 8) for p in prompts]
+    assert stats.prompt_tokens - stats.prompt_tokens_computed == shared
+
+
 def test_an_mxfp4_checkpoint_converts_and_generates_as_transformers_does(tmp_path):
     """A quantised HF folder (MXFP4 experts, as released) through runner.tools.convert and runner.main;
     the reference is transformers loading the same folder (dequantising on CPU), run in f32."""

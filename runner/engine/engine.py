@@ -3,8 +3,9 @@
 Two kinds of device program, compiled once each and reused as requests come and go, the cache
 donated to both:
 - `insert`: R waiting prompts (R from a few fixed sizes), left-padded to one bucket, prefilled
-  together into a cache of their own, then copied into R free rows of the engine's cache in
-  place of whatever those rows held; their first tokens are sampled;
+  together into a cache of their own (after the blocks they share from the prefix pool, when
+  they share any), then copied into R free rows of the engine's cache in place of whatever those
+  rows held; their full blocks that the pool lacks are kept in it; their first tokens are sampled;
 - `decode`: `steps_per_dispatch` decode steps of every row.
 Each row keeps its own decode state (`Rows`: newest token, position, next cache column, count,
 sampling settings): a row's prompt fills columns [0, P) of its row and its tokens follow, so rows
@@ -33,7 +34,7 @@ from models.policy import PRODUCT_KERNEL_ROWS, Policy
 from models.registry import Model
 from runner.engine import hugepages
 from runner.engine.prefixes import PrefixIndex
-from sharding.rules import Rules
+from sharding.rules import Rules, fit
 
 MAX_STOP_IDS = 16  # stop ids are passed as a fixed-size array, so their number never recompiles
 # The most alternatives a token's log-probabilities list; the programs always compute this many,
@@ -138,6 +139,16 @@ def sample_seed(seed: int, sample: int) -> int:
     z = (z ^ z >> 30) * 0xBF58476D1CE4E5B9 & 2**64 - 1
     z = (z ^ z >> 27) * 0x94D049BB133111EB & 2**64 - 1
     return (z ^ z >> 31) & 2**32 - 1
+
+
+class Keep(NamedTuple):
+    """Blocks of an insert's prompts for the prefix pool, [K] each: columns [starts[i],
+    starts[i] + block) of prompt rows[i] into pool block blocks[i] (the pool's size or more:
+    padding, dropped)."""
+
+    rows: jax.Array
+    starts: jax.Array
+    blocks: jax.Array
 
 
 class Prompts(NamedTuple):
@@ -359,17 +370,16 @@ class Engine:
         kv_dtype = jnp.dtype(policy.kv_cache)
         self._new_cache = partial(model.new_cache, dtype=kv_dtype, rules=rules,
                                   stacked=policy.scan_layers)
-        # Prefix sharing takes blocks out of rows' caches, which a sliding window's ring holds
-        # only its last columns of: models with windowed layers compute every prompt whole.
-        self.prefix, self.pool, self.prefix_off = None, None, ""
-        windows = model.module.cache_spec(model.config)[0]
-        if prefix_tokens >= prefix_block > 0 and any(windows):
-            self.prefix_off = "the model's sliding-window layers keep only their last columns"
-        elif prefix_tokens >= prefix_block > 0:
-            self.prefix = PrefixIndex(prefix_tokens // prefix_block, prefix_block)
-            if allocate:
-                self.pool = self._new_cache(self.prefix.blocks, prefix_block)
         cache_sh = model.cache_shardings(rules, kv_dtype == jnp.int8, policy.scan_layers)
+        # The prefix pool: blocks of prompts' keys and values, every layer's (a windowed layer's
+        # too, as the prefill computed it before its ring kept the last columns), one row each.
+        self.prefix, self.pool, pool_sh = None, None, None
+        if prefix_tokens >= prefix_block > 0:
+            self.prefix = PrefixIndex(prefix_tokens // prefix_block, prefix_block)
+            pool_sh = self._shaped(self.prefix.blocks, prefix_block, cache_sh, rings=False)
+            self.pool = (self._new_cache(self.prefix.blocks, prefix_block, rings=False) if allocate
+                         else pool_sh)
+            pool_sh = jax.tree.map(lambda x: x.sharding, pool_sh)
         row = rules.sharding("batch", shape=(B,))
         rows_sh = Rows(*[row] * len(Rows._fields))
         everywhere = self._everywhere = rules.sharding()
@@ -380,9 +390,7 @@ class Engine:
             self.cache = self._new_cache(B, self.cache_len)
             self.state = self._idle()
         else:  # shapes with their shardings, so donation pairs the cache with the cache alone
-            self.cache = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-                                      jax.eval_shape(lambda: self._new_cache(B, self.cache_len)),
-                                      cache_sh)
+            self.cache = self._shaped(B, self.cache_len, cache_sh)
             self.state = idle
         self.greedy_screen = self._make_greedy_screen() if allocate else None
         # (bytes on 2 MiB pages, bytes asked) of the weights and cache: CPU only, and only where
@@ -397,15 +405,14 @@ class Engine:
         # donated: aliasing it makes XLA:TPU keep temporaries larger than the cache itself.
         donate = (1,) if policy.donate_cache else ()
         # Variants that also return log-probabilities (static flags) compile only when a request
-        # asks for them.
-        self._insert = jax.jit(self._insert_fn, donate_argnums=donate, compiler_options=opts,
+        # asks for them. The prefix pool (argument 5) is updated in place too.
+        self._insert = jax.jit(self._insert_fn, donate_argnums=donate + (5,), compiler_options=opts,
                                static_argnames=("logprobs", "prompt_logprobs"),
-                               out_shardings=(everywhere, cache_sh, rows_sh, everywhere))
+                               out_shardings=(everywhere, cache_sh, rows_sh, everywhere, pool_sh))
         self._decode = jax.jit(self._decode_fn, donate_argnums=donate, compiler_options=opts,
                                static_argnames=("logprobs",),
                                out_shardings=(everywhere, cache_sh, rows_sh, everywhere))
         self._gather = jax.jit(self._gather_fn, out_shardings=(cache_sh, rows_sh))
-        self._store = jax.jit(self._store_fn, donate_argnums=(1,), compiler_options=opts)
         self._stops: dict[tuple[int, ...], jax.Array] = {}
         # Called around a program's first call, which compiles it (or loads it from the
         # compilation cache): announce(what) -> a context manager, e.g. to show it on a progress bar.
@@ -417,6 +424,14 @@ class Engine:
             return contextlib.nullcontext()
         self._called.add(what)
         return self.announce(what)
+
+    def _shaped(self, rows: int, columns: int, shardings: KVCache, rings: bool = True) -> KVCache:
+        """The shapes of a new cache of `rows` x `columns` (ShapeDtypeStructs), with `shardings`
+        fitted to them."""
+        return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                               sharding=fit(sh, x.shape)),
+                            jax.eval_shape(lambda: self._new_cache(rows, columns, rings=rings)),
+                            shardings)
 
     def _make_greedy_screen(self):
         """The unembedding's int8 screen (models/kernels/cpu.greedy_screen) where greedy tokens can
@@ -445,22 +460,43 @@ class Engine:
                     self.rules.sharding("batch", None, shape=(R, 1)))
         return Prompts(two, two, *[one] * (len(Prompts._fields) - 2))
 
-    def lower(self) -> dict[str, jax.stages.Lowered]:
+    def lower(self, variants: bool = False) -> dict[str, jax.stages.Lowered]:
         """Every function generation runs, lowered for the mesh's devices (which may be an AOT
         topology with no devices attached): per bucket P the insert of the most rows at once
-        (`prefill_{P}`, the largest of its sizes) and the decode step."""
+        (`prefill_{P}`, the largest of its sizes) and the decode step (`decode`). With variants,
+        also those that compile only when a request asks for them: the largest bucket's with the
+        log-probabilities of every prompt token (`prefill_{P}_logprobs`), the decode step's
+        (`decode_logprobs`) and, with prefix sharing, the smallest bucket's after the most
+        columns shared from the pool (`prefill_{P}_after_{C}`)."""
         weights = self.weights
-        stops = jax.ShapeDtypeStruct((MAX_STOP_IDS,), jnp.int32, sharding=self._everywhere)
+        everywhere = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self._everywhere)
+        stops = everywhere((MAX_STOP_IDS,))
         R = self.prefill_rows
         dtypes = (jnp.int32, jnp.int32, jnp.int32, jnp.int32, jnp.uint32, jnp.float32, jnp.int32,
                   jnp.float32)
-        out = {}
-        for P in self.buckets:
+
+        def insert(P: int, blocks: int = 0, **variant) -> jax.stages.Lowered:
             shapes = ((R, P), (R, P)) + ((R,),) * 6
             prompts = Prompts(*(jax.ShapeDtypeStruct(s, d, sharding=h)
                                 for s, d, h in zip(shapes, dtypes, self._prompt_shardings(R))))
-            out[f"prefill_{P}"] = self._insert.lower(weights, self.cache, self.state, prompts, stops)
+            K = R * (P // self.prefix.block) if self.prefix else 0
+            keep = Keep(*[everywhere((K,))] * 3) if K else None
+            shared = None if not blocks else jax.ShapeDtypeStruct(
+                (R, blocks), jnp.int32, sharding=self.rules.sharding("batch", None, shape=(R, blocks)))
+            return self._insert.lower(weights, self.cache, self.state, prompts, stops, self.pool,
+                                      shared, keep, **variant)
+
+        out = {f"prefill_{P}": insert(P) for P in self.buckets}
         out["decode"] = self._decode.lower(weights, self.cache, self.state, stops)
+        if variants:
+            P = self.buckets[-1]
+            out[f"prefill_{P}_logprobs"] = insert(P, logprobs=True, prompt_logprobs=True)
+            out["decode_logprobs"] = self._decode.lower(weights, self.cache, self.state, stops,
+                                                        logprobs=True)
+            P = self.buckets[0]
+            M = min((self.max_prompt_len - P) // self.prefix.block, self.prefix.blocks) if self.prefix else 0
+            if M > 0:
+                out[f"prefill_{P}_after_{M * self.prefix.block}"] = insert(P, M)
         return out
 
     # --- device functions ---------------------------------------------------------------------
@@ -489,24 +525,35 @@ class Engine:
 
     def _insert_fn(self, weights, cache: KVCache, state: Rows, new: Prompts, stop_ids,
                    pool: KVCache | None = None, blocks: jax.Array | None = None,
-                   logprobs: bool = False, prompt_logprobs: bool = False):
+                   keep: Keep | None = None, logprobs: bool = False, prompt_logprobs: bool = False):
         """Prefills R prompts into a cache of their own, copies each into its F rows of `cache`
         and starts those rows' decode state at their first sampled token, each row's drawn with
-        its own seed. The tokens given fill columns [0, P). With `blocks` [R, M], each prompt's first M blocks of
-        `pool` (prefix sharing) fill columns [0, C = M * block) and the tokens given, the rest of
-        the prompt, follow in columns [C, C + P). With logprobs, also the first tokens'
-        TokenLogprobs [R * F]; with prompt_logprobs, each position's next token's [R, P - 1]."""
+        its own seed. The tokens given fill columns [0, P). With `blocks` [R, M], each prompt's
+        first M blocks of `pool` (prefix sharing) fill columns [0, C = M * block) and the tokens
+        given, the rest of the prompt, follow in columns [C, C + P). With `keep`, the blocks it
+        names of the prompts' cache go into `pool`, which is returned. With logprobs, also the
+        first tokens' TokenLogprobs [R * F]; with prompt_logprobs, each position's next token's
+        [R, P - 1]."""
         (R, P), F = new.tokens.shape, new.rows.shape[0] // new.tokens.shape[0]
         C = 0 if blocks is None else blocks.shape[1] * self.prefix.block
         if C:  # the prompts' blocks, then empty columns for the rest
             fresh = jax.tree.map(lambda x: x[blocks.reshape(-1)], pool).joined(blocks.shape[1])
             fresh = fresh.extended(C + P)
-        else:
-            fresh = self._new_cache(R, P)
+        else:  # with a pool to fill, windowed layers keep every column until the rows take theirs
+            fresh = self._new_cache(R, P, rings=pool is None)
         output = (Output.HIDDEN if prompt_logprobs else
                   Output.LAST_LOGITS if logprobs else self.output)
         out, fresh = self.model.forward(weights.params, new.tokens, new.positions, fresh, self.rules,
                                         self.policy, Mode.APPEND if C else Mode.PREFILL, C, output)
+        if C and self.cache.ring_pos.shape[1]:
+            # A window's ring takes a row's last W columns: the shared blocks move up to the rest
+            # of the prompt, the padding between them goes before both.
+            pad = jnp.sum(new.positions < 0, axis=1, keepdims=True)  # [R, 1]
+            c = jnp.arange(C + P)
+            fresh = fresh.reordered(jnp.where(c < pad, c + C, jnp.where(c < pad + C, c - pad, c)))
+        if keep is not None:
+            pool = pool.insert(fresh.columns(keep.rows, keep.starts, self.prefix.block), keep.blocks,
+                               self.rules)
         scores = None
         if prompt_logprobs:
             unembedding = self.model.unembedding(weights.params)
@@ -529,7 +576,7 @@ class Engine:
         state = jax.tree.map(lambda x, y: x.at[new.rows].set(y.astype(x.dtype), mode="drop"),
                              state, started)
         extra = (token_logprobs(out, first) if logprobs else None, scores)
-        return first, cache, state, extra
+        return first, cache, state, extra, pool
 
     def _prompt_logprobs(self, unembedding, hidden: jax.Array, tokens: jax.Array) -> TokenLogprobs:
         """Each position's next prompt token's TokenLogprobs [R, P - 1], from the final norm's
@@ -573,12 +620,6 @@ class Engine:
         (cache, state), (out, scores) = jax.lax.scan(step, (cache, state), None, length=self.steps)
         scores = None if scores is None else jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1), scores)
         return out.T, cache, state, scores
-
-    def _store_fn(self, cache: KVCache, pool: KVCache, rows: jax.Array, starts: jax.Array,
-                  blocks: jax.Array) -> KVCache:
-        """Columns [starts[i], starts[i] + block) of cache row rows[i] into `pool`'s block
-        blocks[i], for each i (an index of the pool's size or more: padding, dropped)."""
-        return pool.insert(cache.columns(rows, starts, self.prefix.block), blocks, self.rules)
 
     @staticmethod
     def _gather_fn(cache: KVCache, state: Rows, take: jax.Array, live: jax.Array):
@@ -630,6 +671,9 @@ class Engine:
                 raise ValueError(f"insert: not every prompt's first {shared} blocks are in the pool")
             blocks = np.array(found + [found[0]] * (R - n), np.int32)
         P = self.bucket_for(max(len(r.prompt) for r in requests) - C)
+        if C + P > self.buckets[-1]:
+            raise ValueError(f"insert: {C} shared columns and a bucket of {P} exceed the "
+                             f"{self.buckets[-1]} a row keeps for its prompt")
         # the same on every process; each puts its own rows. Padding entries: one token, no row.
         tokens, positions = np.zeros((R, P), np.int32), np.full((R, P), -1, np.int32)
         positions[:, -1] = C
@@ -654,14 +698,13 @@ class Engine:
         what = (f"the prefill of {R} x {P} tokens" + (f" after {C} shared" if C else "")
                 + (f" into {F} rows each" if F > 1 else "")
                 + (" with log-probabilities" if logprobs or prompt_logprobs else ""))
+        keep = self._blocks_to_keep(requests, R, P, C) if self.prefix is not None else None
         with self._first_call(what):
-            first, self.cache, self.state, (scores, prompt_scores) = self._insert(
+            first, self.cache, self.state, (scores, prompt_scores), pool = self._insert(
                 self.weights, self.cache, self.state, prompts, self._stop_array(stop_ids),
-                self.pool if shared else None, blocks, logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs)
+                self.pool, blocks, keep, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+            self.pool = pool if self.prefix is not None else None
             first = np.asarray(first).reshape(R, F)
-        if self.prefix is not None:
-            self._keep_blocks(requests, [t[0] for t in targets], P, C)
         take = [(i, j) for i, t in enumerate(targets) for j in range(len(t))]
         picked = lambda x: np.asarray(x).reshape(R, F, *x.shape[1:])[tuple(np.array(take).T)]
         out_scores = None if scores is None else TokenLogprobs(*map(picked, scores))
@@ -676,11 +719,17 @@ class Engine:
     def prefix_match(self, r: Request) -> int:
         """How many of r's first prompt blocks the prefix pool holds and an insert may take from
         it: never the whole prompt (its last token is computed for the next one), nor a position
-        whose next token's log-probability r asks for; 0 without prefix sharing."""
+        whose next token's log-probability r asks for, nor so many that they and the bucket of
+        the rest overflow a row's prompt columns; 0 without prefix sharing."""
         if self.prefix is None:
             return 0
         scored = r.prompt_logprobs_from if r.prompt_logprobs else len(r.prompt)
-        return len(self.prefix.match(r.prompt, (min(len(r.prompt), scored) - 1) // self.prefix.block))
+        m = len(self.prefix.match(r.prompt, (min(len(r.prompt), scored) - 1) // self.prefix.block))
+        # the shared columns and the rest's bucket within the room a row keeps for its prompt
+        room, block = self.buckets[-1], self.prefix.block
+        while m and m * block + self.bucket_for(len(r.prompt) - m * block) > room:
+            m -= 1
+        return m
 
     def shared_tokens(self, blocks: int) -> int:
         return blocks * self.prefix.block if blocks else 0
@@ -692,26 +741,27 @@ class Engine:
         da, db = self.prefix.digests(a.prompt)[:1], self.prefix.digests(b.prompt)[:1]
         return bool(da) and da == db and not self.prefix.holds(da[0])
 
-    def _keep_blocks(self, requests: Sequence[Request], rows: Sequence[int], P: int, C: int):
-        """The full blocks of the prompts just inserted that the pool lacks, from their first rows
-        (prompt token j, from C on, sits in column C + P - len + j), into the pool."""
+    def _blocks_to_keep(self, requests: Sequence[Request], R: int, P: int, C: int) -> Keep:
+        """The full blocks of the prompts about to be inserted that the pool lacks, claimed in the
+        index now and named for the insert to copy (prompt token j, from C on, sits in column
+        C + P - len + j of its prompt's row). [R * P / block] entries, padding after them: a
+        prompt has at most P / block blocks to keep, so the insert's shapes stay its own."""
         wanted, where = [], []
-        for r, row in zip(requests, rows):
+        for i, r in enumerate(requests):
             for b, d in enumerate(self.prefix.digests(r.prompt)):
                 if b * self.prefix.block >= C and not self.prefix.holds(d) and d not in wanted:
                     wanted.append(d)
-                    where.append((row, C + P - len(r.prompt) + b * self.prefix.block))
-        if not wanted:
-            return
+                    where.append((i, C + P - len(r.prompt) + b * self.prefix.block))
         blocks = self.prefix.claim(wanted)
-        where = where[: len(blocks)]
-        N = 1 << (len(blocks) - 1).bit_length()  # a power of two: few programs
-        rows_, starts, ids = (np.full(N, v, np.int32) for v in (0, 0, self.prefix.blocks))
-        rows_[: len(blocks)], starts[: len(blocks)] = zip(*where)
-        ids[: len(blocks)] = blocks
+        K = R * (P // self.prefix.block)
+        if not K:
+            return None
+        rows, starts, ids = (np.full(K, v, np.int32) for v in (0, 0, self.prefix.blocks))
+        if blocks:
+            rows[: len(blocks)], starts[: len(blocks)] = zip(*where[: len(blocks)])
+            ids[: len(blocks)] = blocks
         put = partial(jax.device_put, device=self._everywhere)
-        with self._first_call(f"keeping {N} prompt blocks"):
-            self.pool = self._store(self.cache, self.pool, put(rows_), put(starts), put(ids))
+        return Keep(put(rows), put(starts), put(ids))
 
     def decode(self, stop_ids: Sequence[int] = (), logprobs: bool = False
                ) -> tuple[np.ndarray, TokenLogprobs | None]:

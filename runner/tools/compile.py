@@ -4,7 +4,8 @@
 
 Builds the config's mesh over libtpu's description of `mesh.tpu_topology` (e.g. v5e:2x4; one slice,
 times the slices that mesh.dcn asks for), lowers
-and compiles every prefill bucket and the decode step against abstract weights, and prints per-chip
+and compiles every prefill bucket and the decode step against abstract weights (and the variants a
+request compiles when it asks for log-probabilities or shares a prefix), and prints per-chip
 memory (weights, KV cache, temporaries) against the chip's HBM and the step's flops and bytes
 accessed from XLA's cost analysis. Needs libtpu (`pip install libtpu==0.0.42.1`, the version
 jax[tpu] 0.10.2 pins); JAX itself stays on CPU (JAX_PLATFORMS=cpu is set here when unset).
@@ -53,10 +54,12 @@ class Compiled:
         return self.argument_bytes + self.temp_bytes + self.output_bytes - self.alias_bytes
 
 
-def compile_deployment(s: Settings, model: Model | None = None,
-                       only: tuple[str, ...] = ()) -> tuple[Engine, dict[str, Compiled]]:
+def compile_deployment(s: Settings, model: Model | None = None, only: tuple[str, ...] = (),
+                       variants: bool = False) -> tuple[Engine, dict[str, Compiled]]:
     """Compiles for s.tpu_topology; the model is checkpoint.model's preset unless given. `only`
-    names the programs to compile (e.g. "prefill_512", "decode"); () compiles them all."""
+    names the programs to compile (e.g. "prefill_512", "decode"); () compiles them all. variants:
+    also those that compile only when a request asks for them (log-probabilities, a shared
+    prefix; Engine.lower)."""
     from jax.experimental import topologies
 
     if not s.tpu_topology:
@@ -76,8 +79,9 @@ def compile_deployment(s: Settings, model: Model | None = None,
     g = s.generation
     engine = Engine(model, params, rules, s.policy, g.batch_size, g.max_prompt_len, g.max_new_tokens,
                     g.steps_per_dispatch, g.prefill_buckets, allocate=False,
-                    prefill_rows=g.prefill_rows)
-    programs = engine.lower()
+                    prefill_rows=g.prefill_rows, prefix_tokens=g.prefix_tokens,
+                    prefix_block=g.prefix_block)
+    programs = engine.lower(variants)
     if unknown := sorted(set(only) - set(programs)):
         raise ValueError(f"no program {unknown} to compile; this deployment has {sorted(programs)}")
     out = {}
@@ -95,14 +99,16 @@ def compile_deployment(s: Settings, model: Model | None = None,
 def report(s: Settings, engine: Engine, compiled: dict[str, Compiled]) -> str:
     f = footprint(s, engine.model)
     hbm = f.device_memory
+    w = max([len("program")] + [len(c.name) for c in compiled.values()]) + 2
     lines = [f"{s.checkpoint_model} on {s.tpu_topology} ({f.devices} chips, mesh {dict(engine.rules.mesh.shape)}), "
              f"batch {engine.batch_size}, cache {engine.cache_len} tokens:",
-             f"  declared per chip: weights {f.weights / GiB:.2f} GiB, KV cache {f.kv_cache / GiB:.2f} GiB",
-             f"  {'program':<14}{'args GiB':>10}{'temp GiB':>10}{'peak GiB':>10}{'of HBM':>8}"
+             f"  declared per chip: weights {f.weights / GiB:.2f} GiB, KV cache {f.kv_cache / GiB:.2f} GiB"
+             + (f", prefix pool {f.prefix_pool / GiB:.2f} GiB" if f.prefix_pool else ""),
+             f"  {'program':<{w}}{'args GiB':>10}{'temp GiB':>10}{'peak GiB':>10}{'of HBM':>8}"
              f"{'GFLOP':>12}{'GB accessed':>13}"]
     for c in compiled.values():
         share = f"{100 * c.peak_bytes / hbm:.0f}%" if hbm else "?"
-        lines.append(f"  {c.name:<14}{c.argument_bytes / GiB:>10.2f}{c.temp_bytes / GiB:>10.2f}"
+        lines.append(f"  {c.name:<{w}}{c.argument_bytes / GiB:>10.2f}{c.temp_bytes / GiB:>10.2f}"
                      f"{c.peak_bytes / GiB:>10.2f}{share:>8}{c.flops / 1e9:>12.1f}{c.bytes_accessed / 1e9:>13.2f}")
     lines.append(f"  GFLOP and GB accessed per chip, a loop's body counted once: decode per step "
                  f"({engine.steps} per call), prefill per group of {engine.prefill_rows} rows")
@@ -113,7 +119,7 @@ def main(argv: list[str]) -> None:
     del argv
     try:  # a bad config, mesh, rule or topology is one line (all are ValueErrors here)
         s = from_config(_CONFIG.value)
-        engine, compiled = compile_deployment(s)
+        engine, compiled = compile_deployment(s, variants=True)
     except ValueError as e:
         sys.exit(f"podrun compile: error: {e}")
     print(report(s, engine, compiled))

@@ -72,7 +72,7 @@ def footprint(s: Settings, model: Model) -> Footprint:
     kv = sum(int(2 * _shard_bytes((batch, kv_heads, n, head_dim), axes, rules, 1) * c_size)
              for n in KVCache.lengths(length, windows))
     pool = 0  # as runner/engine keeps it: blocks as rows of prefix_block columns, every layer
-    if g.prefix_tokens >= g.prefix_block > 0 and not any(windows):
+    if g.prefix_tokens >= g.prefix_block > 0:
         blocks = g.prefix_tokens // g.prefix_block
         pool = len(windows) * int(2 * _shard_bytes((blocks, kv_heads, g.prefix_block, head_dim),
                                                    axes, rules, 1) * c_size)
