@@ -246,6 +246,8 @@ def chat_format(model, tokenizer, s: Settings):
             raise ValueError(f"reasoning_effort={effort!r}: use low, medium or high")
         return harmony.render(messages, tokenizer, harmony.HarmonyOptions(reasoning_effort=effort), tools)
 
+    render.call_prefix = lambda choice: harmony.call_prefix(tokenizer, choice)
+
     return render, lambda ids: harmony.parse(ids, tokenizer), tuple(harmony.STOP_TOKEN_IDS)
 
 
@@ -281,7 +283,7 @@ def _choice(p: Parsed, c: Completion, tokenizer, parse_chat=None, sample: int = 
     r = {"text": text, "token_ids": ids, "finish_reason": "stop" if stopped else c.finish_reason}
     calls = []  # (name, arguments, valid)
     if p.chat and parse_chat is not None:  # Harmony: channels apart, the final one as the text
-        h = parse_chat(ids)
+        h = parse_chat([*p.call_prefix, *ids])
         r.update(text=h.text, reasoning=h.reasoning)
         if p.tools and h.calls and r["finish_reason"] == "stop":  # arguments go in tool_calls
             calls = [(name, args, _is_json(args)) for name, args in h.calls]
@@ -294,7 +296,8 @@ def _choice(p: Parsed, c: Completion, tokenizer, parse_chat=None, sample: int = 
             r["raw"] = h.raw
     elif p.tools and tokenizer is not None and r["finish_reason"] == "stop":  # the template's syntax
         syntax = call_syntax(tokenizer.chat_template_for([]))
-        r["text"], calls = parse_calls(text, syntax) if syntax else (text, [])
+        head = tokenizer.decode(p.call_prefix) if p.call_prefix else ""
+        r["text"], calls = parse_calls(head + text, syntax) if syntax else (text, [])
     if calls:  # read only from a completion that ended, not one cut off (its text stays as is)
         r["tool_calls"] = [tool_call(name, args, f"{p.id!r}/{sample}/{k}/{ids}", valid)
                            for k, (name, args, valid) in enumerate(calls)]

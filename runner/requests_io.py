@@ -70,6 +70,9 @@ class Parsed:
     prompt_logprobs: int | None = None  # alternatives per prompt token
     continuation: int = 0  # the prompt's last tokens that are a continuation to score
     tools: bool = False  # the prompt offers tools: tool calls are read out of the completion
+    # The start of a call the prompt ends with (tool_choice required or a function): read before
+    # the completion when its calls are read.
+    call_prefix: tuple[int, ...] = ()
 
 
 # A request line's fields. FUTURE are fields of formats podrun does not serve yet (OpenAI Batch
@@ -124,7 +127,8 @@ def parse_request(index: int, line: Line, tokenizer, s: Settings, vocab_size: in
 
     `render_chat(messages, request, tools) -> ids` renders chat requests (default: the
     tokenizer's own chat template); `tools` are the function definitions the prompt offers, or
-    None."""
+    None. Its `call_prefix(choice) -> ids`, where it has one, starts the call that tool_choice
+    "required" or a named function asks for."""
     where = f"line {line.number}"
     try:
         line.text.encode("utf-8")
@@ -164,7 +168,7 @@ def parse_request(index: int, line: Line, tokenizer, s: Settings, vocab_size: in
         stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
         if not isinstance(stop, list | tuple) or not all(isinstance(x, str) and x for x in stop):
             raise ValueError(f"stop={_short(d['stop'])}: give a non-empty string or a list of them")
-        ids, offered = _prompt_ids(d, tokenizer, vocab_size, render_chat)
+        ids, offered, prefix = _prompt_ids(d, tokenizer, vocab_size, render_chat)
         if not ids:
             raise ValueError("the prompt is empty")
         continuation = _continuation(d, tokenizer, vocab_size)
@@ -184,7 +188,7 @@ def parse_request(index: int, line: Line, tokenizer, s: Settings, vocab_size: in
     return Parsed(index, rid, tuple(ids), "", max_tokens, temperature, top_k, top_p,
                   tuple(stop) + s.generation.stop, row_seed, chat="messages" in d, n=n,
                   logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                  continuation=len(continuation), tools=offered)
+                  continuation=len(continuation), tools=offered, call_prefix=tuple(prefix))
 
 
 def _logprobs(d: dict) -> tuple[int | None, int | None]:
@@ -229,8 +233,8 @@ def _continuation(d: dict, tokenizer, vocab_size: int) -> list[int]:
     return list(ids)
 
 
-def _prompt_ids(d: dict, tokenizer, vocab_size: int, render_chat) -> tuple[list[int], bool]:
-    """The prompt's ids, and whether it offers tools."""
+def _prompt_ids(d: dict, tokenizer, vocab_size: int, render_chat) -> tuple[list[int], bool, list[int]]:
+    """The prompt's ids, whether it offers tools, and the start of a call it ends with."""
     given = [k for k in ("prompt", "messages", "prompt_token_ids") if k in d]
     if len(given) != 1:
         raise ValueError(f"give exactly one of prompt, messages, prompt_token_ids (got {given or 'none'})")
@@ -244,26 +248,34 @@ def _prompt_ids(d: dict, tokenizer, vocab_size: int, render_chat) -> tuple[list[
         if outside is not None:
             raise ValueError(f"prompt_token_ids[{outside}]={_short(ids[outside])} is outside the "
                              f"vocabulary of {vocab_size} ids (0 to {vocab_size - 1})")
-        return ids, False
+        return ids, False, []
     if tokenizer is None:
         raise ValueError("this checkpoint has no tokenizer; send prompt_token_ids instead of text")
     if "prompt" in d:
         if not isinstance(d["prompt"], str):
             raise ValueError("prompt must be a string")
-        return (tokenizer.encode(d["prompt"]) if d["prompt"] else []), False
+        return (tokenizer.encode(d["prompt"]) if d["prompt"] else []), False, []
     msgs = chat_tools.check_messages(d["messages"])
     tools = chat_tools.check_tools(d["tools"]) if d.get("tools") is not None else None
-    if chat_tools.check_tool_choice(d.get("tool_choice"), tools) == "none":
+    choice = chat_tools.check_tool_choice(d.get("tool_choice"), tools)
+    if choice == "none":
         tools = None  # left out of the prompt; calls in the history are still rendered
     if render_chat is not None:
-        return render_chat(msgs, d, tools), tools is not None
-    if tools is not None and chat_tools.call_syntax(tokenizer.chat_template_for(tools)) is None:
-        raise ValueError("tools: this checkpoint's chat template "
-                         + ("does not render tools" if "tools" not in (tokenizer.chat_template_for(tools) or "")
-                            else "asks for a tool-call syntax podrun cannot read (it reads Qwen2.5's "
-                            "<tool_call> blocks and Llama 3.1's JSON calls)"))
-    return tokenizer.encode_chat(chat_tools.template_messages(msgs), add_generation_prompt=True,
-                                 tools=tools), tools is not None
+        forced = getattr(render_chat, "call_prefix", None)
+        if forced is None and choice not in ("auto", "none"):
+            raise ValueError(f"tool_choice={_short(d['tool_choice'])}: this chat format cannot start a call")
+        prefix = forced(choice) if forced is not None else []
+        return list(render_chat(msgs, d, tools)) + prefix, tools is not None, prefix
+    template = tokenizer.chat_template_for(tools)
+    syntax = chat_tools.call_syntax(template) if tools is not None else None
+    if tools is not None and syntax is None:
+        raise ValueError("tools: this checkpoint's chat template " + (
+            "does not render tools" if "tools" not in (template or "") else "asks for a tool-call syntax "
+            "podrun cannot read (it reads Qwen2.5's <tool_call> blocks and Llama 3.1's JSON calls)"))
+    ids = tokenizer.encode_chat(chat_tools.template_messages(msgs), add_generation_prompt=True, tools=tools)
+    # the template's own text up to the generation prompt, then the call's start as its own text
+    prefix = tokenizer.encode(chat_tools.call_prefix(syntax, choice), add_special_tokens=False) if syntax else []
+    return ids + prefix, tools is not None, prefix
 
 
 def is_remote(path: str) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import types
 
 import pytest
 import transformers
@@ -29,7 +30,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from runner.engine import Completion
-from runner.job import _result_line
+from runner.job import _result_line, chat_format
 from runner.requests_io import Line, parse_request
 from runner.text.harmony import HarmonyOptions, parse, render
 from runner.text.tokenizer import load_tokenizer
@@ -219,9 +220,9 @@ def test_harmony_cut_off_calls_are_what_openai_harmony_finished(tok, enc, name):
 
 
 def harmony_request(tok, s, request: dict):
-    """A request line parsed as a GPT-OSS deployment parses it."""
-    return parse_request(0, Line(1, json.dumps(request)), tok, s, 201_088,
-                         lambda m, d, tools: render(m, tok, HarmonyOptions(), tools))
+    """A request line parsed as a GPT-OSS deployment parses it (runner.job.chat_format's Harmony)."""
+    render_chat, _, _ = chat_format(types.SimpleNamespace(family="gptoss"), tok, s)
+    return parse_request(0, Line(1, json.dumps(request)), tok, s, 201_088, render_chat)
 
 
 def test_harmony_request_line_to_tool_calls(tok, enc, s):
@@ -443,11 +444,13 @@ BAD = [
                    {"role": "tool", "tool_call_id": "c1", "name": "now", "content": ""}]},
      "messages[2].name=\"now\" is not the function of call 'c1' ('get_weather')"),
     ({"messages": [{"role": "assistant", "content": None}]}, "messages[0].content must be a string"),
-    ({"messages": Q, "tools": TOOLS, "tool_choice": "required"}, 'tool_choice="required": podrun cannot force'),
-    ({"messages": Q, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "now"}}},
-     "tool_choice={'type': 'function', 'function': {'name': 'now'}}: podrun cannot force a tool call"),
-    ({"messages": Q, "tools": TOOLS, "tool_choice": "any"}, 'tool_choice="any": use "auto" or "none"'),
+    ({"messages": Q, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     'tool_choice.function.name="nope" is not one of the tools'),
+    ({"messages": Q, "tools": TOOLS, "tool_choice": {"type": "function", "name": "now"}},
+     "tool_choice={'type': 'function', 'name': 'now'}: give \"auto\", \"none\", \"required\""),
+    ({"messages": Q, "tools": TOOLS, "tool_choice": "any"}, 'tool_choice="any": use "auto", "none", "required"'),
     ({"messages": Q, "tool_choice": "auto"}, 'tool_choice="auto" needs tools'),
+    ({"messages": Q, "tool_choice": "required"}, 'tool_choice="required" needs tools'),
     ({"prompt": "hi", "tools": TOOLS}, "tools and tool_choice go with messages"),
 ]
 
@@ -475,3 +478,56 @@ def test_any_chat_with_tools_gets_a_prompt_or_a_one_line_error(family, s, msgs, 
         {"tool_choice": choice} if choice else {})
     p = request(family[1], s, d)
     assert (p.error and "\n" not in p.error and len(p.error) <= 300) or (p.prompt_ids and not p.error), p
+
+
+# --- tool_choice required / a named function: the prompt starts the call ---------------------------
+
+FORCED = {  # the start of the call the template's own rendering of a call begins with
+    ("qwen2.5", "required"): '<tool_call>\n{"name": "',
+    ("qwen2.5", "get_weather"): '<tool_call>\n{"name": "get_weather", "arguments":',
+    ("llama3.1", "required"): '{"name": "',
+    ("llama3.1", "get_weather"): '{"name": "get_weather", "parameters":',
+}
+
+
+@pytest.mark.parametrize("choice", ["required", "get_weather"])
+def test_template_tool_choice_starts_the_call(family, s, choice):
+    """tool_choice required / a named function: the prompt is apply_chat_template's, then the start
+    of the call as the template writes it; the model's rest of it is read back as the call."""
+    fam, tok, hf = family
+    messages, reply = CONVERSATIONS["question"], REPLIES["one_call"]
+    tool_choice = choice if choice == "required" else {"type": "function", "function": {"name": choice}}
+    p = request(tok, s, {"messages": messages, "tools": TOOLS, "tool_choice": tool_choice})
+    want = hf.apply_chat_template(as_template_gets_them(messages), tools=TOOLS, add_generation_prompt=True)
+    head = FORCED[fam, choice]
+    assert list(p.prompt_ids) == [*(want["input_ids"] if hasattr(want, "keys") else want),
+                                  *hf.encode(head, add_special_tokens=False)]
+    text = completion_of(hf, messages, reply)
+    # the prompt stops where the tokenizer splits the template's call anyway
+    assert text.startswith(head) and hf.encode(text, add_special_tokens=False) == [
+        *hf.encode(head, add_special_tokens=False), *hf.encode(text[len(head):], add_special_tokens=False)]
+    r = _result_line(p, [Completion(tok.encode(text[len(head):], add_special_tokens=False), "stop")], tok, False)
+    [c] = r["tool_calls"]
+    assert (r["finish_reason"], c["function"]["name"], json.loads(c["function"]["arguments"])) == (
+        "tool_calls", "get_weather", {"city": "Zürich", "unit": "celsius"})
+
+
+HARMONY_FORCED = {"required": "<|channel|>commentary to=functions",
+                  "get_weather": "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"}
+
+
+@pytest.mark.parametrize("choice", ["required", "get_weather"])
+def test_harmony_tool_choice_starts_the_call(tok, enc, s, choice):
+    """The prompt is openai-harmony's, then a commentary header to the function(s); the model's
+    rest of the message is read as openai-harmony's parser reads the whole of it."""
+    tool_choice = choice if choice == "required" else {"type": "function", "function": {"name": choice}}
+    messages = CONVERSATIONS["question"]
+    p = harmony_request(tok, s, {"messages": messages, "tools": TOOLS, "tool_choice": tool_choice})
+    head = enc.encode(HARMONY_FORCED[choice], allowed_special="all")
+    assert list(p.prompt_ids) == [*harmony_reference(enc, messages, TOOLS), *head]
+    whole = enc.encode(TOOL_COMPLETIONS["call_only"], allowed_special="all")
+    assert whole[: len(head)] == head
+    r = _result_line(p, [Completion(whole[len(head):], "stop")], tok, False, lambda ids: parse(ids, tok))
+    [c] = r["tool_calls"]
+    want = harmony_calls(enc.parse_messages_from_completion_tokens(whole, Role.ASSISTANT))
+    assert [(c["function"]["name"], c["function"]["arguments"])] == want and r["finish_reason"] == "tool_calls"

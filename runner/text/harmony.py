@@ -300,6 +300,18 @@ def render(messages: list[dict], tokenizer, options: HarmonyOptions = HarmonyOpt
     return ids + [START, *_encode(tokenizer, "assistant")]
 
 
+def call_prefix(tokenizer, choice: str) -> list[int]:
+    """The header that makes the assistant's next message a call: to any function for "required"
+    (the model writes ".NAME": o200k splits before the dot, not after), to functions.NAME for a
+    named one ([] for auto)."""
+    if choice in ("auto", "none"):
+        return []
+    if choice == "required":
+        return [CHANNEL, *_encode(tokenizer, "commentary to=functions")]
+    return [CHANNEL, *_encode(tokenizer, f"commentary to=functions.{choice}"), *_encode(tokenizer, " "),
+            CONSTRAIN, *_encode(tokenizer, "json"), MESSAGE]
+
+
 def _functions_namespace(tools: list[dict]) -> str:
     """openai-harmony's tools section for the "functions" namespace (template_tools_section)."""
     lines = ["## functions\n", "namespace functions {\n"]

@@ -68,22 +68,35 @@ def check_tools(tools: Any) -> list[dict]:
 
 
 def check_tool_choice(choice: Any, tools: list[dict] | None) -> str:
-    """"auto" | "none" (the tools left out of the prompt). "required" and a named function cannot be
-    enforced without constrained decoding, which podrun does not have: refused, naming the field."""
+    """The request's tool_choice as "auto", "none" (the tools left out of the prompt), "required",
+    or the name of the one function to call. Raises ValueError naming the field."""
     if choice is None:
         return "auto" if tools else "none"
-    if choice in ("required",) or isinstance(choice, dict):
-        if isinstance(choice, dict) and not (choice.get("type") == "function" and isinstance(
-                choice.get("function"), dict) and isinstance(choice["function"].get("name"), str)):
-            raise ValueError(f'tool_choice={_short(choice)}: give "auto", "none", or '
+    if isinstance(choice, dict):
+        f = choice.get("function")
+        if not (choice.get("type") == "function" and isinstance(f, dict) and isinstance(f.get("name"), str)):
+            raise ValueError(f'tool_choice={_short(choice)}: give "auto", "none", "required" or '
                              '{"type": "function", "function": {"name": ...}}')
-        raise ValueError(f"tool_choice={_short(choice, 80)}: podrun cannot force a tool call (it has no "
-                         'constrained decoding); use "auto" and check finish_reason, or "none"')
+        if f["name"] not in {t["function"]["name"] for t in tools or ()}:
+            raise ValueError(f"tool_choice.function.name={_short(f['name'])} is not one of the tools")
+        return f["name"]
     if choice not in TOOL_CHOICES:
-        raise ValueError(f'tool_choice={_short(choice)}: use "auto" or "none"')
-    if choice == "auto" and not tools:
-        raise ValueError('tool_choice="auto" needs tools')
+        raise ValueError(f'tool_choice={_short(choice)}: use "auto", "none", "required" or a function')
+    if choice != "none" and not tools:
+        raise ValueError(f"tool_choice={_short(choice)} needs tools")
     return choice
+
+
+def call_prefix(syntax: str, choice: str) -> str:
+    """The start of a call that the prompt writes for the model, so that it must call: up to the
+    function's name for "required", up to its arguments for a named function ("" for auto). It
+    ends where the templates' tokenizers split anyway (before a word, after a colon), so the
+    model's next token is one it would have written there."""
+    if choice in ("auto", "none"):
+        return ""
+    head, args = {"hermes": ('<tool_call>\n{"name": "', "arguments"),
+                  "llama3_json": ('{"name": "', "parameters")}[syntax]
+    return head if choice == "required" else f'{head}{choice}", "{args}":'
 
 
 def check_messages(msgs: Any) -> list[dict]:
