@@ -30,7 +30,11 @@ TOOL_CHOICES = ("auto", "none", "required")
 
 
 def _short(v: Any, limit: int = 40) -> str:
-    text = json.dumps(v, ensure_ascii=False) if isinstance(v, str | int | float | bool | None) else repr(v)
+    """v as JSON, cut to `limit` characters (as runner.requests_io quotes values in errors)."""
+    try:
+        text = json.dumps(v, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(v)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
