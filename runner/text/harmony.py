@@ -241,7 +241,7 @@ def render(messages: list[dict], tokenizer, options: HarmonyOptions = HarmonyOpt
         raise ValueError("Harmony needs the o200k_harmony tokenizer (<|start|> = 200006); this "
                          "checkpoint's tokenizer is another")
     turns = [_Turn("system", options.system_text(function_tools=bool(tools)))]
-    namespace = _functions_namespace(tools) if tools else ""
+    namespace = _functions_namespace(json.dumps(tools)) if tools else ""
     if namespace and (not messages or messages[0].get("role") not in ("system", "developer")):
         turns.append(_Turn("developer", namespace))
     called: dict[str, str] = {}  # call id -> function name
@@ -288,16 +288,17 @@ def render(messages: list[dict], tokenizer, options: HarmonyOptions = HarmonyOpt
     for k, t in enumerate(turns):
         if last_is_final and k < first_final and t.channel == "analysis":
             continue
-        ids += [START, *_encode(tokenizer, t.author)]
+        ids += [START, *_encode_fixed(tokenizer, t.author)]
         if t.recipient is not None:
-            ids += _encode(tokenizer, f" to={t.recipient}")
+            ids += _encode_fixed(tokenizer, f" to={t.recipient}")
         if t.channel is not None:
-            ids += [CHANNEL, *_encode(tokenizer, t.channel)]
+            ids += [CHANNEL, *_encode_fixed(tokenizer, t.channel)]
         if t.constrain is not None:
-            ids += [*_encode(tokenizer, " "), CONSTRAIN, *_encode(tokenizer, t.constrain)]
+            ids += [*_encode_fixed(tokenizer, " "), CONSTRAIN, *_encode_fixed(tokenizer, t.constrain)]
         end = CALL if t.author == "assistant" and t.recipient is not None else END
-        ids += [MESSAGE, *_encode(tokenizer, t.text), end]
-    return ids + [START, *_encode(tokenizer, "assistant")]
+        text = (_encode_fixed if t.author in ("system", "developer") else _encode)(tokenizer, t.text)
+        ids += [MESSAGE, *text, end]
+    return ids + [START, *_encode_fixed(tokenizer, "assistant")]
 
 
 def call_prefix(tokenizer, choice: str) -> list[int]:
@@ -312,10 +313,12 @@ def call_prefix(tokenizer, choice: str) -> list[int]:
             CONSTRAIN, *_encode(tokenizer, "json"), MESSAGE]
 
 
-def _functions_namespace(tools: list[dict]) -> str:
-    """openai-harmony's tools section for the "functions" namespace (template_tools_section)."""
+@functools.lru_cache(maxsize=64)
+def _functions_namespace(tools_json: str) -> str:
+    """openai-harmony's tools section for the "functions" namespace (template_tools_section), of
+    the tools as JSON (a job's requests mostly share theirs)."""
     lines = ["## functions\n", "namespace functions {\n"]
-    for t in tools:
+    for t in json.loads(tools_json):
         f = t["function"]
         lines += [f"// {line}" for line in _lines(f.get("description") or "")]
         params = f.get("parameters")
@@ -449,6 +452,13 @@ def _encode(tokenizer, text: str) -> list[int]:
     if "<|" in text and "|>" in text:  # may hold special-token text, which stays plain text
         return _ordinary_encoder().encode(text, add_special_tokens=False).ids
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+@functools.lru_cache(maxsize=512)
+def _encode_fixed(tokenizer, text: str) -> tuple[int, ...]:
+    """_encode for the texts every request repeats (headers, the system message, the developer
+    message with its tools): a tokenizer call costs ~60 us whatever the text's length."""
+    return tuple(_encode(tokenizer, text))
 
 
 # --- parsing --------------------------------------------------------------------------------------

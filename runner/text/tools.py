@@ -18,6 +18,7 @@ Template syntaxes (read off the template's own text, which tells the model how t
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -62,13 +63,27 @@ def check_tools(tools: Any) -> list[dict]:
         if params is not None:
             if not isinstance(params, dict):
                 raise ValueError(f"{where}.function.parameters is not a JSON schema (give an object)")
-            try:
-                jsonschema.Draft202012Validator.check_schema(params)
-            except jsonschema.SchemaError as e:
-                path = "".join(f"[{p!r}]" if isinstance(p, str) else f"[{p}]" for p in e.absolute_path)
-                raise ValueError(f"{where}.function.parameters is not a JSON schema: "
-                                 f"{' '.join(e.message.split())[:120]} (at parameters{path})") from None
+            if problem := _schema_problem(json.dumps(params, sort_keys=True)):
+                raise ValueError(f"{where}.function.parameters is not a JSON schema: {problem}")
     return tools
+
+
+@functools.cache
+def _meta_validator() -> jsonschema.protocols.Validator:
+    """Draft 2020-12's meta-schema validator, as its check_schema builds it (once, not per call)."""
+    meta = jsonschema.Draft202012Validator.META_SCHEMA
+    cls = jsonschema.validators.validator_for(meta, default=jsonschema.Draft202012Validator)
+    return cls(meta, format_checker=cls.FORMAT_CHECKER)
+
+
+@functools.lru_cache(maxsize=1024)
+def _schema_problem(schema_json: str) -> str:
+    """Why a schema (as sorted JSON) fails Draft 2020-12's meta-schema ("" when it passes), as
+    check_schema reports it: its first error. Cached: a job's requests share their tools."""
+    for e in _meta_validator().iter_errors(json.loads(schema_json)):
+        path = "".join(f"[{p!r}]" if isinstance(p, str) else f"[{p}]" for p in e.absolute_path)
+        return f"{' '.join(e.message.split())[:120]} (at parameters{path})"
+    return ""
 
 
 def check_tool_choice(choice: Any, tools: list[dict] | None) -> str:
