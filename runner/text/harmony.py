@@ -308,9 +308,9 @@ def call_prefix(tokenizer, choice: str) -> list[int]:
     if choice in ("auto", "none"):
         return []
     if choice == "required":
-        return [CHANNEL, *_encode(tokenizer, "commentary to=functions")]
-    return [CHANNEL, *_encode(tokenizer, f"commentary to=functions.{choice}"), *_encode(tokenizer, " "),
-            CONSTRAIN, *_encode(tokenizer, "json"), MESSAGE]
+        return [CHANNEL, *_encode_fixed(tokenizer, "commentary to=functions")]
+    return [CHANNEL, *_encode_fixed(tokenizer, f"commentary to=functions.{choice}"),
+            *_encode_fixed(tokenizer, " "), CONSTRAIN, *_encode_fixed(tokenizer, "json"), MESSAGE]
 
 
 @functools.lru_cache(maxsize=64)
