@@ -127,8 +127,8 @@ def parse_request(index: int, line: Line, tokenizer, s: Settings, vocab_size: in
 
     `render_chat(messages, request, tools) -> ids` renders chat requests (default: the
     tokenizer's own chat template); `tools` are the function definitions the prompt offers, or
-    None. Its `call_prefix(choice) -> ids`, where it has one, starts the call that tool_choice
-    "required" or a named function asks for."""
+    None. Its `call_prefix(choice: ToolChoice) -> ids`, where it has one, starts the call that
+    tool_choice "required" or a named function asks for."""
     where = f"line {line.number}"
     try:
         line.text.encode("utf-8")
@@ -258,11 +258,11 @@ def _prompt_ids(d: dict, tokenizer, vocab_size: int, render_chat) -> tuple[list[
     msgs = chat_tools.check_messages(d["messages"])
     tools = chat_tools.check_tools(d["tools"]) if d.get("tools") is not None else None
     choice = chat_tools.check_tool_choice(d.get("tool_choice"), tools)
-    if choice == "none":
+    if choice.mode == "none":
         tools = None  # left out of the prompt; calls in the history are still rendered
     if render_chat is not None:
         forced = getattr(render_chat, "call_prefix", None)
-        if forced is None and choice not in ("auto", "none"):
+        if forced is None and choice.mode not in ("auto", "none"):
             raise ValueError(f"tool_choice={_short(d['tool_choice'])}: this chat format cannot start a call")
         prefix = forced(choice) if forced is not None else []
         return list(render_chat(msgs, d, tools)) + prefix, tools is not None, prefix

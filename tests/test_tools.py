@@ -531,3 +531,13 @@ def test_harmony_tool_choice_starts_the_call(tok, enc, s, choice):
     [c] = r["tool_calls"]
     want = harmony_calls(enc.parse_messages_from_completion_tokens(whole, Role.ASSISTANT))
     assert [(c["function"]["name"], c["function"]["arguments"])] == want and r["finish_reason"] == "tool_calls"
+
+
+def test_a_function_named_like_a_mode_is_still_that_function(family, s):
+    fam, tok, hf = family
+    tools = [{"type": "function", "function": {"name": "none"}}]
+    p = request(tok, s, {"messages": Q, "tools": tools, "tool_choice": {"type": "function", "function": {"name": "none"}}})
+    head = {"qwen2.5": '<tool_call>\n{"name": "none", "arguments":', "llama3.1": '{"name": "none", "parameters":'}[fam]
+    want = hf.apply_chat_template(Q, tools=tools, add_generation_prompt=True)
+    assert p.tools and list(p.prompt_ids) == [*(want["input_ids"] if hasattr(want, "keys") else want),
+                                              *hf.encode(head, add_special_tokens=False)]

@@ -301,15 +301,15 @@ def render(messages: list[dict], tokenizer, options: HarmonyOptions = HarmonyOpt
     return ids + [START, *_encode_fixed(tokenizer, "assistant")]
 
 
-def call_prefix(tokenizer, choice: str) -> list[int]:
-    """The header that makes the assistant's next message a call: to any function for "required"
-    (the model writes ".NAME": o200k splits before the dot, not after), to functions.NAME for a
-    named one ([] for auto)."""
-    if choice in ("auto", "none"):
+def call_prefix(tokenizer, choice) -> list[int]:
+    """The header that makes the assistant's next message a call (choice: a
+    runner.text.tools.ToolChoice): to any function for "required" (the model writes ".NAME":
+    o200k splits before the dot, not after), to functions.NAME for a named one ([] for auto)."""
+    if choice.mode in ("auto", "none"):
         return []
-    if choice == "required":
+    if choice.mode == "required":
         return [CHANNEL, *_encode_fixed(tokenizer, "commentary to=functions")]
-    return [CHANNEL, *_encode_fixed(tokenizer, f"commentary to=functions.{choice}"),
+    return [CHANNEL, *_encode_fixed(tokenizer, f"commentary to=functions.{choice.name}"),
             *_encode_fixed(tokenizer, " "), CONSTRAIN, *_encode_fixed(tokenizer, "json"), MESSAGE]
 
 

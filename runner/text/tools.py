@@ -22,12 +22,17 @@ import functools
 import hashlib
 import json
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 import jsonschema
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 TOOL_CHOICES = ("auto", "none", "required")
+
+
+class ToolChoice(NamedTuple):
+    mode: str  # auto | none (the tools left out of the prompt) | required | function
+    name: str = ""  # the function to call, for mode function
 
 
 def _short(v: Any, limit: int = 40) -> str:
@@ -86,11 +91,11 @@ def _schema_problem(schema_json: str) -> str:
     return ""
 
 
-def check_tool_choice(choice: Any, tools: list[dict] | None) -> str:
-    """The request's tool_choice as "auto", "none" (the tools left out of the prompt), "required",
-    or the name of the one function to call. Raises ValueError naming the field."""
+def check_tool_choice(choice: Any, tools: list[dict] | None) -> ToolChoice:
+    """The request's tool_choice: "auto", "none", "required" or {"type": "function", "function":
+    {"name"}} (one of the tools). Raises ValueError naming the field."""
     if choice is None:
-        return "auto" if tools else "none"
+        return ToolChoice("auto" if tools else "none")
     if isinstance(choice, dict):
         f = choice.get("function")
         if not (choice.get("type") == "function" and isinstance(f, dict) and isinstance(f.get("name"), str)):
@@ -98,24 +103,24 @@ def check_tool_choice(choice: Any, tools: list[dict] | None) -> str:
                              '{"type": "function", "function": {"name": ...}}')
         if f["name"] not in {t["function"]["name"] for t in tools or ()}:
             raise ValueError(f"tool_choice.function.name={_short(f['name'])} is not one of the tools")
-        return f["name"]
+        return ToolChoice("function", f["name"])
     if choice not in TOOL_CHOICES:
         raise ValueError(f'tool_choice={_short(choice)}: use "auto", "none", "required" or a function')
     if choice != "none" and not tools:
         raise ValueError(f"tool_choice={_short(choice)} needs tools")
-    return choice
+    return ToolChoice(choice)
 
 
-def call_prefix(syntax: str, choice: str) -> str:
+def call_prefix(syntax: str, choice: ToolChoice) -> str:
     """The start of a call that the prompt writes for the model, so that it must call: up to the
     function's name for "required", up to its arguments for a named function ("" for auto). It
     ends where the templates' tokenizers split anyway (before a word, after a colon), so the
     model's next token is one it would have written there."""
-    if choice in ("auto", "none"):
+    if choice.mode in ("auto", "none"):
         return ""
     head, args = {"hermes": ('<tool_call>\n{"name": "', "arguments"),
                   "llama3_json": ('{"name": "', "parameters")}[syntax]
-    return head if choice == "required" else f'{head}{choice}", "{args}":'
+    return head if choice.mode == "required" else f'{head}{choice.name}", "{args}":'
 
 
 def check_messages(msgs: Any) -> list[dict]:
