@@ -274,7 +274,8 @@ def _prompt_ids(d: dict, tokenizer, vocab_size: int, render_chat) -> tuple[list[
             "podrun cannot read (it reads Qwen2.5's <tool_call> blocks and Llama 3.1's JSON calls)"))
     ids = tokenizer.encode_chat(chat_tools.template_messages(msgs), add_generation_prompt=True, tools=tools)
     # the template's own text up to the generation prompt, then the call's start as its own text
-    prefix = tokenizer.encode(chat_tools.call_prefix(syntax, choice), add_special_tokens=False) if syntax else []
+    head = chat_tools.call_prefix(syntax, choice) if syntax else ""
+    prefix = tokenizer.encode(head, add_special_tokens=False) if head else []
     return ids + prefix, tools is not None, prefix
 
 

@@ -37,7 +37,7 @@ from runner.text.tokenizer import load_tokenizer
 from tests import test_harmony
 from tests.test_requests import messages as fuzz_messages
 from tests.test_requests import tools as fuzz_tools
-from tests.test_tokenizer import shakespeare_lines, write_folder
+from tests.test_tokenizer import ids_of, shakespeare_lines, write_folder
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 # o200k_harmony: podrun's tokenizer (tok) and openai-harmony's encoding (enc), over one vocabulary
@@ -92,7 +92,8 @@ CONVERSATIONS = {
 SEVERAL_CALLS = [
     user("Weather in Paris and Oslo?"),
     {"role": "assistant", "content": "Checking both.", "tool_calls": [
-        call("a", "get_weather", {"city": "Paris"}), call("b", "get_weather", {"city": "Oslo", "unit": "fahrenheit"})]},
+        call("a", "get_weather", {"city": "Paris"}),
+        call("b", "get_weather", {"city": "Oslo", "unit": "fahrenheit"})]},
     {"role": "tool", "tool_call_id": "a", "content": "21"}, {"role": "tool", "tool_call_id": "b", "content": "50"}]
 
 
@@ -105,7 +106,8 @@ def harmony_reference(enc, messages: list[dict], tools: list[dict] | None) -> li
                                      t["function"].get("parameters")) for t in tools or ()]
     first_is_system = messages[0]["role"] == "system"
     if tools and not first_is_system:
-        conv.append(Message.from_role_and_content(Role.DEVELOPER, DeveloperContent.new().with_function_tools(described)))
+        tools_only = DeveloperContent.new().with_function_tools(described)
+        conv.append(Message.from_role_and_content(Role.DEVELOPER, tools_only))
     names = {}
     for k, m in enumerate(messages):
         if m["role"] == "system":
@@ -179,12 +181,14 @@ TOOL_COMPLETIONS = {
     "call_after_analysis": '<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant'
                            '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
                            '{"city": "Paris"}<|call|>',
-    "call_only": '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Oslo"}<|call|>',
+    "call_only": '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Oslo"}'
+                 '<|call|>',
     "recipient_before_channel": ' to=functions.search-web<|channel|>commentary <|constrain|>json<|message|>'
                                 '{"query": "x"}<|call|>',
     "no_content_type": '<|channel|>commentary to=functions.now<|message|>{}<|call|>',
     "preamble_then_call": '<|channel|>commentary<|message|>Let me look.<|end|><|start|>assistant<|channel|>'
-                          'commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Rome"}<|call|>',
+                          'commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Rome"}'
+                          '<|call|>',
     "call_on_analysis": '<|channel|>analysis to=functions.get_weather <|constrain|>json<|message|>'
                         '{"city": "Lima"}<|call|>',
     "invalid_json": '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": Paris'
@@ -318,7 +322,7 @@ def test_template_tool_prompts_match_apply_chat_template(family, s, name, tools)
     want = hf.apply_chat_template(as_template_gets_them(messages), tools=tools, add_generation_prompt=True,
                                   tokenize=True)
     assert not p.error and p.tools == bool(tools)
-    assert list(p.prompt_ids) == list(want["input_ids"] if hasattr(want, "keys") else want), (
+    assert list(p.prompt_ids) == ids_of(want), (
         tok.decode(p.prompt_ids, skip_special_tokens=False))
 
 
@@ -333,7 +337,8 @@ def completion_of(hf, messages: list[dict], reply: dict) -> str:
 
 
 REPLIES = {
-    "one_call": {"role": "assistant", "tool_calls": [call("x", "get_weather", {"city": "Zürich", "unit": "celsius"})]},
+    "one_call": {"role": "assistant",
+                 "tool_calls": [call("x", "get_weather", {"city": "Zürich", "unit": "celsius"})]},
     "no_arguments": {"role": "assistant", "tool_calls": [call("x", "now", {})]},
     "nested_arguments": {"role": "assistant", "tool_calls": [call("x", "search-web", {
         "query": "a \"b\"\n", "sites": ["x.org"], "filters": {"lang": None, "safe": True}, "limit": 3})]},
@@ -371,7 +376,8 @@ def test_arguments_that_are_not_json_are_kept_and_flagged(family, s, fam, text, 
         return
     _, tok, _ = family
     p = request(tok, s, {"messages": CONVERSATIONS["question"], "tools": TOOLS})
-    [c] = _result_line(p, [Completion(tok.encode(text, add_special_tokens=False), "stop")], tok, False)["tool_calls"]
+    ids = tok.encode(text, add_special_tokens=False)
+    [c] = _result_line(p, [Completion(ids, "stop")], tok, False)["tool_calls"]
     assert (c["function"]["name"], c["function"]["arguments"], c["invalid_arguments"]) == (name, arguments, True)
 
 
@@ -428,7 +434,8 @@ BAD = [
     ({"messages": Q, "tools": {"a": 1}}, 'tools={"a": 1}: give a list of function definitions'),
     ({"messages": [*Q, {"role": "tool", "tool_call_id": "c9", "content": "1"}], "tools": TOOLS},
      'messages[1].tool_call_id="c9" matches no tool call of an earlier assistant message'),
-    ({"messages": [*CONVERSATIONS["one_call_and_result"][:2], {"role": "tool", "tool_call_id": "c2", "content": ""}]},
+    ({"messages": [*CONVERSATIONS["one_call_and_result"][:2],
+                   {"role": "tool", "tool_call_id": "c2", "content": ""}]},
      'messages[2].tool_call_id="c2" matches no tool call'),
     ({"messages": [*Q, {"role": "tool", "content": "1"}]}, "messages[1].tool_call_id must be a string"),
     ({"messages": [*Q, {"role": "assistant", "tool_calls": [
@@ -500,7 +507,7 @@ def test_template_tool_choice_starts_the_call(family, s, choice):
     p = request(tok, s, {"messages": messages, "tools": TOOLS, "tool_choice": tool_choice})
     want = hf.apply_chat_template(as_template_gets_them(messages), tools=TOOLS, add_generation_prompt=True)
     head = FORCED[fam, choice]
-    assert list(p.prompt_ids) == [*(want["input_ids"] if hasattr(want, "keys") else want),
+    assert list(p.prompt_ids) == [*ids_of(want),
                                   *hf.encode(head, add_special_tokens=False)]
     text = completion_of(hf, messages, reply)
     # the prompt stops where the tokenizer splits the template's call anyway
@@ -536,8 +543,10 @@ def test_harmony_tool_choice_starts_the_call(tok, enc, s, choice):
 def test_a_function_named_like_a_mode_is_still_that_function(family, s):
     fam, tok, hf = family
     tools = [{"type": "function", "function": {"name": "none"}}]
-    p = request(tok, s, {"messages": Q, "tools": tools, "tool_choice": {"type": "function", "function": {"name": "none"}}})
-    head = {"qwen2.5": '<tool_call>\n{"name": "none", "arguments":', "llama3.1": '{"name": "none", "parameters":'}[fam]
+    choice = {"type": "function", "function": {"name": "none"}}
+    p = request(tok, s, {"messages": Q, "tools": tools, "tool_choice": choice})
+    head = {"qwen2.5": '<tool_call>\n{"name": "none", "arguments":',
+            "llama3.1": '{"name": "none", "parameters":'}[fam]
     want = hf.apply_chat_template(Q, tools=tools, add_generation_prompt=True)
-    assert p.tools and list(p.prompt_ids) == [*(want["input_ids"] if hasattr(want, "keys") else want),
+    assert p.tools and list(p.prompt_ids) == [*ids_of(want),
                                               *hf.encode(head, add_special_tokens=False)]

@@ -369,7 +369,8 @@ def _typescript(schema, indent: str) -> str:
         out = ""
         for variant in one_of:
             out += f"\n{indent} | "
-            out += _nullable(variant, _typescript(variant, indent + "   ")) if isinstance(variant, dict) else "any"
+            ts = _typescript(variant, indent + "   ")
+            out += _nullable(variant, ts) if isinstance(variant, dict) else ts
             notes = [variant["description"]] if isinstance(variant, dict) and isinstance(
                 variant.get("description"), str) else []
             if isinstance(variant, dict) and (d := _default(variant, enum_raw=False)) is not None:

@@ -239,8 +239,8 @@ def _chat_templates(config: dict) -> dict[str, str]:
     ([{"name": "default", "template": ...}, {"name": "tool_use", ...}])."""
     t = config.get("chat_template")
     if isinstance(t, list):
-        return {x["name"]: x["template"] for x in t
-                if isinstance(x, dict) and isinstance(x.get("name"), str) and isinstance(x.get("template"), str)}
+        return {x["name"]: x["template"] for x in t if isinstance(x, dict)
+                and isinstance(x.get("name"), str) and isinstance(x.get("template"), str)}
     return {"default": t} if isinstance(t, str) else {}
 
 

@@ -176,7 +176,8 @@ def _check_call(c: Any, where: str) -> str:
     try:
         decoded = json.loads(args)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{where}.function.arguments is not valid JSON: {e.msg} (column {e.colno})") from None
+        raise ValueError(f"{where}.function.arguments is not valid JSON: {e.msg} "
+                         f"(column {e.colno})") from None
     if not isinstance(decoded, dict):
         raise ValueError(f"{where}.function.arguments={_short(args)} is not a JSON object")
     return c["id"]
