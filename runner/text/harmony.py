@@ -13,6 +13,10 @@ A chat renders as
 and the model completes it with
     <|channel|>analysis<|message|>{reasoning}<|end|>
     <|start|>assistant<|channel|>final<|message|>{answer}<|return|>
+With tools, the developer message also declares them (`# Tools ... namespace functions {...}`),
+and a call and its result read
+    <|start|>assistant to=functions.NAME<|channel|>commentary <|constrain|>json<|message|>{args}<|call|>
+    <|start|>functions.NAME to=assistant<|channel|>commentary<|message|>{result}<|end|>
 """
 
 from __future__ import annotations
