@@ -36,11 +36,8 @@ class ToolChoice(NamedTuple):
 
 
 def _short(v: Any, limit: int = 40) -> str:
-    """v as JSON, cut to `limit` characters (as runner.requests_io quotes values in errors)."""
-    try:
-        text = json.dumps(v, ensure_ascii=False)
-    except (TypeError, ValueError):
-        text = repr(v)
+    """v as JSON (request values are JSON), cut to `limit` characters: errors quote what was sent."""
+    text = json.dumps(v, ensure_ascii=False, default=repr)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
