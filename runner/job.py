@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 import os
 import sys
@@ -22,6 +23,7 @@ from runner.engine import Completion, Engine, Request, Scheduler, Stats, hugepag
 from runner.requests_io import AllFailedError, Parsed, Results, parse_request, read_lines
 from runner.settings import Settings
 from runner.text.tokenizer import load_tokenizer
+from runner.text.tools import call_syntax, parse_calls, tool_call
 from sharding.mesh import make_mesh
 from sharding.rules import Rules
 
@@ -231,16 +233,18 @@ def answer(s: Settings, loaded: tuple | None = None) -> Summary:
 
 def chat_format(model, tokenizer, s: Settings):
     """(render, parse, stop ids) for chat requests: Harmony for GPT-OSS (ending on <|return|> or
-    <|call|>), else the checkpoint's own template and no parsing."""
+    <|call|>), else the checkpoint's own template, whose completions are read only for tool calls."""
     if model.family != "gptoss" or tokenizer is None:
         return None, None, ()
     from runner.text import harmony
 
-    def render(messages: list[dict], request: dict) -> list[int]:
+    def render(messages: list[dict], request: dict, tools: list[dict] | None = None) -> list[int]:
         effort = request.get("reasoning_effort", s.generation.reasoning_effort)
         if effort not in ("low", "medium", "high"):
             raise ValueError(f"reasoning_effort={effort!r}: use low, medium or high")
-        return harmony.render(messages, tokenizer, harmony.HarmonyOptions(reasoning_effort=effort))
+        return harmony.render(messages, tokenizer, harmony.HarmonyOptions(reasoning_effort=effort), tools)
+
+    render.call_prefix = lambda choice: harmony.call_prefix(tokenizer, choice)
 
     return render, lambda ids: harmony.parse(ids, tokenizer), tuple(harmony.STOP_TOKEN_IDS)
 
@@ -249,7 +253,7 @@ def _result_line(p: Parsed, samples: list[Completion], tokenizer, echo: bool,
                  parse_chat=None) -> dict:
     """The results file's line for request p and its samples' completions: one sample's fields
     at the top, several as `choices`."""
-    choices = [_choice(p, c, tokenizer, parse_chat) for c in samples]
+    choices = [_choice(p, c, tokenizer, parse_chat, sample=k) for k, c in enumerate(samples)]
     used = sum(len(c["token_ids"]) for c in choices)
     r = {"id": p.id, **choices[0]} if p.n == 1 else {
         "id": p.id, "choices": [{"index": k, **c} for k, c in enumerate(choices)]}
@@ -269,22 +273,45 @@ def _result_line(p: Parsed, samples: list[Completion], tokenizer, echo: bool,
     return r
 
 
-def _choice(p: Parsed, c: Completion, tokenizer, parse_chat=None) -> dict:
-    """One sample's text, tokens, finish reason (and log-probabilities when asked)."""
+def _choice(p: Parsed, c: Completion, tokenizer, parse_chat=None, sample: int = 0) -> dict:
+    """One sample's text, tokens, finish reason (and log-probabilities when asked); with tools
+    offered, the calls it made as `tool_calls` (text: what it wrote outside them) and
+    finish_reason "tool_calls"."""
     text, ids, stopped = cut_at_stop(tokenizer, c.token_ids, p.stop)
     r = {"text": text, "token_ids": ids, "finish_reason": "stop" if stopped else c.finish_reason}
+    calls = []  # (name, arguments, valid)
     if p.chat and parse_chat is not None:  # Harmony: channels apart, the final one as the text
-        h = parse_chat(ids)
+        h = parse_chat([*p.call_prefix, *ids])
         r.update(text=h.text, reasoning=h.reasoning)
-        if h.commentary:
+        if p.tools and h.calls and r["finish_reason"] == "stop":  # arguments go in tool_calls
+            calls = [(name, args, _is_json(args)) for name, args in h.calls]
+            if h.preamble:
+                r["commentary"] = h.preamble
+        elif h.commentary:
             r["commentary"] = h.commentary
         if h.error or not h.complete:
             r["chat_format_error"] = h.error or "incomplete"
             r["raw"] = h.raw
+    elif p.tools and tokenizer is not None and r["finish_reason"] == "stop":  # the template's syntax
+        syntax = call_syntax(tokenizer.chat_template_for([]))
+        head = tokenizer.decode(p.call_prefix) if p.call_prefix else ""
+        r["text"], calls = parse_calls(head + text, syntax) if syntax else (text, [])
+    if calls:  # read only from a completion that ended, not one cut off (its text stays as is)
+        r["tool_calls"] = [tool_call(name, args, f"{p.id!r}/{sample}/{k}/{ids}", valid)
+                           for k, (name, args, valid) in enumerate(calls)]
+        r["finish_reason"] = "tool_calls"
     if p.logprobs is not None:
         r["logprobs"] = {"content": [_logprob(t, x, p.logprobs, tokenizer)
                                      for t, x in zip(ids, c.logprobs)]}
     return r
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _logprob(token: int, x, k: int, tokenizer) -> dict:

@@ -2,10 +2,11 @@
 
 A request line: {"id": ..., "prompt": "..."} | {"id": ..., "messages": [{"role", "content"}]} |
 {"id": ..., "prompt_token_ids": [...]}, with optional max_tokens, temperature, top_p, top_k, stop,
-seed, n, logprobs (top_logprobs), prompt_logprobs and continuation. A result line: {"id", "text",
-"token_ids", "finish_reason", "usage": {"prompt_tokens", "completion_tokens"}} (+ "logprobs",
-"prompt_logprobs", "continuation", "prompt_token_ids" when asked), with n > 1 {"id", "choices":
-[{"index", "text", ...}], "usage"}, or {"id", "error"}.
+seed, n, logprobs (top_logprobs), prompt_logprobs, continuation, and for chats tools and
+tool_choice (runner/text/tools.py). A result line: {"id", "text", "token_ids", "finish_reason",
+"usage": {"prompt_tokens", "completion_tokens"}} (+ "logprobs", "prompt_logprobs", "continuation",
+"prompt_token_ids" when asked, "tool_calls" when the model called a tool), with n > 1 {"id",
+"choices": [{"index", "text", ...}], "usage"}, or {"id", "error"}.
 
 Results are appended to `<output>.partial` as each batch completes (whole lines, flushed and synced);
 a rerun with the same input and output skips what is already there. When every request is done the
@@ -33,6 +34,7 @@ from etils import epath
 
 from runner.engine.engine import MAX_LOGPROBS  # alternatives per token the programs compute
 from runner.settings import Settings
+from runner.text import tools as chat_tools
 
 
 class RequestFileError(ValueError):
@@ -67,14 +69,18 @@ class Parsed:
     logprobs: int | None = None  # alternatives per generated token (None: no log-probabilities)
     prompt_logprobs: int | None = None  # alternatives per prompt token
     continuation: int = 0  # the prompt's last tokens that are a continuation to score
+    tools: bool = False  # the prompt offers tools: tool calls are read out of the completion
+    # The start of a call the prompt ends with (tool_choice required or a function): read before
+    # the completion when its calls are read.
+    call_prefix: tuple[int, ...] = ()
 
 
 # A request line's fields. FUTURE are fields of formats podrun does not serve yet (OpenAI Batch
-# lines, tools, structured output): named as such, not as typos.
+# lines, structured output): named as such, not as typos.
 FIELDS = ("id", "prompt", "messages", "prompt_token_ids", "max_tokens", "temperature", "top_p",
           "top_k", "stop", "seed", "reasoning_effort", "n", "logprobs", "top_logprobs",
-          "prompt_logprobs", "continuation")
-FUTURE = ("custom_id", "method", "url", "body", "tools", "tool_choice", "response_format")
+          "prompt_logprobs", "continuation", "tools", "tool_choice")
+FUTURE = ("custom_id", "method", "url", "body", "response_format")
 INT32_MAX = 2**31 - 1
 MAX_N = 128  # samples per request
 
@@ -119,8 +125,10 @@ def parse_request(index: int, line: Line, tokenizer, s: Settings, vocab_size: in
     """One line -> a request ready to generate, or one carrying the reason it cannot be served.
     Never raises: whatever the line holds, it gets its own result.
 
-    `render_chat(messages, request) -> ids` renders chat requests (default: the tokenizer's own
-    chat template)."""
+    `render_chat(messages, request, tools) -> ids` renders chat requests (default: the
+    tokenizer's own chat template); `tools` are the function definitions the prompt offers, or
+    None. Its `call_prefix(choice: ToolChoice) -> ids`, where it has one, starts the call that
+    tool_choice "required" or a named function asks for."""
     where = f"line {line.number}"
     try:
         line.text.encode("utf-8")
@@ -160,7 +168,7 @@ def parse_request(index: int, line: Line, tokenizer, s: Settings, vocab_size: in
         stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
         if not isinstance(stop, list | tuple) or not all(isinstance(x, str) and x for x in stop):
             raise ValueError(f"stop={_short(d['stop'])}: give a non-empty string or a list of them")
-        ids = _prompt_ids(d, tokenizer, vocab_size, render_chat)
+        ids, offered, prefix = _prompt_ids(d, tokenizer, vocab_size, render_chat)
         if not ids:
             raise ValueError("the prompt is empty")
         continuation = _continuation(d, tokenizer, vocab_size)
@@ -180,7 +188,7 @@ def parse_request(index: int, line: Line, tokenizer, s: Settings, vocab_size: in
     return Parsed(index, rid, tuple(ids), "", max_tokens, temperature, top_k, top_p,
                   tuple(stop) + s.generation.stop, row_seed, chat="messages" in d, n=n,
                   logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                  continuation=len(continuation))
+                  continuation=len(continuation), tools=offered, call_prefix=tuple(prefix))
 
 
 def _logprobs(d: dict) -> tuple[int | None, int | None]:
@@ -225,10 +233,13 @@ def _continuation(d: dict, tokenizer, vocab_size: int) -> list[int]:
     return list(ids)
 
 
-def _prompt_ids(d: dict, tokenizer, vocab_size: int, render_chat) -> list[int]:
+def _prompt_ids(d: dict, tokenizer, vocab_size: int, render_chat) -> tuple[list[int], bool, list[int]]:
+    """The prompt's ids, whether it offers tools, and the start of a call it ends with."""
     given = [k for k in ("prompt", "messages", "prompt_token_ids") if k in d]
     if len(given) != 1:
         raise ValueError(f"give exactly one of prompt, messages, prompt_token_ids (got {given or 'none'})")
+    if "messages" not in d and (d.get("tools") is not None or d.get("tool_choice") is not None):
+        raise ValueError("tools and tool_choice go with messages")
     if "prompt_token_ids" in d:
         ids = d["prompt_token_ids"]
         if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
@@ -237,22 +248,35 @@ def _prompt_ids(d: dict, tokenizer, vocab_size: int, render_chat) -> list[int]:
         if outside is not None:
             raise ValueError(f"prompt_token_ids[{outside}]={_short(ids[outside])} is outside the "
                              f"vocabulary of {vocab_size} ids (0 to {vocab_size - 1})")
-        return ids
+        return ids, False, []
     if tokenizer is None:
         raise ValueError("this checkpoint has no tokenizer; send prompt_token_ids instead of text")
     if "prompt" in d:
         if not isinstance(d["prompt"], str):
             raise ValueError("prompt must be a string")
-        return tokenizer.encode(d["prompt"]) if d["prompt"] else []
-    msgs = d["messages"]
-    if not isinstance(msgs, list) or not msgs or not all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-        for m in msgs
-    ):
-        raise ValueError("messages must be a non-empty list of {role: str, content: str}")
+        return (tokenizer.encode(d["prompt"]) if d["prompt"] else []), False, []
+    msgs = chat_tools.check_messages(d["messages"])
+    tools = chat_tools.check_tools(d["tools"]) if d.get("tools") is not None else None
+    choice = chat_tools.check_tool_choice(d.get("tool_choice"), tools)
+    if choice.mode == "none":
+        tools = None  # left out of the prompt; calls in the history are still rendered
     if render_chat is not None:
-        return render_chat(msgs, d)
-    return tokenizer.encode_chat(msgs, add_generation_prompt=True)
+        forced = getattr(render_chat, "call_prefix", None)
+        if forced is None and choice.mode not in ("auto", "none"):
+            raise ValueError(f"tool_choice={_short(d['tool_choice'])}: this chat format cannot start a call")
+        prefix = forced(choice) if forced is not None else []
+        return list(render_chat(msgs, d, tools)) + prefix, tools is not None, prefix
+    template = tokenizer.chat_template_for(tools)
+    syntax = chat_tools.call_syntax(template) if tools is not None else None
+    if tools is not None and syntax is None:
+        raise ValueError("tools: this checkpoint's chat template " + (
+            "does not render tools" if "tools" not in (template or "") else "asks for a tool-call syntax "
+            "podrun cannot read (it reads Qwen2.5's <tool_call> blocks and Llama 3.1's JSON calls)"))
+    ids = tokenizer.encode_chat(chat_tools.template_messages(msgs), add_generation_prompt=True, tools=tools)
+    # the template's own text up to the generation prompt, then the call's start as its own text
+    head = chat_tools.call_prefix(syntax, choice) if syntax else ""
+    prefix = tokenizer.encode(head, add_special_tokens=False) if head else []
+    return ids + prefix, tools is not None, prefix
 
 
 def is_remote(path: str) -> bool:

@@ -97,7 +97,7 @@ def test_bad_requests_get_an_error_and_the_rest_completes(model_dir, tmp_path):
         {"id": "big", "prompt_token_ids": [999999, 5]},
         {"id": "negative", "prompt_token_ids": [-5, 5]},
         {"id": "typo", "prompt_token_ids": [5], "max_tokenz": 3},
-        {"id": "later", "prompt_token_ids": [5], "tools": []},
+        {"id": "later", "prompt_token_ids": [5], "response_format": {"type": "json_object"}},
         {"id": "stop", "prompt_token_ids": [5], "stop": 5},
         {"id": "huge", "prompt_token_ids": [5], "top_k": 10**40},
         '{"id": "inf", "prompt_token_ids": [5], "temperature": Infinity}',
@@ -123,7 +123,7 @@ def test_bad_requests_get_an_error_and_the_rest_completes(model_dir, tmp_path):
     assert "prompt_token_ids[0]=999999" in r["big"]["error"] and f"{VOCAB} ids" in r["big"]["error"]
     assert "prompt_token_ids[0]=-5" in r["negative"]["error"]
     assert "'max_tokenz'" in r["typo"]["error"] and "'max_tokens'" in r["typo"]["error"]
-    assert "'tools'" in r["later"]["error"] and "not supported" in r["later"]["error"]
+    assert "'response_format'" in r["later"]["error"] and "not supported" in r["later"]["error"]
     assert r["stop"]["error"].startswith("stop=5")
     assert "top_k" in r["huge"]["error"] and "out of range" in r["huge"]["error"]
     assert "temperature" in r["inf"]["error"]

@@ -216,7 +216,9 @@ def test_render_reads_every_reasoning_field_name(tok):
 
 
 def test_render_refuses_what_it_cannot_render(tok):
-    with pytest.raises(ValueError, match="role 'tool'"):
+    with pytest.raises(ValueError, match="role 'robot'"):
+        render([{"role": "robot", "content": "{}"}], tok)
+    with pytest.raises(ValueError, match="a tool result that answers no earlier call"):
         render([{"role": "tool", "content": "{}"}], tok)
     with pytest.raises(ValueError, match="channel"):
         render([assistant("x", channel="thoughts")], tok)

@@ -40,7 +40,18 @@ json_values = st.recursive(
     max_leaves=12)
 messages = st.lists(st.fixed_dictionaries(
     {"role": st.sampled_from(["user", "assistant", "system", "tool", "robot"]) | st.integers(),
-     "content": st.text(max_size=40) | json_values}), max_size=3)
+     "content": st.text(max_size=40) | json_values},
+    optional={"tool_calls": json_values | st.lists(st.fixed_dictionaries(
+        {"id": st.sampled_from(["c1", "c2"]) | json_values, "type": st.just("function") | json_values,
+         "function": st.fixed_dictionaries({"name": st.text(max_size=8) | json_values,
+                                            "arguments": st.sampled_from(["{}", '{"a": 1}', "{", "[]"])
+                                            | json_values})}), max_size=2),
+              "tool_call_id": st.sampled_from(["c1", "c2"]) | json_values}), max_size=3)
+tools = st.lists(st.fixed_dictionaries({"type": st.just("function") | json_values, "function": st.fixed_dictionaries(
+    {"name": st.sampled_from(["f", "g", "a b"]) | json_values},
+    optional={"description": st.text(max_size=10) | json_values,
+              "parameters": st.just({"type": "object"}) | st.just({"type": "objekt"}) | json_values})}),
+    max_size=2)
 field_values = {
     "id": json_values, "prompt": st.text(max_size=80) | json_values, "messages": messages | json_values,
     "prompt_token_ids": st.lists(st.integers(-10, VOCAB_SIZE + 10) | st.integers(), max_size=80) | json_values,
@@ -51,6 +62,7 @@ field_values = {
     "n": st.integers(-2, 200) | json_values, "logprobs": st.integers(-2, 25) | st.booleans() | json_values,
     "top_logprobs": st.integers(-2, 25) | json_values, "prompt_logprobs": st.integers(-2, 25) | json_values,
     "continuation": st.text(max_size=20) | st.lists(st.integers(-10, VOCAB_SIZE + 10), max_size=8) | json_values,
+    "tools": tools | json_values, "tool_choice": st.sampled_from(["auto", "none", "required"]) | json_values,
     **{k: json_values for k in FUTURE}, "max_tokenz": json_values, "": json_values}
 requests = st.fixed_dictionaries({}, optional=field_values)
 lines = st.one_of(

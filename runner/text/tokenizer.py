@@ -50,7 +50,9 @@ class Tokenizer:
 
     def __init__(self, config: dict, generation_config: dict, vocab_size: int):
         self.vocab_size = vocab_size
-        self.chat_template = _chat_template(config)
+        self.chat_templates = _chat_templates(config)  # {"default": ..., "tool_use": ...}
+        self.chat_template = self.chat_templates.get("default", next(iter(self.chat_templates.values()),
+                                                                    None))
         # {"bos_token": "<s>", ...}: the template's variables, as transformers' special_tokens_map.
         self.special_tokens = {k: s for k in _SPECIAL_NAMES if (s := _token_str(config.get(k)))}
         self.bos_token_id = self.token_to_id(self.special_tokens.get("bos_token"))
@@ -69,21 +71,31 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         raise NotImplementedError
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The chat as text, as transformers' apply_chat_template(tokenize=False) renders it."""
-        if self.chat_template is None:
+    def chat_template_for(self, tools: list[dict] | None) -> str | None:
+        """The template apply_chat_template picks: a checkpoint's "tool_use" one when tools are given."""
+        if tools is not None and "tool_use" in self.chat_templates:
+            return self.chat_templates["tool_use"]
+        return self.chat_template
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
+        """The chat as text, as transformers' apply_chat_template(tokenize=False, tools=tools)
+        renders it (messages and tools are passed to the template as given)."""
+        template = self.chat_template_for(tools)
+        if template is None:
             raise TokenizerError("this checkpoint has no chat template; send a prompt instead of messages")
         try:
-            return _compile(self.chat_template).render(
-                messages=[_message(m) for m in messages], tools=None, documents=None,
+            return _compile(template).render(
+                messages=[_message(m) for m in messages], tools=tools, documents=None,
                 add_generation_prompt=add_generation_prompt, **self.special_tokens,
             )
         except jinja2.TemplateError as e:
             raise TokenizerError(f"the chat template failed: {_one_line(e)}") from e
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
         """apply_chat_template(tokenize=True): the template writes BOS itself where it wants one."""
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
 
 
 class _FastTokenizer(Tokenizer):
@@ -222,12 +234,14 @@ def _token_str(t) -> str | None:
     return t.get("content") if isinstance(t, dict) else t if isinstance(t, str) else None
 
 
-def _chat_template(config: dict) -> str | None:
+def _chat_templates(config: dict) -> dict[str, str]:
+    """{name: template}: one template is "default"; a list names several
+    ([{"name": "default", "template": ...}, {"name": "tool_use", ...}])."""
     t = config.get("chat_template")
-    if isinstance(t, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
-        named = {x["name"]: x["template"] for x in t if isinstance(x, dict)}
-        t = named.get("default", next(iter(named.values()), None))
-    return t if isinstance(t, str) else None
+    if isinstance(t, list):
+        return {x["name"]: x["template"] for x in t if isinstance(x, dict)
+                and isinstance(x.get("name"), str) and isinstance(x.get("template"), str)}
+    return {"default": t} if isinstance(t, str) else {}
 
 
 # --- chat templates -------------------------------------------------------------------------------
