@@ -67,14 +67,16 @@ class Parsed:
     logprobs: int | None = None  # alternatives per generated token (None: no log-probabilities)
     prompt_logprobs: int | None = None  # alternatives per prompt token
     continuation: int = 0  # the prompt's last tokens that are a continuation to score
+    api: str = ""  # an OpenAI Batch line's object (chat.completion, text_completion); "": podrun's
 
 
-# A request line's fields. FUTURE are fields of formats podrun does not serve yet (OpenAI Batch
-# lines, tools, structured output): named as such, not as typos.
+# A request line's fields. FUTURE are fields podrun does not serve yet (tools, structured output):
+# named as such, not as typos. BATCH are an OpenAI Batch line's (runner/openai_batch.py).
 FIELDS = ("id", "prompt", "messages", "prompt_token_ids", "max_tokens", "temperature", "top_p",
           "top_k", "stop", "seed", "reasoning_effort", "n", "logprobs", "top_logprobs",
           "prompt_logprobs", "continuation")
-FUTURE = ("custom_id", "method", "url", "body", "tools", "tool_choice", "response_format")
+FUTURE = ("tools", "tool_choice", "response_format")
+BATCH = ("custom_id", "method", "url", "body")
 INT32_MAX = 2**31 - 1
 MAX_N = 128  # samples per request
 
@@ -107,11 +109,33 @@ def _unknown(d: dict) -> str:
             continue
         if key in FUTURE:
             return f"field {key!r} is not supported by this version of podrun"
+        if key in BATCH:
+            return (f"field {key!r} belongs to OpenAI Batch lines ({', '.join(BATCH)}), and this "
+                    "line is in podrun's format: give one format per file")
         near = difflib.get_close_matches(key, FIELDS, n=1)
         hint = f"did you mean {near[0]!r}? " if near else ""
         name = key if len(key) <= 40 else key[:37] + "..."
         return f"unknown field {name!r}: {hint}request fields are {', '.join(FIELDS)}"
     return ""
+
+
+def decode(line: Line) -> tuple[dict | None, str]:
+    """A line's JSON object, or None and the one-line reason it is not one."""
+    where = f"line {line.number}"
+    try:
+        line.text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        byte = len(line.text[: e.start].encode("utf-8", "surrogateescape")) + 1
+        return None, f"{where} is not UTF-8 (byte {byte} of the line)"
+    try:
+        d = json.loads(line.text)
+    except json.JSONDecodeError as e:
+        return None, f"{where} is not valid JSON: {e.msg} (column {e.colno})"
+    except RecursionError:
+        return None, f"{where} is JSON nested too deeply to read"
+    if not isinstance(d, dict):
+        return None, f"{where} is not a JSON object"
+    return d, ""
 
 
 def parse_request(index: int, line: Line, tokenizer, s: Settings, vocab_size: int,
@@ -121,21 +145,16 @@ def parse_request(index: int, line: Line, tokenizer, s: Settings, vocab_size: in
 
     `render_chat(messages, request) -> ids` renders chat requests (default: the tokenizer's own
     chat template)."""
-    where = f"line {line.number}"
-    try:
-        line.text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        byte = len(line.text[: e.start].encode("utf-8", "surrogateescape")) + 1
-        return Parsed(index, line.number, error=f"{where} is not UTF-8 (byte {byte} of the line)")
-    try:
-        d = json.loads(line.text)
-    except json.JSONDecodeError as e:
-        return Parsed(index, line.number, error=f"{where} is not valid JSON: {e.msg} (column {e.colno})")
-    except RecursionError:
-        return Parsed(index, line.number, error=f"{where} is JSON nested too deeply to read")
-    if not isinstance(d, dict):
-        return Parsed(index, line.number, error=f"{where} is not a JSON object")
-    rid = d.get("id", line.number)
+    d, error = decode(line)
+    if d is None:
+        return Parsed(index, line.number, error=error)
+    return parse_fields(index, line.number, d, d.get("id", line.number), tokenizer, s, vocab_size,
+                        render_chat)
+
+
+def parse_fields(index: int, number: int, d: dict, rid: Any, tokenizer, s: Settings, vocab_size: int,
+                 render_chat=None) -> Parsed:
+    """A request's fields (line `number`'s, answered as `rid`) -> a request or its error."""
     g, samp = s.generation, s.sampling
     try:
         if unknown := _unknown(d):
@@ -176,7 +195,7 @@ def parse_request(index: int, line: Line, tokenizer, s: Settings, vocab_size: in
     # A request's random stream is its own seed's, wherever it stands in the file and whatever
     # runs beside it; without one, sampling.seed's mixed with the request's line number.
     row_seed = (seed if "seed" in d and d["seed"] is not None
-                else samp.seed * 1_000_003 + line.number) % (2**32)
+                else samp.seed * 1_000_003 + number) % (2**32)
     return Parsed(index, rid, tuple(ids), "", max_tokens, temperature, top_k, top_p,
                   tuple(stop) + s.generation.stop, row_seed, chat="messages" in d, n=n,
                   logprobs=logprobs, prompt_logprobs=prompt_logprobs,
