@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import openai
@@ -16,17 +17,38 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
+from scipy.special import log_softmax
 
 from runner import openai_batch
 from runner.engine.engine import MAX_LOGPROBS, Completion as Sample, TokenLogprobs
 from runner.job import _result_line
 from runner.openai_batch import FileFormat, file_format, parse_line
 from runner.requests_io import Line, Parsed, RequestFileError, parse_request
-from tests.test_requests import VOCAB_SIZE, json_values, problems, s, tok  # noqa: F401 (fixtures)
+from runner.text.tokenizer import load_tokenizer
+from tests.reference import VOCAB, hf_greedy, hf_logits, tiny_hf
+from tests.test_end_to_end import ROOT, podrun, read_jsonl, write_jsonl
+from tests.test_requests import VOCAB_SIZE, json_values, problems
+from tests.test_harmony import enc, vocab_dir  # noqa: F401 (fixtures: openai-harmony's encoding)
 from tests.test_tokenizer import bpe_folder  # noqa: F401 (a fixture: a BPE tokenizer with a chat template)
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "openai_batch")
 BATCH = FileFormat(True, 1)
+
+
+@pytest.fixture(scope="module")
+def tok(bpe_folder):  # noqa: F811
+    return load_tokenizer(bpe_folder)
+
+
+@pytest.fixture(scope="module")
+def s():
+    from configs.cpu import get_config
+    from runner.settings import from_config
+
+    c = get_config("/unused")
+    c.generation.max_prompt_len, c.generation.max_new_tokens = 64, 16
+    return from_config(c)
+
 CHAT = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "To be?"}]}
 
 
@@ -34,7 +56,7 @@ def batch_line(body, url="/v1/chat/completions", custom_id="c1", **envelope):
     return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body, **envelope})
 
 
-def parsed(tok, s, text, number=4, fmt=BATCH):  # noqa: F811
+def parsed(tok, s, text, number=4, fmt=BATCH):
     return parse_line(0, Line(number, text), fmt, tok, s, VOCAB_SIZE)
 
 
@@ -47,7 +69,7 @@ def fields(p: Parsed) -> dict:
 
 # --- input ------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("body, podrun", [
+@pytest.mark.parametrize("body, equivalent", [
     # vLLM's example lines: the model named is not the deployment's and is not checked
     ({"model": "meta-llama/Meta-Llama-3-8B-Instruct", **CHAT, "max_completion_tokens": 7}, {**CHAT, "max_tokens": 7}),
     ({**CHAT, "max_tokens": 3, "temperature": 0.5, "top_p": 0.9, "top_k": 4, "n": 2, "stop": "x", "seed": 9,
@@ -60,24 +82,24 @@ def fields(p: Parsed) -> dict:
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "To"}, {"type": "text", "text": "be?"}]}]},
      {"messages": [{"role": "user", "content": "To\nbe?"}]}),
 ])
-def test_chat_bodies_make_the_requests_podrun_lines_make(tok, s, body, podrun):  # noqa: F811
+def test_chat_bodies_make_the_requests_podrun_lines_make(tok, s, body, equivalent):
     p = parsed(tok, s, batch_line(body))
-    want = parse_request(0, Line(4, json.dumps(podrun)), tok, s, VOCAB_SIZE)
+    want = parse_request(0, Line(4, json.dumps(equivalent)), tok, s, VOCAB_SIZE)
     assert not p.error and not want.error, (p.error, want.error)
     assert (p.id, p.api) == ("c1", "chat.completion")
     assert fields(p) == fields(want)
 
 
-@pytest.mark.parametrize("body, podrun", [
+@pytest.mark.parametrize("body, equivalent", [
     ({"model": "x", "prompt": "To be, or not", "max_tokens": 5, "logprobs": 2, "echo": False, "best_of": 1,
       "suffix": None}, {"prompt": "To be, or not", "max_tokens": 5, "logprobs": 2}),
     ({"prompt": [5, 6, 7]}, {"prompt_token_ids": [5, 6, 7]}),
     ({"prompt": [[5, 6, 7]], "stop": ["a", "b"]}, {"prompt_token_ids": [5, 6, 7], "stop": ["a", "b"]}),
     ({"prompt": ["To be"]}, {"prompt": "To be"}),
 ])
-def test_completion_bodies_make_the_requests_podrun_lines_make(tok, s, body, podrun):  # noqa: F811
+def test_completion_bodies_make_the_requests_podrun_lines_make(tok, s, body, equivalent):
     p = parsed(tok, s, batch_line(body, url="/v1/completions"))
-    want = parse_request(0, Line(4, json.dumps(podrun)), tok, s, VOCAB_SIZE)
+    want = parse_request(0, Line(4, json.dumps(equivalent)), tok, s, VOCAB_SIZE)
     assert not p.error and not want.error, (p.error, want.error)
     assert (p.id, p.api) == ("c1", "text_completion")
     assert fields(p) == fields(want)
@@ -124,7 +146,7 @@ BAD = [  # (line, the start of its error, the param named)
 
 
 @pytest.mark.parametrize("line, error, param", BAD)
-def test_bad_batch_lines_get_an_error_naming_the_field(tok, s, line, error, param):  # noqa: F811
+def test_bad_batch_lines_get_an_error_naming_the_field(tok, s, line, error, param):
     p = parsed(tok, s, line)
     assert p.error.startswith(error), p.error
     out = openai_batch.error_line(p)
@@ -166,7 +188,7 @@ batch_lines = st.fixed_dictionaries(
 
 @settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(d=batch_lines, number=st.integers(1, 10**6))
-def test_any_batch_line_gets_a_request_or_a_one_line_error(tok, s, d, number):  # noqa: F811
+def test_any_batch_line_gets_a_request_or_a_one_line_error(tok, s, d, number):
     p = parse_line(0, Line(number, json.dumps(d)), BATCH, tok, s, VOCAB_SIZE)
     assert not problems(p, s), (p, problems(p, s))
     assert p.error or (p.api and isinstance(p.id, str))
@@ -179,7 +201,7 @@ def read(name: str) -> list[Line]:
             if t.strip()]
 
 
-def test_vllm_test_files_get_their_errors_per_line(tok, s):  # noqa: F811
+def test_vllm_test_files_get_their_errors_per_line(tok, s):
     """vLLM's run-batch test inputs (tests/data/openai_batch/README.md): a bad url and stream
     "True" get errors; a model name podrun does not serve is answered by the deployment; a line
     without its custom_id gets an error, and the next line its answer."""
@@ -229,7 +251,7 @@ def sample(ids, finish="length", seed=0):
     return Sample(list(ids), finish, logprobs=logprobs)
 
 
-def test_chat_results_are_chat_completions(tok, s):  # noqa: F811
+def test_chat_results_are_chat_completions(tok, s):
     body = {**CHAT, "n": 2, "logprobs": True, "top_logprobs": 3, "max_tokens": 5}
     p = parsed(tok, s, batch_line(body, custom_id="q-1"))
     ids = [tok.encode("To be or not", add_special_tokens=False)[:5], tok.encode("that is", add_special_tokens=False)]
@@ -259,7 +281,7 @@ def test_chat_results_are_chat_completions(tok, s):  # noqa: F811
     assert len({other["id"], out["id"]}) == 2
 
 
-def test_reasoning_and_tool_calls_reach_the_message(tok, s):  # noqa: F811
+def test_reasoning_and_tool_calls_reach_the_message(tok, s):
     """podrun's Harmony fields (`reasoning`) and tool calls (`tool_calls`, as its chat parsing
     gives them) become the message's reasoning_content and tool_calls, and the finish reason
     `tool_calls`."""
@@ -279,7 +301,7 @@ def test_reasoning_and_tool_calls_reach_the_message(tok, s):  # noqa: F811
     assert x.message.model_extra["commentary"] == "(checking)"
 
 
-def test_completion_results_are_text_completions_with_legacy_logprobs(tok, s):  # noqa: F811
+def test_completion_results_are_text_completions_with_legacy_logprobs(tok, s):
     p = parsed(tok, s, batch_line({"prompt": "To be", "logprobs": 2, "max_tokens": 6}, url=TEXT_URL, custom_id="x"))
     ids = tok.encode(" or not to be", add_special_tokens=False)[:6]
     sm = sample(ids, "length", 3)
@@ -294,3 +316,161 @@ def test_completion_results_are_text_completions_with_legacy_logprobs(tok, s):  
     assert x.logprobs.token_logprobs == [float(lp.logprob) for lp in sm.logprobs]
     assert x.logprobs.top_logprobs == [{tok.decode([int(i)], skip_special_tokens=False): float(v)
                                         for i, v in zip(lp.top_ids[:2], lp.top_logprobs[:2])} for lp in sm.logprobs]
+
+
+# --- end to end -------------------------------------------------------------------------------------
+
+def run_main(ck, inp, out, *overrides, check=True, popen=False):
+    args = [sys.executable, "-m", "runner.main", f"--config=configs/cpu.py:{ck}", f"--config.io.input={inp}",
+            f"--config.io.output={out}", "--config.mesh.data=1", "--config.mesh.num_cpu_devices=1",
+            f"--config.compilation_cache.dir={os.path.dirname(ck)}/xla", *overrides]
+    if popen:
+        env = dict(os.environ, PYTHONPATH=ROOT)
+        env.pop("XLA_FLAGS", None)
+        return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return podrun(*args[2:], check=check)
+
+
+def test_vllm_example_file_runs_unchanged(bpe_folder, tmp_path):  # noqa: F811
+    """vLLM's examples/offline_inference/openai_batch/openai_example_batch.jsonl on a tiny random
+    Llama with a BPE tokenizer and chat template: every line answered as a chat.completion the
+    openai package reads, its prompt transformers' apply_chat_template, its greedy answer
+    transformers' generate (ending at an end token or after max_completion_tokens=1000)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(6)
+    cfg = transformers.LlamaConfig(vocab_size=400, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
+                                   tie_word_embeddings=False, bos_token_id=1, eos_token_id=[2, 5])
+    m = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for w in m.parameters():
+            w.normal_(0, 0.3)
+    hf = tmp_path / "hf"
+    m.save_pretrained(hf)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        (hf / name).write_bytes(open(os.path.join(bpe_folder, name), "rb").read())
+    podrun("runner.tools.convert", f"--source={hf}", f"--output={tmp_path / 'ck'}")
+    out = tmp_path / "results.jsonl"
+    example = os.path.join(DATA, "openai_example_batch.jsonl")
+    run_main(tmp_path / "ck", example, out, "--config.generation.max_new_tokens=1000",
+             "--config.generation.max_prompt_len=64", "--config.generation.batch_size=2")
+    requests, results = read_jsonl(example), read_jsonl(out)
+    tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(bpe_folder)
+    assert [r["custom_id"] for r in results] == ["request-1", "request-2"]
+    for req, res in zip(requests, results):
+        c = ChatCompletion.model_validate(check_envelope(res, req["custom_id"]))
+        assert c.model == "ck" and c.object == "chat.completion" and len(c.choices) == 1
+        prompt = tokenizer.apply_chat_template(req["body"]["messages"], add_generation_prompt=True, tokenize=True,
+                                               return_dict=False)
+        with torch.no_grad():
+            ids = m.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=1000, do_sample=False, eos_token_id=[2, 5], pad_token_id=0)[0, len(prompt):]
+        ids = ids.tolist()
+        ended = ids[-1] in (2, 5)
+        assert c.usage.prompt_tokens == len(prompt) and c.usage.completion_tokens == len(ids)
+        assert c.choices[0].finish_reason == ("stop" if ended else "length")
+        assert c.choices[0].message.content == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.slow
+def test_vllm_example_file_runs_unchanged_on_gptoss(enc, tmp_path):
+    """The same file on a tiny random GPT-OSS (the o200k_harmony vocabulary): its prompts are
+    openai-harmony's renderings, its answers chat.completions with the Harmony channels."""
+    from openai_harmony import Conversation, DeveloperContent, Message, Role, SystemContent
+
+    podrun("runner.tools.convert", "--random=gptoss:tiny-o200k", f"--output={tmp_path / 'ck'}")
+    out = tmp_path / "results.jsonl"
+    example = os.path.join(DATA, "openai_example_batch.jsonl")
+    run_main(tmp_path / "ck", example, out, "--config.generation.max_new_tokens=1000",
+             "--config.generation.max_prompt_len=128", "--config.generation.batch_size=2")
+    requests, results = read_jsonl(example), read_jsonl(out)
+    assert [r["custom_id"] for r in results] == ["request-1", "request-2"]
+    for req, res in zip(requests, results):
+        c = ChatCompletion.model_validate(check_envelope(res, req["custom_id"]))
+        assert c.model == "ck" and len(c.choices) == 1
+        system, user = req["body"]["messages"]
+        want = enc.render_conversation_for_completion(Conversation.from_messages([
+            Message.from_role_and_content(Role.SYSTEM, SystemContent.new()),
+            Message.from_role_and_content(Role.DEVELOPER, DeveloperContent.new().with_instructions(system["content"])),
+            Message.from_role_and_content(Role.USER, user["content"])]), Role.ASSISTANT)
+        assert c.usage.prompt_tokens == len(want)
+        # random weights never close a Harmony answer: all 1000 tokens, and the raw text flagged
+        assert c.usage.completion_tokens == 1000 and c.choices[0].finish_reason == "length"
+        assert c.choices[0].message.model_extra["chat_format_error"]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    m = tiny_hf("llama", seed=4)
+    root = tmp_path_factory.mktemp("llama")
+    m.save_pretrained(root / "hf")
+    podrun("runner.tools.convert", f"--source={root / 'hf'}", f"--output={root / 'ck'}")
+    return m, root / "ck"
+
+
+def test_a_batch_file_through_runner_main_matches_transformers(llama, tmp_path):
+    """Completions of token-id prompts (a checkpoint with no tokenizer: tokens are named by id)
+    greedy as transformers decodes them, with its log-probabilities; bad lines get error lines
+    in their places, naming their fields, and the rest is answered."""
+    m, ck = llama
+    rng = np.random.RandomState(3)
+    prompts = [[int(t) for t in rng.randint(0, VOCAB, n)] for n in (5, 11, 2)]
+    good = [{"custom_id": f"p{i}", "method": "POST", "url": TEXT_URL,
+             "body": {"model": "anything", "prompt": p, "max_tokens": 6, "logprobs": 2, "user": "me"}}
+            for i, p in enumerate(prompts)]
+    bad = [json.loads(line) for line, _, _ in BAD if line[0] == "{" and "custom_id" in line]
+    bad = [dict(b, custom_id=f"bad{i}") if isinstance(b.get("custom_id"), str) else b for i, b in enumerate(bad)]
+    lines = [good[0], *bad[:8], good[1], "{not json", *bad[8:], good[2]]
+    out = tmp_path / "out.jsonl"
+    run_main(ck, write_jsonl(tmp_path / "in.jsonl", lines), out, "--config.generation.max_new_tokens=16",
+             "--config.generation.max_prompt_len=32", "--config.generation.batch_size=2")
+    results = read_jsonl(out)
+    assert len(results) == len(lines)
+    for line, res in zip(lines, results):
+        body = check_envelope(res, line.get("custom_id") if isinstance(line, dict) and isinstance(
+            line.get("custom_id"), str) else None)
+        if line in good:
+            c = Completion.model_validate(body)
+            prompt = line["body"]["prompt"]
+            ids = [int(t.removeprefix("token_id:")) for t in c.choices[0].logprobs.tokens]
+            assert ids == hf_greedy(m, prompt, 6) and c.usage.prompt_tokens == len(prompt)
+            logp = log_softmax(hf_logits(m, [prompt + ids])[0].astype(np.float64), axis=-1)
+            np.testing.assert_allclose(c.choices[0].logprobs.token_logprobs,
+                                       [logp[len(prompt) - 1 + j, t] for j, t in enumerate(ids)], atol=1e-4)
+            assert c.choices[0].text == "" and c.model == "ck"
+        else:
+            assert body is None
+    assert results[len(bad[:8]) + 2]["error"]["message"].startswith(f"line {len(bad[:8]) + 3} is not valid JSON")
+
+
+def test_a_killed_batch_run_resumes_and_answers_every_custom_id_once(llama, tmp_path):
+    """SIGKILL once a third of the results are in the partial file, then rerun: the results file
+    is the uninterrupted run's, ids included (only `created` may differ)."""
+    _, ck = llama
+    rows = [{"custom_id": f"req-{i:04d}", "method": "POST", "url": TEXT_URL if i % 3 else CHAT_URL,
+             "body": {"prompt": [i % 90 + 1, 5], "max_tokens": 12} if i % 3 else {"messages": "no tokenizer"}}
+            for i in range(240)]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    args = ("--config.generation.max_new_tokens=12", "--config.generation.max_prompt_len=8",
+            "--config.generation.batch_size=2")
+    out = tmp_path / "out.jsonl"
+    p = run_main(ck, inp, out, *args, popen=True)
+    partial = tmp_path / "out.jsonl.partial"
+    while p.poll() is None:
+        if partial.exists() and partial.read_text().count("\n") > len(rows) // 3:
+            p.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.05)
+    assert p.wait() == -signal.SIGKILL, "the run ended before it could be killed"
+    assert not out.exists()
+    run_main(ck, inp, out, *args)
+    run_main(ck, inp, tmp_path / "whole.jsonl", *args)
+    resumed, whole = read_jsonl(out), read_jsonl(tmp_path / "whole.jsonl")
+    assert [r["custom_id"] for r in resumed] == [r["custom_id"] for r in rows]
+    for r in (*resumed, *whole):
+        if r["response"]["body"]:
+            r["response"]["body"]["created"] = 0
+    assert resumed == whole
+    assert sum(r["error"] is not None for r in resumed) == 80
