@@ -7,8 +7,10 @@ seed, n, logprobs (top_logprobs), prompt_logprobs and continuation. A result lin
 "prompt_logprobs", "continuation", "prompt_token_ids" when asked), with n > 1 {"id", "choices":
 [{"index", "text", ...}], "usage"}, or {"id", "error"}.
 
-Results are appended to `<output>.partial` as each batch completes (whole lines, flushed and synced);
-a rerun with the same input and output skips what is already there. When every request is done the
+Results are appended to `<output>.partial` as each batch completes (whole lines, flushed: a killed
+process loses none; synced to disk at most every SYNC_EVERY_S, so a machine that goes down loses
+at most that much work, which a rerun redoes); a rerun with the same input and output skips what
+is already there. When every request is done the
 results are written to `<output>` in input order, in one atomic rename.
 
 Object stores (gs://) cannot append or rename: there `<output>.partial/` is a prefix holding
@@ -25,6 +27,7 @@ import hashlib
 import json
 import math
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -78,6 +81,7 @@ FIELDS = ("id", "prompt", "messages", "prompt_token_ids", "max_tokens", "tempera
 FUTURE = ("tools", "tool_choice", "response_format")
 BATCH = ("custom_id", "method", "url", "body")
 INT32_MAX = 2**31 - 1
+SYNC_EVERY_S = 1.0  # fsync costs up to tens of ms on a busy disk: once per batch would cost more
 MAX_N = 128  # samples per request
 
 
@@ -366,6 +370,7 @@ class Results:
         text = "\n".join(line.text for line in input_lines)
         self.digest = hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()
         self.done: dict[int, dict] = {}
+        self._lines: dict[int, str] = {}  # this run's results as encoded for the partial file
         self._objects = self._partial_objects() if self.remote else []
         lines = self._read_partial()
         if lines:
@@ -386,6 +391,7 @@ class Results:
         self.writer = writer
         self._f = None
         self._opened = False
+        self._synced = -math.inf  # when the partial file was last synced (time.monotonic)
 
     def _partial_objects(self) -> list[epath.Path]:
         try:
@@ -421,14 +427,13 @@ class Results:
                 self._f = self.partial.open("a", encoding="utf-8")
             self._opened = True
             if fresh:
-                self._append([{"input_sha256": self.digest}])
+                self._append(_dumps({"input_sha256": self.digest}))
         except OSError as e:
             raise RequestFileError(f"io.output={self.output}: cannot write next to it ({e})") from e
 
-    def _append(self, rows: list[dict]) -> None:
+    def _append(self, text: str) -> None:
         if not self._opened:
             return
-        text = "".join(_dumps(r) for r in rows)
         if self.remote:
             n = int(self._objects[-1].stem) + 1 if self._objects else 0
             obj = self.partial / f"{n:06d}.jsonl"
@@ -437,12 +442,16 @@ class Results:
             return
         self._f.write(text)
         self._f.flush()
-        if hasattr(self._f, "fileno"):
+        if hasattr(self._f, "fileno") and time.monotonic() - self._synced >= SYNC_EVERY_S:
             os.fsync(self._f.fileno())
+            self._synced = time.monotonic()
 
     def add(self, index_and_results: list[tuple[int, dict]]) -> None:
-        if index_and_results:
-            self._append([{"_index": i, **r} for i, r in index_and_results])
+        if index_and_results:  # each result encoded once: its partial line is its final line indexed
+            lines = [(i, _dumps(r)) for i, r in index_and_results]
+            self._append("".join(f'{{"_index": {i}, {t[1:]}' if t != "{}\n" else f'{{"_index": {i}}}\n'
+                                 for i, t in lines))
+            self._lines.update(lines)
         self.done.update(index_and_results)
 
     def write_final(self, total: int) -> None:
@@ -455,7 +464,7 @@ class Results:
         missing = [i for i in range(total) if i not in self.done]
         if missing:
             raise RuntimeError(f"{len(missing)} requests have no result (first: line {missing[0] + 1})")
-        text = "".join(_dumps(self.done[i]) for i in range(total))
+        text = "".join(self._lines.get(i) or _dumps(self.done[i]) for i in range(total))
         if self.remote:  # one upload is atomic; the header goes last, so a crash here loses nothing
             self.output.write_text(text, encoding="utf-8")
             with ThreadPoolExecutor(16) as pool:
