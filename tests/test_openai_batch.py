@@ -474,3 +474,13 @@ def test_a_killed_batch_run_resumes_and_answers_every_custom_id_once(llama, tmp_
             r["response"]["body"]["created"] = 0
     assert resumed == whole
     assert sum(r["error"] is not None for r in resumed) == 80
+
+
+def test_repeated_custom_ids_stop_the_job_before_the_checkpoint_is_read(tmp_path):
+    rows = [{"custom_id": c, "method": "POST", "url": TEXT_URL, "body": {"prompt": [1]}} for c in "abcab"]
+    p = run_main(tmp_path / "nonexistent", write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl",
+                 check=False)
+    assert p.returncode != 0 and not (tmp_path / "out.jsonl").exists()
+    assert p.stderr.strip().splitlines()[-1] == (
+        'podrun: error: io.input: 2 custom_id(s) given more than once, but each Batch request needs its own: '
+        '"a" on lines 1, 4; "b" on lines 2, 5')
