@@ -331,6 +331,7 @@ def run_main(ck, inp, out, *overrides, check=True, popen=False):
     return podrun(*args[2:], check=check)
 
 
+@pytest.mark.slow  # ~65 s on 2 shared cores: 1000 tokens twice, here and in transformers
 def test_vllm_example_file_runs_unchanged(bpe_folder, tmp_path):  # noqa: F811
     """vLLM's examples/offline_inference/openai_batch/openai_example_batch.jsonl on a tiny random
     Llama with a BPE tokenizer and chat template: every line answered as a chat.completion the
