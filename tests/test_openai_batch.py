@@ -331,12 +331,12 @@ def run_main(ck, inp, out, *overrides, check=True, popen=False):
     return podrun(*args[2:], check=check)
 
 
-@pytest.mark.slow  # ~65 s on 2 shared cores: 1000 tokens twice, here and in transformers
 def test_vllm_example_file_runs_unchanged(bpe_folder, tmp_path):  # noqa: F811
     """vLLM's examples/offline_inference/openai_batch/openai_example_batch.jsonl on a tiny random
     Llama with a BPE tokenizer and chat template: every line answered as a chat.completion the
-    openai package reads, its prompt transformers' apply_chat_template, its greedy answer
-    transformers' generate (ending at an end token or after max_completion_tokens=1000)."""
+    openai package reads, its prompt transformers' apply_chat_template, its greedy answer opening
+    as transformers' generate does (checked over its first tokens: transformers' generate takes
+    20 ms a token here)."""
     import torch
     import transformers
 
@@ -365,14 +365,18 @@ def test_vllm_example_file_runs_unchanged(bpe_folder, tmp_path):  # noqa: F811
         assert c.model == "ck" and c.object == "chat.completion" and len(c.choices) == 1
         prompt = tokenizer.apply_chat_template(req["body"]["messages"], add_generation_prompt=True, tokenize=True,
                                                return_dict=False)
+        assert c.usage.prompt_tokens == len(prompt)
         with torch.no_grad():
             ids = m.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=1000, do_sample=False, eos_token_id=[2, 5], pad_token_id=0)[0, len(prompt):]
+                             max_new_tokens=48, do_sample=False, eos_token_id=[2, 5], pad_token_id=0)[0, len(prompt):]
         ids = ids.tolist()
-        ended = ids[-1] in (2, 5)
-        assert c.usage.prompt_tokens == len(prompt) and c.usage.completion_tokens == len(ids)
-        assert c.choices[0].finish_reason == ("stop" if ended else "length")
-        assert c.choices[0].message.content == tokenizer.decode(ids, skip_special_tokens=True)
+        text, n = c.choices[0].message.content, c.usage.completion_tokens
+        assert c.choices[0].finish_reason == ("length" if n == 1000 else "stop") and n <= 1000
+        if ids[-1] in (2, 5):  # transformers ended within its 48 tokens: the whole answer
+            assert n == len(ids) and text == tokenizer.decode(ids, skip_special_tokens=True)
+        else:  # a prefix, less a character its last tokens may have cut in two
+            opening = tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd")
+            assert len(opening) > 20 and text.startswith(opening)
 
 
 @pytest.mark.slow
