@@ -17,10 +17,10 @@ from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from models.weights import check_divisible
-from runner import log
+from runner import log, openai_batch
 from runner.checkpoints import convert, pypi, store
 from runner.engine import Completion, Engine, Request, Scheduler, Stats, hugepages
-from runner.requests_io import AllFailedError, Parsed, Results, parse_request, read_lines
+from runner.requests_io import AllFailedError, Parsed, Results, read_lines
 from runner.settings import Settings
 from runner.text.tokenizer import load_tokenizer
 from runner.text.tools import call_syntax, parse_calls, tool_call
@@ -142,8 +142,10 @@ def answer(s: Settings, loaded: tuple | None = None) -> Summary:
     give prompt_token_ids."""
     # a bad request file or output path fails before the checkpoint is touched
     lines = read_lines(s.input)
+    fmt = openai_batch.file_format(lines)
     results = Results(s.output, lines, writer=jax.process_index() == 0)
     meta, rules, params = loaded or load_model(s)
+    model_name = os.path.basename(s.checkpoint_path.rstrip("/")) if not loaded else meta.source
     mesh = rules.mesh
     tokenizer = None if loaded else load_tokenizer(s.checkpoint_path)
     g = s.generation
@@ -162,11 +164,12 @@ def answer(s: Settings, loaded: tuple | None = None) -> Summary:
         multihost_utils.sync_global_devices("podrun: results read")
     results.open()
     vocab = meta.model.vocab_size
-    pending = [parse_request(i, line, tokenizer, s, vocab, render_chat)
+    pending = [openai_batch.parse_line(i, line, fmt, tokenizer, s, vocab, render_chat)
                for i, line in enumerate(lines) if i not in results.done]
     summary = Summary(requests=len(lines), already_done=len(lines) - len(pending))
     bad = [p for p in pending if p.error]
-    results.add([(p.index, {"id": p.id, "error": p.error}) for p in bad])
+    results.add([(p.index, openai_batch.error_line(p) if fmt.batch else {"id": p.id, "error": p.error})
+                 for p in bad])
     summary.errors = len(bad)
     todo = [p for p in pending if not p.error]  # in file order: the scheduler takes them so
     log.info(f"{len(lines)} requests: {summary.already_done} already done, {len(bad)} invalid, "
@@ -185,11 +188,13 @@ def answer(s: Settings, loaded: tuple | None = None) -> Summary:
 
     def done(ended: list[tuple[int, list[Completion]]]) -> None:  # a call's finished requests
         rows = []
+        created = int(time.time())
         for i, samples in ended:
             p = todo[i]
-            rows.append((p.index, _result_line(p, samples, tokenizer, s.echo_prompt, parse_chat)))
+            r = _result_line(p, samples, tokenizer, s.echo_prompt, parse_chat)
             summary.prompt_tokens += len(p.prompt_ids)
-            summary.completion_tokens += rows[-1][1]["usage"]["completion_tokens"]
+            summary.completion_tokens += r["usage"]["completion_tokens"]
+            rows.append((p.index, openai_batch.result_line(p, r, model_name, created) if fmt.batch else r))
             for c in samples:
                 summary.ttft_s.append(c.ttft_s)
                 summary.latency_s.append(c.ttft_s + c.decode_s)
@@ -225,9 +230,10 @@ def answer(s: Settings, loaded: tuple | None = None) -> Summary:
     if jax.process_count() > 1:  # the results file is whole before any process reports success
         multihost_utils.sync_global_devices("podrun: results written")
     log.info(f"{summary.line()} -> {s.output}")
-    if lines and len(results.done) == len(lines) and all("error" in r for r in results.done.values()):
+    errors = [openai_batch.error_message(r) for r in results.done.values()]
+    if lines and len(results.done) == len(lines) and all(errors):
         raise AllFailedError(f"every one of the {len(lines)} requests failed; line "
-                             f"{lines[0].number}: {results.done[0]['error']}")
+                             f"{lines[0].number}: {openai_batch.error_message(results.done[0])}")
     return summary
 
 

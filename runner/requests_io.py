@@ -8,8 +8,10 @@ tool_choice (runner/text/tools.py). A result line: {"id", "text", "token_ids", "
 "prompt_token_ids" when asked, "tool_calls" when the model called a tool), with n > 1 {"id",
 "choices": [{"index", "text", ...}], "usage"}, or {"id", "error"}.
 
-Results are appended to `<output>.partial` as each batch completes (whole lines, flushed and synced);
-a rerun with the same input and output skips what is already there. When every request is done the
+Results are appended to `<output>.partial` as each batch completes (whole lines, flushed: a killed
+process loses none; synced to disk at most every SYNC_EVERY_S, so a machine that goes down loses
+at most that much work, which a rerun redoes); a rerun with the same input and output skips what
+is already there. When every request is done the
 results are written to `<output>` in input order, in one atomic rename.
 
 Object stores (gs://) cannot append or rename: there `<output>.partial/` is a prefix holding
@@ -26,6 +28,7 @@ import hashlib
 import json
 import math
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -73,15 +76,18 @@ class Parsed:
     # The start of a call the prompt ends with (tool_choice required or a function): read before
     # the completion when its calls are read.
     call_prefix: tuple[int, ...] = ()
+    api: str = ""  # an OpenAI Batch line's object (chat.completion, text_completion); "": podrun's
 
 
-# A request line's fields. FUTURE are fields of formats podrun does not serve yet (OpenAI Batch
-# lines, structured output): named as such, not as typos.
+# A request line's fields. FUTURE are fields podrun does not serve yet (structured output): named
+# as such, not as typos. BATCH are an OpenAI Batch line's (runner/openai_batch.py).
 FIELDS = ("id", "prompt", "messages", "prompt_token_ids", "max_tokens", "temperature", "top_p",
           "top_k", "stop", "seed", "reasoning_effort", "n", "logprobs", "top_logprobs",
           "prompt_logprobs", "continuation", "tools", "tool_choice")
-FUTURE = ("custom_id", "method", "url", "body", "response_format")
+FUTURE = ("response_format",)
+BATCH = ("custom_id", "method", "url", "body")
 INT32_MAX = 2**31 - 1
+SYNC_EVERY_S = 1.0  # fsync costs up to tens of ms on a busy disk: once per batch would cost more
 MAX_N = 128  # samples per request
 
 
@@ -113,11 +119,33 @@ def _unknown(d: dict) -> str:
             continue
         if key in FUTURE:
             return f"field {key!r} is not supported by this version of podrun"
+        if key in BATCH:
+            return (f"field {key!r} belongs to OpenAI Batch lines ({', '.join(BATCH)}), and this "
+                    "line is in podrun's format: give one format per file")
         near = difflib.get_close_matches(key, FIELDS, n=1)
         hint = f"did you mean {near[0]!r}? " if near else ""
         name = key if len(key) <= 40 else key[:37] + "..."
         return f"unknown field {name!r}: {hint}request fields are {', '.join(FIELDS)}"
     return ""
+
+
+def decode(line: Line) -> tuple[dict | None, str]:
+    """A line's JSON object, or None and the one-line reason it is not one."""
+    where = f"line {line.number}"
+    try:
+        line.text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        byte = len(line.text[: e.start].encode("utf-8", "surrogateescape")) + 1
+        return None, f"{where} is not UTF-8 (byte {byte} of the line)"
+    try:
+        d = json.loads(line.text)
+    except json.JSONDecodeError as e:
+        return None, f"{where} is not valid JSON: {e.msg} (column {e.colno})"
+    except RecursionError:
+        return None, f"{where} is JSON nested too deeply to read"
+    if not isinstance(d, dict):
+        return None, f"{where} is not a JSON object"
+    return d, ""
 
 
 def parse_request(index: int, line: Line, tokenizer, s: Settings, vocab_size: int,
@@ -129,21 +157,16 @@ def parse_request(index: int, line: Line, tokenizer, s: Settings, vocab_size: in
     tokenizer's own chat template); `tools` are the function definitions the prompt offers, or
     None. Its `call_prefix(choice: ToolChoice) -> ids`, where it has one, starts the call that
     tool_choice "required" or a named function asks for."""
-    where = f"line {line.number}"
-    try:
-        line.text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        byte = len(line.text[: e.start].encode("utf-8", "surrogateescape")) + 1
-        return Parsed(index, line.number, error=f"{where} is not UTF-8 (byte {byte} of the line)")
-    try:
-        d = json.loads(line.text)
-    except json.JSONDecodeError as e:
-        return Parsed(index, line.number, error=f"{where} is not valid JSON: {e.msg} (column {e.colno})")
-    except RecursionError:
-        return Parsed(index, line.number, error=f"{where} is JSON nested too deeply to read")
-    if not isinstance(d, dict):
-        return Parsed(index, line.number, error=f"{where} is not a JSON object")
-    rid = d.get("id", line.number)
+    d, error = decode(line)
+    if d is None:
+        return Parsed(index, line.number, error=error)
+    return parse_fields(index, line.number, d, d.get("id", line.number), tokenizer, s, vocab_size,
+                        render_chat)
+
+
+def parse_fields(index: int, number: int, d: dict, rid: Any, tokenizer, s: Settings, vocab_size: int,
+                 render_chat=None) -> Parsed:
+    """A request's fields (line `number`'s, answered as `rid`) -> a request or its error."""
     g, samp = s.generation, s.sampling
     try:
         if unknown := _unknown(d):
@@ -184,7 +207,7 @@ def parse_request(index: int, line: Line, tokenizer, s: Settings, vocab_size: in
     # A request's random stream is its own seed's, wherever it stands in the file and whatever
     # runs beside it; without one, sampling.seed's mixed with the request's line number.
     row_seed = (seed if "seed" in d and d["seed"] is not None
-                else samp.seed * 1_000_003 + line.number) % (2**32)
+                else samp.seed * 1_000_003 + number) % (2**32)
     return Parsed(index, rid, tuple(ids), "", max_tokens, temperature, top_k, top_p,
                   tuple(stop) + s.generation.stop, row_seed, chat="messages" in d, n=n,
                   logprobs=logprobs, prompt_logprobs=prompt_logprobs,
@@ -371,6 +394,7 @@ class Results:
         text = "\n".join(line.text for line in input_lines)
         self.digest = hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()
         self.done: dict[int, dict] = {}
+        self._lines: dict[int, str] = {}  # this run's results as encoded for the partial file
         self._objects = self._partial_objects() if self.remote else []
         lines = self._read_partial()
         if lines:
@@ -391,6 +415,7 @@ class Results:
         self.writer = writer
         self._f = None
         self._opened = False
+        self._synced = -math.inf  # when the partial file was last synced (time.monotonic)
 
     def _partial_objects(self) -> list[epath.Path]:
         try:
@@ -426,14 +451,13 @@ class Results:
                 self._f = self.partial.open("a", encoding="utf-8")
             self._opened = True
             if fresh:
-                self._append([{"input_sha256": self.digest}])
+                self._append(_dumps({"input_sha256": self.digest}))
         except OSError as e:
             raise RequestFileError(f"io.output={self.output}: cannot write next to it ({e})") from e
 
-    def _append(self, rows: list[dict]) -> None:
+    def _append(self, text: str) -> None:
         if not self._opened:
             return
-        text = "".join(_dumps(r) for r in rows)
         if self.remote:
             n = int(self._objects[-1].stem) + 1 if self._objects else 0
             obj = self.partial / f"{n:06d}.jsonl"
@@ -442,12 +466,16 @@ class Results:
             return
         self._f.write(text)
         self._f.flush()
-        if hasattr(self._f, "fileno"):
+        if hasattr(self._f, "fileno") and time.monotonic() - self._synced >= SYNC_EVERY_S:
             os.fsync(self._f.fileno())
+            self._synced = time.monotonic()
 
     def add(self, index_and_results: list[tuple[int, dict]]) -> None:
-        if index_and_results:
-            self._append([{"_index": i, **r} for i, r in index_and_results])
+        if index_and_results:  # each result encoded once: its partial line is its final line indexed
+            lines = [(i, _dumps(r)) for i, r in index_and_results]
+            self._append("".join(f'{{"_index": {i}, {t[1:]}' if t != "{}\n" else f'{{"_index": {i}}}\n'
+                                 for i, t in lines))
+            self._lines.update(lines)
         self.done.update(index_and_results)
 
     def write_final(self, total: int) -> None:
@@ -460,7 +488,7 @@ class Results:
         missing = [i for i in range(total) if i not in self.done]
         if missing:
             raise RuntimeError(f"{len(missing)} requests have no result (first: line {missing[0] + 1})")
-        text = "".join(_dumps(self.done[i]) for i in range(total))
+        text = "".join(self._lines.get(i) or _dumps(self.done[i]) for i in range(total))
         if self.remote:  # one upload is atomic; the header goes last, so a crash here loses nothing
             self.output.write_text(text, encoding="utf-8")
             with ThreadPoolExecutor(16) as pool:

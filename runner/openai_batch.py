@@ -1,0 +1,313 @@
+"""OpenAI Batch files, as `vllm run-batch` reads and writes them, beside podrun's own format.
+
+A request line: {"custom_id": str, "method": "POST", "url": "/v1/chat/completions" |
+"/v1/completions", "body": {...}}; its body becomes a podrun request (`request_fields`), which
+podrun's own parser then checks. A result line: {"id": "batch_req_...", "custom_id", "response":
+{"status_code": 200, "request_id": "req_...", "body": <chat.completion | text_completion>},
+"error": null}, or for a request that cannot be served {..., "response": {"status_code": 400,
+"request_id", "body": null}, "error": {"object": "error", "message", "type": "BadRequestError",
+"param", "code": 400}} (vLLM's ErrorResponse).
+
+The format is the file's: its first JSON object decides, and a line of the other format gets an
+error naming both lines. One results file then has one format, and a rerun resumes it exactly as
+podrun's own (requests_io.Results: keyed by line index and the input's hash; custom_ids are unique,
+so the index stands for the custom_id). Ids are hashes of the custom_id, so a rerun gives the same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import re
+from typing import Any
+
+from runner.requests_io import (BATCH, FIELDS, FUTURE, Line, Parsed, RequestFileError, _short, decode,
+                                parse_fields)
+from runner.settings import Settings
+
+CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
+OBJECTS = {CHAT_URL: "chat.completion", COMPLETIONS_URL: "text_completion"}
+
+# Body fields passed on to podrun's request under their own name, for podrun's parser to check
+# (tools and response_format included: whatever it serves, a Batch body carries).
+_SAMPLING = ("temperature", "top_p", "top_k", "n", "stop", "seed", "logprobs", "response_format")
+PASSED = {CHAT_URL: ("messages", *_SAMPLING, "top_logprobs", "reasoning_effort", "tools", "tool_choice"),
+          COMPLETIONS_URL: ("prompt", *_SAMPLING)}
+MAX_TOKENS = {CHAT_URL: ("max_completion_tokens", "max_tokens"), COMPLETIONS_URL: ("max_tokens",)}
+# OpenAI fields that change nothing here: the deployment is the model, results are not stored.
+IGNORED = ("model", "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
+           "stream_options")
+# OpenAI fields served at their default only (null is the default too).
+DEFAULT_ONLY = {CHAT_URL: {"stream": False, "frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {},
+                           "parallel_tool_calls": True},
+                COMPLETIONS_URL: {"stream": False, "frequency_penalty": 0, "presence_penalty": 0,
+                                  "logit_bias": {}, "echo": False, "best_of": 1, "suffix": ""}}
+MIN_LOGPROB = -9999.0  # OpenAI's stand-in for a token too unlikely to have a finite log-probability
+
+
+@dataclasses.dataclass(frozen=True)
+class FileFormat:
+    batch: bool  # OpenAI Batch lines (else podrun's own)
+    first: int  # the line that decided: the file's first JSON object
+
+
+def file_format(lines: list[Line]) -> FileFormat:
+    """The request file's format, from its first JSON object. A Batch file whose custom_ids repeat
+    is refused whole (RequestFileError naming them and their lines), before any model loads."""
+    for line in lines:
+        d, _ = decode(line)
+        if d is not None:
+            fmt = FileFormat(any(k in d for k in BATCH), line.number)
+            break
+    else:
+        return FileFormat(False, lines[0].number)
+    if fmt.batch:
+        _check_unique(lines)
+    return fmt
+
+
+def _check_unique(lines: list[Line]) -> None:
+    where: dict[str, list[int]] = {}
+    for line in lines:
+        d, _ = decode(line)
+        if d is not None and isinstance(d.get("custom_id"), str):
+            where.setdefault(d["custom_id"], []).append(line.number)
+    repeated = [(c, ns) for c, ns in where.items() if len(ns) > 1]
+    if repeated:
+        shown = "; ".join(f"{_short(c)} on lines {', '.join(map(str, ns[:10]))}" for c, ns in repeated[:5])
+        more = f"; and {len(repeated) - 5} more" if len(repeated) > 5 else ""
+        raise RequestFileError(f"io.input: {len(repeated)} custom_id(s) given more than once, but each "
+                               f"Batch request needs its own: {shown}{more}")
+
+
+def parse_line(index: int, line: Line, fmt: FileFormat, tokenizer, s: Settings, vocab_size: int,
+               render_chat=None) -> Parsed:
+    """One line of a file of format `fmt` -> a request, or one carrying the reason it cannot be
+    served (requests_io.parse_request for podrun's own lines). Never raises."""
+    d, error = decode(line)
+    if d is None:
+        return Parsed(index, None if fmt.batch else line.number, error=error)
+    if any(k in d for k in BATCH) != fmt.batch:
+        kinds = ("podrun's format", "an OpenAI Batch request (custom_id, method, url, body)")
+        return Parsed(index, None if fmt.batch else d.get("id", line.number), error=(
+            f"line {line.number} is {kinds[not fmt.batch]}, but the file's first request (line "
+            f"{fmt.first}) is {kinds[fmt.batch]}: give one format per file"))
+    if not fmt.batch:
+        return parse_fields(index, line.number, d, d.get("id", line.number), tokenizer, s, vocab_size,
+                            render_chat)
+    custom_id = d.get("custom_id")
+    try:
+        url, fields, renamed = request_fields(d)
+    except ValueError as e:
+        return Parsed(index, custom_id if isinstance(custom_id, str) else None, error=str(e))
+    except Exception as e:  # whatever the line holds, its own error result and not the run's end
+        return Parsed(index, custom_id if isinstance(custom_id, str) else None,
+                      error=f"line {line.number}: {type(e).__name__}: {_short(str(e), 200)}")
+    p = parse_fields(index, line.number, fields, custom_id, tokenizer, s, vocab_size, render_chat)
+    for ours, theirs in renamed.items():  # the error names the field as the body gave it
+        if p.error.startswith(ours):
+            p.error = theirs + p.error[len(ours):]
+    p.api = OBJECTS[url]
+    return p
+
+
+def request_fields(d: dict) -> tuple[str, dict, dict[str, str]]:
+    """A Batch line -> (its url, the podrun request its body makes, {podrun's name: the body's}
+    for fields it renames); a ValueError naming the field where the line is not a Batch request
+    podrun serves."""
+    if "custom_id" not in d:
+        raise ValueError("custom_id is missing: a Batch line has custom_id, method, url and body")
+    if not isinstance(d["custom_id"], str):
+        raise ValueError(f"custom_id={_short(d['custom_id'])} is not a string")
+    for key in d:
+        if key not in BATCH:
+            raise ValueError(f"unknown field {_short(key)}: a Batch line has custom_id, method, url and body")
+    if d.get("method") != "POST":
+        raise ValueError(f"method={_short(d.get('method'))}: Batch requests are POST")
+    url = d.get("url")
+    if not isinstance(url, str) or url not in OBJECTS:
+        raise ValueError(f"url={_short(url)} is not served: use {CHAT_URL} or {COMPLETIONS_URL}")
+    body = d.get("body")
+    if not isinstance(body, dict):
+        raise ValueError(f"body={_short(body)} is not a JSON object")
+    fields: dict[str, Any] = {}
+    renamed: dict[str, str] = {}
+    defaults = DEFAULT_ONLY[url]
+    for key, value in body.items():
+        if key in PASSED[url]:
+            fields[key] = value
+        elif key in defaults:
+            if not _is_default(value, defaults[key]):
+                if key == "stream":
+                    raise ValueError(f"stream={_short(value)}: a Batch request is answered whole; "
+                                     "leave stream out or false")
+                raise ValueError(f"{key}={_short(value)} is not supported: podrun serves only "
+                                 f"{key}={_short(defaults[key])}")
+        elif key not in IGNORED and key not in MAX_TOKENS[url]:
+            raise ValueError(_unknown_body_field(key, url))
+    given = [k for k in MAX_TOKENS[url] if body.get(k) is not None]
+    if len(given) == 2 and body[given[0]] != body[given[1]]:
+        raise ValueError(f"max_completion_tokens={_short(body[given[0]])} and max_tokens="
+                         f"{_short(body[given[1]])} differ: give one of them")
+    if given:
+        fields["max_tokens"] = body[given[0]]
+        renamed["max_tokens"] = given[0]
+    if url == CHAT_URL:
+        if "messages" not in body:
+            raise ValueError(f"messages is missing: {CHAT_URL} answers a list of messages")
+        if not isinstance(body.get("logprobs"), bool | None):
+            raise ValueError(f"logprobs={_short(body['logprobs'])}: a boolean in chat completions "
+                             "(top_logprobs gives the count)")
+        if isinstance(body["messages"], list):
+            fields["messages"] = [_text_parts_joined(m) for m in body["messages"]]
+    else:
+        if "prompt" not in body:
+            raise ValueError(f"prompt is missing: {COMPLETIONS_URL} answers a prompt")
+        if isinstance(body.get("logprobs"), bool):
+            raise ValueError(f"logprobs={_short(body['logprobs'])}: a count of alternatives per "
+                             "token in completions")
+        key, fields["prompt"] = _one_prompt(fields.pop("prompt"))
+        if key != "prompt":
+            fields[key] = fields.pop("prompt")
+            renamed[key] = "prompt"
+    return url, fields, renamed
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    """value is null or the default itself (not a 0 standing for false, nor true for 1)."""
+    return value is None or (isinstance(value, bool) == isinstance(default, bool) and value == default)
+
+
+def _unknown_body_field(key: str, url: str) -> str:
+    other = COMPLETIONS_URL if url == CHAT_URL else CHAT_URL
+    if key in PASSED[other] or key in MAX_TOKENS[other] or key in DEFAULT_ONLY[other]:
+        return f"body field {_short(key)} belongs to {other}, not {url}"
+    known = [*PASSED[url], *MAX_TOKENS[url], *DEFAULT_ONLY[url], *IGNORED]
+    near = difflib.get_close_matches(key, known, n=1)
+    return f"unknown body field {_short(key)} for {url}" + (f": did you mean {near[0]!r}?" if near else "")
+
+
+def _text_parts_joined(message: Any) -> Any:
+    """A message whose content is a list of text parts, with them joined by newlines (as vLLM
+    renders them); any other message as it is, for podrun's parser to judge."""
+    if not isinstance(message, dict):
+        return message
+    parts = message.get("content")
+    if isinstance(parts, list) and parts and all(
+            isinstance(x, dict) and x.get("type") == "text" and isinstance(x.get("text"), str) for x in parts):
+        return {**message, "content": "\n".join(x["text"] for x in parts)}
+    return message
+
+
+def _one_prompt(prompt: Any) -> tuple[str, Any]:
+    """A completions prompt (a string, token ids, or a list holding one of either) -> podrun's
+    field and value."""
+    def ids(x: Any) -> bool:
+        return isinstance(x, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in x)
+
+    if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str) or ids(prompt[0])):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return "prompt", prompt
+    if ids(prompt):
+        return "prompt_token_ids", prompt
+    if isinstance(prompt, list) and all(isinstance(x, str) or ids(x) for x in prompt):
+        raise ValueError(f"prompt holds {len(prompt)} prompts: give one per Batch request")
+    raise ValueError(f"prompt={_short(prompt)}: give a string or a list of token ids")
+
+
+# --- results ----------------------------------------------------------------------------------------
+
+def _key(p: Parsed) -> str:
+    """Ids derived from the custom_id (a line without a readable one: its place in the file)."""
+    name = p.id if isinstance(p.id, str) else f"#{p.index}"
+    return hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:24]
+
+
+def error_line(p: Parsed) -> dict:
+    """The Batch result line of request p, which cannot be served (p.error)."""
+    key = _key(p)
+    return {"id": f"batch_req_{key}", "custom_id": p.id,
+            "response": {"status_code": 400, "request_id": f"req_{key}", "body": None},
+            "error": {"object": "error", "message": p.error, "type": "BadRequestError",
+                      "param": _param(p.error), "code": 400}}
+
+
+_NAMED = re.compile(r"(?:unknown )?(?:body )?field (['\"])(.*?)\1")
+_OPENING = re.compile(r"[a-z_]+")
+_PARAMS = frozenset((*BATCH, *FIELDS, *FUTURE, *IGNORED, "max_completion_tokens",
+                     *DEFAULT_ONLY[CHAT_URL], *DEFAULT_ONLY[COMPLETIONS_URL]))
+
+
+def _param(message: str) -> str | None:
+    """The field an error message names first, where it opens with one."""
+    if m := _NAMED.match(message):
+        return m.group(2)
+    m = _OPENING.match(message)
+    return m.group(0) if m and m.group(0) in _PARAMS else None
+
+
+def result_line(p: Parsed, r: dict, model: str, created: int) -> dict:
+    """The Batch result line of request p from podrun's result line r (job._result_line's: one
+    sample's fields at the top or `choices`; `tool_calls` where a choice called tools)."""
+    key = _key(p)
+    chat = p.api == OBJECTS[CHAT_URL]
+    samples = r["choices"] if "choices" in r else [{"index": 0, **r}]
+    usage = dict(r["usage"], total_tokens=r["usage"]["prompt_tokens"] + r["usage"]["completion_tokens"])
+    body = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{key}", "object": p.api, "created": created,
+            "model": model, "choices": [(_chat_choice if chat else _text_choice)(c) for c in samples],
+            "usage": usage}
+    if "prompt_token_ids" in r:  # io.echo_prompt, where vLLM puts it
+        body["prompt_token_ids"] = r["prompt_token_ids"]
+    return {"id": f"batch_req_{key}", "custom_id": p.id,
+            "response": {"status_code": 200, "request_id": f"req_{key}", "body": body}, "error": None}
+
+
+def _chat_choice(c: dict) -> dict:
+    calls = c.get("tool_calls")
+    message = {"role": "assistant", "content": c["text"] if c["text"] or not calls else None}
+    if c.get("reasoning"):
+        message["reasoning_content"] = c["reasoning"]
+    if calls:
+        message["tool_calls"] = calls
+    for extra in ("commentary", "chat_format_error", "raw"):  # Harmony's, with no OpenAI field
+        if extra in c:
+            message[extra] = c[extra]
+    finish = "tool_calls" if calls and c["finish_reason"] != "length" else c["finish_reason"]
+    logprobs = None
+    if "logprobs" in c:
+        logprobs = {"content": [dict(_token(x), top_logprobs=[_token(t) for t in x["top_logprobs"]])
+                                for x in c["logprobs"]["content"]]}
+    return {"index": c["index"], "message": message, "logprobs": logprobs, "finish_reason": finish}
+
+
+def _token(x: dict) -> dict:
+    """{token, logprob, bytes} in OpenAI's shape from podrun's {id, token, logprob}; a token with no
+    text (no tokenizer) is named `token_id:<id>`, as vLLM names it."""
+    token = x["token"]
+    return {"token": f"token_id:{x['id']}" if token is None else token,
+            "logprob": max(x["logprob"], MIN_LOGPROB),
+            "bytes": None if token is None else list(token.encode("utf-8", "replace"))}
+
+
+def _text_choice(c: dict) -> dict:
+    logprobs = None
+    if "logprobs" in c:  # the completions API's columns: offsets into the text, alternatives by text
+        entries = [_token(x) for x in c["logprobs"]["content"]]
+        offsets, at = [], 0
+        for e in entries:
+            offsets.append(at)
+            at += len(e["token"])
+        logprobs = {"tokens": [e["token"] for e in entries],
+                    "token_logprobs": [e["logprob"] for e in entries],
+                    "top_logprobs": [{t["token"]: t["logprob"] for t in map(_token, x["top_logprobs"])}
+                                     for x in c["logprobs"]["content"]],
+                    "text_offset": offsets}
+    return {"index": c["index"], "text": c["text"], "logprobs": logprobs, "finish_reason": c["finish_reason"]}
+
+
+def error_message(r: dict) -> str | None:
+    """A result line's error message, in either format (None for an answer)."""
+    e = r.get("error")
+    return e["message"] if isinstance(e, dict) else e

@@ -1,0 +1,492 @@
+"""OpenAI Batch files: bodies mapped onto podrun's requests, bad lines named, results in the shapes
+of the `openai` package's types; end to end, vLLM's own example files through `runner.main` and a
+run killed and restarted that answers every custom_id exactly once."""
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from openai.types import Completion
+from openai.types.chat import ChatCompletion
+from scipy.special import log_softmax
+
+from runner import openai_batch
+from runner.engine.engine import MAX_LOGPROBS, Completion as Sample, TokenLogprobs
+from runner.job import _result_line
+from runner.openai_batch import FileFormat, file_format, parse_line
+from runner.requests_io import Line, Parsed, RequestFileError, parse_request
+from runner.text.tokenizer import load_tokenizer
+from tests.reference import VOCAB, hf_greedy, hf_logits, tiny_hf
+from tests.test_end_to_end import ROOT, podrun, read_jsonl, write_jsonl
+from tests.test_requests import VOCAB_SIZE, json_values, problems
+from tests.test_harmony import enc, vocab_dir  # noqa: F401 (fixtures: openai-harmony's encoding)
+from tests.test_tokenizer import bpe_folder  # noqa: F401 (a fixture: a BPE tokenizer with a chat template)
+
+DATA = os.path.join(os.path.dirname(__file__), "data", "openai_batch")
+BATCH = FileFormat(True, 1)
+
+
+@pytest.fixture(scope="module")
+def tok(bpe_folder):  # noqa: F811
+    return load_tokenizer(bpe_folder)
+
+
+@pytest.fixture(scope="module")
+def s():
+    from configs.cpu import get_config
+    from runner.settings import from_config
+
+    c = get_config("/unused")
+    c.generation.max_prompt_len, c.generation.max_new_tokens = 64, 16
+    return from_config(c)
+
+CHAT = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "To be?"}]}
+
+
+def batch_line(body, url="/v1/chat/completions", custom_id="c1", **envelope):
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body, **envelope})
+
+
+def parsed(tok, s, text, number=4, fmt=BATCH):
+    return parse_line(0, Line(number, text), fmt, tok, s, VOCAB_SIZE)
+
+
+def fields(p: Parsed) -> dict:
+    """What the engine is given: every field but the result's id and shape."""
+    d = dict(vars(p))
+    del d["id"], d["api"]
+    return d
+
+
+# --- input ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("body, equivalent", [
+    # vLLM's example lines: the model named is not the deployment's and is not checked
+    ({"model": "meta-llama/Meta-Llama-3-8B-Instruct", **CHAT, "max_completion_tokens": 7}, {**CHAT, "max_tokens": 7}),
+    ({**CHAT, "max_tokens": 3, "temperature": 0.5, "top_p": 0.9, "top_k": 4, "n": 2, "stop": "x", "seed": 9,
+      "logprobs": True, "top_logprobs": 3},
+     {**CHAT, "max_tokens": 3, "temperature": 0.5, "top_p": 0.9, "top_k": 4, "n": 2, "stop": "x", "seed": 9,
+      "logprobs": True, "top_logprobs": 3}),
+    ({**CHAT, "user": "u1", "stream": False, "stream_options": None, "store": False, "metadata": {"a": "b"},
+      "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "parallel_tool_calls": True},
+     CHAT),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "To"}, {"type": "text", "text": "be?"}]}]},
+     {"messages": [{"role": "user", "content": "To\nbe?"}]}),
+])
+def test_chat_bodies_make_the_requests_podrun_lines_make(tok, s, body, equivalent):
+    p = parsed(tok, s, batch_line(body))
+    want = parse_request(0, Line(4, json.dumps(equivalent)), tok, s, VOCAB_SIZE)
+    assert not p.error and not want.error, (p.error, want.error)
+    assert (p.id, p.api) == ("c1", "chat.completion")
+    assert fields(p) == fields(want)
+
+
+@pytest.mark.parametrize("body, equivalent", [
+    ({"model": "x", "prompt": "To be, or not", "max_tokens": 5, "logprobs": 2, "echo": False, "best_of": 1,
+      "suffix": None}, {"prompt": "To be, or not", "max_tokens": 5, "logprobs": 2}),
+    ({"prompt": [5, 6, 7]}, {"prompt_token_ids": [5, 6, 7]}),
+    ({"prompt": [[5, 6, 7]], "stop": ["a", "b"]}, {"prompt_token_ids": [5, 6, 7], "stop": ["a", "b"]}),
+    ({"prompt": ["To be"]}, {"prompt": "To be"}),
+])
+def test_completion_bodies_make_the_requests_podrun_lines_make(tok, s, body, equivalent):
+    p = parsed(tok, s, batch_line(body, url="/v1/completions"))
+    want = parse_request(0, Line(4, json.dumps(equivalent)), tok, s, VOCAB_SIZE)
+    assert not p.error and not want.error, (p.error, want.error)
+    assert (p.id, p.api) == ("c1", "text_completion")
+    assert fields(p) == fields(want)
+
+
+CHAT_URL, TEXT_URL = "/v1/chat/completions", "/v1/completions"
+BAD = [  # (line, the start of its error, the param named)
+    (json.dumps({"method": "POST", "url": CHAT_URL, "body": CHAT}), "custom_id is missing", "custom_id"),
+    (batch_line(CHAT, custom_id=7), "custom_id=7 is not a string", "custom_id"),
+    (batch_line(CHAT, extra=1), "unknown field \"extra\"", "extra"),
+    (batch_line(CHAT, method="GET"), "method=\"GET\": Batch requests are POST", "method"),
+    (batch_line(CHAT, url="/v1/embeddings"), "url=\"/v1/embeddings\" is not served", "url"),
+    (batch_line([CHAT]), "body=[", "body"),
+    (batch_line({**CHAT, "stream": True}), "stream=true: a Batch request is answered whole", "stream"),
+    (batch_line({**CHAT, "stream": "True"}), "stream=\"True\"", "stream"),
+    (batch_line({**CHAT, "temperature": "hot"}), "temperature=\"hot\" is not a number", "temperature"),
+    (batch_line({**CHAT, "max_completion_tokens": 99}), "max_completion_tokens=99 exceeds generation.max_new_tokens",
+     "max_completion_tokens"),
+    (batch_line({**CHAT, "max_completion_tokens": 2, "max_tokens": 3}), "max_completion_tokens=2 and max_tokens=3",
+     "max_completion_tokens"),
+    (batch_line({**CHAT, "max_tokenz": 3}), "unknown body field \"max_tokenz\" for /v1/chat/completions: did you "
+     "mean 'max_tokens'?", "max_tokenz"),
+    (batch_line({**CHAT, "logprobs": 3}), "logprobs=3: a boolean in chat completions", "logprobs"),
+    (batch_line({**CHAT, "presence_penalty": 0.5}), "presence_penalty=0.5 is not supported", "presence_penalty"),
+    (batch_line({**CHAT, "prompt": "x"}), "body field \"prompt\" belongs to /v1/completions", "prompt"),
+    (batch_line({"messages": "hi"}), "messages must be a non-empty list", "messages"),
+    (batch_line({"max_tokens": 3}), "messages is missing", "messages"),
+    (batch_line({**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}]}),
+     "tools[0].function.parameters is not a JSON schema", "tools"),
+    (batch_line({**CHAT, "response_format": {"type": "json_object"}}), "field 'response_format' is not supported",
+     "response_format"),
+    (batch_line({"prompt": "x", "logprobs": True}, url=TEXT_URL), "logprobs=true: a count", "logprobs"),
+    (batch_line({"prompt": "x", "top_logprobs": 2}, url=TEXT_URL), "body field \"top_logprobs\" belongs to "
+     "/v1/chat/completions", "top_logprobs"),
+    (batch_line({"prompt": ["a", "b"]}, url=TEXT_URL), "prompt holds 2 prompts", "prompt"),
+    (batch_line({"prompt": {"a": 1}}, url=TEXT_URL), "prompt={\"a\": 1}: give a string or a list of token ids",
+     "prompt"),
+    (batch_line({"prompt": [5, 999]}, url=TEXT_URL), "prompt[1]=999 is outside the vocabulary", "prompt"),
+    (batch_line({"prompt": "x", "echo": True}, url=TEXT_URL), "echo=true is not supported", "echo"),
+    (batch_line({"messages": CHAT["messages"]}, url=TEXT_URL), "body field \"messages\" belongs to", "messages"),
+    (json.dumps({"id": "a", "prompt": "x"}), "line 4 is podrun's format, but the file's first request (line 1) is "
+     "an OpenAI Batch request (custom_id, method, url, body): give one format per file", None),
+    ("{not json", "line 4 is not valid JSON", None),
+]
+
+
+@pytest.mark.parametrize("line, error, param", BAD)
+def test_bad_batch_lines_get_an_error_naming_the_field(tok, s, line, error, param):
+    p = parsed(tok, s, line)
+    assert p.error.startswith(error), p.error
+    out = openai_batch.error_line(p)
+    assert out["error"]["param"] == param and out["error"]["message"] == p.error
+    assert out["response"]["status_code"] == 400 and out["error"]["code"] == 400
+    assert out["custom_id"] == p.id
+    assert p.id == (json.loads(line).get("custom_id") if "is not a string" not in error and line[0] == "{"
+                    and "podrun's format" not in error and "not valid JSON" not in error else None)
+
+
+def test_a_batch_line_in_a_podrun_file_is_named():
+    fmt = file_format([Line(2, "  "), Line(3, "[1]"), Line(5, json.dumps({"prompt": "x"}))])
+    assert fmt == FileFormat(False, 5)
+    p = parse_line(0, Line(9, batch_line(CHAT)), fmt, None, None, VOCAB_SIZE)
+    assert p.error == ("line 9 is an OpenAI Batch request (custom_id, method, url, body), but the file's first "
+                       "request (line 5) is podrun's format: give one format per file")
+    assert p.id == 9
+
+
+def test_duplicate_custom_ids_are_refused_with_their_lines():
+    lines = [Line(n, batch_line(CHAT, custom_id=c)) for n, c in ((1, "a"), (2, "b"), (4, "a"), (5, "c"), (7, "a"),
+                                                                 (8, "c"))]
+    with pytest.raises(RequestFileError, match=r'2 custom_id\(s\) given more than once.*"a" on lines 1, 4, 7; '
+                                               r'"c" on lines 5, 8$'):
+        file_format(lines)
+    assert file_format(lines[:2]) == FileFormat(True, 1)
+
+
+batch_lines = st.fixed_dictionaries(
+    {}, optional={"custom_id": st.text(max_size=8) | json_values, "method": st.just("POST") | json_values,
+                  "url": st.sampled_from([CHAT_URL, TEXT_URL, "/v1/embeddings"]) | json_values,
+                  "body": st.fixed_dictionaries({}, optional={
+                      "messages": st.just(CHAT["messages"]) | json_values, "prompt": st.text(max_size=20) | json_values,
+                      "max_tokens": st.integers(-2, 40) | json_values, "max_completion_tokens": json_values,
+                      "logprobs": st.booleans() | st.integers(-1, 25) | json_values, "top_logprobs": json_values,
+                      "stream": json_values, "n": json_values, "stop": json_values, "model": json_values,
+                      "tools": json_values, "echo": json_values, "suffix": json_values}) | json_values})
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(d=batch_lines, number=st.integers(1, 10**6))
+def test_any_batch_line_gets_a_request_or_a_one_line_error(tok, s, d, number):
+    p = parse_line(0, Line(number, json.dumps(d)), BATCH, tok, s, VOCAB_SIZE)
+    assert not problems(p, s), (p, problems(p, s))
+    assert p.error or (p.api and isinstance(p.id, str))
+    out = openai_batch.error_line(p) if p.error else None
+    assert out is None or json.loads(json.dumps(out)) == out
+
+
+def read(name: str) -> list[Line]:
+    return [Line(n, t) for n, t in enumerate(open(os.path.join(DATA, name), encoding="utf-8").read().split("\n"), 1)
+            if t.strip()]
+
+
+def test_vllm_test_files_get_their_errors_per_line(tok, s):
+    """vLLM's run-batch test inputs (tests/data/openai_batch/README.md): a bad url and stream
+    "True" get errors; a model name podrun does not serve is answered by the deployment; a line
+    without its custom_id gets an error, and the next line its answer."""
+    s = dataclasses.replace(s, generation=dataclasses.replace(s.generation, max_new_tokens=1000))
+
+    def run(name):
+        lines = read(name)
+        fmt = file_format(lines)
+        assert fmt == BATCH
+        return [parse_line(i, x, fmt, tok, s, VOCAB_SIZE) for i, x in enumerate(lines)]
+
+    ps = run("vllm_run_batch_input.jsonl")
+    assert [p.id for p in ps] == [f"request-{i}" for i in range(1, 6)]
+    assert [p.error.split(" is ")[0].split(":")[0] for p in ps] == ["", "", "", 'url="/bad_url"', 'stream="True"']
+    assert all(p.max_tokens == 1000 for p in ps[:3])
+    ps = run("vllm_run_batch_invalid_input.jsonl")
+    assert ps[0].error.startswith("custom_id is missing") and ps[0].id is None
+    assert not ps[1].error and ps[1].id == "request-2"
+    ps = run("vllm_run_batch_reasoning.jsonl")
+    assert not any(p.error for p in ps) and all(p.max_tokens == 1000 for p in ps)
+
+
+# --- output -----------------------------------------------------------------------------------------
+
+def check_envelope(line: dict, custom_id) -> dict | None:
+    """A Batch output line's envelope, field by field (the openai package has no type for it);
+    its response body, or None for an error line."""
+    assert set(line) == {"id", "custom_id", "response", "error"} and line["custom_id"] == custom_id
+    assert line["id"].startswith("batch_req_") and isinstance(line["id"], str)
+    response = line["response"]
+    assert set(response) == {"status_code", "request_id", "body"} and isinstance(response["request_id"], str)
+    if response["status_code"] == 200:
+        assert line["error"] is None and isinstance(response["body"], dict)
+        return response["body"]
+    assert response["status_code"] == 400 and response["body"] is None
+    e = line["error"]
+    assert isinstance(e["message"], str) and "\n" not in e["message"] and e["code"] == 400
+    openai.types.BatchError.model_validate({k: e[k] for k in ("message", "param")})
+    return None
+
+
+def sample(ids, finish="length", seed=0):
+    """A completion as the engine gives it, with made-up log-probabilities."""
+    rng = np.random.RandomState(seed)
+    logprobs = [TokenLogprobs(np.float32(-3 * rng.rand()), rng.permutation(VOCAB_SIZE)[:MAX_LOGPROBS],
+                              np.sort(-5 * rng.rand(MAX_LOGPROBS)).astype(np.float32)[::-1]) for _ in ids]
+    return Sample(list(ids), finish, logprobs=logprobs)
+
+
+def test_chat_results_are_chat_completions(tok, s):
+    body = {**CHAT, "n": 2, "logprobs": True, "top_logprobs": 3, "max_tokens": 5}
+    p = parsed(tok, s, batch_line(body, custom_id="q-1"))
+    ids = [tok.encode("To be or not", add_special_tokens=False)[:5], tok.encode("that is", add_special_tokens=False)]
+    samples = [sample(ids[0], "length", 1), sample(ids[1], "stop", 2)]
+    r = _result_line(p, samples, tok, False)
+    out = openai_batch.result_line(p, r, "smollm2", 1_800_000_000)
+    body = check_envelope(json.loads(json.dumps(out)), "q-1")
+    c = ChatCompletion.model_validate(body)
+    assert (c.object, c.model, c.created) == ("chat.completion", "smollm2", 1_800_000_000)
+    assert [x.index for x in c.choices] == [0, 1]
+    for x, sm, ids_ in zip(c.choices, samples, ids):
+        assert x.message.role == "assistant" and x.message.content == tok.decode(ids_)
+        assert x.finish_reason == sm.finish_reason
+        assert [t.token for t in x.logprobs.content] == [tok.decode([i], skip_special_tokens=False) for i in ids_]
+        assert [t.bytes for t in x.logprobs.content] == [list(t.token.encode()) for t in x.logprobs.content]
+        assert [t.logprob for t in x.logprobs.content] == [float(lp.logprob) for lp in sm.logprobs]
+        for t, lp in zip(x.logprobs.content, sm.logprobs):
+            assert [a.token for a in t.top_logprobs] == [tok.decode([int(i)], skip_special_tokens=False)
+                                                         for i in lp.top_ids[:3]]
+            assert [a.logprob for a in t.top_logprobs] == [float(v) for v in lp.top_logprobs[:3]]
+    assert c.usage.prompt_tokens == len(p.prompt_ids) and c.usage.completion_tokens == len(ids[0]) + len(ids[1])
+    assert c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
+    again = openai_batch.result_line(p, r, "smollm2", 1_900_000_000)  # a rerun: the same ids
+    assert (again["id"], again["response"]["request_id"], again["response"]["body"]["id"]) == (
+        out["id"], out["response"]["request_id"], out["response"]["body"]["id"])
+    other = openai_batch.result_line(parsed(tok, s, batch_line(CHAT, custom_id="q-2")), r, "smollm2", 0)
+    assert len({other["id"], out["id"]}) == 2
+
+
+def test_reasoning_and_tool_calls_reach_the_message(tok, s):
+    """podrun's Harmony fields (`reasoning`) and tool calls (`tool_calls`, as its chat parsing
+    gives them) become the message's reasoning_content and tool_calls, and the finish reason
+    `tool_calls`."""
+    p = parsed(tok, s, batch_line(CHAT, custom_id="t"))
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    r = {"id": "t", "text": "", "token_ids": [5, 6], "finish_reason": "stop", "reasoning": "Look it up.",
+         "tool_calls": [call], "usage": {"prompt_tokens": 9, "completion_tokens": 2}}
+    c = ChatCompletion.model_validate(check_envelope(openai_batch.result_line(p, r, "m", 0), "t"))
+    x = c.choices[0]
+    assert x.finish_reason == "tool_calls" and x.message.content is None and x.logprobs is None
+    assert x.message.tool_calls[0].function.name == "get_weather"
+    assert json.loads(x.message.tool_calls[0].function.arguments) == {"city": "Paris"}
+    assert x.message.model_extra["reasoning_content"] == "Look it up."
+    r = dict(r, text="Paris is sunny.", tool_calls=None, finish_reason="length", commentary="(checking)")
+    x = ChatCompletion.model_validate(check_envelope(openai_batch.result_line(p, r, "m", 0), "t")).choices[0]
+    assert (x.finish_reason, x.message.content, x.message.tool_calls) == ("length", "Paris is sunny.", None)
+    assert x.message.model_extra["commentary"] == "(checking)"
+
+
+def test_completion_results_are_text_completions_with_legacy_logprobs(tok, s):
+    p = parsed(tok, s, batch_line({"prompt": "To be", "logprobs": 2, "max_tokens": 6}, url=TEXT_URL, custom_id="x"))
+    ids = tok.encode(" or not to be", add_special_tokens=False)[:6]
+    sm = sample(ids, "length", 3)
+    out = openai_batch.result_line(p, _result_line(p, [sm], tok, False), "m", 5)
+    c = Completion.model_validate(check_envelope(out, "x"))
+    assert c.object == "text_completion" and c.usage.total_tokens == len(p.prompt_ids) + len(ids)
+    (x,) = c.choices
+    assert x.text == tok.decode(ids) and x.finish_reason == "length" and x.index == 0
+    tokens = [tok.decode([i], skip_special_tokens=False) for i in ids]
+    assert x.logprobs.tokens == tokens and "".join(tokens) == x.text
+    assert x.logprobs.text_offset == [len("".join(tokens[:k])) for k in range(len(tokens))]
+    assert x.logprobs.token_logprobs == [float(lp.logprob) for lp in sm.logprobs]
+    assert x.logprobs.top_logprobs == [{tok.decode([int(i)], skip_special_tokens=False): float(v)
+                                        for i, v in zip(lp.top_ids[:2], lp.top_logprobs[:2])} for lp in sm.logprobs]
+
+
+# --- end to end -------------------------------------------------------------------------------------
+
+def run_main(ck, inp, out, *overrides, check=True, popen=False):
+    args = [sys.executable, "-m", "runner.main", f"--config=configs/cpu.py:{ck}", f"--config.io.input={inp}",
+            f"--config.io.output={out}", "--config.mesh.data=1", "--config.mesh.num_cpu_devices=1",
+            f"--config.compilation_cache.dir={os.path.dirname(ck)}/xla", *overrides]
+    if popen:
+        env = dict(os.environ, PYTHONPATH=ROOT)
+        env.pop("XLA_FLAGS", None)
+        return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return podrun(*args[2:], check=check)
+
+
+def test_vllm_example_file_runs_unchanged(bpe_folder, tmp_path):  # noqa: F811
+    """vLLM's examples/offline_inference/openai_batch/openai_example_batch.jsonl on a tiny random
+    Llama with a BPE tokenizer and chat template: every line answered as a chat.completion the
+    openai package reads, its prompt transformers' apply_chat_template, its greedy answer opening
+    as transformers' generate does (checked over its first tokens: transformers' generate takes
+    20 ms a token here)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(6)
+    cfg = transformers.LlamaConfig(vocab_size=400, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
+                                   tie_word_embeddings=False, bos_token_id=1, eos_token_id=[2, 5])
+    m = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for w in m.parameters():
+            w.normal_(0, 0.3)
+    hf = tmp_path / "hf"
+    m.save_pretrained(hf)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        (hf / name).write_bytes(open(os.path.join(bpe_folder, name), "rb").read())
+    podrun("runner.tools.convert", f"--source={hf}", f"--output={tmp_path / 'ck'}")
+    out = tmp_path / "results.jsonl"
+    example = os.path.join(DATA, "openai_example_batch.jsonl")
+    run_main(tmp_path / "ck", example, out, "--config.generation.max_new_tokens=1000",
+             "--config.generation.max_prompt_len=64", "--config.generation.batch_size=2")
+    requests, results = read_jsonl(example), read_jsonl(out)
+    tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(bpe_folder)
+    assert [r["custom_id"] for r in results] == ["request-1", "request-2"]
+    for req, res in zip(requests, results):
+        c = ChatCompletion.model_validate(check_envelope(res, req["custom_id"]))
+        assert c.model == "ck" and c.object == "chat.completion" and len(c.choices) == 1
+        prompt = tokenizer.apply_chat_template(req["body"]["messages"], add_generation_prompt=True, tokenize=True,
+                                               return_dict=False)
+        assert c.usage.prompt_tokens == len(prompt)
+        with torch.no_grad():
+            ids = m.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=48, do_sample=False, eos_token_id=[2, 5], pad_token_id=0)[0, len(prompt):]
+        ids = ids.tolist()
+        text, n = c.choices[0].message.content, c.usage.completion_tokens
+        assert c.choices[0].finish_reason == ("length" if n == 1000 else "stop") and n <= 1000
+        if ids[-1] in (2, 5):  # transformers ended within its 48 tokens: the whole answer
+            assert n == len(ids) and text == tokenizer.decode(ids, skip_special_tokens=True)
+        else:  # a prefix, less a character its last tokens may have cut in two
+            opening = tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd")
+            assert len(opening) > 20 and text.startswith(opening)
+
+
+@pytest.mark.slow
+def test_vllm_example_file_runs_unchanged_on_gptoss(enc, tmp_path):
+    """The same file on a tiny random GPT-OSS (the o200k_harmony vocabulary): its prompts are
+    openai-harmony's renderings, its answers chat.completions with the Harmony channels."""
+    from openai_harmony import Conversation, DeveloperContent, Message, Role, SystemContent
+
+    podrun("runner.tools.convert", "--random=gptoss:tiny-o200k", f"--output={tmp_path / 'ck'}")
+    out = tmp_path / "results.jsonl"
+    example = os.path.join(DATA, "openai_example_batch.jsonl")
+    run_main(tmp_path / "ck", example, out, "--config.generation.max_new_tokens=1000",
+             "--config.generation.max_prompt_len=128", "--config.generation.batch_size=2")
+    requests, results = read_jsonl(example), read_jsonl(out)
+    assert [r["custom_id"] for r in results] == ["request-1", "request-2"]
+    for req, res in zip(requests, results):
+        c = ChatCompletion.model_validate(check_envelope(res, req["custom_id"]))
+        assert c.model == "ck" and len(c.choices) == 1
+        system, user = req["body"]["messages"]
+        want = enc.render_conversation_for_completion(Conversation.from_messages([
+            Message.from_role_and_content(Role.SYSTEM, SystemContent.new()),
+            Message.from_role_and_content(Role.DEVELOPER, DeveloperContent.new().with_instructions(system["content"])),
+            Message.from_role_and_content(Role.USER, user["content"])]), Role.ASSISTANT)
+        assert c.usage.prompt_tokens == len(want)
+        # random weights never close a Harmony answer: all 1000 tokens, and the raw text flagged
+        assert c.usage.completion_tokens == 1000 and c.choices[0].finish_reason == "length"
+        assert c.choices[0].message.model_extra["chat_format_error"]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    m = tiny_hf("llama", seed=4)
+    root = tmp_path_factory.mktemp("llama")
+    m.save_pretrained(root / "hf")
+    podrun("runner.tools.convert", f"--source={root / 'hf'}", f"--output={root / 'ck'}")
+    return m, root / "ck"
+
+
+def test_a_batch_file_through_runner_main_matches_transformers(llama, tmp_path):
+    """Completions of token-id prompts (a checkpoint with no tokenizer: tokens are named by id)
+    greedy as transformers decodes them, with its log-probabilities; bad lines get error lines
+    in their places, naming their fields, and the rest is answered."""
+    m, ck = llama
+    rng = np.random.RandomState(3)
+    prompts = [[int(t) for t in rng.randint(0, VOCAB, n)] for n in (5, 11, 2)]
+    good = [{"custom_id": f"p{i}", "method": "POST", "url": TEXT_URL,
+             "body": {"model": "anything", "prompt": p, "max_tokens": 6, "logprobs": 2, "user": "me"}}
+            for i, p in enumerate(prompts)]
+    bad = [json.loads(line) for line, _, _ in BAD if line[0] == "{" and "custom_id" in line]
+    bad = [dict(b, custom_id=f"bad{i}") if isinstance(b.get("custom_id"), str) else b for i, b in enumerate(bad)]
+    lines = [good[0], *bad[:8], good[1], "{not json", *bad[8:], good[2]]
+    out = tmp_path / "out.jsonl"
+    run_main(ck, write_jsonl(tmp_path / "in.jsonl", lines), out, "--config.generation.max_new_tokens=16",
+             "--config.generation.max_prompt_len=32", "--config.generation.batch_size=2")
+    results = read_jsonl(out)
+    assert len(results) == len(lines)
+    for line, res in zip(lines, results):
+        body = check_envelope(res, line.get("custom_id") if isinstance(line, dict) and isinstance(
+            line.get("custom_id"), str) else None)
+        if line in good:
+            c = Completion.model_validate(body)
+            prompt = line["body"]["prompt"]
+            ids = [int(t.removeprefix("token_id:")) for t in c.choices[0].logprobs.tokens]
+            assert ids == hf_greedy(m, prompt, 6) and c.usage.prompt_tokens == len(prompt)
+            logp = log_softmax(hf_logits(m, [prompt + ids])[0].astype(np.float64), axis=-1)
+            np.testing.assert_allclose(c.choices[0].logprobs.token_logprobs,
+                                       [logp[len(prompt) - 1 + j, t] for j, t in enumerate(ids)], atol=1e-4)
+            assert c.choices[0].text == "" and c.model == "ck"
+        else:
+            assert body is None
+    assert results[len(bad[:8]) + 2]["error"]["message"].startswith(f"line {len(bad[:8]) + 3} is not valid JSON")
+
+
+def test_a_killed_batch_run_resumes_and_answers_every_custom_id_once(llama, tmp_path):
+    """SIGKILL once a third of the results are in the partial file, then rerun: the results file
+    is the uninterrupted run's, ids included (only `created` may differ)."""
+    _, ck = llama
+    rows = [{"custom_id": f"req-{i:04d}", "method": "POST", "url": TEXT_URL if i % 3 else CHAT_URL,
+             "body": {"prompt": [i % 90 + 1, 5], "max_tokens": 12} if i % 3 else {"messages": "no tokenizer"}}
+            for i in range(240)]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    args = ("--config.generation.max_new_tokens=12", "--config.generation.max_prompt_len=8",
+            "--config.generation.batch_size=2")
+    out = tmp_path / "out.jsonl"
+    p = run_main(ck, inp, out, *args, popen=True)
+    partial = tmp_path / "out.jsonl.partial"
+    while p.poll() is None:
+        if partial.exists() and partial.read_text().count("\n") > len(rows) // 3:
+            p.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.05)
+    assert p.wait() == -signal.SIGKILL, "the run ended before it could be killed"
+    assert not out.exists()
+    run_main(ck, inp, out, *args)
+    run_main(ck, inp, tmp_path / "whole.jsonl", *args)
+    resumed, whole = read_jsonl(out), read_jsonl(tmp_path / "whole.jsonl")
+    assert [r["custom_id"] for r in resumed] == [r["custom_id"] for r in rows]
+    for r in (*resumed, *whole):
+        if r["response"]["body"]:
+            r["response"]["body"]["created"] = 0
+    assert resumed == whole
+    assert sum(r["error"] is not None for r in resumed) == 80
+
+
+def test_repeated_custom_ids_stop_the_job_before_the_checkpoint_is_read(tmp_path):
+    rows = [{"custom_id": c, "method": "POST", "url": TEXT_URL, "body": {"prompt": [1]}} for c in "abcab"]
+    p = run_main(tmp_path / "nonexistent", write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl",
+                 check=False)
+    assert p.returncode != 0 and not (tmp_path / "out.jsonl").exists()
+    assert p.stderr.strip().splitlines()[-1] == (
+        'podrun: error: io.input: 2 custom_id(s) given more than once, but each Batch request needs its own: '
+        '"a" on lines 1, 4; "b" on lines 2, 5')
