@@ -60,6 +60,10 @@ class Request:
     prompt_logprobs: bool = False
     prompt_logprobs_from: int = 1  # the first prompt token whose log-probability is wanted
     n: int = 1  # samples, drawn from one prefill where their rows are free together
+    # A format the completion must follow: `start()` gives each sample a walk through it with
+    # `mask(out)` (the next token's allowed ids, written as `allowed_tokens` reads them),
+    # `take(token)` and `complete` (runner/text/structured.py). None: free text.
+    constraint: Any = dataclasses.field(default=None, compare=False)
 
 
 class TokenLogprobs(NamedTuple):
@@ -84,6 +88,8 @@ class Completion:
     logprobs: list[TokenLogprobs] | None = None  # per generated token, when asked
     # per prompt token after the first; None for those a shared prefix left uncomputed
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # under a format: the tokens ended (max_tokens) before it was complete
+    incomplete_format: bool = False
 
 
 class Rows(NamedTuple):
@@ -173,6 +179,16 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array) -> TokenLogprobs:
     top, ids = jax.lax.top_k(logp, min(MAX_LOGPROBS, logp.shape[-1]))
     taken = jnp.take_along_axis(logp, jnp.maximum(tokens, 0)[..., None].astype(jnp.int32), axis=-1)
     return TokenLogprobs(taken[..., 0], ids.astype(jnp.int32), top)
+
+
+def allowed_tokens(masks: jax.Array, logits: jax.Array) -> jax.Array:
+    """logits [B, V] with the tokens each row's bitmask masks [B, ceil(V / 32)] (int32 words, bit
+    t % 32 of word t // 32 for token t) leaves out set to -inf: a format's constraint, applied
+    before temperature, top_k and top_p."""
+    V = logits.shape[-1]
+    bits = (masks[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [B, W, 32]
+    keep = bits.reshape(masks.shape[0], -1)[:, :V] != 0
+    return jnp.where(keep, logits.astype(jnp.float32), -jnp.inf)
 
 
 def greedy_tokens(logits: jax.Array) -> jax.Array:
@@ -397,7 +413,8 @@ class Engine:
         # donated: aliasing it makes XLA:TPU keep temporaries larger than the cache itself.
         donate = (1,) if policy.donate_cache else ()
         # Variants that also return log-probabilities (static flags) compile only when a request
-        # asks for them.
+        # asks for them; those taking token masks (`masks` given, not None) only when a row
+        # generates under a format.
         self._insert = jax.jit(self._insert_fn, donate_argnums=donate, compiler_options=opts,
                                static_argnames=("logprobs", "prompt_logprobs"),
                                out_shardings=(everywhere, cache_sh, rows_sh, everywhere))
@@ -429,6 +446,11 @@ class Engine:
         from models.kernels import cpu
 
         return cpu.greedy_screen(u.w, w_nk=u.vocab_first)
+
+    @property
+    def mask_words(self) -> int:
+        """int32 words of a row's token mask: one bit per id of the vocabulary."""
+        return (self.model.vocab_size + 31) // 32
 
     @property
     def weights(self) -> Weights:
@@ -471,15 +493,17 @@ class Engine:
         which `_next_tokens` unembeds, else the last logits."""
         return Output.LAST_LOGITS if self.greedy_screen is None else Output.LAST_HIDDEN
 
-    def _next_tokens(self, weights, out, output, seeds, counts, temperature, top_k, top_p
-                     ) -> jax.Array:
+    def _next_tokens(self, weights, out, output, seeds, counts, temperature, top_k, top_p,
+                     masks=None) -> jax.Array:
         """The next token of each row from the forward pass' last position: `out` is its logits
         [B, V] (output LAST_LOGITS), or its hidden state [B, D] (LAST_HIDDEN, with a greedy
         screen), whose greedy tokens come through the screen and whose logits are made only for
-        rows that sample."""
+        rows that sample. masks (LAST_LOGITS only): the tokens each row may take
+        (`allowed_tokens`)."""
         params, screen = weights
         if output is Output.LAST_LOGITS:
-            return sample(out, seeds, counts, temperature, top_k, top_p)
+            logits = out if masks is None else allowed_tokens(masks, out)
+            return sample(logits, seeds, counts, temperature, top_k, top_p)
         from models.kernels import cpu
 
         u = self.model.unembedding(params)
@@ -489,13 +513,14 @@ class Engine:
 
     def _insert_fn(self, weights, cache: KVCache, state: Rows, new: Prompts, stop_ids,
                    pool: KVCache | None = None, blocks: jax.Array | None = None,
-                   logprobs: bool = False, prompt_logprobs: bool = False):
+                   logprobs: bool = False, prompt_logprobs: bool = False, masks=None):
         """Prefills R prompts into a cache of their own, copies each into its F rows of `cache`
         and starts those rows' decode state at their first sampled token, each row's drawn with
         its own seed. The tokens given fill columns [0, P). With `blocks` [R, M], each prompt's first M blocks of
         `pool` (prefix sharing) fill columns [0, C = M * block) and the tokens given, the rest of
         the prompt, follow in columns [C, C + P). With logprobs, also the first tokens'
-        TokenLogprobs [R * F]; with prompt_logprobs, each position's next token's [R, P - 1]."""
+        TokenLogprobs [R * F]; with prompt_logprobs, each position's next token's [R, P - 1].
+        masks [R * F, W]: the tokens each row's first may be (`allowed_tokens`)."""
         (R, P), F = new.tokens.shape, new.rows.shape[0] // new.tokens.shape[0]
         C = 0 if blocks is None else blocks.shape[1] * self.prefix.block
         if C:  # the prompts' blocks, then empty columns for the rest
@@ -504,7 +529,7 @@ class Engine:
         else:
             fresh = self._new_cache(R, P)
         output = (Output.HIDDEN if prompt_logprobs else
-                  Output.LAST_LOGITS if logprobs else self.output)
+                  Output.LAST_LOGITS if logprobs or masks is not None else self.output)
         out, fresh = self.model.forward(weights.params, new.tokens, new.positions, fresh, self.rules,
                                         self.policy, Mode.APPEND if C else Mode.PREFILL, C, output)
         scores = None
@@ -519,7 +544,7 @@ class Engine:
             out, positions = out[src], positions[src]
             fresh = jax.tree.map(lambda x: x[src], fresh)
         first = self._next_tokens(weights, out, output, new.seed, jnp.zeros_like(new.top_k),
-                                  new.temperature, new.top_k, new.top_p)
+                                  new.temperature, new.top_k, new.top_p, masks)
         cache = cache.insert(fresh, new.rows, self.rules)
         started = Rows(token=first, pos=jnp.max(positions, axis=1) + 1,
                        column=jnp.full((R * F,), C + P, jnp.int32), count=jnp.ones((R * F,), jnp.int32),
@@ -549,11 +574,14 @@ class Engine:
         return jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1).reshape(R, n * C, *x.shape[3:])[:, : P - 1],
                             parts)
 
-    def _decode_fn(self, weights, cache: KVCache, state: Rows, stop_ids, logprobs: bool = False):
+    def _decode_fn(self, weights, cache: KVCache, state: Rows, stop_ids, logprobs: bool = False,
+                   masks=None):
         """`self.steps` decode steps of every row: its newest token is written to its next column
         and the next one sampled. Finished rows write no position and emit -1. With logprobs,
-        also every step's TokenLogprobs of the tokens taken [B, steps]."""
-        output = Output.LAST_LOGITS if logprobs else self.output
+        also every step's TokenLogprobs of the tokens taken [B, steps]. With masks [B, W] (the
+        tokens each row may take, `allowed_tokens`), one step: the host gives the next masks."""
+        output = Output.LAST_LOGITS if logprobs or masks is not None else self.output
+        steps = self.steps if masks is None else 1
 
         def step(carry, _):
             cache, r = carry
@@ -561,7 +589,7 @@ class Engine:
             out, cache = self.model.forward(weights.params, r.token[:, None], write_pos, cache,
                                             self.rules, self.policy, Mode.APPEND, r.column, output)
             nxt = self._next_tokens(weights, out, output, r.seed, r.count, r.temperature, r.top_k,
-                                    r.top_p)
+                                    r.top_p, masks)
             emitted = jnp.where(r.done, -1, nxt)
             count = r.count + jnp.where(r.done, 0, 1)
             done = r.done | jnp.isin(nxt, stop_ids) | (count >= r.max_tokens)
@@ -570,7 +598,7 @@ class Engine:
                            done=done)
             return (cache, r), (emitted, token_logprobs(out, nxt) if logprobs else None)
 
-        (cache, state), (out, scores) = jax.lax.scan(step, (cache, state), None, length=self.steps)
+        (cache, state), (out, scores) = jax.lax.scan(step, (cache, state), None, length=steps)
         scores = None if scores is None else jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1), scores)
         return out.T, cache, state, scores
 
@@ -607,13 +635,15 @@ class Engine:
 
     def insert(self, targets: Sequence[Sequence[int]], requests: Sequence[Request],
                stop_ids: Sequence[int] = (), samples: Sequence[Sequence[int]] | None = None,
-               shared: int = 0) -> Inserted:
+               shared: int = 0, masks: np.ndarray | None = None) -> Inserted:
         """Prefills each of `requests` once into its free rows targets[i] (one per sample; as
         many requests as an insert size, padded to the next one otherwise). samples[i] are the
         sample indices those rows draw (default 0, 1, ...): each row's seed is
         `sample_seed(request.seed, sample)`. shared > 0: every prompt's first `shared` blocks
         are in the prefix pool (`prefix_match`), and only the rest is computed. Afterwards the
-        prompts' blocks that the pool lacks are kept in it."""
+        prompts' blocks that the pool lacks are kept in it. masks [rows, W], one per target row
+        in the order of `Inserted.first`: the tokens each first token may be (all bits set:
+        any), as `allowed_tokens` reads them."""
         if self.rows != self.batch_size:
             raise RuntimeError("insert after shrink: reset the engine first")
         n = len(requests)
@@ -647,18 +677,24 @@ class Engine:
                        seeds.reshape(-1), each(lambda r: r.temperature, np.float32),
                        each(lambda r: r.top_k, np.int32), each(lambda r: r.top_p, np.float32))
         prompts = jax.tree.map(jax.device_put, host, self._prompt_shardings(R, F))
+        if masks is not None:  # into the rows' order [R * F], padding rows unmasked
+            per_row = np.full((R, F, masks.shape[1]), -1, np.int32)
+            per_row[tuple(np.array([(i, j) for i, t in enumerate(targets) for j in range(len(t))]).T)] = masks
+            masks = jax.device_put(per_row.reshape(R * F, -1),
+                                   self.rules.sharding("batch", None, shape=(R * F, masks.shape[1])))
         if blocks is not None:
             blocks = jax.device_put(blocks, self.rules.sharding("batch", None, shape=blocks.shape))
         logprobs = any(r.logprobs for r in requests)
         prompt_logprobs = any(r.prompt_logprobs for r in requests) and P > 1
         what = (f"the prefill of {R} x {P} tokens" + (f" after {C} shared" if C else "")
                 + (f" into {F} rows each" if F > 1 else "")
-                + (" with log-probabilities" if logprobs or prompt_logprobs else ""))
+                + (" with log-probabilities" if logprobs or prompt_logprobs else "")
+                + (" under token masks" if masks is not None else ""))
         with self._first_call(what):
             first, self.cache, self.state, (scores, prompt_scores) = self._insert(
                 self.weights, self.cache, self.state, prompts, self._stop_array(stop_ids),
                 self.pool if shared else None, blocks, logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs)
+                prompt_logprobs=prompt_logprobs, masks=masks)
             first = np.asarray(first).reshape(R, F)
         if self.prefix is not None:
             self._keep_blocks(requests, [t[0] for t in targets], P, C)
@@ -713,14 +749,19 @@ class Engine:
         with self._first_call(f"keeping {N} prompt blocks"):
             self.pool = self._store(self.cache, self.pool, put(rows_), put(starts), put(ids))
 
-    def decode(self, stop_ids: Sequence[int] = (), logprobs: bool = False
-               ) -> tuple[np.ndarray, TokenLogprobs | None]:
+    def decode(self, stop_ids: Sequence[int] = (), logprobs: bool = False,
+               masks: np.ndarray | None = None) -> tuple[np.ndarray, TokenLogprobs | None]:
         """steps_per_dispatch steps of every row: the tokens [rows, steps] (-1 where a row was
-        done) and, with logprobs, their TokenLogprobs [rows, steps]."""
-        what = f"the decode step of {self.rows} rows" + (" with log-probabilities" if logprobs else "")
+        done) and, with logprobs, their TokenLogprobs [rows, steps]. With masks [rows, W] (the
+        tokens each row may take, as `allowed_tokens` reads them), one step."""
+        what = (f"the decode step of {self.rows} rows" + (" with log-probabilities" if logprobs else "")
+                + (" under token masks" if masks is not None else ""))
+        if masks is not None:
+            masks = jax.device_put(masks, self.rules.sharding("batch", None, shape=masks.shape))
         with self._first_call(what):
             emitted, self.cache, self.state, scores = self._decode(
-                self.weights, self.cache, self.state, self._stop_array(stop_ids), logprobs=logprobs)
+                self.weights, self.cache, self.state, self._stop_array(stop_ids), logprobs=logprobs,
+                masks=masks)
             scores = None if scores is None else TokenLogprobs(*map(np.asarray, scores))
             return np.asarray(emitted), scores
 
