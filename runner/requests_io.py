@@ -2,7 +2,8 @@
 
 A request line: {"id": ..., "prompt": "..."} | {"id": ..., "messages": [{"role", "content"}]} |
 {"id": ..., "prompt_token_ids": [...]}, with optional max_tokens, temperature, top_p, top_k, stop,
-seed, n, logprobs (top_logprobs), prompt_logprobs and continuation. A result line: {"id", "text",
+seed, n, logprobs (top_logprobs), prompt_logprobs, continuation and a format (response_format,
+guided_json, guided_regex, guided_choice: runner/text/structured.py). A result line: {"id", "text",
 "token_ids", "finish_reason", "usage": {"prompt_tokens", "completion_tokens"}} (+ "logprobs",
 "prompt_logprobs", "continuation", "prompt_token_ids" when asked), with n > 1 {"id", "choices":
 [{"index", "text", ...}], "usage"}, or {"id", "error"}.
@@ -33,6 +34,7 @@ from etils import epath
 
 from runner.engine.engine import MAX_LOGPROBS  # alternatives per token the programs compute
 from runner.settings import Settings
+from runner.text import structured
 
 
 class RequestFileError(ValueError):
@@ -67,14 +69,15 @@ class Parsed:
     logprobs: int | None = None  # alternatives per generated token (None: no log-probabilities)
     prompt_logprobs: int | None = None  # alternatives per prompt token
     continuation: int = 0  # the prompt's last tokens that are a continuation to score
+    constraint: Any = None  # the compiled format the completion follows (structured.Grammar)
 
 
 # A request line's fields. FUTURE are fields of formats podrun does not serve yet (OpenAI Batch
-# lines, tools, structured output): named as such, not as typos.
+# lines, tools): named as such, not as typos.
 FIELDS = ("id", "prompt", "messages", "prompt_token_ids", "max_tokens", "temperature", "top_p",
           "top_k", "stop", "seed", "reasoning_effort", "n", "logprobs", "top_logprobs",
-          "prompt_logprobs", "continuation")
-FUTURE = ("custom_id", "method", "url", "body", "tools", "tool_choice", "response_format")
+          "prompt_logprobs", "continuation", *structured.FIELDS)
+FUTURE = ("custom_id", "method", "url", "body", "tools", "tool_choice")
 INT32_MAX = 2**31 - 1
 MAX_N = 128  # samples per request
 
@@ -115,12 +118,12 @@ def _unknown(d: dict) -> str:
 
 
 def parse_request(index: int, line: Line, tokenizer, s: Settings, vocab_size: int,
-                  render_chat=None) -> Parsed:
+                  render_chat=None, grammars: structured.Grammars | None = None) -> Parsed:
     """One line -> a request ready to generate, or one carrying the reason it cannot be served.
     Never raises: whatever the line holds, it gets its own result.
 
     `render_chat(messages, request) -> ids` renders chat requests (default: the tokenizer's own
-    chat template)."""
+    chat template). `grammars` compiles the request's format, if it has one."""
     where = f"line {line.number}"
     try:
         line.text.encode("utf-8")
@@ -163,6 +166,13 @@ def parse_request(index: int, line: Line, tokenizer, s: Settings, vocab_size: in
         ids = _prompt_ids(d, tokenizer, vocab_size, render_chat)
         if not ids:
             raise ValueError("the prompt is empty")
+        constraint = None
+        if (fmt := structured.parse_format(d)) is not None:
+            if grammars is None:
+                raise ValueError(f"{fmt.field}: this checkpoint has no tokenizer, which a format needs")
+            if scoring:
+                raise ValueError(f"{fmt.field}: a format applies to generated text, not to scoring")
+            constraint = grammars.compile(fmt, chat="messages" in d)
         continuation = _continuation(d, tokenizer, vocab_size)
         ids = list(ids) + continuation
         if len(ids) > g.max_prompt_len:
@@ -180,7 +190,7 @@ def parse_request(index: int, line: Line, tokenizer, s: Settings, vocab_size: in
     return Parsed(index, rid, tuple(ids), "", max_tokens, temperature, top_k, top_p,
                   tuple(stop) + s.generation.stop, row_seed, chat="messages" in d, n=n,
                   logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                  continuation=len(continuation))
+                  continuation=len(continuation), constraint=constraint)
 
 
 def _logprobs(d: dict) -> tuple[int | None, int | None]:
