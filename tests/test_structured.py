@@ -191,6 +191,57 @@ def test_masks_reach_the_logits_bit_for_bit():
     np.testing.assert_array_equal(got, np.where(allowed, logits, -np.inf))
 
 
+class EvenTokens:
+    """A stand-in format, no library: even ids only, never complete."""
+
+    def __init__(self, vocab: int):
+        self.vocab = vocab
+
+    def start(self):
+        return self
+
+    def mask(self, out: np.ndarray) -> None:
+        bits = np.zeros(out.size * 32, np.uint8)
+        bits[: self.vocab : 2] = 1
+        out[:] = np.packbits(bits, bitorder="little").view(np.int32)
+
+    def take(self, token: int) -> bool:
+        return token % 2 == 0
+
+    complete = False
+
+
+def test_masked_rows_take_only_allowed_tokens_and_leave_their_neighbours_alone():
+    """In one batch: rows under a format (greedy and sampled) take only its tokens and end
+    flagged incomplete at max_tokens; the free rows beside them decode exactly as transformers'
+    greedy search does, several steps per call once the masked rows are done."""
+    from models.policy import Policy
+    from runner.engine import Engine, Request, Scheduler
+    from tests.conftest import rules_for
+    from tests.reference import VOCAB, hf_greedy, tiny_hf, to_podrun
+
+    m = tiny_hf("llama", seed=3)
+    rules = rules_for("1dev")
+    model, params = to_podrun(m, rules)
+    engine = Engine(model, params, rules, Policy(), batch_size=4, max_prompt_len=16,
+                    max_new_tokens=24, steps_per_dispatch=8)
+    even = EvenTokens(VOCAB)
+    prompts = [(5, 9, 2), (7, 1, 4, 4, 8), (3,), (11, 12)]
+    requests = [Request(prompts[0], 24), Request(prompts[1], 6, constraint=even),
+                Request(prompts[2], 24), Request(prompts[3], 10, temperature=1.0, seed=5, constraint=even)]
+    done = {}
+    stats = Scheduler(engine, requests).run(lambda ended: done.update(ended))
+    for i in (0, 2):
+        assert done[i][0].token_ids == hf_greedy(m, prompts[i], 24)
+        assert not done[i][0].incomplete_format
+    for i in (1, 3):
+        c = done[i][0]
+        assert len(c.token_ids) == requests[i].max_tokens and c.finish_reason == "length"
+        assert all(t % 2 == 0 for t in c.token_ids) and c.incomplete_format
+    assert any(t % 2 for t in hf_greedy(m, prompts[1], 6))  # left alone, it takes odd ids
+    assert 0 < stats.masked_calls < stats.decode_calls  # one-step calls, then whole dispatches
+
+
 # --- every tokenizer: random walks through the formats' masks -----------------------------------
 
 
@@ -298,5 +349,6 @@ def test_the_real_smollm2_fills_a_person_schema(smollm2_gguf, tmp_path_factory, 
         assert r["finish_reason"] == "stop" and "incomplete_format" not in r, r
         person = json.loads(r["text"])
         jsonschema.validate(person, schema)
+        assert list(person) == ["name", "age", "city"]  # the schema's order
         assert re.search(r"[A-Za-z]{2}", person["name"]) and re.search(r"[A-Za-z]{2}", person["city"])
         assert 1 <= person["age"] <= 110, person

@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import re
 from typing import Any
 
 import numpy as np
@@ -35,7 +36,7 @@ class Format:
 
     kind: str
     spec: str
-    field: str  # the request field it came from, named in errors
+    field: str = dataclasses.field(compare=False)  # the request field it came from, for errors
 
     def lark(self) -> str:
         """The grammar's rule `body`: the completion's text under this format."""
@@ -60,7 +61,8 @@ def _kind_of(v: Any) -> str:
 
 
 def _canonical(v: Any) -> str:
-    return json.dumps(v, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    """Compact JSON in the order given: a schema's properties are generated in its order."""
+    return json.dumps(v, separators=(",", ":"), ensure_ascii=False)
 
 
 FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice")
@@ -209,4 +211,5 @@ def _first_line(error: str) -> str:
         if x[0].isdigit() and "|" in x or x.startswith("<"):
             break
         kept.append(x)
-    return " ".join(kept or lines[:1])
+    text = " ".join(kept or lines[:1])
+    return re.sub(r"^at \d+\(\d+\): ", "", text)  # where in podrun's grammar text: not the user's
