@@ -211,20 +211,24 @@ class EvenTokens:
     complete = False
 
 
-def test_masked_rows_take_only_allowed_tokens_and_leave_their_neighbours_alone():
+@pytest.mark.parametrize("screen", [True, False])
+def test_masked_rows_take_only_allowed_tokens_and_leave_their_neighbours_alone(screen):
     """In one batch: rows under a format (greedy and sampled) take only its tokens and end
-    flagged incomplete at max_tokens; the free rows beside them decode exactly as transformers'
-    greedy search does, several steps per call once the masked rows are done."""
+    flagged incomplete at max_tokens, the greedy one the argmax of transformers' logits over the
+    allowed ids; the free rows beside them decode exactly as transformers' greedy search does,
+    several steps per call once the masked rows are done. Greedy tokens through the int8 screen
+    (the logits made only where the screen's token is not allowed) and from the logits."""
     from models.policy import Policy
     from runner.engine import Engine, Request, Scheduler
     from tests.conftest import rules_for
-    from tests.reference import VOCAB, hf_greedy, tiny_hf, to_podrun
+    from tests.reference import VOCAB, hf_greedy, hf_logits, tiny_hf, to_podrun
 
     m = tiny_hf("llama", seed=3)
     rules = rules_for("1dev")
     model, params = to_podrun(m, rules)
-    engine = Engine(model, params, rules, Policy(), batch_size=4, max_prompt_len=16,
-                    max_new_tokens=24, steps_per_dispatch=8)
+    engine = Engine(model, params, rules, Policy(greedy_screen=screen), batch_size=4,
+                    max_prompt_len=16, max_new_tokens=24, steps_per_dispatch=8)
+    assert (engine.greedy_screen is not None) == screen
     even = EvenTokens(VOCAB)
     prompts = [(5, 9, 2), (7, 1, 4, 4, 8), (3,), (11, 12)]
     requests = [Request(prompts[0], 24), Request(prompts[1], 6, constraint=even),
@@ -239,6 +243,11 @@ def test_masked_rows_take_only_allowed_tokens_and_leave_their_neighbours_alone()
         assert len(c.token_ids) == requests[i].max_tokens and c.finish_reason == "length"
         assert all(t % 2 == 0 for t in c.token_ids) and c.incomplete_format
     assert any(t % 2 for t in hf_greedy(m, prompts[1], 6))  # left alone, it takes odd ids
+    masked = list(prompts[1])
+    for _ in range(6):
+        logits = hf_logits(m, [masked])[0, -1]
+        masked.append(int(np.argmax(np.where(np.arange(VOCAB) % 2 == 0, logits, -np.inf))))
+    assert done[1][0].token_ids == masked[len(prompts[1]):]
     assert 0 < stats.masked_calls < stats.decode_calls  # one-step calls, then whole dispatches
 
 
@@ -352,3 +361,24 @@ def test_the_real_smollm2_fills_a_person_schema(smollm2_gguf, tmp_path_factory, 
         assert list(person) == ["name", "age", "city"]  # the schema's order
         assert re.search(r"[A-Za-z]{2}", person["name"]) and re.search(r"[A-Za-z]{2}", person["city"])
         assert 1 <= person["age"] <= 110, person
+
+
+@pytest.mark.slow
+def test_gptoss_chats_answer_in_the_final_channel(tmp_path_factory, tmp_path):
+    """A tiny random GPT-OSS through runner.main: every chat under a format either answers in
+    the final channel, the text holding the format and Harmony's parse clean, or is flagged
+    incomplete (a random analysis may run to max_tokens)."""
+    ck = tmp_path_factory.mktemp("gptoss") / "ck"
+    convert.random_checkpoint("gptoss:tiny-o200k", str(ck))
+    picked = cases("json_schema")[:4] + cases("regex")[:4] + cases("choice")[:4]
+    rows = [request(i, c, max_tokens=150) for i, c in enumerate(picked)]
+    for r in rows:
+        r["messages"] = [{"role": "user", "content": r.pop("prompt")}]
+    path = write_jsonl(tmp_path / "in.jsonl", rows)
+    podrun("runner.main", "--config=configs/gptoss_tiny_cpu.py", f"--config.checkpoint.path={ck}",
+           f"--config.io.input={path}", f"--config.io.output={tmp_path / 'out.jsonl'}",
+           "--config.generation.max_new_tokens=150", "--config.compilation_cache.dir=")
+    got = {r["id"]: r for r in read_jsonl(tmp_path / "out.jsonl")}
+    assert check_all(got, picked) > 0
+    for r in got.values():
+        assert r.get("incomplete_format") or "chat_format_error" not in r, r

@@ -181,14 +181,27 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array) -> TokenLogprobs:
     return TokenLogprobs(taken[..., 0], ids.astype(jnp.int32), top)
 
 
-def allowed_tokens(masks: jax.Array, logits: jax.Array) -> jax.Array:
-    """logits [B, V] with the tokens each row's bitmask masks [B, ceil(V / 32)] (int32 words, bit
-    t % 32 of word t // 32 for token t) leaves out set to -inf: a format's constraint, applied
-    before temperature, top_k and top_p."""
-    V = logits.shape[-1]
+def unpacked(masks: jax.Array, V: int) -> jax.Array:
+    """Bitmasks [B, ceil(V / 32)] (int32 words, bit t % 32 of word t // 32 for token t) -> which
+    tokens each row may take, bool [B, V]."""
     bits = (masks[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [B, W, 32]
-    keep = bits.reshape(masks.shape[0], -1)[:, :V] != 0
-    return jnp.where(keep, logits.astype(jnp.float32), -jnp.inf)
+    return bits.reshape(masks.shape[0], -1)[:, :V] != 0
+
+
+def allowed_tokens(masks: jax.Array, logits: jax.Array) -> jax.Array:
+    """logits [B, V] with the tokens the bitmasks masks [B, W] (`unpacked`) leave out set to
+    -inf: a format's constraint, applied before temperature, top_k and top_p."""
+    return jnp.where(unpacked(masks, logits.shape[-1]), logits.astype(jnp.float32), -jnp.inf)
+
+
+def masked_greedy(greedy: jax.Array, masks: jax.Array, V: int) -> jax.Array:
+    """The greedy tokens [B] under the bitmasks masks [B, W] where they follow from the unmasked
+    greedy tokens: the same token where the mask allows it (the largest logit, ties to the lowest
+    id, of all is that of the allowed too), the one token a mask allows, else -1."""
+    keep = unpacked(masks, V)
+    ok = jnp.take_along_axis(keep, greedy[:, None], axis=1)[:, 0]
+    only = jnp.argmax(keep, axis=1).astype(jnp.int32)  # the first allowed id
+    return jnp.where(ok, greedy, jnp.where(jnp.sum(keep, axis=1) == 1, only, -1))
 
 
 def greedy_tokens(logits: jax.Array) -> jax.Array:
@@ -498,8 +511,9 @@ class Engine:
         """The next token of each row from the forward pass' last position: `out` is its logits
         [B, V] (output LAST_LOGITS), or its hidden state [B, D] (LAST_HIDDEN, with a greedy
         screen), whose greedy tokens come through the screen and whose logits are made only for
-        rows that sample. masks (LAST_LOGITS only): the tokens each row may take
-        (`allowed_tokens`)."""
+        rows that sample. masks [B, W]: the tokens each row may take (`allowed_tokens`); through
+        the screen, the logits are made only when some row's greedy token under its mask is
+        neither the screen's nor forced (`masked_greedy`)."""
         params, screen = weights
         if output is Output.LAST_LOGITS:
             logits = out if masks is None else allowed_tokens(masks, out)
@@ -509,6 +523,13 @@ class Engine:
         u = self.model.unembedding(params)
         greedy = cpu.greedy_screened(out, u.w, screen, w_nk=u.vocab_first)
         logits = lambda: u.logits(out[:, None], self.rules, self.policy)[:, 0]
+        if masks is not None:
+            unmasked = logits
+            logits = lambda: allowed_tokens(masks, unmasked())
+            cheap = masked_greedy(greedy, masks, self.model.vocab_size)
+            greedy = jax.lax.cond(jnp.any((cheap < 0) & (temperature <= 0)),
+                                  lambda: jnp.where(cheap < 0, greedy_tokens(logits()), cheap),
+                                  lambda: cheap)
         return sample(logits, seeds, counts, temperature, top_k, top_p, greedy=greedy)
 
     def _insert_fn(self, weights, cache: KVCache, state: Rows, new: Prompts, stop_ids,
@@ -529,7 +550,7 @@ class Engine:
         else:
             fresh = self._new_cache(R, P)
         output = (Output.HIDDEN if prompt_logprobs else
-                  Output.LAST_LOGITS if logprobs or masks is not None else self.output)
+                  Output.LAST_LOGITS if logprobs else self.output)
         out, fresh = self.model.forward(weights.params, new.tokens, new.positions, fresh, self.rules,
                                         self.policy, Mode.APPEND if C else Mode.PREFILL, C, output)
         scores = None
@@ -580,7 +601,7 @@ class Engine:
         and the next one sampled. Finished rows write no position and emit -1. With logprobs,
         also every step's TokenLogprobs of the tokens taken [B, steps]. With masks [B, W] (the
         tokens each row may take, `allowed_tokens`), one step: the host gives the next masks."""
-        output = Output.LAST_LOGITS if logprobs or masks is not None else self.output
+        output = Output.LAST_LOGITS if logprobs else self.output
         steps = self.steps if masks is None else 1
 
         def step(carry, _):
