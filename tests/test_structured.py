@@ -106,43 +106,6 @@ def check_all(got: dict, picked: list[dict], offset: int = 0) -> int:
     return complete
 
 
-def test_formats_hold_on_a_random_model(random_checkpoint, tmp_path):
-    """A few of each kind, and a free request beside them that the formats leave alone."""
-    picked = cases("json_schema")[:10] + cases("regex")[:5] + cases("choice")[:5]
-    rows = [request(i, c) for i, c in enumerate(picked)]
-    rows.append({"id": "free", "prompt": "Answer:", "max_tokens": 20, "temperature": 1.0, "seed": 1})
-    got = answer(random_checkpoint, rows, tmp_path)
-    assert check_all(got, picked) == len(picked)
-    assert got["free"]["usage"]["completion_tokens"] == 20  # noise, to its max_tokens
-    assert not holds({"kind": "json_schema", "schema": {"type": "object"}}, got["free"]["text"])
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", ["json_schema", "regex", "choice"])
-def test_a_hundred_formats_hold_on_a_random_model(random_checkpoint, tmp_path, kind):
-    picked = cases(kind)
-    assert len(picked) == 100
-    got = answer(random_checkpoint, [request(i, c) for i, c in enumerate(picked)], tmp_path)
-    assert check_all(got, picked) == 100
-
-
-def test_a_format_cut_by_max_tokens_is_flagged_incomplete(random_checkpoint, tmp_path):
-    schema = {"type": "object", "properties": {"s": {"type": "string", "minLength": 40}},
-              "required": ["s"]}
-    rows = [{"id": "short", "prompt": "x", "max_tokens": 4, "response_format":
-             {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}},
-            {"id": "json", "prompt": "x", "max_tokens": 60, "temperature": 1.0,
-             "response_format": {"type": "json_object"}}]
-    got = answer(random_checkpoint, rows, tmp_path)
-    assert got["short"]["finish_reason"] == "length" and got["short"]["incomplete_format"] is True
-    assert got["short"]["usage"]["completion_tokens"] == 4
-    with pytest.raises(ValueError):
-        json.loads(got["short"]["text"])
-    r = got["json"]
-    if not r.get("incomplete_format"):
-        assert isinstance(json.loads(r["text"]), dict)
-
-
 BAD = [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {
         "type": "object", "properties": {"a": {"type": "strin"}}}}}}, "strin"),
@@ -155,16 +118,60 @@ BAD = [
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "at most one"),
 ]
+PICKED = cases("json_schema")[:10] + cases("regex")[:5] + cases("choice")[:5]
+LONG = {"type": "object", "properties": {"s": {"type": "string", "minLength": 40}}, "required": ["s"]}
 
 
-def test_bad_formats_get_an_error_naming_the_problem_and_the_job_goes_on(random_checkpoint, tmp_path):
-    rows = [{"id": k, "prompt": "x", "max_tokens": 8, **fields} for k, (fields, _) in enumerate(BAD)]
-    rows.append({"id": "ok", "prompt": "x", "max_tokens": 8, "guided_choice": ["yes", "no"]})
-    got = answer(random_checkpoint, rows, tmp_path)
+@pytest.fixture(scope="module")
+def mixed_job(random_checkpoint, tmp_path_factory) -> dict:
+    """One job on the random model: a few held-out formats of each kind, a free request, a
+    format that max_tokens cuts, any JSON object, greedy under a choice, and bad formats."""
+    rows = [request(i, c) for i, c in enumerate(PICKED)]
+    rows += [{"id": "free", "prompt": "Answer:", "max_tokens": 20, "temperature": 1.0, "seed": 1},
+             {"id": "short", "prompt": "x", "max_tokens": 4, "response_format":
+              {"type": "json_schema", "json_schema": {"name": "s", "schema": LONG}}},
+             {"id": "json", "prompt": "x", "max_tokens": 60, "temperature": 1.0,
+              "response_format": {"type": "json_object"}},
+             {"id": "choice", "prompt": "x", "max_tokens": 8, "guided_choice": ["yes", "no"]}]
+    rows += [{"id": f"bad{k}", "prompt": "x", "max_tokens": 8, **fields} for k, (fields, _) in enumerate(BAD)]
+    return answer(random_checkpoint, rows, tmp_path_factory.mktemp("mixed"))
+
+
+def test_formats_hold_on_a_random_model(mixed_job):
+    """Every held-out format holds, and the free request beside them is left alone."""
+    assert check_all(mixed_job, PICKED) == len(PICKED)
+    free = mixed_job["free"]
+    assert free["usage"]["completion_tokens"] == 20  # noise, to its max_tokens
+    assert not holds({"kind": "json_schema", "schema": {"type": "object"}}, free["text"])
+    assert mixed_job["choice"]["text"] in ("yes", "no") and mixed_job["choice"]["finish_reason"] == "stop"
+    r = mixed_job["json"]
+    assert r.get("incomplete_format") or isinstance(json.loads(r["text"]), dict)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["json_schema", "regex", "choice"])
+def test_a_hundred_formats_hold_on_a_random_model(random_checkpoint, tmp_path, kind):
+    picked = cases(kind)
+    assert len(picked) == 100
+    got = answer(random_checkpoint, [request(i, c) for i, c in enumerate(picked)], tmp_path)
+    assert check_all(got, picked) == 100
+
+
+def test_a_format_cut_by_max_tokens_is_flagged_incomplete(mixed_job):
+    r = mixed_job["short"]
+    assert r["finish_reason"] == "length" and r["incomplete_format"] is True
+    assert r["usage"]["completion_tokens"] == 4
+    with pytest.raises(ValueError):
+        json.loads(r["text"])
+    assert all("incomplete_format" not in mixed_job[i] for i in range(len(PICKED)))
+
+
+def test_bad_formats_get_an_error_naming_the_problem_and_the_job_goes_on(mixed_job):
     for k, (_, named) in enumerate(BAD):
-        assert named in got[k]["error"] and "\n" not in got[k]["error"], got[k]
-    assert got["ok"]["text"] in ("yes", "no") and got["ok"]["finish_reason"] == "stop"
+        error = mixed_job[f"bad{k}"]["error"]
+        assert named in error and "\n" not in error, error
     assert "response_format" not in FUTURE
+    assert all("error" not in mixed_job[i] for i in range(len(PICKED)))
 
 
 def test_openai_and_vllm_fields_become_one_format():
