@@ -22,6 +22,7 @@ from runner.checkpoints import convert, pypi, store
 from runner.engine import Completion, Engine, Request, Scheduler, Stats, hugepages
 from runner.requests_io import AllFailedError, Parsed, Results, read_lines
 from runner.settings import Settings
+from runner.text.structured import Grammars
 from runner.text.tokenizer import load_tokenizer
 from runner.text.tools import call_syntax, parse_calls, tool_call
 from sharding.mesh import make_mesh
@@ -135,11 +136,11 @@ def load_model(s: Settings) -> tuple[store.Metadata, Rules, Any]:
     return meta, rules, params
 
 
-def answer(s: Settings, loaded: tuple | None = None) -> Summary:
+def answer(s: Settings, loaded: tuple | None = None, tokenizer=None) -> Summary:
     """The job: answers the request file s.input into the results file s.output; what it did.
     `loaded`: (metadata, rules, params) of a model already on the devices, in place of
-    checkpoint.path's (runner.tools.bench --random_weights); it has no tokenizer, so its requests
-    give prompt_token_ids."""
+    checkpoint.path's (runner.tools.bench --random_weights); its tokenizer is `tokenizer`, and
+    without one its requests give prompt_token_ids."""
     # a bad request file or output path fails before the checkpoint is touched
     lines = read_lines(s.input)
     fmt = openai_batch.file_format(lines)
@@ -147,7 +148,7 @@ def answer(s: Settings, loaded: tuple | None = None) -> Summary:
     meta, rules, params = loaded or load_model(s)
     model_name = os.path.basename(s.checkpoint_path.rstrip("/")) if not loaded else meta.source
     mesh = rules.mesh
-    tokenizer = None if loaded else load_tokenizer(s.checkpoint_path)
+    tokenizer = tokenizer if loaded else load_tokenizer(s.checkpoint_path)
     g = s.generation
     engine = Engine(meta.model, params, rules, s.policy, g.batch_size, g.max_prompt_len,
                     g.max_new_tokens, g.steps_per_dispatch, g.prefill_buckets, prefill_rows=g.prefill_rows,
@@ -164,7 +165,10 @@ def answer(s: Settings, loaded: tuple | None = None) -> Summary:
         multihost_utils.sync_global_devices("podrun: results read")
     results.open()
     vocab = meta.model.vocab_size
-    pending = [openai_batch.parse_line(i, line, fmt, tokenizer, s, vocab, render_chat)
+    # Formats end on Harmony's <|return|> alone (an answer, not a tool call), else on any stop id.
+    grammars = (Grammars(tokenizer, vocab, chat_stops[:1] or stop_ids, harmony=parse_chat is not None)
+                if tokenizer else None)
+    pending = [openai_batch.parse_line(i, line, fmt, tokenizer, s, vocab, render_chat, grammars)
                for i, line in enumerate(lines) if i not in results.done]
     summary = Summary(requests=len(lines), already_done=len(lines) - len(pending))
     bad = [p for p in pending if p.error]
@@ -211,7 +215,8 @@ def answer(s: Settings, loaded: tuple | None = None) -> Summary:
                         logprobs=p.logprobs is not None,
                         prompt_logprobs=p.prompt_logprobs is not None or p.continuation > 0,
                         prompt_logprobs_from=(1 if p.prompt_logprobs is not None
-                                              else len(p.prompt_ids) - p.continuation), n=p.n)
+                                              else len(p.prompt_ids) - p.continuation), n=p.n,
+                        constraint=p.constraint)
                 for p in todo]
     stats = Scheduler(engine, requests, stop_ids, stop_check).run(done)
     summary.generate_s = time.perf_counter() - t0
@@ -283,8 +288,11 @@ def _choice(p: Parsed, c: Completion, tokenizer, parse_chat=None, sample: int = 
     """One sample's text, tokens, finish reason (and log-probabilities when asked); with tools
     offered, the calls it made as `tool_calls` (text: what it wrote outside them) and
     finish_reason "tool_calls"."""
-    text, ids, stopped = cut_at_stop(tokenizer, c.token_ids, p.stop)
+    # stop strings do not cut a completion under a format: the format says where it ends
+    text, ids, stopped = cut_at_stop(tokenizer, c.token_ids, () if p.constraint else p.stop)
     r = {"text": text, "token_ids": ids, "finish_reason": "stop" if stopped else c.finish_reason}
+    if c.incomplete_format:  # max_tokens came first: the text does not hold the whole format
+        r["incomplete_format"] = True
     calls = []  # (name, arguments, valid)
     if p.chat and parse_chat is not None:  # Harmony: channels apart, the final one as the text
         h = parse_chat([*p.call_prefix, *ids])

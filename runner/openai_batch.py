@@ -31,7 +31,8 @@ OBJECTS = {CHAT_URL: "chat.completion", COMPLETIONS_URL: "text_completion"}
 
 # Body fields passed on to podrun's request under their own name, for podrun's parser to check
 # (tools and response_format included: whatever it serves, a Batch body carries).
-_SAMPLING = ("temperature", "top_p", "top_k", "n", "stop", "seed", "logprobs", "response_format")
+_SAMPLING = ("temperature", "top_p", "top_k", "n", "stop", "seed", "logprobs", "response_format",
+             "guided_json", "guided_regex", "guided_choice")
 PASSED = {CHAT_URL: ("messages", *_SAMPLING, "top_logprobs", "reasoning_effort", "tools", "tool_choice"),
           COMPLETIONS_URL: ("prompt", *_SAMPLING)}
 MAX_TOKENS = {CHAT_URL: ("max_completion_tokens", "max_tokens"), COMPLETIONS_URL: ("max_tokens",)}
@@ -82,9 +83,10 @@ def _check_unique(lines: list[Line]) -> None:
 
 
 def parse_line(index: int, line: Line, fmt: FileFormat, tokenizer, s: Settings, vocab_size: int,
-               render_chat=None) -> Parsed:
+               render_chat=None, grammars=None) -> Parsed:
     """One line of a file of format `fmt` -> a request, or one carrying the reason it cannot be
-    served (requests_io.parse_request for podrun's own lines). Never raises."""
+    served (requests_io.parse_request for podrun's own lines; `grammars` compiles formats).
+    Never raises."""
     d, error = decode(line)
     if d is None:
         return Parsed(index, None if fmt.batch else line.number, error=error)
@@ -95,7 +97,7 @@ def parse_line(index: int, line: Line, fmt: FileFormat, tokenizer, s: Settings, 
             f"{fmt.first}) is {kinds[fmt.batch]}: give one format per file"))
     if not fmt.batch:
         return parse_fields(index, line.number, d, d.get("id", line.number), tokenizer, s, vocab_size,
-                            render_chat)
+                            render_chat, grammars)
     custom_id = d.get("custom_id")
     try:
         url, fields, renamed = request_fields(d)
@@ -104,7 +106,8 @@ def parse_line(index: int, line: Line, fmt: FileFormat, tokenizer, s: Settings, 
     except Exception as e:  # whatever the line holds, its own error result and not the run's end
         return Parsed(index, custom_id if isinstance(custom_id, str) else None,
                       error=f"line {line.number}: {type(e).__name__}: {_short(str(e), 200)}")
-    p = parse_fields(index, line.number, fields, custom_id, tokenizer, s, vocab_size, render_chat)
+    p = parse_fields(index, line.number, fields, custom_id, tokenizer, s, vocab_size, render_chat,
+                     grammars)
     for ours, theirs in renamed.items():  # the error names the field as the body gave it
         if p.error.startswith(ours):
             p.error = theirs + p.error[len(ours):]

@@ -2,9 +2,10 @@
 
 A request line: {"id": ..., "prompt": "..."} | {"id": ..., "messages": [{"role", "content"}]} |
 {"id": ..., "prompt_token_ids": [...]}, with optional max_tokens, temperature, top_p, top_k, stop,
-seed, n, logprobs (top_logprobs), prompt_logprobs, continuation, and for chats tools and
-tool_choice (runner/text/tools.py). A result line: {"id", "text", "token_ids", "finish_reason",
-"usage": {"prompt_tokens", "completion_tokens"}} (+ "logprobs", "prompt_logprobs", "continuation",
+seed, n, logprobs (top_logprobs), prompt_logprobs, continuation, for chats tools and tool_choice
+(runner/text/tools.py), and a format (response_format, guided_json, guided_regex, guided_choice:
+runner/text/structured.py). A result line: {"id", "text", "token_ids", "finish_reason", "usage":
+{"prompt_tokens", "completion_tokens"}} (+ "logprobs", "prompt_logprobs", "continuation",
 "prompt_token_ids" when asked, "tool_calls" when the model called a tool), with n > 1 {"id",
 "choices": [{"index", "text", ...}], "usage"}, or {"id", "error"}.
 
@@ -38,6 +39,7 @@ from etils import epath
 from runner.engine.engine import MAX_LOGPROBS  # alternatives per token the programs compute
 from runner.settings import Settings
 from runner.text import tools as chat_tools
+from runner.text import structured
 
 
 class RequestFileError(ValueError):
@@ -77,14 +79,15 @@ class Parsed:
     # the completion when its calls are read.
     call_prefix: tuple[int, ...] = ()
     api: str = ""  # an OpenAI Batch line's object (chat.completion, text_completion); "": podrun's
+    constraint: Any = None  # the compiled format the completion follows (structured.Grammar)
 
 
-# A request line's fields. FUTURE are fields podrun does not serve yet (structured output): named
-# as such, not as typos. BATCH are an OpenAI Batch line's (runner/openai_batch.py).
+# A request line's fields. FUTURE are fields podrun does not serve yet, named as such rather than
+# as typos (none now). BATCH are an OpenAI Batch line's (runner/openai_batch.py).
+FUTURE: tuple[str, ...] = ()
 FIELDS = ("id", "prompt", "messages", "prompt_token_ids", "max_tokens", "temperature", "top_p",
           "top_k", "stop", "seed", "reasoning_effort", "n", "logprobs", "top_logprobs",
-          "prompt_logprobs", "continuation", "tools", "tool_choice")
-FUTURE = ("response_format",)
+          "prompt_logprobs", "continuation", "tools", "tool_choice", *structured.FIELDS)
 BATCH = ("custom_id", "method", "url", "body")
 INT32_MAX = 2**31 - 1
 SYNC_EVERY_S = 1.0  # fsync costs up to tens of ms on a busy disk: once per batch would cost more
@@ -149,23 +152,24 @@ def decode(line: Line) -> tuple[dict | None, str]:
 
 
 def parse_request(index: int, line: Line, tokenizer, s: Settings, vocab_size: int,
-                  render_chat=None) -> Parsed:
+                  render_chat=None, grammars: structured.Grammars | None = None) -> Parsed:
     """One line -> a request ready to generate, or one carrying the reason it cannot be served.
     Never raises: whatever the line holds, it gets its own result.
 
     `render_chat(messages, request, tools) -> ids` renders chat requests (default: the
     tokenizer's own chat template); `tools` are the function definitions the prompt offers, or
     None. Its `call_prefix(choice: ToolChoice) -> ids`, where it has one, starts the call that
-    tool_choice "required" or a named function asks for."""
+    tool_choice "required" or a named function asks for. `grammars` compiles the request's
+    format, if it has one."""
     d, error = decode(line)
     if d is None:
         return Parsed(index, line.number, error=error)
     return parse_fields(index, line.number, d, d.get("id", line.number), tokenizer, s, vocab_size,
-                        render_chat)
+                        render_chat, grammars)
 
 
 def parse_fields(index: int, number: int, d: dict, rid: Any, tokenizer, s: Settings, vocab_size: int,
-                 render_chat=None) -> Parsed:
+                 render_chat=None, grammars: structured.Grammars | None = None) -> Parsed:
     """A request's fields (line `number`'s, answered as `rid`) -> a request or its error."""
     g, samp = s.generation, s.sampling
     try:
@@ -194,6 +198,22 @@ def parse_fields(index: int, number: int, d: dict, rid: Any, tokenizer, s: Setti
         ids, offered, prefix = _prompt_ids(d, tokenizer, vocab_size, render_chat)
         if not ids:
             raise ValueError("the prompt is empty")
+        constraint = None
+        if (fmt := structured.parse_format(d)) is not None:
+            if grammars is None:
+                raise ValueError(f"{fmt.field}: this checkpoint has no tokenizer, which a format needs")
+            if scoring:
+                raise ValueError(f"{fmt.field}: a format applies to generated text, not to scoring")
+            if offered:  # a call is the model's own syntax; a format would forbid it
+                raise ValueError(f"{fmt.field}: a format and tools do not go together; give one")
+            constraint = grammars.compile(fmt, chat="messages" in d)
+        constraint = None
+        if (fmt := structured.parse_format(d)) is not None:
+            if grammars is None:
+                raise ValueError(f"{fmt.field}: this checkpoint has no tokenizer, which a format needs")
+            if scoring:
+                raise ValueError(f"{fmt.field}: a format applies to generated text, not to scoring")
+            constraint = grammars.compile(fmt, chat="messages" in d)
         continuation = _continuation(d, tokenizer, vocab_size)
         ids = list(ids) + continuation
         if len(ids) > g.max_prompt_len:
@@ -211,7 +231,8 @@ def parse_fields(index: int, number: int, d: dict, rid: Any, tokenizer, s: Setti
     return Parsed(index, rid, tuple(ids), "", max_tokens, temperature, top_k, top_p,
                   tuple(stop) + s.generation.stop, row_seed, chat="messages" in d, n=n,
                   logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                  continuation=len(continuation), tools=offered, call_prefix=tuple(prefix))
+                  continuation=len(continuation), tools=offered, call_prefix=tuple(prefix),
+                  constraint=constraint)
 
 
 def _logprobs(d: dict) -> tuple[int | None, int | None]:

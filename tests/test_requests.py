@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from runner.requests_io import (FIELDS, FUTURE, INT32_MAX, Line, RequestFileError, Results, parse_request,
                                 read_lines)
+from runner.text.structured import Grammars
 from runner.text.tokenizer import load_tokenizer
 from tests.test_tokenizer import bpe_folder  # noqa: F401 (a fixture: a BPE tokenizer with a chat template)
 
@@ -21,6 +22,11 @@ VOCAB_SIZE = 400
 @pytest.fixture(scope="module")
 def tok(bpe_folder):  # noqa: F811
     return load_tokenizer(bpe_folder)
+
+
+@pytest.fixture(scope="module")
+def grammars(tok):
+    return Grammars(tok, VOCAB_SIZE, tok.eos_token_ids)
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +69,12 @@ field_values = {
     "top_logprobs": st.integers(-2, 25) | json_values, "prompt_logprobs": st.integers(-2, 25) | json_values,
     "continuation": st.text(max_size=20) | st.lists(st.integers(-10, VOCAB_SIZE + 10), max_size=8) | json_values,
     "tools": tools | json_values, "tool_choice": st.sampled_from(["auto", "none", "required"]) | json_values,
+    "response_format": st.fixed_dictionaries({"type": st.sampled_from(["json_schema", "json_object", "text"])
+                                              | json_values},
+                                             optional={"json_schema": st.fixed_dictionaries(
+                                                 {"schema": json_values})}) | json_values,
+    "guided_json": json_values | json_values.map(json.dumps), "guided_regex": st.text(max_size=12) | json_values,
+    "guided_choice": st.lists(st.text(max_size=6), max_size=3) | json_values,
     **{k: json_values for k in FUTURE}, "max_tokenz": json_values, "": json_values}
 requests = st.fixed_dictionaries({}, optional=field_values)
 lines = st.one_of(
@@ -101,8 +113,8 @@ def problems(p, s) -> list[str]:
 
 @settings(max_examples=400, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(line=lines, number=st.integers(1, 10**6))
-def test_any_line_gets_one_result(tok, s, line, number):
-    p = parse_request(0, Line(number, line), tok, s, VOCAB_SIZE)
+def test_any_line_gets_one_result(tok, s, grammars, line, number):
+    p = parse_request(0, Line(number, line), tok, s, VOCAB_SIZE, grammars=grammars)
     assert not problems(p, s), (p, problems(p, s))
 
 

@@ -61,6 +61,10 @@ class Request:
     prompt_logprobs: bool = False
     prompt_logprobs_from: int = 1  # the first prompt token whose log-probability is wanted
     n: int = 1  # samples, drawn from one prefill where their rows are free together
+    # A format the completion must follow: `start()` gives each sample a walk through it with
+    # `mask(out)` (the next token's allowed ids, written as `allowed_tokens` reads them),
+    # `take(token)` and `complete` (runner/text/structured.py). None: free text.
+    constraint: Any = dataclasses.field(default=None, compare=False)
 
 
 class TokenLogprobs(NamedTuple):
@@ -85,6 +89,8 @@ class Completion:
     logprobs: list[TokenLogprobs] | None = None  # per generated token, when asked
     # per prompt token after the first; None for those a shared prefix left uncomputed
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # under a format: the tokens ended (max_tokens) before it was complete
+    incomplete_format: bool = False
 
 
 class Rows(NamedTuple):
@@ -184,6 +190,29 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array) -> TokenLogprobs:
     top, ids = jax.lax.top_k(logp, min(MAX_LOGPROBS, logp.shape[-1]))
     taken = jnp.take_along_axis(logp, jnp.maximum(tokens, 0)[..., None].astype(jnp.int32), axis=-1)
     return TokenLogprobs(taken[..., 0], ids.astype(jnp.int32), top)
+
+
+def unpacked(masks: jax.Array, V: int) -> jax.Array:
+    """Bitmasks [B, ceil(V / 32)] (int32 words, bit t % 32 of word t // 32 for token t) -> which
+    tokens each row may take, bool [B, V]."""
+    bits = (masks[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [B, W, 32]
+    return bits.reshape(masks.shape[0], -1)[:, :V] != 0
+
+
+def allowed_tokens(masks: jax.Array, logits: jax.Array) -> jax.Array:
+    """logits [B, V] with the tokens the bitmasks masks [B, W] (`unpacked`) leave out set to
+    -inf: a format's constraint, applied before temperature, top_k and top_p."""
+    return jnp.where(unpacked(masks, logits.shape[-1]), logits.astype(jnp.float32), -jnp.inf)
+
+
+def masked_greedy(greedy: jax.Array, masks: jax.Array, V: int) -> jax.Array:
+    """The greedy tokens [B] under the bitmasks masks [B, W] where they follow from the unmasked
+    greedy tokens: the same token where the mask allows it (the largest logit, ties to the lowest
+    id, of all is that of the allowed too), the one token a mask allows, else -1."""
+    keep = unpacked(masks, V)
+    ok = jnp.take_along_axis(keep, greedy[:, None], axis=1)[:, 0]
+    only = jnp.argmax(keep, axis=1).astype(jnp.int32)  # the first allowed id
+    return jnp.where(ok, greedy, jnp.where(jnp.sum(keep, axis=1) == 1, only, -1))
 
 
 def greedy_tokens(logits: jax.Array) -> jax.Array:
@@ -405,7 +434,8 @@ class Engine:
         # donated: aliasing it makes XLA:TPU keep temporaries larger than the cache itself.
         donate = (1,) if policy.donate_cache else ()
         # Variants that also return log-probabilities (static flags) compile only when a request
-        # asks for them. The prefix pool (argument 5) is updated in place too.
+        # asks for them; those taking token masks (`masks` given, not None) only when a row
+        # generates under a format. The prefix pool (argument 5) is updated in place too.
         self._insert = jax.jit(self._insert_fn, donate_argnums=donate + (5,), compiler_options=opts,
                                static_argnames=("logprobs", "prompt_logprobs"),
                                out_shardings=(everywhere, cache_sh, rows_sh, everywhere, pool_sh))
@@ -444,6 +474,11 @@ class Engine:
         from models.kernels import cpu
 
         return cpu.greedy_screen(u.w, w_nk=u.vocab_first)
+
+    @property
+    def mask_words(self) -> int:
+        """int32 words of a row's token mask: one bit per id of the vocabulary."""
+        return (self.model.vocab_size + 31) // 32
 
     @property
     def weights(self) -> Weights:
@@ -507,25 +542,36 @@ class Engine:
         which `_next_tokens` unembeds, else the last logits."""
         return Output.LAST_LOGITS if self.greedy_screen is None else Output.LAST_HIDDEN
 
-    def _next_tokens(self, weights, out, output, seeds, counts, temperature, top_k, top_p
-                     ) -> jax.Array:
+    def _next_tokens(self, weights, out, output, seeds, counts, temperature, top_k, top_p,
+                     masks=None) -> jax.Array:
         """The next token of each row from the forward pass' last position: `out` is its logits
         [B, V] (output LAST_LOGITS), or its hidden state [B, D] (LAST_HIDDEN, with a greedy
         screen), whose greedy tokens come through the screen and whose logits are made only for
-        rows that sample."""
+        rows that sample. masks [B, W]: the tokens each row may take (`allowed_tokens`); through
+        the screen, the logits are made only when some row's greedy token under its mask is
+        neither the screen's nor forced (`masked_greedy`)."""
         params, screen = weights
         if output is Output.LAST_LOGITS:
-            return sample(out, seeds, counts, temperature, top_k, top_p)
+            logits = out if masks is None else allowed_tokens(masks, out)
+            return sample(logits, seeds, counts, temperature, top_k, top_p)
         from models.kernels import cpu
 
         u = self.model.unembedding(params)
         greedy = cpu.greedy_screened(out, u.w, screen, w_nk=u.vocab_first)
         logits = lambda: u.logits(out[:, None], self.rules, self.policy)[:, 0]
+        if masks is not None:
+            unmasked = logits
+            logits = lambda: allowed_tokens(masks, unmasked())
+            cheap = masked_greedy(greedy, masks, self.model.vocab_size)
+            greedy = jax.lax.cond(jnp.any((cheap < 0) & (temperature <= 0)),
+                                  lambda: jnp.where(cheap < 0, greedy_tokens(logits()), cheap),
+                                  lambda: cheap)
         return sample(logits, seeds, counts, temperature, top_k, top_p, greedy=greedy)
 
     def _insert_fn(self, weights, cache: KVCache, state: Rows, new: Prompts, stop_ids,
                    pool: KVCache | None = None, blocks: jax.Array | None = None,
-                   keep: Keep | None = None, logprobs: bool = False, prompt_logprobs: bool = False):
+                   keep: Keep | None = None, logprobs: bool = False, prompt_logprobs: bool = False,
+                   masks=None):
         """Prefills R prompts into a cache of their own, copies each into its F rows of `cache`
         and starts those rows' decode state at their first sampled token, each row's drawn with
         its own seed. The tokens given fill columns [0, P). With `blocks` [R, M], each prompt's
@@ -533,7 +579,7 @@ class Engine:
         given, the rest of the prompt, follow in columns [C, C + P). With `keep`, the blocks it
         names of the prompts' cache go into `pool`, which is returned. With logprobs, also the
         first tokens' TokenLogprobs [R * F]; with prompt_logprobs, each position's next token's
-        [R, P - 1]."""
+        [R, P - 1]. masks [R * F, W]: the tokens each row's first may be (`allowed_tokens`)."""
         (R, P), F = new.tokens.shape, new.rows.shape[0] // new.tokens.shape[0]
         C = 0 if blocks is None else blocks.shape[1] * self.prefix.block
         if C:  # the prompts' blocks, then empty columns for the rest
@@ -566,7 +612,7 @@ class Engine:
             out, positions = out[src], positions[src]
             fresh = jax.tree.map(lambda x: x[src], fresh)
         first = self._next_tokens(weights, out, output, new.seed, jnp.zeros_like(new.top_k),
-                                  new.temperature, new.top_k, new.top_p)
+                                  new.temperature, new.top_k, new.top_p, masks)
         cache = cache.insert(fresh, new.rows, self.rules)
         started = Rows(token=first, pos=jnp.max(positions, axis=1) + 1,
                        column=jnp.full((R * F,), C + P, jnp.int32), count=jnp.ones((R * F,), jnp.int32),
@@ -596,11 +642,14 @@ class Engine:
         return jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1).reshape(R, n * C, *x.shape[3:])[:, : P - 1],
                             parts)
 
-    def _decode_fn(self, weights, cache: KVCache, state: Rows, stop_ids, logprobs: bool = False):
+    def _decode_fn(self, weights, cache: KVCache, state: Rows, stop_ids, logprobs: bool = False,
+                   masks=None):
         """`self.steps` decode steps of every row: its newest token is written to its next column
         and the next one sampled. Finished rows write no position and emit -1. With logprobs,
-        also every step's TokenLogprobs of the tokens taken [B, steps]."""
+        also every step's TokenLogprobs of the tokens taken [B, steps]. With masks [B, W] (the
+        tokens each row may take, `allowed_tokens`), one step: the host gives the next masks."""
         output = Output.LAST_LOGITS if logprobs else self.output
+        steps = self.steps if masks is None else 1
 
         def step(carry, _):
             cache, r = carry
@@ -608,7 +657,7 @@ class Engine:
             out, cache = self.model.forward(weights.params, r.token[:, None], write_pos, cache,
                                             self.rules, self.policy, Mode.APPEND, r.column, output)
             nxt = self._next_tokens(weights, out, output, r.seed, r.count, r.temperature, r.top_k,
-                                    r.top_p)
+                                    r.top_p, masks)
             emitted = jnp.where(r.done, -1, nxt)
             count = r.count + jnp.where(r.done, 0, 1)
             done = r.done | jnp.isin(nxt, stop_ids) | (count >= r.max_tokens)
@@ -617,7 +666,7 @@ class Engine:
                            done=done)
             return (cache, r), (emitted, token_logprobs(out, nxt) if logprobs else None)
 
-        (cache, state), (out, scores) = jax.lax.scan(step, (cache, state), None, length=self.steps)
+        (cache, state), (out, scores) = jax.lax.scan(step, (cache, state), None, length=steps)
         scores = None if scores is None else jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1), scores)
         return out.T, cache, state, scores
 
@@ -648,13 +697,15 @@ class Engine:
 
     def insert(self, targets: Sequence[Sequence[int]], requests: Sequence[Request],
                stop_ids: Sequence[int] = (), samples: Sequence[Sequence[int]] | None = None,
-               shared: int = 0) -> Inserted:
+               shared: int = 0, masks: np.ndarray | None = None) -> Inserted:
         """Prefills each of `requests` once into its free rows targets[i] (one per sample; as
         many requests as an insert size, padded to the next one otherwise). samples[i] are the
         sample indices those rows draw (default 0, 1, ...): each row's seed is
         `sample_seed(request.seed, sample)`. shared > 0: every prompt's first `shared` blocks
         are in the prefix pool (`prefix_match`), and only the rest is computed. Afterwards the
-        prompts' blocks that the pool lacks are kept in it."""
+        prompts' blocks that the pool lacks are kept in it. masks [rows, W], one per target row
+        in the order of `Inserted.first`: the tokens each first token may be (all bits set:
+        any), as `allowed_tokens` reads them."""
         if self.rows != self.batch_size:
             raise RuntimeError("insert after shrink: reset the engine first")
         n = len(requests)
@@ -691,18 +742,25 @@ class Engine:
                        seeds.reshape(-1), each(lambda r: r.temperature, np.float32),
                        each(lambda r: r.top_k, np.int32), each(lambda r: r.top_p, np.float32))
         prompts = jax.tree.map(jax.device_put, host, self._prompt_shardings(R, F))
+        if masks is not None:  # into the rows' order [R * F], padding rows unmasked
+            per_row = np.full((R, F, masks.shape[1]), -1, np.int32)
+            per_row[tuple(np.array([(i, j) for i, t in enumerate(targets) for j in range(len(t))]).T)] = masks
+            masks = jax.device_put(per_row.reshape(R * F, -1),
+                                   self.rules.sharding("batch", None, shape=(R * F, masks.shape[1])))
         if blocks is not None:
             blocks = jax.device_put(blocks, self.rules.sharding("batch", None, shape=blocks.shape))
         logprobs = any(r.logprobs for r in requests)
         prompt_logprobs = any(r.prompt_logprobs for r in requests) and P > 1
         what = (f"the prefill of {R} x {P} tokens" + (f" after {C} shared" if C else "")
                 + (f" into {F} rows each" if F > 1 else "")
-                + (" with log-probabilities" if logprobs or prompt_logprobs else ""))
+                + (" with log-probabilities" if logprobs or prompt_logprobs else "")
+                + (" under token masks" if masks is not None else ""))
         keep = self._blocks_to_keep(requests, R, P, C) if self.prefix is not None else None
         with self._first_call(what):
             first, self.cache, self.state, (scores, prompt_scores), pool = self._insert(
                 self.weights, self.cache, self.state, prompts, self._stop_array(stop_ids),
-                self.pool, blocks, keep, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                self.pool, blocks, keep, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                masks=masks)
             self.pool = pool if self.prefix is not None else None
             first = np.asarray(first).reshape(R, F)
         take = [(i, j) for i, t in enumerate(targets) for j in range(len(t))]
@@ -763,14 +821,19 @@ class Engine:
         put = partial(jax.device_put, device=self._everywhere)
         return Keep(put(rows), put(starts), put(ids))
 
-    def decode(self, stop_ids: Sequence[int] = (), logprobs: bool = False
-               ) -> tuple[np.ndarray, TokenLogprobs | None]:
+    def decode(self, stop_ids: Sequence[int] = (), logprobs: bool = False,
+               masks: np.ndarray | None = None) -> tuple[np.ndarray, TokenLogprobs | None]:
         """steps_per_dispatch steps of every row: the tokens [rows, steps] (-1 where a row was
-        done) and, with logprobs, their TokenLogprobs [rows, steps]."""
-        what = f"the decode step of {self.rows} rows" + (" with log-probabilities" if logprobs else "")
+        done) and, with logprobs, their TokenLogprobs [rows, steps]. With masks [rows, W] (the
+        tokens each row may take, as `allowed_tokens` reads them), one step."""
+        what = (f"the decode step of {self.rows} rows" + (" with log-probabilities" if logprobs else "")
+                + (" under token masks" if masks is not None else ""))
+        if masks is not None:
+            masks = jax.device_put(masks, self.rules.sharding("batch", None, shape=masks.shape))
         with self._first_call(what):
             emitted, self.cache, self.state, scores = self._decode(
-                self.weights, self.cache, self.state, self._stop_array(stop_ids), logprobs=logprobs)
+                self.weights, self.cache, self.state, self._stop_array(stop_ids), logprobs=logprobs,
+                masks=masks)
             scores = None if scores is None else TokenLogprobs(*map(np.asarray, scores))
             return np.asarray(emitted), scores
 

@@ -12,6 +12,12 @@ prefill pays for padding rows or for a longer bucket than its prompts need. A re
 samples is prefilled once into as many free rows as it has samples left (its samples run in turns
 when fewer rows are free); each sample is a row of its own from then on.
 
+A request under a format (Request.constraint) walks it on the host, a walk per sample: the walk
+gives the mask of each next token, which the device applies before sampling. While such a row is
+live, each decode call is one step (the next mask needs the token just taken); the other rows
+take that step too, unmasked. Stop strings do not apply to a row under a format: the format says
+where it ends.
+
 Once no request waits and at most half the rows are live, the live rows are gathered into a
 smaller cache (Engine.shrink: half the rows, or a quarter, ... down to Engine.tail_sizes' least),
 so the job's last requests run in decode steps of fewer rows.
@@ -28,6 +34,9 @@ import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
 
 from runner.engine.engine import Completion, Engine, Request, TokenLogprobs
 
@@ -48,6 +57,8 @@ class Stats:
     completion_tokens: int = 0
     insert_s: float = 0.0  # wall time in insert calls (prefill; a first call's compilation too)
     decode_s: float = 0.0  # wall time in decode calls
+    masked_calls: int = 0  # decode calls of one step, under some row's format
+    mask_s: float = 0.0  # host time computing the formats' token masks
 
     @property
     def utilisation(self) -> float:
@@ -64,6 +75,8 @@ class _Live:
     first_s: float  # from the start of the job to its first token
     logprobs: list[TokenLogprobs] | None = None  # per token, when the request asks
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    walk: Any = None  # the walk through the request's format (Request.constraint), if it has one
+    broken: bool = False  # a token the format refused: it ends as incomplete
 
 
 class Scheduler:
@@ -101,7 +114,10 @@ class Scheduler:
                     free = free[len(k):]
                 queued = time.perf_counter() - t0
                 requests = [self.requests[i] for i in group]
-                got = engine.insert(targets, requests, self.stop_ids, samples, shared)
+                walks = [r.constraint.start() if r.constraint is not None else None
+                         for r, rows in zip(requests, targets) for _ in rows]
+                masks = self._masks(walks) if any(walks) else None
+                got = engine.insert(targets, requests, self.stop_ids, samples, shared, masks=masks)
                 now = time.perf_counter() - t0
                 self.stats.insert_s += now - queued
                 self.stats.inserts += 1
@@ -114,7 +130,9 @@ class Scheduler:
                     self.stats.prompt_tokens += len(r.prompt) * len(rows)
                     for row, sample in zip(rows, k):
                         token = int(got.first[at])
-                        live[row] = _Live(i, sample, [token], queued, now)
+                        live[row] = _Live(i, sample, [token], queued, now, walk=walks[at])
+                        if walks[at] is not None and r.max_tokens > 0:
+                            live[row].broken = not walks[at].take(token)
                         if r.logprobs:
                             live[row].logprobs = [got.logprobs.at(at)]
                         if r.prompt_logprobs:
@@ -124,14 +142,19 @@ class Scheduler:
                         at += 1
                         self._end_if_done(row, live, free, ended, now)
             if live:
+                walks = [live[row].walk if row in live else None for row in range(engine.rows)]
+                masks = self._masks(walks) if any(walks) else None
                 began = time.perf_counter() - t0
                 emitted, scores = engine.decode(
-                    self.stop_ids, logprobs=any(self.requests[x.index].logprobs for x in live.values()))
+                    self.stop_ids, logprobs=any(self.requests[x.index].logprobs for x in live.values()),
+                    masks=masks)
                 now = time.perf_counter() - t0
+                steps = emitted.shape[1]
                 self.stats.decode_s += now - began
                 self.stats.decode_calls += 1
-                self.stats.decode_steps += engine.steps
-                self.stats.row_steps += engine.steps * engine.rows
+                self.stats.masked_calls += masks is not None
+                self.stats.decode_steps += steps
+                self.stats.row_steps += steps * engine.rows
                 for row in sorted(live):
                     x = live[row]
                     tokens, limit = x.tokens, self.requests[x.index].max_tokens
@@ -139,6 +162,8 @@ class Scheduler:
                         if t < 0 or len(tokens) >= limit or tokens[-1] in self.stop_ids:
                             break
                         tokens.append(int(t))
+                        if x.walk is not None:
+                            x.broken = x.broken or not x.walk.take(int(t))
                         if x.logprobs is not None:
                             x.logprobs.append(scores.at((row, step)))
                     self._end_if_done(row, live, free, ended, now)
@@ -152,6 +177,16 @@ class Scheduler:
                     free = list(range(len(live), engine.rows))
                     self.stats.shrinks += 1
         return self.stats
+
+    def _masks(self, walks: list) -> np.ndarray:
+        """The next token's mask [len(walks), mask_words] of each walk (all bits set for None)."""
+        t = time.perf_counter()
+        masks = np.full((len(walks), self.engine.mask_words), -1, np.int32)
+        for k, walk in enumerate(walks):
+            if walk is not None:
+                walk.mask(masks[k])
+        self.stats.mask_s += time.perf_counter() - t
+        return masks
 
     def _next_group(self, free: int) -> tuple[list[int], list[list[int]], int]:
         """(requests, the samples each starts, the prompt blocks they share from the prefix pool):
@@ -206,11 +241,12 @@ class Scheduler:
         is then free. A request ends with its last sample."""
         x = live[row]
         tokens, request = x.tokens, self.requests[x.index]
-        if tokens and tokens[-1] in self.stop_ids:
+        if tokens and tokens[-1] in self.stop_ids and not x.broken:
             reason = "stop"
-        elif tokens and self.stop_check is not None and self.stop_check(x.index, tokens):
+        elif (tokens and x.walk is None and self.stop_check is not None
+              and self.stop_check(x.index, tokens)):
             reason = "stop"
-        elif len(tokens) >= request.max_tokens:
+        elif len(tokens) >= request.max_tokens or x.broken:
             reason = "length"
         else:
             return
@@ -219,7 +255,9 @@ class Scheduler:
         done = self._ended.setdefault(x.index, {})
         done[x.sample] = Completion(tokens, reason, ttft_s=x.first_s - x.queued_s,
                                     decode_s=now - x.first_s, logprobs=x.logprobs,
-                                    prompt_logprobs=x.prompt_logprobs)
+                                    prompt_logprobs=x.prompt_logprobs,
+                                    incomplete_format=x.walk is not None and (
+                                        x.broken or reason == "length" and not x.walk.complete))
         if len(done) == request.n:
             del self._ended[x.index]
             ended.append((x.index, [done[k] for k in range(request.n)]))

@@ -71,6 +71,12 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         raise NotImplementedError
 
+    def grammar_source(self):
+        """What llguidance builds its view of the vocabulary from (runner/text/structured.py): a
+        tokenizer.json text, or an object with every id's bytes (`tokens`), `special_token_ids`,
+        `bos_token_id`, `eos_token_id` and encoding by call."""
+        raise NotImplementedError
+
     def chat_template_for(self, tools: list[dict] | None) -> str | None:
         """The template apply_chat_template picks: a checkpoint's "tool_use" one when tools are given."""
         if tools is not None and "tool_use" in self.chat_templates:
@@ -116,6 +122,9 @@ class _FastTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         # Byte-level BPE: an incomplete UTF-8 sequence decodes to U+FFFD.
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def grammar_source(self) -> str:
+        return self._tok.to_str()
 
 
 class _SentencePieceTokenizer(Tokenizer):
@@ -167,6 +176,22 @@ class _SentencePieceTokenizer(Tokenizer):
                 ids += (self._sp if k == 0 else self._sp_bare).encode(piece)
         return ids + [self._eos] if add_special_tokens and self._add_eos else ids
 
+    def grammar_source(self):
+        """Each piece's bytes: "▁" is a space, <0xNN> byte NN; special pieces their text."""
+        sp, tokens = self._sp, []
+        for i in range(self.vocab_size):
+            if i in self._id_to_added or i >= sp.get_piece_size():
+                tokens.append((self._id_to_added.get(i) or "").encode())
+            elif sp.is_byte(i):
+                tokens.append(bytes([int(sp.id_to_piece(i)[3:5], 16)]))
+            else:
+                tokens.append(sp.id_to_piece(i).replace("\u2581", " ").encode())
+        special = sorted(i for i in self._special | set(self._id_to_added) if i < self.vocab_size)
+        # text mid-completion: no dummy-prefix space
+        encode = lambda text: self._sp_bare.encode(text.decode("utf-8", "replace")
+                                                   if isinstance(text, bytes) else text)
+        return _Vocabulary(tokens, special, self.bos_token_id, self._eos, encode)
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         out, run = "", []  # the dummy-prefix space is dropped only at the start of the text
         for i in [*map(int, ids), None]:
@@ -178,6 +203,17 @@ class _SentencePieceTokenizer(Tokenizer):
             if i is not None and not (skip_special_tokens and i in self._special):
                 out += self._id_to_added.get(i) or self._sp.id_to_piece(i)
         return out
+
+
+class _Vocabulary:
+    """A sentencepiece vocabulary as llguidance's TokenizerWrapper reads one."""
+
+    def __init__(self, tokens, special, bos, eos, encode):
+        self.tokens, self.special_token_ids = tokens, special
+        self.bos_token_id, self.eos_token_id, self._encode = bos, eos, encode
+
+    def __call__(self, text) -> list[int]:
+        return self._encode(text)
 
 
 # --- loading --------------------------------------------------------------------------------------

@@ -1,0 +1,215 @@
+"""Structured output: a completion held to a format (a JSON schema, any JSON object, a regex, one
+of a list of strings) by masking, before every sampling step, the tokens that would break it.
+
+The grammar library is llguidance (docs/structured-output.md says why): a format becomes a Lark
+grammar over the completion's bytes, compiled once per format and tokenizer (`Grammars`), and
+each row that generates under it walks a copy of its matcher (`Matcher`), which writes the
+allowed tokens of the next step as a bitmask (int32 words, bit t % 32 of word t // 32 for token
+t). The stop ids (end of turn) are allowed only where the format is complete; where nothing can
+follow, they are all that is allowed, so the row ends on the device as any row does.
+
+GPT-OSS chats in Harmony put the format in the final channel: the completion may reason in an
+analysis message first, free text, then must open `<|channel|>final<|message|>`, hold the format
+there and end on `<|return|>`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import re
+from typing import Any
+
+import numpy as np
+
+# JSON without optional whitespace: ", " and ": " between items, nothing else, so a completion
+# cannot spend its tokens on blank space (a random model does).
+_JSON_OPTIONS = {"whitespace_flexible": False}
+GRAMMAR_CACHE = 1024  # compiled formats kept per tokenizer, least recently used out first
+
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+    """A request's format: kind (json_schema | json_object | regex | choice) and its spec, the
+    canonical JSON text of the schema, the regex or the choice list: the cache key."""
+
+    kind: str
+    spec: str
+    field: str = dataclasses.field(compare=False)  # the request field it came from, for errors
+
+    def lark(self) -> str:
+        """The grammar's rule `body`: the completion's text under this format."""
+        import llguidance
+
+        if self.kind in ("json_schema", "json_object"):
+            schema = json.loads(self.spec) if self.kind == "json_schema" else {"type": "object"}
+            if not isinstance(schema, dict):
+                raise ValueError(f"{self.field}: a JSON schema is an object, not {_kind_of(schema)}")
+            # the request's own x-guidance options apply first, the whitespace rule over them
+            schema = {**schema, "x-guidance": {**schema.get("x-guidance", {}), **_JSON_OPTIONS}}
+            return "body: %json " + json.dumps(schema, ensure_ascii=False)
+        if self.kind == "regex":
+            return "body: /" + llguidance.regex_to_lark(json.loads(self.spec)) + "/"
+        choices = json.loads(self.spec)
+        return "body: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _kind_of(v: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean",
+            type(None): "null"}.get(type(v), "a number")
+
+
+def _canonical(v: Any) -> str:
+    """Compact JSON in the order given: a schema's properties are generated in its order."""
+    return json.dumps(v, separators=(",", ":"), ensure_ascii=False)
+
+
+FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice")
+
+
+def parse_format(d: dict) -> Format | None:
+    """The format a request line asks for, None for none; a ValueError naming the field when it
+    is malformed. OpenAI's response_format ({"type": "text" | "json_object" | "json_schema",
+    "json_schema": {"name", "schema", "strict"}}) or vLLM's guided_json, guided_regex,
+    guided_choice; at most one of them."""
+    given = [k for k in FIELDS if d.get(k) is not None]
+    if len(given) > 1:
+        raise ValueError(f"give at most one of {', '.join(FIELDS)} (got {', '.join(given)})")
+    if not given:
+        return None
+    key = given[0]
+    v = d[key]
+    if key == "response_format":
+        if not isinstance(v, dict) or v.get("type") not in ("text", "json_object", "json_schema"):
+            raise ValueError(f"response_format={_short(v)}: give {{\"type\": \"json_schema\", "
+                             "\"json_schema\": {\"name\", \"schema\"}}, {\"type\": \"json_object\"} "
+                             "or {\"type\": \"text\"}")
+        if v["type"] == "text":
+            return None
+        if v["type"] == "json_object":
+            return Format("json_object", "", key)
+        js = v.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
+            raise ValueError("response_format.json_schema: give {\"name\": ..., \"schema\": {...}}")
+        # OpenAI's schema is optional (any JSON object then); strict is always honoured here
+        return Format("json_schema", _canonical(js.get("schema", {"type": "object"})),
+                      "response_format.json_schema.schema")
+    if key == "guided_json":
+        if isinstance(v, str):
+            try:
+                v = json.loads(v)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"guided_json is not valid JSON: {e.msg} (column {e.colno})") from e
+        if not isinstance(v, dict):
+            raise ValueError(f"guided_json={_short(v)}: give a JSON schema (an object)")
+        return Format("json_schema", _canonical(v), key)
+    if key == "guided_regex":
+        if not isinstance(v, str) or not v:
+            raise ValueError(f"guided_regex={_short(v)}: give a non-empty regular expression")
+        return Format("regex", json.dumps(v), key)
+    if not (isinstance(v, list) and v and all(isinstance(c, str) and c for c in v)):
+        raise ValueError(f"guided_choice={_short(v)}: give a non-empty list of non-empty strings")
+    return Format("choice", json.dumps(list(dict.fromkeys(v)), ensure_ascii=False), key)
+
+
+def _short(v: Any, limit: int = 60) -> str:
+    text = json.dumps(v, ensure_ascii=False) if not isinstance(v, str) else repr(v)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class Matcher:
+    """One row's walk through a format: `mask` the next step's allowed tokens, `take` the token
+    sampled. `complete`: the text so far satisfies the format."""
+
+    def __init__(self, matcher):
+        self._m = matcher
+
+    def mask(self, out: np.ndarray) -> None:
+        """Writes the allowed tokens into out (int32 [ceil(V / 32)])."""
+        self._m.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
+
+    def take(self, token: int) -> bool:
+        """Advances by the token; False (and an error state) when the format forbids it."""
+        return self._m.consume_token(int(token))
+
+    @property
+    def complete(self) -> bool:
+        return self._m.is_accepting()
+
+    @property
+    def error(self) -> str:
+        return self._m.get_error()
+
+
+class Grammar:
+    """A format compiled for one tokenizer: each `start()` a fresh walk of it."""
+
+    def __init__(self, matcher):
+        self._template = matcher
+
+    def start(self) -> Matcher:
+        return Matcher(self._template.deep_copy())
+
+
+class Grammars:
+    """The formats of one tokenizer: its token bytes as llguidance sees them (built on first use,
+    a fraction of a second, about 5 s for o200k), and each format compiled once.
+
+    tokenizer: runner.text.tokenizer.Tokenizer; vocab_size: the model's (ids past the
+    tokenizer's are never allowed); stop_ids: the ids that end a completion, allowed once the
+    format is complete; harmony: the completion is a GPT-OSS Harmony answer (module docstring)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_ids, harmony: bool = False):
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.stop_ids, self.harmony = tuple(stop_ids), harmony
+        self.words = (vocab_size + 31) // 32  # int32 words of a row's mask
+        self._ll = None
+        self._compiled: collections.OrderedDict[tuple[Format, bool], Grammar] = collections.OrderedDict()
+
+    def _lltokenizer(self):
+        if self._ll is None:
+            import llguidance
+
+            source = self.tokenizer.grammar_source()
+            if not isinstance(source, str):
+                source = llguidance.TokenizerWrapper(source)
+            self._ll = llguidance.LLTokenizer(source, n_vocab=self.vocab_size,
+                                              eos_token=list(self.stop_ids) or None)
+        return self._ll
+
+    def compile(self, fmt: Format, chat: bool = False) -> Grammar:
+        """The format's grammar (cached); a ValueError naming the field and the library's
+        complaint when it cannot be compiled. chat: a chat request (Harmony's channels apply)."""
+        import llguidance
+
+        key = (fmt, chat and self.harmony)
+        if key in self._compiled:
+            self._compiled.move_to_end(key)
+            return self._compiled[key]
+        body = fmt.lark()
+        if key[1]:  # Harmony: an optional analysis message, then the final channel holds the body
+            top = ('start: (<|channel|> "analysis" <|message|> /(?s:.*)/ <|end|> <|start|> '
+                   '"assistant")? <|channel|> "final" <|message|> body\n')
+        else:
+            top = "start: body\n"
+        matcher = llguidance.LLMatcher(self._lltokenizer(),
+                                       llguidance.LLMatcher.grammar_from_lark(top + body), log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"{fmt.field}: {_first_line(matcher.get_error())}")
+        grammar = self._compiled[key] = Grammar(matcher)
+        if len(self._compiled) > GRAMMAR_CACHE:
+            self._compiled.popitem(last=False)
+        return grammar
+
+
+def _first_line(error: str) -> str:
+    """llguidance's error without the grammar it appends (its first lines, up to the listing)."""
+    lines = [x.strip() for x in error.splitlines() if x.strip()]
+    kept = []
+    for x in lines:
+        if x[0].isdigit() and "|" in x or x.startswith("<"):
+            break
+        kept.append(x)
+    text = " ".join(kept or lines[:1])
+    return re.sub(r"^at \d+\(\d+\): ", "", text)  # where in podrun's grammar text: not the user's

@@ -1,0 +1,391 @@
+"""Structured output: completions held to a JSON schema, a regex or a choice list, judged by
+jsonschema, re.fullmatch and membership; on a random model (noise unless held), on the real
+SmolLM2, and on every kind of tokenizer podrun loads."""
+
+import dataclasses
+import json
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import jsonschema
+import numpy as np
+import pytest
+import regex
+
+from models import llama, weights
+from models.registry import Model
+from runner.checkpoints import convert, store
+from runner.engine.engine import allowed_tokens
+from runner.requests_io import FUTURE
+from runner.text import harmony, structured
+from runner.text.tokenizer import load_tokenizer, tokenizer_json_from_gguf
+from sharding.mesh import MeshShape, make_mesh
+from sharding.rules import Rules
+from tests.test_end_to_end import podrun, read_jsonl, write_jsonl
+from tests import test_tokenizer
+from tests.test_tokenizer import write_folder
+
+bpe_folder, sp_model = test_tokenizer.bpe_folder, test_tokenizer.sp_model  # their fixtures
+CASES = os.path.join(os.path.dirname(__file__), "data", "structured_cases.jsonl")
+
+
+def cases(kind: str) -> list[dict]:
+    with open(CASES, encoding="utf-8") as f:
+        return [r for r in map(json.loads, f) if r["kind"] == kind]
+
+
+def request(i: int, case: dict, **kw) -> dict:
+    """A request line for a held-out case (sampled at temperature 1, so a random model's
+    preferences do not repeat one token)."""
+    r = {"id": i, "prompt": f"Answer {i}:", "max_tokens": 160, "temperature": 1.0, "seed": i, **kw}
+    if case["kind"] == "json_schema":
+        r["response_format"] = {"type": "json_schema",
+                                "json_schema": {"name": f"s{i}", "schema": case["schema"], "strict": True}}
+    elif case["kind"] == "regex":
+        r["guided_regex"] = case["regex"]
+    else:
+        r["guided_choice"] = case["choices"]
+    return r
+
+
+def holds(case: dict, text: str) -> bool:
+    """The independent judge: jsonschema, a full match, membership. The match is the `regex`
+    package's, Python's re on a current Unicode: a guided_regex's \\d is any decimal digit, and
+    this Python's re knows only Unicode 14's (a random model finds the newer ones)."""
+    if case["kind"] == "json_schema":
+        try:
+            jsonschema.validate(json.loads(text), case["schema"])
+        except (ValueError, jsonschema.ValidationError):
+            return False
+        return True
+    if case["kind"] == "regex":
+        return regex.fullmatch(case["regex"], text) is not None
+    return text in case["choices"]
+
+
+@pytest.fixture(scope="module")
+def random_checkpoint(smollm2_gguf, tmp_path_factory):
+    """A tiny random Llama with SmolLM2's real tokenizer (49152 ids): left alone, it emits noise."""
+    model = Model("llama", dataclasses.replace(llama.PRESETS["tiny"], vocab_size=49152))
+    rules = Rules.make(make_mesh(MeshShape(data=1), jax.devices()[:1]))
+    params = weights.init(model.declare(), jax.random.key(7), rules, jnp.float32)
+    text, config = tokenizer_json_from_gguf(smollm2_gguf)
+    files = {"tokenizer.json": text.encode(), "tokenizer_config.json": json.dumps(config).encode()}
+    out = str(tmp_path_factory.mktemp("random-smollm2-vocab") / "ck")
+    convert._write(out, store.Metadata(model, {"files": sorted(files)}, source="random"), params, files)
+    return out
+
+
+def answer(checkpoint: str, rows: list[dict], tmp_path, *overrides: str) -> dict:
+    """Runs the job through runner.main on one CPU device (the serving path: podrun's CPU
+    kernels, the greedy screen); its results by id."""
+    path = write_jsonl(tmp_path / "in.jsonl", rows)
+    podrun("runner.main", f"--config=configs/cpu.py:{checkpoint}", f"--config.io.input={path}",
+           f"--config.io.output={tmp_path / 'out.jsonl'}", "--config.mesh.num_cpu_devices=1",
+           "--config.mesh.data=1", "--config.generation.batch_size=8",
+           "--config.generation.max_prompt_len=64", "--config.generation.max_new_tokens=160",
+           f"--config.compilation_cache.dir={os.path.dirname(checkpoint)}/xla", *overrides)
+    return {r["id"]: r for r in read_jsonl(tmp_path / "out.jsonl")}
+
+
+def check_all(got: dict, picked: list[dict], offset: int = 0) -> int:
+    """Every completion holds its format, or ended at max_tokens flagged incomplete; how many
+    are complete."""
+    complete = 0
+    for i, case in enumerate(picked, offset):
+        r = got[i]
+        assert "error" not in r, r
+        if r.get("incomplete_format"):
+            assert r["finish_reason"] == "length"
+            continue
+        assert r["finish_reason"] == "stop", r
+        assert holds(case, r["text"]), (case, r["text"])
+        complete += 1
+    return complete
+
+
+BAD = [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {
+        "type": "object", "properties": {"a": {"type": "strin"}}}}}}, "strin"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {
+        "not": {"type": "string"}}}}}, "not"),
+    ({"guided_regex": "[a-"}, "guided_regex"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_choice": ["a", 3]}, "guided_choice"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "at most one"),
+]
+PICKED = cases("json_schema")[:10] + cases("regex")[:5] + cases("choice")[:5]
+LONG = {"type": "object", "properties": {"s": {"type": "string", "minLength": 40}}, "required": ["s"]}
+
+
+@pytest.fixture(scope="module")
+def mixed_job(random_checkpoint, tmp_path_factory) -> dict:
+    """One job on the random model: a few held-out formats of each kind, a free request, a
+    format that max_tokens cuts, any JSON object, greedy under a choice, and bad formats."""
+    rows = [request(i, c) for i, c in enumerate(PICKED)]
+    rows += [{"id": "free", "prompt": "Answer:", "max_tokens": 20, "temperature": 1.0, "seed": 1},
+             {"id": "short", "prompt": "x", "max_tokens": 4, "response_format":
+              {"type": "json_schema", "json_schema": {"name": "s", "schema": LONG}}},
+             {"id": "json", "prompt": "x", "max_tokens": 60, "temperature": 1.0,
+              "response_format": {"type": "json_object"}},
+             {"id": "choice", "prompt": "x", "max_tokens": 8, "guided_choice": ["yes", "no"]}]
+    rows += [{"id": f"bad{k}", "prompt": "x", "max_tokens": 8, **fields} for k, (fields, _) in enumerate(BAD)]
+    return answer(random_checkpoint, rows, tmp_path_factory.mktemp("mixed"))
+
+
+def test_formats_hold_on_a_random_model(mixed_job):
+    """Every held-out format holds, and the free request beside them is left alone."""
+    assert check_all(mixed_job, PICKED) == len(PICKED)
+    free = mixed_job["free"]
+    assert free["usage"]["completion_tokens"] == 20  # noise, to its max_tokens
+    assert not holds({"kind": "json_schema", "schema": {"type": "object"}}, free["text"])
+    assert mixed_job["choice"]["text"] in ("yes", "no") and mixed_job["choice"]["finish_reason"] == "stop"
+    r = mixed_job["json"]
+    assert r.get("incomplete_format") or isinstance(json.loads(r["text"]), dict)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["json_schema", "regex", "choice"])
+def test_a_hundred_formats_hold_on_a_random_model(random_checkpoint, tmp_path, kind):
+    picked = cases(kind)
+    assert len(picked) == 100
+    got = answer(random_checkpoint, [request(i, c) for i, c in enumerate(picked)], tmp_path)
+    assert check_all(got, picked) == 100
+
+
+def test_a_format_cut_by_max_tokens_is_flagged_incomplete(mixed_job):
+    r = mixed_job["short"]
+    assert r["finish_reason"] == "length" and r["incomplete_format"] is True
+    assert r["usage"]["completion_tokens"] == 4
+    with pytest.raises(ValueError):
+        json.loads(r["text"])
+    assert all("incomplete_format" not in mixed_job[i] for i in range(len(PICKED)))
+
+
+def test_bad_formats_get_an_error_naming_the_problem_and_the_job_goes_on(mixed_job):
+    for k, (_, named) in enumerate(BAD):
+        error = mixed_job[f"bad{k}"]["error"]
+        assert named in error and "\n" not in error, error
+    assert "response_format" not in FUTURE
+    assert all("error" not in mixed_job[i] for i in range(len(PICKED)))
+
+
+def test_openai_and_vllm_fields_become_one_format():
+    schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
+    openai = structured.parse_format({"response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}})
+    vllm = structured.parse_format({"guided_json": json.dumps(schema)})
+    assert (openai.kind, openai.spec) == (vllm.kind, vllm.spec)  # one cache entry for both
+    assert json.loads(openai.spec) == schema
+    assert structured.parse_format({"response_format": {"type": "text"}}) is None
+    assert structured.parse_format({"prompt": "x"}) is None
+    assert structured.parse_format({"guided_choice": ["a", "b", "a"]}).spec == '["a", "b"]'
+
+
+def test_masks_reach_the_logits_bit_for_bit():
+    rng = np.random.default_rng(0)
+    V = 70
+    allowed = rng.random((3, V)) < 0.3
+    masks = np.zeros((3, 3), np.uint32)
+    for b, t in zip(*np.nonzero(allowed)):
+        masks[b, t // 32] |= np.uint32(1 << (t % 32))
+    logits = rng.standard_normal((3, V)).astype(np.float32)
+    got = np.asarray(allowed_tokens(jnp.asarray(masks.view(np.int32)), jnp.asarray(logits)))
+    np.testing.assert_array_equal(got, np.where(allowed, logits, -np.inf))
+
+
+class EvenTokens:
+    """A stand-in format, no library: even ids only, never complete."""
+
+    def __init__(self, vocab: int):
+        self.vocab = vocab
+
+    def start(self):
+        return self
+
+    def mask(self, out: np.ndarray) -> None:
+        bits = np.zeros(out.size * 32, np.uint8)
+        bits[: self.vocab : 2] = 1
+        out[:] = np.packbits(bits, bitorder="little").view(np.int32)
+
+    def take(self, token: int) -> bool:
+        return token % 2 == 0
+
+    complete = False
+
+
+@pytest.mark.parametrize("screen", [True, False])
+def test_masked_rows_take_only_allowed_tokens_and_leave_their_neighbours_alone(screen):
+    """In one batch: rows under a format (greedy and sampled) take only its tokens and end
+    flagged incomplete at max_tokens, the greedy one the argmax of transformers' logits over the
+    allowed ids; the free rows beside them decode exactly as transformers' greedy search does,
+    several steps per call once the masked rows are done. Greedy tokens through the int8 screen
+    (the logits made only where the screen's token is not allowed) and from the logits."""
+    from models.policy import Policy
+    from runner.engine import Engine, Request, Scheduler
+    from tests.conftest import rules_for
+    from tests.reference import VOCAB, hf_greedy, hf_logits, tiny_hf, to_podrun
+
+    m = tiny_hf("llama", seed=3)
+    rules = rules_for("1dev")
+    model, params = to_podrun(m, rules)
+    engine = Engine(model, params, rules, Policy(greedy_screen=screen), batch_size=4,
+                    max_prompt_len=16, max_new_tokens=24, steps_per_dispatch=8)
+    assert (engine.greedy_screen is not None) == screen
+    even = EvenTokens(VOCAB)
+    prompts = [(5, 9, 2), (7, 1, 4, 4, 8), (3,), (11, 12)]
+    requests = [Request(prompts[0], 24), Request(prompts[1], 6, constraint=even),
+                Request(prompts[2], 24), Request(prompts[3], 10, temperature=1.0, seed=5, constraint=even)]
+    done = {}
+    stats = Scheduler(engine, requests).run(lambda ended: done.update(ended))
+    for i in (0, 2):
+        assert done[i][0].token_ids == hf_greedy(m, prompts[i], 24)
+        assert not done[i][0].incomplete_format
+    for i in (1, 3):
+        c = done[i][0]
+        assert len(c.token_ids) == requests[i].max_tokens and c.finish_reason == "length"
+        assert all(t % 2 == 0 for t in c.token_ids) and c.incomplete_format
+    assert any(t % 2 for t in hf_greedy(m, prompts[1], 6))  # left alone, it takes odd ids
+    masked = list(prompts[1])
+    for _ in range(6):
+        logits = hf_logits(m, [masked])[0, -1]
+        masked.append(int(np.argmax(np.where(np.arange(VOCAB) % 2 == 0, logits, -np.inf))))
+    assert done[1][0].token_ids == masked[len(prompts[1]):]
+    assert 0 < stats.masked_calls < stats.decode_calls  # one-step calls, then whole dispatches
+
+
+# --- every tokenizer: random walks through the formats' masks -----------------------------------
+
+
+def walk(grammars: structured.Grammars, fmt: structured.Format, chat: bool, seed: int,
+         limit: int = 300) -> tuple[list[int], bool]:
+    """Tokens drawn uniformly from each step's mask until a stop id: (tokens, ended)."""
+    rng = np.random.default_rng(seed)
+    m = grammars.compile(fmt, chat).start()
+    mask = np.zeros(grammars.words, np.int32)
+    tokens = []
+    for _ in range(limit):
+        m.mask(mask)
+        ids = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))
+        assert len(ids) and ids.max() < grammars.vocab_size
+        # a random walk favours long strings: prefer the stop id where it is allowed
+        stops = [i for i in ids if i in grammars.stop_ids]
+        t = int(stops[0] if stops and rng.random() < 0.5 else rng.choice(ids))
+        assert m.take(t)
+        tokens.append(t)
+        if t in grammars.stop_ids:
+            assert m.complete
+            return tokens, True
+    return tokens, False
+
+
+FORMATS = [
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {
+        "type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                         "n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                         "k": {"enum": ["日本", "é", "a b"]}},
+        "required": ["name", "n", "k"], "additionalProperties": False}}}},
+    {"guided_regex": r"[a-z]{1,4}-\d{2}"},
+    {"guided_choice": ["yes", "yes please", "日本"]},
+]
+JUDGES = [lambda t: jsonschema.validate(json.loads(t), FORMATS[0]["response_format"]["json_schema"]
+                                        ["schema"]) is None,
+          lambda t: re.fullmatch(r"[a-z]{1,4}-\d{2}", t) is not None,
+          lambda t: t in FORMATS[2]["guided_choice"]]
+
+
+def check_tokenizer(tok, vocab_size: int, stop_ids, seeds=range(4)):
+    grammars = structured.Grammars(tok, vocab_size, stop_ids)
+    for fields, judge in zip(FORMATS, JUDGES):
+        for seed in seeds:
+            tokens, ended = walk(grammars, structured.parse_format(fields), False, seed)
+            assert ended, tok.decode(tokens)
+            text = tok.decode(tokens[:-1], skip_special_tokens=False)
+            assert judge(text), text
+
+
+def test_smollm2_byte_level_bpe_walks_hold(smollm2_gguf, tmp_path):
+    text, config = tokenizer_json_from_gguf(smollm2_gguf)
+    tok = load_tokenizer(write_folder(tmp_path, {"tokenizer.json": text, "tokenizer_config.json": config}))
+    check_tokenizer(tok, 49152, tok.eos_token_ids)
+
+
+def test_gpt2_style_byte_level_bpe_walks_hold(bpe_folder):
+    tok = load_tokenizer(bpe_folder)
+    check_tokenizer(tok, tok.vocab_size, tok.eos_token_ids)
+
+
+def test_sentencepiece_walks_hold(sp_model, tmp_path):
+    folder = write_folder(tmp_path, {"tokenizer.model": sp_model, "tokenizer_config.json": {
+        "bos_token": "<s>", "eos_token": "</s>"}})
+    tok = load_tokenizer(folder)
+    check_tokenizer(tok, tok.vocab_size, tok.eos_token_ids)
+
+
+def test_harmony_answers_in_the_final_channel(tmp_path):
+    """o200k_harmony: the format holds in the final channel, after an optional analysis, and the
+    completion ends on <|return|>; Harmony's own parser (runner.text.harmony) reads it back."""
+    folder = write_folder(tmp_path, {"tokenizer.json": harmony.o200k_harmony_tokenizer_json(),
+                                     "tokenizer_config.json": harmony.TOKENIZER_CONFIG})
+    tok = load_tokenizer(folder)
+    grammars = structured.Grammars(tok, harmony.VOCAB_SIZE, [harmony.RETURN], harmony=True)
+    for fields, judge in zip(FORMATS, JUDGES):
+        for seed in range(3):
+            tokens, ended = walk(grammars, structured.parse_format(fields), True, seed, limit=2000)
+            if not ended:  # a random analysis may run on; never an answer without the channel
+                assert harmony.RETURN not in tokens
+                continue
+            assert tokens[0] == harmony.CHANNEL and tokens[-1] == harmony.RETURN
+            parsed = harmony.parse(tokens, tok)
+            assert parsed.complete and not parsed.error, parsed
+            assert judge(parsed.text), parsed.text
+    # a plain prompt (no chat) takes the format from its first token
+    tokens, ended = walk(grammars, structured.parse_format(FORMATS[1]), False, 0)
+    assert ended and JUDGES[1](tok.decode(tokens[:-1]))
+
+
+def test_the_real_smollm2_fills_a_person_schema(smollm2_gguf, tmp_path_factory, tmp_path):
+    out = str(tmp_path_factory.mktemp("smollm2-structured") / "ck")
+    convert.convert(smollm2_gguf, out)
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 130},
+        "city": {"type": "string", "minLength": 1, "maxLength": 40}},
+        "required": ["name", "age", "city"], "additionalProperties": False}
+    rows = [{"id": i, "messages": [{"role": "user", "content": q}], "max_tokens": 60,
+             "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}}
+            for i, q in enumerate(["Describe a person: give their name, age and city as JSON.",
+                                   "Invent a character for a story. Reply with name, age and city."])]
+    got = answer(out, rows, tmp_path)
+    for r in got.values():
+        assert r["finish_reason"] == "stop" and "incomplete_format" not in r, r
+        person = json.loads(r["text"])
+        jsonschema.validate(person, schema)
+        assert list(person) == ["name", "age", "city"]  # the schema's order
+        assert re.search(r"[A-Za-z]{2}", person["name"]) and re.search(r"[A-Za-z]{2}", person["city"])
+        assert 1 <= person["age"] <= 110, person
+
+
+@pytest.mark.slow
+def test_gptoss_chats_answer_in_the_final_channel(tmp_path_factory, tmp_path):
+    """A tiny random GPT-OSS through runner.main: every chat under a format either answers in
+    the final channel, the text holding the format and Harmony's parse clean, or is flagged
+    incomplete (a random analysis may run to max_tokens)."""
+    ck = tmp_path_factory.mktemp("gptoss") / "ck"
+    convert.random_checkpoint("gptoss:tiny-o200k", str(ck))
+    picked = cases("json_schema")[:4] + cases("regex")[:4] + cases("choice")[:4]
+    rows = [request(i, c, max_tokens=150) for i, c in enumerate(picked)]
+    for r in rows:
+        r["messages"] = [{"role": "user", "content": r.pop("prompt")}]
+    path = write_jsonl(tmp_path / "in.jsonl", rows)
+    podrun("runner.main", "--config=configs/gptoss_tiny_cpu.py", f"--config.checkpoint.path={ck}",
+           f"--config.io.input={path}", f"--config.io.output={tmp_path / 'out.jsonl'}",
+           "--config.generation.max_new_tokens=150", "--config.compilation_cache.dir=")
+    got = {r["id"]: r for r in read_jsonl(tmp_path / "out.jsonl")}
+    assert check_all(got, picked) > 0
+    for r in got.values():
+        assert r.get("incomplete_format") or "chat_format_error" not in r, r
