@@ -126,9 +126,10 @@ def _unknown(d: dict) -> str:
             return (f"field {key!r} belongs to OpenAI Batch lines ({', '.join(BATCH)}), and this "
                     "line is in podrun's format: give one format per file")
         near = difflib.get_close_matches(key, FIELDS, n=1)
-        hint = f"did you mean {near[0]!r}? " if near else ""
         name = key if len(key) <= 40 else key[:37] + "..."
-        return f"unknown field {name!r}: {hint}request fields are {', '.join(FIELDS)}"
+        if near:
+            return f"unknown field {name!r}: did you mean {near[0]!r}?"
+        return f"unknown field {name!r}: request fields are {', '.join(FIELDS)}"
     return ""
 
 
@@ -223,7 +224,7 @@ def parse_fields(index: int, number: int, d: dict, rid: Any, tokenizer, s: Setti
     except Exception as e:  # whatever the line holds, its own error result and not the run's end
         message = str(e) if isinstance(e, ValueError | TypeError) else f"{type(e).__name__}: {e}"
         message = " ".join(message.split())  # one line, whatever the library wrote
-        return Parsed(index, rid, error=message if len(message) <= 300 else message[:297] + "...")
+        return Parsed(index, rid, error=message if len(message) <= 400 else message[:397] + "...")
     # A request's random stream is its own seed's, wherever it stands in the file and whatever
     # runs beside it; without one, sampling.seed's mixed with the request's line number.
     row_seed = (seed if "seed" in d and d["seed"] is not None

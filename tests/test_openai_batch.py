@@ -129,8 +129,9 @@ BAD = [  # (line, the start of its error, the param named)
     (batch_line({"max_tokens": 3}), "messages is missing", "messages"),
     (batch_line({**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}]}),
      "tools[0].function.parameters is not a JSON schema", "tools"),
-    (batch_line({**CHAT, "response_format": {"type": "json_object"}}), "field 'response_format' is not supported",
+    (batch_line({**CHAT, "response_format": {"type": "xml"}}), "response_format={\"type\": \"xml\"}: give",
      "response_format"),
+    (batch_line({**CHAT, "guided_choice": []}), "guided_choice=[]: give a non-empty list", "guided_choice"),
     (batch_line({"prompt": "x", "logprobs": True}, url=TEXT_URL), "logprobs=true: a count", "logprobs"),
     (batch_line({"prompt": "x", "top_logprobs": 2}, url=TEXT_URL), "body field \"top_logprobs\" belongs to "
      "/v1/chat/completions", "top_logprobs"),
