@@ -529,12 +529,53 @@ def chat_completions(results: list[dict], requests: list[dict]) -> list[ChatComp
     return out
 
 
+def bigram_writer(m, chain: list[int]):
+    """Makes transformers model m write `chain` on from its first token: every layer adds nothing
+    (its attention and MLP outputs are zero), so each next token is lm_head(norm(embedding of this
+    token)); the chain's tokens get orthogonal embeddings and lm_head maps each to the one after it.
+    Any other token's embedding stays random, so one of the chain's follows it."""
+    import torch
+
+    assert len(set(chain)) == len(chain), chain
+    with torch.no_grad():
+        for layer in m.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            zero = [attn.o_proj.weight, attn.o_proj.bias, getattr(mlp, "down_proj", None)]
+            zero += [mlp.experts.down_proj, mlp.experts.down_proj_bias] if hasattr(mlp, "experts") else []
+            for w in zero:
+                if isinstance(w, torch.nn.Module):
+                    w = w.weight
+                if w is not None:
+                    w.zero_()
+        m.model.norm.weight.fill_(1)
+        embed, head = m.model.embed_tokens.weight, m.lm_head.weight
+        head.mul_(0.01)
+        for k, (t, nxt) in enumerate(zip(chain, chain[1:])):
+            embed[t] = 0
+            embed[t, k] = 1
+            head[nxt] = 0
+            head[nxt, k] = 10
+    return m
+
+
 def test_tool_chats_on_gptoss_render_as_openai_harmony(enc, tmp_path):
-    """A Batch file of chats with tools, calls and results on a tiny random GPT-OSS: the prompt
-    each request used (io.echo_prompt) is openai-harmony's rendering with the function tools, then
-    for a named function or `required` the header that starts the call; every line a ChatCompletion.
-    Random weights end on no <|call|>, so no call is read here (tests/test_tools.py reads them)."""
-    podrun("runner.tools.convert", "--random=gptoss:tiny-o200k", f"--output={tmp_path / 'ck'}")
+    """A Batch file of chats with tools, calls and results on a tiny GPT-OSS: the prompt each
+    request used (io.echo_prompt) is openai-harmony's rendering with the function tools, then for a
+    named function or `required` the header that starts the call; every line a ChatCompletion. Its
+    weights (bigram_writer) answer the named `now` with `{}` and <|call|>, as transformers' generate
+    confirms: the job reads that call as openai-harmony's parser reads the whole message."""
+    import torch
+    from openai_harmony import Role
+
+    from runner.text import harmony
+    from tests.reference import tiny_hf
+
+    message, call = enc.encode("<|message|>", allowed_special="all"), enc.encode("<|call|>", allowed_special="all")
+    m = bigram_writer(tiny_hf("gptoss", vocab_size=harmony.VOCAB_SIZE, num_hidden_layers=1),
+                      [*message, *enc.encode("{}"), *call])
+    m.save_pretrained(tmp_path / "hf")
+    harmony.write_tokenizer_files(str(tmp_path / "hf"))
+    podrun("runner.tools.convert", f"--source={tmp_path / 'hf'}", f"--output={tmp_path / 'ck'}")
     requests = tool_lines(max_tokens=2)
     out = tmp_path / "out.jsonl"
     run_main(tmp_path / "ck", write_jsonl(tmp_path / "in.jsonl", requests), out, "--config.io.echo_prompt=true",
@@ -542,26 +583,32 @@ def test_tool_chats_on_gptoss_render_as_openai_harmony(enc, tmp_path):
              "--config.generation.prefill_buckets=(1024,)", "--config.generation.batch_size=8")
     results = read_jsonl(out)
     for req, res, c in zip(requests, results, chat_completions(results, requests)):
-        body = req["body"]
+        body, name = req["body"], req["custom_id"]
         tools = None if body.get("tool_choice") == "none" else body["tools"]
-        want = test_tools.harmony_reference(enc, body["messages"], tools)
-        if req["custom_id"] in ("named", "required"):
-            head = "now <|constrain|>json<|message|>" if req["custom_id"] == "named" else ""
-            want += enc.encode("<|channel|>commentary to=functions" + ("." + head if head else ""),
-                               allowed_special="all")
-        assert res["response"]["body"]["prompt_token_ids"] == list(want), req["custom_id"]
-        assert c.usage.completion_tokens == 2 and c.choices[0].finish_reason == "length"
+        prompt = test_tools.harmony_reference(enc, body["messages"], tools)
+        head = {"named": test_tools.HARMONY_FORCED["get_weather"].replace("get_weather", "now"),
+                "required": test_tools.HARMONY_FORCED["required"]}.get(name)
+        head = enc.encode(head, allowed_special="all") if head else []
+        assert res["response"]["body"]["prompt_token_ids"] == [*prompt, *head], name
+        x = c.choices[0]
+        if name == "named":
+            with torch.no_grad():
+                ids = m.generate(torch.tensor([[*prompt, *head]]), max_new_tokens=2, do_sample=False,
+                                 eos_token_id=call, pad_token_id=0)[0, len(prompt) + len(head):].tolist()
+            assert ids == [*enc.encode("{}"), *call] and c.usage.completion_tokens == 2
+            want = test_tools.harmony_calls(enc.parse_messages_from_completion_tokens([*head, *ids], Role.ASSISTANT))
+            [tc] = x.message.tool_calls
+            assert [(tc.function.name, tc.function.arguments)] == want == [("now", "{}")]
+            assert x.finish_reason == "tool_calls" and not x.message.content
+        else:  # no call ended in two tokens
+            assert x.message.tool_calls is None and x.finish_reason in ("length", "stop"), name
 
 
 @pytest.fixture(scope="module")
 def qwen_writer(tmp_path_factory):
-    """A tiny Llama with the Qwen2.5 chat template's tokenizer whose weights write one thing: after
+    """A tiny Llama with the Qwen2.5 chat template's tokenizer that writes (bigram_writer), after
     the prompt a named `now` ends with, the rest of that call as the template writes it, then
-    <|im_end|>. Its one layer adds nothing (o_proj and down_proj are zero), so each next token is
-    lm_head(norm(embedding of this token)): the embeddings of the prompt's last token and of the
-    call's tokens are orthogonal, and lm_head maps each to the one that follows it. Any other
-    token's embedding is random, so it is followed by one of those. (transformers, transformers'
-    tokenizer and the template on the same files)."""
+    <|im_end|>."""
     import torch
     import transformers
 
@@ -579,27 +626,17 @@ def qwen_writer(tmp_path_factory):
     assert call.startswith(head) and call.endswith("<|im_end|>\n")
     chain = [hf.encode(head, add_special_tokens=False)[-1],
              *hf.encode(call[len(head):-len("\n")], add_special_tokens=False)]
-    assert len(set(chain)) == len(chain) and chain[-1] == hf.convert_tokens_to_ids("<|im_end|>"), chain
+    assert chain[-1] == hf.convert_tokens_to_ids("<|im_end|>"), chain
 
     torch.manual_seed(0)
-    d = 64
-    cfg = transformers.LlamaConfig(vocab_size=len(hf), hidden_size=d, intermediate_size=96, num_hidden_layers=1,
+    cfg = transformers.LlamaConfig(vocab_size=len(hf), hidden_size=64, intermediate_size=96, num_hidden_layers=1,
                                    num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096,
                                    tie_word_embeddings=False, eos_token_id=chain[-1])
     m = transformers.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
         for w in m.parameters():
             w.normal_(0, 0.3)
-        m.model.norm.weight.fill_(1)
-        m.model.layers[0].self_attn.o_proj.weight.zero_()
-        m.model.layers[0].mlp.down_proj.weight.zero_()
-        embed, head_w = m.model.embed_tokens.weight, m.lm_head.weight
-        head_w.mul_(0.01)
-        for k, (t, nxt) in enumerate(zip(chain, chain[1:])):
-            embed[t] = 0
-            embed[t, k] = 1
-            head_w[nxt] = 0
-            head_w[nxt, k] = 10
+    bigram_writer(m, chain)
     m.save_pretrained(root / "hf")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (root / "hf" / name).write_bytes(open(os.path.join(folder, name), "rb").read())
