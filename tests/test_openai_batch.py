@@ -579,8 +579,8 @@ def test_tool_chats_on_gptoss_render_as_openai_harmony(enc, tmp_path):
     requests = tool_lines(max_tokens=2)
     out = tmp_path / "out.jsonl"
     run_main(tmp_path / "ck", write_jsonl(tmp_path / "in.jsonl", requests), out, "--config.io.echo_prompt=true",
-             "--config.generation.max_new_tokens=2", "--config.generation.max_prompt_len=1024",
-             "--config.generation.prefill_buckets=(1024,)", "--config.generation.batch_size=8")
+             "--config.generation.max_new_tokens=2", "--config.generation.max_prompt_len=512",
+             "--config.generation.prefill_buckets=(512,)", "--config.generation.batch_size=8")
     results = read_jsonl(out)
     for req, res, c in zip(requests, results, chat_completions(results, requests)):
         body, name = req["body"], req["custom_id"]
