@@ -1,6 +1,7 @@
 """OpenAI Batch files: bodies mapped onto podrun's requests, bad lines named, results in the shapes
-of the `openai` package's types; end to end, vLLM's own example files through `runner.main` and a
-run killed and restarted that answers every custom_id exactly once."""
+of the `openai` package's types; end to end, vLLM's own example files through `runner.main`, a
+run killed and restarted that answers every custom_id exactly once, and chats with tools, calls
+and results on GPT-OSS (openai-harmony) and a Qwen2.5 chat template (transformers)."""
 
 import dataclasses
 import json
