@@ -498,14 +498,13 @@ def test_repeated_custom_ids_stop_the_job_before_the_checkpoint_is_read(tmp_path
 
 # --- end to end: tools in Batch chats ---------------------------------------------------------------
 
-NOW = {"type": "function", "function": {"name": "now"}}
 TOOL_CHATS = {**test_tools.CONVERSATIONS, "several_calls": test_tools.SEVERAL_CALLS}
 VLLM_TOOLS = os.path.join(DATA, "vllm_run_batch_tool_calling.jsonl")
 
 
 def tool_lines(max_tokens: int) -> list[dict]:
     """Batch chats with tools, assistant tool_calls and tool results (tests/test_tools.py's), then
-    tool_choice naming a function and tool_choice required."""
+    a question with tool_choice naming a function (`now`), required and none."""
     def line(custom_id, **body):
         return {"custom_id": custom_id, "method": "POST", "url": CHAT_URL,
                 "body": {"model": "any", "max_tokens": max_tokens, "temperature": 0, **body}}
