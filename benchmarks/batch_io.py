@@ -1,6 +1,7 @@
 """What reading an OpenAI Batch file and writing its results cost, against the whole job's wall time.
 
     python benchmarks/batch_io.py [--requests=10000] [--max_tokens=4] [--batch_size=64] [--chat]
+    python benchmarks/batch_io.py --chat --parse_only [--requests=2000] [--rounds=3]
 
 A random tiny Llama (`random:llama:tiny`, no tokenizer: prompts are token ids, as the completions
 API takes them), one CPU device; `--requests` Batch lines of /v1/completions, each a 4-to-12-token
@@ -12,7 +13,8 @@ A small job compiles the programs first, and the model's loading is left out, so
 time is the file's alone: the job's wall time (runner.job.answer) and, inside it, the time spent
 in the I/O path: reading the file, the format check and duplicate custom_ids, parsing each line,
 building each result (podrun's, then the Batch line), appending the partial file and writing the
-final one.
+final one. `--parse_only`: no model, no job; the microseconds a line that parsing the file's lines
+takes (runner.openai_batch.parse_line, with the job's Harmony rendering for --chat), per round.
 """
 
 from __future__ import annotations
@@ -90,7 +92,11 @@ def main() -> None:
     ap.add_argument("--max_tokens", type=int, default=4)
     ap.add_argument("--batch_size", type=int, default=64)
     ap.add_argument("--chat", action="store_true", help="chat lines on a tiny GPT-OSS with its tokenizer")
+    ap.add_argument("--parse_only", action="store_true", help="time parsing the lines alone, no model")
+    ap.add_argument("--rounds", type=int, default=3, help="--parse_only: passes over the lines")
     a = ap.parse_args()
+    if a.parse_only:
+        return _parse_only(a)
 
     from configs.cpu import get_config
     from runner.checkpoints import convert
@@ -133,6 +139,35 @@ def main() -> None:
     for name, t in SPENT.most_common():
         print(f"  {name:40s} {t:7.3f} s  {100 * t / wall:5.2f}%")
     print(f"  {'I/O in all':40s} {io:7.3f} s  {100 * io / wall:5.2f}% of the job's wall time")
+
+
+def _parse_only(a) -> None:
+    import types
+
+    from configs.cpu import get_config
+    from runner import openai_batch
+    from runner.job import chat_format, read_lines
+    from runner.settings import from_config
+    from runner.text import harmony
+    from runner.text.tokenizer import load_tokenizer
+
+    c = get_config("/unused")
+    c.generation.update(max_prompt_len=128 if a.chat else 16, max_new_tokens=max(a.max_tokens, 1))
+    s = from_config(c)
+    folder = tempfile.mkdtemp(prefix="batch_io-")
+    tokenizer, render, vocab = None, None, 1000
+    if a.chat:
+        harmony.write_tokenizer_files(folder)
+        tokenizer, vocab = load_tokenizer(folder), harmony.VOCAB_SIZE
+        render, _, _ = chat_format(types.SimpleNamespace(family="gptoss"), tokenizer, s)
+    lines = read_lines(_write(os.path.join(folder, "in.jsonl"), a.requests, a.max_tokens, vocab, a.chat))
+    fmt = openai_batch.file_format(lines)
+    for _ in range(a.rounds):
+        t0 = time.perf_counter()
+        parsed = [openai_batch.parse_line(i, x, fmt, tokenizer, s, vocab, render) for i, x in enumerate(lines)]
+        us = 1e6 * (time.perf_counter() - t0) / len(lines)
+        assert not any(p.error for p in parsed), next(p.error for p in parsed if p.error)
+        print(f"{len(lines)} {'chat' if a.chat else 'completions'} Batch lines parsed: {us:.1f} us a line")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """OpenAI Batch files: bodies mapped onto podrun's requests, bad lines named, results in the shapes
-of the `openai` package's types; end to end, vLLM's own example files through `runner.main` and a
-run killed and restarted that answers every custom_id exactly once."""
+of the `openai` package's types; end to end, vLLM's own example files through `runner.main`, a
+run killed and restarted that answers every custom_id exactly once, and chats with tools, calls
+and results on GPT-OSS (openai-harmony) and a Qwen2.5 chat template (transformers)."""
 
 import dataclasses
 import json
@@ -28,15 +29,18 @@ from runner.text.tokenizer import load_tokenizer
 from tests.reference import VOCAB, hf_greedy, hf_logits, tiny_hf
 from tests.test_end_to_end import ROOT, podrun, read_jsonl, write_jsonl
 from tests.test_requests import VOCAB_SIZE, json_values, problems
-from tests.test_harmony import enc, vocab_dir  # noqa: F401 (fixtures: openai-harmony's encoding)
-from tests.test_tokenizer import bpe_folder  # noqa: F401 (a fixture: a BPE tokenizer with a chat template)
+from tests import test_harmony, test_tokenizer, test_tools
+
+# fixtures of other modules, bound here so that pytest finds them (module-scoped: built once here)
+bpe_folder = test_tokenizer.bpe_folder  # a BPE tokenizer with a chat template
+vocab_dir, enc = test_harmony.vocab_dir, test_harmony.enc  # openai-harmony's encoding
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "openai_batch")
 BATCH = FileFormat(True, 1)
 
 
 @pytest.fixture(scope="module")
-def tok(bpe_folder):  # noqa: F811
+def tok(bpe_folder):
     return load_tokenizer(bpe_folder)
 
 
@@ -333,7 +337,7 @@ def run_main(ck, inp, out, *overrides, check=True, popen=False):
     return podrun(*args[2:], check=check)
 
 
-def test_vllm_example_file_runs_unchanged(bpe_folder, tmp_path):  # noqa: F811
+def test_vllm_example_file_runs_unchanged(bpe_folder, tmp_path):
     """vLLM's examples/offline_inference/openai_batch/openai_example_batch.jsonl on a tiny random
     Llama with a BPE tokenizer and chat template: every line answered as a chat.completion the
     openai package reads, its prompt transformers' apply_chat_template, its greedy answer opening
@@ -491,3 +495,192 @@ def test_repeated_custom_ids_stop_the_job_before_the_checkpoint_is_read(tmp_path
     assert p.stderr.strip().splitlines()[-1] == (
         'podrun: error: io.input: 2 custom_id(s) given more than once, but each Batch request needs its own: '
         '"a" on lines 1, 4; "b" on lines 2, 5')
+
+
+# --- end to end: tools in Batch chats ---------------------------------------------------------------
+
+TOOL_CHATS = {**test_tools.CONVERSATIONS, "several_calls": test_tools.SEVERAL_CALLS}
+VLLM_TOOLS = os.path.join(DATA, "vllm_run_batch_tool_calling.jsonl")
+
+
+def tool_lines(max_tokens: int) -> list[dict]:
+    """Batch chats with tools, assistant tool_calls and tool results (tests/test_tools.py's), then
+    a question with tool_choice naming a function (`now`), required and none."""
+    def line(custom_id, **body):
+        return {"custom_id": custom_id, "method": "POST", "url": CHAT_URL,
+                "body": {"model": "any", "max_tokens": max_tokens, "temperature": 0, **body}}
+
+    q = test_tools.CONVERSATIONS["question"]
+    return [*(line(name, messages=m, tools=test_tools.TOOLS) for name, m in TOOL_CHATS.items()),
+            line("named", messages=q, tools=test_tools.TOOLS,
+                 tool_choice={"type": "function", "function": {"name": "now"}}),
+            line("required", messages=q, tools=test_tools.TOOLS, tool_choice="required"),
+            line("none", messages=q, tools=test_tools.TOOLS, tool_choice="none")]
+
+
+def chat_completions(results: list[dict], requests: list[dict]) -> list[ChatCompletion]:
+    """Each line's envelope checked, its body read as the openai package's ChatCompletion."""
+    assert [r["custom_id"] for r in results] == [r["custom_id"] for r in requests]
+    out = []
+    for req, res in zip(requests, results):
+        c = ChatCompletion.model_validate(check_envelope(res, req["custom_id"]))
+        assert c.object == "chat.completion" and c.model == "ck" and len(c.choices) == 1
+        assert c.usage.prompt_tokens == len(res["response"]["body"]["prompt_token_ids"])
+        out.append(c)
+    return out
+
+
+def bigram_writer(m, chain: list[int]):
+    """Makes transformers model m write `chain` on from its first token: every layer adds nothing
+    (its attention and MLP outputs are zero), so each next token is lm_head(norm(embedding of this
+    token)); the chain's tokens get orthogonal embeddings and lm_head maps each to the one after it.
+    Any other token's embedding stays random, so one of the chain's follows it."""
+    import torch
+
+    assert len(set(chain)) == len(chain), chain
+    with torch.no_grad():
+        for layer in m.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            zero = [attn.o_proj.weight, attn.o_proj.bias, getattr(mlp, "down_proj", None)]
+            zero += [mlp.experts.down_proj, mlp.experts.down_proj_bias] if hasattr(mlp, "experts") else []
+            for w in zero:
+                if isinstance(w, torch.nn.Module):
+                    w = w.weight
+                if w is not None:
+                    w.zero_()
+        m.model.norm.weight.fill_(1)
+        embed, head = m.model.embed_tokens.weight, m.lm_head.weight
+        head.mul_(0.01)
+        for k, (t, nxt) in enumerate(zip(chain, chain[1:])):
+            embed[t] = 0
+            embed[t, k] = 1
+            head[nxt] = 0
+            head[nxt, k] = 10
+    return m
+
+
+def test_tool_chats_on_gptoss_render_as_openai_harmony(enc, tmp_path):
+    """A Batch file of chats with tools, calls and results on a tiny GPT-OSS: the prompt each
+    request used (io.echo_prompt) is openai-harmony's rendering with the function tools, then for a
+    named function or `required` the header that starts the call; every line a ChatCompletion. Its
+    weights (bigram_writer) answer the named `now` with `{}` and <|call|>, as transformers' generate
+    confirms: the job reads that call as openai-harmony's parser reads the whole message."""
+    import torch
+    from openai_harmony import Role
+
+    from runner.text import harmony
+    from tests.reference import tiny_hf
+
+    message, call = enc.encode("<|message|>", allowed_special="all"), enc.encode("<|call|>", allowed_special="all")
+    m = bigram_writer(tiny_hf("gptoss", vocab_size=harmony.VOCAB_SIZE, num_hidden_layers=1),
+                      [*message, *enc.encode("{}"), *call])
+    m.save_pretrained(tmp_path / "hf")
+    harmony.write_tokenizer_files(str(tmp_path / "hf"))
+    podrun("runner.tools.convert", f"--source={tmp_path / 'hf'}", f"--output={tmp_path / 'ck'}")
+    requests = tool_lines(max_tokens=2)
+    out = tmp_path / "out.jsonl"
+    run_main(tmp_path / "ck", write_jsonl(tmp_path / "in.jsonl", requests), out, "--config.io.echo_prompt=true",
+             "--config.generation.max_new_tokens=2", "--config.generation.max_prompt_len=512",
+             "--config.generation.prefill_buckets=(512,)", "--config.generation.batch_size=8")
+    results = read_jsonl(out)
+    for req, res, c in zip(requests, results, chat_completions(results, requests)):
+        body, name = req["body"], req["custom_id"]
+        tools = None if body.get("tool_choice") == "none" else body["tools"]
+        prompt = test_tools.harmony_reference(enc, body["messages"], tools)
+        head = {"named": test_tools.HARMONY_FORCED["get_weather"].replace("get_weather", "now"),
+                "required": test_tools.HARMONY_FORCED["required"]}.get(name)
+        head = enc.encode(head, allowed_special="all") if head else []
+        assert res["response"]["body"]["prompt_token_ids"] == [*prompt, *head], name
+        x = c.choices[0]
+        if name == "named":
+            with torch.no_grad():
+                ids = m.generate(torch.tensor([[*prompt, *head]]), max_new_tokens=2, do_sample=False,
+                                 eos_token_id=call, pad_token_id=0)[0, len(prompt) + len(head):].tolist()
+            assert ids == [*enc.encode("{}"), *call] and c.usage.completion_tokens == 2
+            want = test_tools.harmony_calls(enc.parse_messages_from_completion_tokens([*head, *ids], Role.ASSISTANT))
+            [tc] = x.message.tool_calls
+            assert [(tc.function.name, tc.function.arguments)] == want == [("now", "{}")]
+            assert x.finish_reason == "tool_calls" and not x.message.content
+        else:  # no call ended in two tokens
+            assert x.message.tool_calls is None and x.finish_reason in ("length", "stop"), name
+
+
+@pytest.fixture(scope="module")
+def qwen_writer(tmp_path_factory):
+    """A tiny Llama with the Qwen2.5 chat template's tokenizer that writes (bigram_writer), after
+    the prompt a named `now` ends with, the rest of that call as the template writes it, then
+    <|im_end|>."""
+    import torch
+    import transformers
+
+    root = tmp_path_factory.mktemp("qwen_writer")
+    # the BPE has seen tool calls, so that `}}` is one token (as in Qwen's own vocabulary)
+    calls = [json.dumps({"name": "now", "arguments": {}}), json.dumps({"name": "f", "arguments": {"a": 1}})]
+    folder = test_tools.template_tokenizer(root / "tok", "qwen2.5", [c for c in calls for _ in range(20)])
+    hf = transformers.PreTrainedTokenizerFast.from_pretrained(folder)
+    q = test_tools.CONVERSATIONS["question"]
+    prompt = hf.apply_chat_template(q, tools=test_tools.TOOLS, add_generation_prompt=True, tokenize=False)
+    reply = hf.apply_chat_template([*q, {"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "now", "arguments": {}}}]}], tools=test_tools.TOOLS, tokenize=False)
+    head = '<tool_call>\n{"name": "now", "arguments":'
+    call = reply[len(prompt):]
+    assert call.startswith(head) and call.endswith("<|im_end|>\n")
+    chain = [hf.encode(head, add_special_tokens=False)[-1],
+             *hf.encode(call[len(head):-len("\n")], add_special_tokens=False)]
+    assert chain[-1] == hf.convert_tokens_to_ids("<|im_end|>"), chain
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=len(hf), hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                   num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096,
+                                   tie_word_embeddings=False, eos_token_id=chain[-1])
+    m = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for w in m.parameters():
+            w.normal_(0, 0.3)
+    bigram_writer(m, chain)
+    m.save_pretrained(root / "hf")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (root / "hf" / name).write_bytes(open(os.path.join(folder, name), "rb").read())
+    podrun("runner.tools.convert", f"--source={root / 'hf'}", f"--output={root / 'ck'}")
+    return m, hf, root / "ck", call
+
+
+def test_tool_chats_on_a_chat_template_match_transformers(qwen_writer, tmp_path):
+    """The same chats, and vLLM's tool-calling Batch line, on a checkpoint with the Qwen2.5 chat
+    template: each prompt is transformers' apply_chat_template(tools=...) (then the start of the
+    call for a named function or `required`), each answer transformers' greedy one; the named
+    `now` is answered with that call (read from the model's own tokens), finish_reason tool_calls."""
+    import torch
+
+    m, hf, ck, call = qwen_writer
+    requests = [*tool_lines(max_tokens=8), *read_jsonl(VLLM_TOOLS)]
+    out = tmp_path / "out.jsonl"
+    run_main(ck, write_jsonl(tmp_path / "in.jsonl", requests), out, "--config.io.echo_prompt=true",
+             "--config.generation.max_new_tokens=1000", "--config.generation.max_prompt_len=2048",
+             "--config.generation.prefill_buckets=(2048,)", "--config.generation.batch_size=8")
+    results = read_jsonl(out)
+    eos = hf.convert_tokens_to_ids("<|im_end|>")
+    for req, res, c in zip(requests, results, chat_completions(results, requests)):
+        body, name = req["body"], req["custom_id"]
+        tools = None if body.get("tool_choice") == "none" else body["tools"]
+        prompt = test_tokenizer.ids_of(hf.apply_chat_template(
+            test_tools.as_template_gets_them(body["messages"]), tools=tools, add_generation_prompt=True))
+        head = {"named": '<tool_call>\n{"name": "now", "arguments":', "required": '<tool_call>\n{"name": "',
+                "request-1": '<tool_call>\n{"name": "'}.get(name, "")
+        prompt += hf.encode(head, add_special_tokens=False)
+        assert res["response"]["body"]["prompt_token_ids"] == prompt, name
+        with torch.no_grad():
+            ids = m.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=min(body["max_tokens"], 48), do_sample=False, eos_token_id=eos,
+                             pad_token_id=0)[0, len(prompt):].tolist()
+        x = c.choices[0]
+        assert ids[-1] == eos and c.usage.completion_tokens == len(ids), (name, ids)  # ended within 48
+        text = head + hf.decode(ids, skip_special_tokens=False).removesuffix("<|im_end|>")
+        if name == "named":  # the model wrote the template's own call: read back as that call
+            assert text + "<|im_end|>\n" == call
+            assert x.finish_reason == "tool_calls" and not x.message.content
+            [tc] = x.message.tool_calls
+            assert (tc.function.name, json.loads(tc.function.arguments)) == ("now", {})
+        else:  # no call, or one the template's syntax cannot read: text, the call's start included
+            assert x.message.tool_calls is None and x.finish_reason == "stop", (name, text)
+            assert x.message.content == head + hf.decode(ids, skip_special_tokens=True)

@@ -14,13 +14,14 @@ from runner.requests_io import (FIELDS, FUTURE, INT32_MAX, Line, RequestFileErro
                                 read_lines)
 from runner.text.structured import Grammars
 from runner.text.tokenizer import load_tokenizer
-from tests.test_tokenizer import bpe_folder  # noqa: F401 (a fixture: a BPE tokenizer with a chat template)
+from tests import test_tokenizer
 
+bpe_folder = test_tokenizer.bpe_folder  # a fixture: a BPE tokenizer with a chat template
 VOCAB_SIZE = 400
 
 
 @pytest.fixture(scope="module")
-def tok(bpe_folder):  # noqa: F811
+def tok(bpe_folder):
     return load_tokenizer(bpe_folder)
 
 

@@ -270,22 +270,26 @@ FAMILIES = {  # template file, special tokens (then plain added tokens), tokeniz
 }
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def family(request, tmp_path_factory):
-    """(name, podrun's tokenizer, transformers' PreTrainedTokenizerFast) of a small byte-level BPE
-    carrying the family's special tokens and its chat template."""
-    template, special, added, config = FAMILIES[request.param]
+def template_tokenizer(d, name: str, text: list[str] = ()) -> str:
+    """A folder in d holding a small byte-level BPE (trained on Shakespeare, then `text`) that
+    carries the family's special tokens and its chat template."""
+    template, special, added, config = FAMILIES[name]
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=special,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(shakespeare_lines(400), trainer)
+    tok.train_from_iterator([*shakespeare_lines(400), *text], trainer)
     tok.add_tokens(added)
     with open(os.path.join(DATA, template), encoding="utf-8") as f:
         config = {**config, "chat_template": f.read(), "tokenizer_class": "PreTrainedTokenizerFast"}
-    folder = write_folder(tmp_path_factory.mktemp(request.param), {
-        "tokenizer.json": tok.to_str(), "tokenizer_config.json": config})
+    return write_folder(d, {"tokenizer.json": tok.to_str(), "tokenizer_config.json": config})
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory):
+    """(name, podrun's tokenizer, transformers' PreTrainedTokenizerFast) of template_tokenizer's."""
+    folder = template_tokenizer(tmp_path_factory.mktemp(request.param), request.param)
     return request.param, load_tokenizer(folder), transformers.PreTrainedTokenizerFast.from_pretrained(folder)
 
 
