@@ -1,20 +1,16 @@
 """`python -m runner.tools.bench`: its records, and its roofline counts against the checkpoints' own arrays."""
 
-import importlib
 import json
-import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-import torch
-import transformers
 
 from models.registry import Model
 from runner.engine import Completion
 from runner.tools import bench
-from tests.reference import hf_greedy, tiny_hf
+from tests.reference import tiny_hf
 from tests.test_end_to_end import ROOT, podrun
 
 BATCHES, PROMPT_LENS, NEW = (1, 3), (8, 12), 4
