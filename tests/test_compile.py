@@ -226,7 +226,8 @@ def test_int8_gptoss_experts_are_not_dequantised_into_a_copy_on_every_decode_ste
     assert largest < experts, largest
 
 
-@pytest.mark.parametrize("quantize", ["none", "int8"])
+# (slow: unquantised, the same program as int8's less the scales' reads)
+@pytest.mark.parametrize("quantize", [pytest.param("none", marks=pytest.mark.slow), "int8"])
 def test_a_gptoss_decode_step_accesses_at_most_a_quarter_more_than_its_floor_on_v5e(quantize):
     """The TPU target: GPT-OSS-20B's decode step for v5e (batch 64, all 24 layers, as two layers
     understate it), by XLA's cost analysis with VMEM prefetches off (it counts each as extra

@@ -559,6 +559,7 @@ def bigram_writer(m, chain: list[int]):
     return m
 
 
+@pytest.mark.slow  # tests/test_tools.py checks the same rendering and parsing against openai-harmony
 def test_tool_chats_on_gptoss_render_as_openai_harmony(enc, tmp_path):
     """A Batch file of chats with tools, calls and results on a tiny GPT-OSS: the prompt each
     request used (io.echo_prompt) is openai-harmony's rendering with the function tools, then for a
