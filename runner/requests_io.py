@@ -201,12 +201,12 @@ def parse_fields(index: int, number: int, d: dict, rid: Any, tokenizer, s: Setti
             raise ValueError("the prompt is empty")
         constraint = None
         if (fmt := structured.parse_format(d)) is not None:
+            if offered:  # a call is the model's own syntax; a format would forbid it
+                raise ValueError(f"{fmt.field}: a format and tools do not go together; give one")
             if grammars is None:
                 raise ValueError(f"{fmt.field}: this checkpoint has no tokenizer, which a format needs")
             if scoring:
                 raise ValueError(f"{fmt.field}: a format applies to generated text, not to scoring")
-            if offered:  # a call is the model's own syntax; a format would forbid it
-                raise ValueError(f"{fmt.field}: a format and tools do not go together; give one")
             constraint = grammars.compile(fmt, chat="messages" in d)
         continuation = _continuation(d, tokenizer, vocab_size)
         ids = list(ids) + continuation

@@ -463,6 +463,8 @@ BAD = [
     ({"messages": Q, "tool_choice": "auto"}, 'tool_choice="auto" needs tools'),
     ({"messages": Q, "tool_choice": "required"}, 'tool_choice="required" needs tools'),
     ({"prompt": "hi", "tools": TOOLS}, "tools and tool_choice go with messages"),
+    ({"messages": Q, "tools": TOOLS, "guided_choice": ["a"]},
+     "guided_choice: a format and tools do not go together; give one"),
 ]
 
 
