@@ -804,6 +804,9 @@ class Engine:
         index now and named for the insert to copy (prompt token j, from C on, sits in column
         C + P - len + j of its prompt's row). [R * P / block] entries, padding after them: a
         prompt has at most P / block blocks to keep, so the insert's shapes stay its own."""
+        K = R * (P // self.prefix.block)
+        if not K:  # a bucket shorter than a block: no prompt has a full block after the shared
+            return None
         wanted, where = [], []
         for i, r in enumerate(requests):
             for b, d in enumerate(self.prefix.digests(r.prompt)):
@@ -811,9 +814,6 @@ class Engine:
                     wanted.append(d)
                     where.append((i, C + P - len(r.prompt) + b * self.prefix.block))
         blocks = self.prefix.claim(wanted)
-        K = R * (P // self.prefix.block)
-        if not K:
-            return None
         rows, starts, ids = (np.full(K, v, np.int32) for v in (0, 0, self.prefix.blocks))
         if blocks:
             rows[: len(blocks)], starts[: len(blocks)] = zip(*where[: len(blocks)])

@@ -163,7 +163,6 @@ class Grammars:
     def __init__(self, tokenizer, vocab_size: int, stop_ids, harmony: bool = False):
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.stop_ids, self.harmony = tuple(stop_ids), harmony
-        self.words = (vocab_size + 31) // 32  # int32 words of a row's mask
         self._ll = None
         self._compiled: collections.OrderedDict[tuple[Format, bool], Grammar] = collections.OrderedDict()
 
