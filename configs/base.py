@@ -44,8 +44,10 @@ def base_config() -> ConfigDict:
         # 8 rows, built with g++ on first use (without a compiler: a warning, and XLA). False leaves
         # all of it to XLA (same results; slower, much slower for int8 and int4).
         "kernels": True,
-        # TPU: decode attention in the Pallas kernel (off: XLA's attention, which avoids a copy of
-        # each layer's cache per step that the kernel still causes; see models/policy.Policy).
+        # TPU and NVIDIA GPUs: decode attention in the Pallas kernel (off: XLA's attention). On TPU
+        # XLA's avoids a copy of each layer's cache per step that the kernel still causes (see
+        # models/policy.Policy); on a GPU the kernel reads each row's cache only up to its last
+        # filled slot (models/kernels/gpu.py), where XLA's reads all of it.
         "pallas_attention": False,
         # q/k/v as one matrix product and gate/up as another (models/fused.py): the checkpoint's
         # separate weights are fused once after restore. Same results either way; off because it

@@ -11,8 +11,10 @@ Fit (python -m runner.tools.memory --config=configs/gptoss_h100.py): 39 GiB of w
 KV cache for 64 rows of 1,024 prompt + 1,024 new tokens (half the layers keep a 128-token
 window), 53% of the card before activations. The experts run as XLA's dense products over
 buckets of routed tokens; the Pallas grouped matmul (precision.pallas_moe) is a TPU kernel.
-Attention stays XLA's (cuDNN's flash kernel has no sinks), and the layers are unrolled, as
-configs/llama3_h100.py explains. Not yet measured on a GPU.
+Prefill attention stays XLA's (cuDNN's flash kernel has no sinks); decode attention is XLA's too
+unless precision.pallas_attention (the Triton kernel takes sinks and windows). The layers are
+unrolled, as configs/llama3_h100.py explains. Not yet measured on a GPU: benchmarks/gpu_check.py's
+gptoss step.
 """
 
 from configs.base import base_config

@@ -17,6 +17,9 @@ Prefill takes 8 prompts at a time, and its attention runs in cuDNN's flash kerne
 the [T, T] scores out of memory. The layers are unrolled: scanned (precision.scan_layers),
 XLA:GPU's decode step ran 2.4x slower, as if it copied each layer's weights out of the stack.
 Each program then takes 15-22 s to compile; the compilation cache keeps them for the next run.
+Decode attention is XLA's, which reads every slot of every row's cache on each step;
+--config.precision.pallas_attention=True reads each row only up to its last token, in a Pallas
+(Triton) kernel not yet measured on a GPU (benchmarks/gpu_check.py's decode_kernel step).
 On an H100: batch-1 decode 6.46 ms a step, 99% of the measured bandwidth
 (docs/benchmarks/gpu-h100.md, benchmarks/gpu_check.py).
 """

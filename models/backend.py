@@ -1,6 +1,6 @@
 """The kernels a mesh runs, chosen once per mesh: podrun's C++ kernels on CPU (models/kernels/cpu.py),
-the Pallas kernels on TPU (models/kernels/tpu.py), cuDNN's attention on NVIDIA GPUs
-(models/kernels/gpu.py), and XLA for everything else. The models and the engine ask their
+the Pallas kernels on TPU (models/kernels/tpu.py), cuDNN's prefill attention and a Pallas (Triton)
+decode attention on NVIDIA GPUs (models/kernels/gpu.py), and XLA for everything else. The models and the engine ask their
 policy's Backend (models/policy.Policy.on); none of them tests the platform.
 
 What a Backend says holds for every call on its mesh. A kernel may still decline a call whose
@@ -27,8 +27,10 @@ class Backend:
     panels: bool = False  # float32 projections held in column panels (models/panels.py)
     greedy_screen: bool = False  # greedy tokens through an int8 screen of a float32 unembedding
     huge_pages: bool = False  # weights and KV cache on 2 MiB pages (runner/engine/hugepages.py)
+    # A decode step's attention in Pallas (precision.pallas_attention): "tpu" (Mosaic) or "gpu"
+    # (Triton), or "" (XLA's attention)
+    pallas_decode: str = ""
     # TPU:
-    pallas_decode: bool = False  # a decode step's attention in Pallas (precision.pallas_attention)
     ragged_experts: bool = False  # GPT-OSS's experts as ragged groups of megablox' gmm
     row_major_tables: bool = False  # lookup tables pinned row-major (models/weights.py)
     # A prompt's attention over its own keys in a flash kernel: "pallas" (TPU), "cudnn" (NVIDIA;
@@ -40,6 +42,7 @@ class Backend:
         """The backend of `policy`'s kernel switches (precision.*) on `rules`' mesh."""
         platform = rules.platform
         unsplit_cache = rules.shards("cache_seq") == 1  # the attention kernels take whole rows
+        pallas_decode = policy.kernels and policy.pallas_attention and unsplit_cache
         if platform == "cpu":
             from models.kernels import cpu
 
@@ -52,10 +55,11 @@ class Backend:
                        greedy_screen=alone and policy.greedy_screen and policy.dtype.name == "float32",
                        huge_pages=policy.huge_pages)
         if platform == "tpu":
-            return cls(platform, pallas_decode=policy.kernels and policy.pallas_attention and unsplit_cache,
+            return cls(platform, pallas_decode="tpu" if pallas_decode else "",
                        ragged_experts=policy.pallas_moe, row_major_tables=True,
                        flash_prefill="pallas" if policy.pallas_prefill and unsplit_cache else "")
-        return cls(platform, flash_prefill="cudnn" if policy.cudnn_prefill and unsplit_cache else "")
+        return cls(platform, pallas_decode="gpu" if pallas_decode else "",
+                   flash_prefill="cudnn" if policy.cudnn_prefill and unsplit_cache else "")
 
     @property
     def compiler_options(self) -> dict[str, Any] | None:

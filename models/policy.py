@@ -30,9 +30,10 @@ class Policy:
     quantize: str = "none"  # none | int8 | int4 (weight-only: models/quant.py)
     # The kernel switches (models/backend.py says what each gives on which platform):
     kernels: bool = True  # podrun's own kernels (models/kernels) where they apply, else XLA's
-    # TPU decode attention in Pallas (models/kernels/tpu.py). Off by default: XLA then copies each
-    # layer's cache on every step, as the kernel reads it while the write updates it in place
-    # (GPT-OSS-20B on v5e: 3.8 GiB of decode temporaries against 0.6 with XLA's attention).
+    # Decode attention in Pallas: TPU (models/kernels/tpu.py), off by default as XLA then copies
+    # each layer's cache on every step, the kernel reading it while the write updates it in place
+    # (GPT-OSS-20B on v5e: 3.8 GiB of decode temporaries against 0.6 with XLA's attention); NVIDIA
+    # GPUs (models/kernels/gpu.py, Triton), off until measured on a GPU.
     pallas_attention: bool = False
     # q/k/v as one product and gate/up as another (models/fused.py), fused after restore.
     fuse_projections: bool = False

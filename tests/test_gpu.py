@@ -1,6 +1,6 @@
 """What of the GPU deployment a CPU can check: the platform chosen on an NVIDIA machine, the
-kernels a GPU mesh runs (traced over stand-in GPU devices: cuDNN's prefill attention, nothing
-CPU- or TPU-only), the H100 configs' fit, and the transformers peer's architecture. The speed is
+kernels a GPU mesh runs (traced over stand-in GPU devices: cuDNN's prefill attention, the Pallas
+(Triton) decode attention, nothing CPU- or TPU-only), the H100 configs' fit, and the transformers peer's architecture. The speed is
 benchmarks/gpu_check.py's, on a real GPU (docs/benchmarks/gpu-h100.md)."""
 
 import os
@@ -56,43 +56,53 @@ def gpu_rules() -> Rules:
 
 @pytest.fixture
 def tripwires(monkeypatch):
-    """Every CPU- and TPU-only kernel fails if a GPU program reaches it; cuDNN's attention is
-    counted and traced through XLA's implementation of the same call (no cuDNN on a CPU)."""
+    """Every CPU- and TPU-only kernel fails if a GPU program reaches it; the GPU kernels' calls
+    are counted by name (cuDNN's attention traced through XLA's implementation of the same call,
+    as there is no cuDNN on a CPU)."""
     def forbidden(*a, **k):
         raise AssertionError("a CPU- or TPU-only kernel on a GPU mesh")
 
     monkeypatch.setattr(cpu, "available", forbidden)
     for name in ("flash_prefill", "decode_attention"):
         monkeypatch.setattr(tpu, name, forbidden)
-    calls = []
-    real = gpu.flash_prefill
+    calls = {"flash_prefill": 0, "decode_attention": 0}
 
-    def counted(*args, **kw):
-        calls.append(args[0].shape)
-        return real(*args, **kw, implementation="xla")
+    def counted(name, real, **fixed):
+        def call(*args, **kw):
+            calls[name] += 1
+            return real(*args, **kw, **fixed)
+        return call
 
-    monkeypatch.setattr(gpu, "flash_prefill", counted)
+    monkeypatch.setattr(gpu, "flash_prefill", counted("flash_prefill", gpu.flash_prefill,
+                                                      implementation="xla"))
+    monkeypatch.setattr(gpu, "decode_attention", counted("decode_attention", gpu.decode_attention))
     return calls
 
 
-@pytest.mark.parametrize("spec,quantize", [("llama:tiny", "none"), ("llama:tiny", "int8"),
-                                           ("llama:tiny", "int4"), ("gptoss:tiny", "none")])
-def test_a_gpu_mesh_prefills_in_cudnn_and_runs_nothing_cpu_or_tpu_only(tripwires, spec, quantize):
+@pytest.mark.parametrize("spec,quantize,kv", [("llama:tiny", "none", "bfloat16"),
+                                              ("llama:tiny", "int8", "int8"),
+                                              ("llama:tiny", "int4", "bfloat16"),
+                                              ("gptoss:tiny", "none", "bfloat16")])
+@pytest.mark.parametrize("pallas", [True, False], ids=["pallas_attention", "xla_attention"])
+def test_a_gpu_mesh_runs_its_kernels_and_nothing_cpu_or_tpu_only(tripwires, spec, quantize, kv,
+                                                                  pallas):
     """Every switch of the CPU and TPU kernels on, as a config could leave them: on a GPU mesh a
-    prefill's attention goes to cuDNN (except with GPT-OSS's sinks), a decode step's to XLA, the
-    products to XLA (quantised ones too)."""
+    prefill's attention goes to cuDNN (except with GPT-OSS's sinks), a decode step's to the Triton
+    kernel with precision.pallas_attention (sinks, windows and an int8 cache included) and to XLA
+    without, the products to XLA (quantised ones too)."""
     rules = gpu_rules()
     model = Model.named(spec)
-    policy = Policy(params="bfloat16", activations="bfloat16", kv_cache="bfloat16", matmul="default",
-                    quantize=quantize, kernels=True, pallas_attention=True, pallas_prefill=True,
+    policy = Policy(params="bfloat16", activations="bfloat16", kv_cache=kv, matmul="default",
+                    quantize=quantize, kernels=True, pallas_attention=pallas, pallas_prefill=True,
                     pallas_moe=True, cudnn_prefill=True).on(rules)
-    assert policy.backend == Backend("gpu", flash_prefill="cudnn")
+    assert policy.backend == Backend("gpu", pallas_decode="gpu" if pallas else "",
+                                     flash_prefill="cudnn")
     decl = model.declare()
     params = jax.eval_shape(lambda: weights.init(decl, jax.random.key(0), rules, jnp.bfloat16))
     if quantize != "none":  # the quantised layout, without quantising anything
         from models import quant
         params = quant.abstract_tree(decl, rules, jnp.dtype(jnp.bfloat16), quantize)
-    cache = jax.eval_shape(lambda: model.new_cache(2, 24, jnp.bfloat16, rules))
+    cache = jax.eval_shape(lambda: model.new_cache(2, 24, jnp.dtype(kv), rules))
     ids = jax.ShapeDtypeStruct((2, 16), jnp.int32)
 
     def prefill(params, tokens, positions, cache):
@@ -103,10 +113,11 @@ def test_a_gpu_mesh_prefills_in_cudnn_and_runs_nothing_cpu_or_tpu_only(tripwires
 
     jax.make_jaxpr(prefill)(params, ids, ids, cache)
     layers = model.num_layers
-    assert len(tripwires) == (0 if spec.startswith("gptoss") else layers)
+    flash = 0 if spec.startswith("gptoss") else layers
+    assert tripwires == {"flash_prefill": flash, "decode_attention": 0}
     one = jax.ShapeDtypeStruct((2, 1), jnp.int32)
     jax.make_jaxpr(step)(params, one, one, cache, jax.ShapeDtypeStruct((2,), jnp.int32))
-    assert len(tripwires) == (0 if spec.startswith("gptoss") else layers)  # none in the step
+    assert tripwires == {"flash_prefill": flash, "decode_attention": layers if pallas else 0}
 
 
 @pytest.mark.parametrize("name,batch", [("llama3_h100.py", 128), ("gptoss_h100.py", 64)])
@@ -145,10 +156,67 @@ def test_the_device_check_runs_its_steps_on_a_tiny_model(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     got = json.loads((out / "gpu_check.json").read_text())
     steps = got["steps"]
-    assert steps["attention"]["rc"] != 0  # no cuDNN on a CPU
-    for name in ("preflight", "tiny", "decode", "prefill", "scan_dsf", "job"):
+    # no cuDNN and no Triton on a CPU: the later steps run with XLA's attention
+    assert steps["attention_kernel"]["rc"] != 0 and steps["decode_kernel"]["rc"] != 0
+    for name in ("preflight", "tiny", "decode", "prefill", "fused", "scan_dsf", "job", "gptoss"):
         assert steps[name]["rc"] == 0, (name, steps[name].get("log_tail"))
+    assert "decode_pallas" not in steps
     assert "--config.precision.cudnn_prefill=False" in steps["decode"]["command"]
-    assert sorted(r["batch_size"] for r in steps["decode"]["records"]) == [1, 2, 4, 8]
+    assert "--config.precision.pallas_attention=False" in steps["job"]["command"]
+    assert sorted(r["batch_size"] for r in steps["decode"]["records"]) == [1, 2, 4]
+    assert sorted(r["batch_size"] for r in steps["gptoss"]["records"]) == [1, 2]
     assert steps["job"]["records"]["requests"] == 40 == steps["job"]["workload"]["requests"]
     assert sorted(os.listdir(out)) == ["gpu_check.json", "gpu_check.log", "gpu_check.md"]
+
+
+@pytest.mark.parametrize("kind", ["llama", "gptoss"])
+@pytest.mark.parametrize("mesh", ["1dev", "data2_model4"])
+def test_decode_through_the_triton_kernel_matches_transformers(monkeypatch, kind, mesh):
+    """A GPU backend's decode step (precision.pallas_attention) on CPU devices, the Triton kernel
+    run by Pallas' interpreter inside the model's shard_map: a ragged, left-padded batch prefilled,
+    then decoded token by token; every step's logits against transformers' over the unpadded
+    sequence. GPT-OSS brings sinks and windowed layers (rings of 8 slots, passed by the decode)."""
+    from tests.conftest import rules_for
+    from tests.reference import VOCAB, hf_logits, tiny_hf, to_podrun
+
+    calls = []
+    real = gpu.decode_attention
+
+    def interpreted(*args, **kw):
+        calls.append(args[1].shape)
+        return real(*args, **kw, interpret=True)
+
+    monkeypatch.setattr(gpu, "decode_attention", interpreted)
+    # the backend a GPU mesh resolves, on this mesh of CPU devices
+    monkeypatch.setattr(Backend, "resolve", classmethod(lambda cls, policy, rules: cls(
+        "gpu", pallas_decode="gpu")))
+    rules = rules_for(mesh)
+    policy = Policy()
+    m = tiny_hf(kind)
+    model, params = to_podrun(m, rules)
+    rng = np.random.RandomState(4)
+    B, P, steps = 8, 12, 6
+    lengths = rng.randint(2, P + 1, B)
+    seqs = rng.randint(0, VOCAB, (B, P + steps)).astype(np.int32)
+    cache = model.new_cache(B, P + steps, jnp.float32, rules)
+    tokens = np.zeros((B, P), np.int32)
+    positions = np.full((B, P), -1, np.int32)
+    for b, n in enumerate(lengths):
+        tokens[b, P - n:] = seqs[b, :n]
+        positions[b, P - n:] = np.arange(n)
+    prefill = jax.jit(lambda p, t, pos, c: model.forward(p, t, pos, c, rules, policy, Mode.PREFILL,
+                                                         0, Output.LAST_LOGITS))
+    step = jax.jit(lambda p, t, pos, c, s: model.forward(p, t, pos, c, rules, policy, Mode.APPEND,
+                                                         s, Output.LAST_LOGITS))
+    _, cache = prefill(params, tokens, positions, cache)
+    got = []
+    for i in range(steps):
+        tok = np.array([seqs[b, n + i] for b, n in enumerate(lengths)], np.int32)[:, None]
+        logits, cache = step(params, tok, (lengths + i)[:, None].astype(np.int32), cache,
+                             np.int32(P + i))
+        got.append(np.asarray(logits))
+    assert len(calls) == model.num_layers  # traced once, every layer through the kernel
+    for b, n in enumerate(lengths):
+        ref = hf_logits(m, seqs[b: b + 1, : n + steps])[0]
+        for i in range(steps):
+            np.testing.assert_allclose(got[i][b], ref[n + i], atol=3e-4, rtol=1e-4)

@@ -381,6 +381,93 @@ def test_pallas_decode_attention_matches_numpy_in_interpret_mode(S, window, with
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
 
 
+def decode_case(S: int, G: int, H: int, seed: int):
+    """Four rows over a cache of S slots (K = 2 kv heads): a full row, one with a hole and a short
+    bound, a row that sees nothing but its new key, and a finished row (new_pos -1) with left
+    padding whose last slot is the first of a block of 64 (129 slots, where S allows). Returns q,
+    cache k, v, k_pos, new k, v, new_pos, q_pos."""
+    rng = np.random.default_rng(seed)
+    B, K, f32 = 4, 2, np.float32
+    q = rng.standard_normal((B, 1, K * G, H)).astype(f32)
+    kc, vc = (rng.standard_normal((B, K, S, H)).astype(f32) for _ in range(2))
+    kn, vn = (rng.standard_normal((B, K, 1, H)).astype(f32) for _ in range(2))
+    k_pos = np.full((B, S), -1, np.int32)
+    k_pos[0, : S - 3] = np.arange(S - 3)
+    k_pos[1, 5: 25] = np.arange(20)
+    k_pos[1, 7] = -1  # a hole: padding between a shared prefix and the rest of a prompt
+    end = min(S - 1, 129)
+    k_pos[3, 10: end] = np.arange(end - 10)
+    q_pos = np.array([[S - 3], [20], [0], [end - 10]], np.int32)
+    new_pos = q_pos.copy()
+    new_pos[3, 0] = -1
+    return q, kc, vc, k_pos, kn, vn, new_pos, q_pos
+
+
+@pytest.mark.parametrize("S,G,H,window,with_sinks", [
+    (256, 4, 128, None, False), (200, 8, 64, 100, True), (40, 4, 64, 9, True), (1000, 3, 64, None, True)],
+    ids=["S256-G4", "S200-G8-window-sinks", "S40-one_block", "S1000-G3"])
+@pytest.mark.parametrize("programs", [512, 1], ids=["a_block_a_program", "one_program_a_head"])
+def test_gpu_decode_attention_matches_numpy_in_interpret_mode(S, G, H, window, with_sinks,
+                                                              programs):
+    """The GPU (Triton) kernel, run by Pallas' interpreter on CPU: caches of one block, several,
+    and a part of one (S = 200, 1000 are no multiple of 64), each row read up to its own last
+    filled slot; holes, windows, sinks, G not a power of two. Split so that each program takes one
+    block (the merge of splits), or not at all (a program's loop over every block of a row)."""
+    from models.kernels import gpu
+
+    q, kc, vc, k_pos, kn, vn, new_pos, q_pos = decode_case(S, G, H, S + G)
+    sinks = np.random.default_rng(S).standard_normal(q.shape[2]).astype(np.float32) if with_sinks else None
+    got = gpu.decode_attention(q, kc, vc, k_pos, kn, vn, new_pos, q_pos, sinks, window, 0.125,
+                               interpret=True, programs=programs)
+    want = np_attention(q, kc, vc, k_pos, kn, vn, new_pos, q_pos, sinks, window, 0.125)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kv", ["bfloat16", "int8"])
+def test_gpu_decode_attention_over_bf16_and_int8_caches(kv):
+    """bfloat16 queries over a bfloat16 cache, or an int8 one with a scale per slot and head
+    (precision.kv_cache), in Pallas' interpreter, against numpy over the same (dequantised) values."""
+    from models.kernels import gpu
+
+    q, kc, vc, k_pos, kn, vn, new_pos, q_pos = decode_case(300, 4, 64, 7)
+    bf = lambda x: np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
+    q, kn, vn = bf(q), bf(kn), bf(vn)
+    if kv == "int8":
+        ks, vs = (np.abs(x).max(-1) / 127 for x in (kc, vc))  # [B, K, S]
+        kq, vq = (np.round(x / s[..., None]).astype(np.int8) for x, s in ((kc, ks), (vc, vs)))
+        cache, scales = (kq, vq), (ks.astype(np.float32), vs.astype(np.float32))
+        kc, vc = kq * ks[..., None], vq * vs[..., None]
+    else:
+        kc, vc = bf(kc), bf(vc)
+        cache, scales = (jnp.asarray(kc, jnp.bfloat16), jnp.asarray(vc, jnp.bfloat16)), ()
+    b16 = lambda x: jnp.asarray(x, jnp.bfloat16)
+    got = gpu.decode_attention(b16(q), *cache, k_pos, b16(kn), b16(vn), new_pos, q_pos, None, None,
+                               0.125, *scales, interpret=True)
+    want = np_attention(q, kc, vc, k_pos, kn, vn, new_pos, q_pos, None, None, 0.125)
+    np.testing.assert_allclose(np.asarray(got.astype(jnp.float32)), want, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("B,S,G,H,kv,window", [(1, 256, 4, 128, "bfloat16", None),
+                                               (128, 2048, 4, 128, "bfloat16", None),
+                                               (64, 1100, 8, 64, "bfloat16", 128),
+                                               (8, 512, 4, 128, "int8", None)])
+def test_gpu_decode_attention_lowers_to_triton_for_cuda(B, S, G, H, kv, window):
+    """What a CPU can check of the kernel on a GPU: Pallas lowers it to one Triton kernel call for
+    CUDA at the H100 configs' shapes (Llama-3.1-8B's heads, GPT-OSS's with a window and sinks), an
+    int8 cache too. Compiling that kernel to PTX needs the GPU (benchmarks/gpu_check.py)."""
+    from models.kernels import gpu
+
+    sd, bf, K = jax.ShapeDtypeStruct, jnp.bfloat16, 8
+    cache = sd((B, K, S, H), jnp.int8 if kv == "int8" else bf)
+    rows = sd((B, 1), jnp.int32)
+    args = (sd((B, 1, K * G, H), bf), cache, cache, sd((B, S), jnp.int32), sd((B, K, 1, H), bf),
+            sd((B, K, 1, H), bf), rows, rows, sd((K * G,), jnp.float32) if window else None)
+    scales = (sd((B, K, S), jnp.float32),) * 2 if kv == "int8" else ()
+    step = jax.jit(lambda *a: gpu.decode_attention(*a[:9], window, H**-0.5, *a[9:]))
+    text = step.trace(*args, *scales).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1
+
+
 def left_padded_prompts(T: int):
     """Two prompts of T slots for a prefill kernel, the second left-padded by 30: q [2, T, 8, 64],
     k and v [2, 2, T, 64] (4 query heads a kv head), positions [2, T] (-1 = padding), and the

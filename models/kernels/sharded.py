@@ -20,8 +20,8 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
     """Attention (as models/attention.attention) over the cached block and the new keys in the
     backend's kernel: on CPU through XLA's FFI (XLA:CPU spends tens of microseconds on each of a
     decode step's small attention products, and takes a prompt's attention through transposes and
-    masked [T, T] scores), on TPU in Pallas (the cache read once per kv head, flash-decoding
-    style)."""
+    masked [T, T] scores), on TPU and NVIDIA GPUs in Pallas (the cache read once per kv head,
+    flash-decoding style; on GPUs only up to each row's last filled slot)."""
 
     kc, vc, k_pos, k_scale, v_scale = cached
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -33,10 +33,11 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
         from models.kernels import cpu
 
         kernel, new = cpu.decode_attention, heads
-    else:  # Pallas: [B, K, T, H]
-        from models.kernels import tpu
+    else:  # Pallas, Mosaic's on TPU or Triton's on GPU: [B, K, T, H]
+        from models.kernels import gpu, tpu
 
-        kernel, new, k, v = tpu.decode_attention, cache, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+        kernel = {"tpu": tpu, "gpu": gpu}[backend.pallas_decode].decode_attention
+        new, k, v = cache, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
 
     scales = () if k_scale is None else (k_scale, v_scale)  # an int8 cache's, [B, K, S]
 
