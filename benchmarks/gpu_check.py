@@ -5,20 +5,27 @@
     python benchmarks/gpu_check.py --out=DIR --small     # the same steps on a tiny model, any machine
 
 Each step is one command, run with what is left of the budget (a step that would start with too
-little is skipped and says so), in this order, the targets' figures first:
+little is skipped and says so), in this order, the targets' figures first (--steps picks some):
   preflight   jax sees the GPU; a tiny model runs through runner.tools.bench (else the check stops)
-  attention   cuDNN's prefill attention against XLA's on the GPU, and both timed at 4,096 tokens
+  attention_kernel  cuDNN's prefill attention against XLA's on the GPU, both timed at 4,096 tokens
               (if it fails, every later step runs with precision.cudnn_prefill=False)
-  decode      python -m runner.tools.bench --random_weights, batch 1, 8, 64 and 256, 128-token prompts,
+  decode_kernel  the Pallas (Triton) decode attention against XLA's on the GPU, both timed on one
+              layer at batch 1 and 64 over 256 slots and over a job's cache (batch 128, 2,048
+              slots, rows of 16 to 1,536 tokens); if it fails, no later step uses it
+  decode      python -m runner.tools.bench --random_weights, batch 1, 64 and 256, 128-token prompts,
               128 new tokens
-  prefill     the same, one prompt of 1,024 and of 4,096 tokens
-  peer        benchmarks/hf_generate_peer.py: transformers' compiled static-cache generate at
-              batch 1 and 64 on the same shapes
+  peer_1, peer_64  benchmarks/hf_generate_peer.py: transformers' compiled static-cache
+              generate at batch 1, then at 64, on the same shapes (a process each)
+  prefill     the same bench, one prompt of 1,024 and of 4,096 tokens
+  decode_pallas  batch 64 and 256 as decode, with the Pallas decode attention
+  fused       batch 1 as decode, with q/k/v and gate/up fused (precision.fuse_projections)
   scan_dsf    batch 1 with the layers scanned and XLA's dynamic-slice fusion on: whether XLA:GPU
               then reads each layer's weights in place rather than through a copy
   job         python -m runner.tools.bench --requests: 1,000 requests of varied prompt and completion
               lengths (token ids) through the continuous-batching engine, 128 rows, its layers
-              scanned (about 15 programs, each compiled in seconds rather than 15-20 s unrolled)
+              scanned (about 15 programs, each compiled in seconds rather than 15-20 s unrolled),
+              its decode attention in the Pallas kernel where decode_kernel found that faster
+  gptoss      GPT-OSS-20B (configs/gptoss_h100.py), batch 1 and 64 as decode
   prefill_xla the prefills again with XLA's attention (precision.cudnn_prefill=False)
 DIR receives three files: gpu_check.json (every step's command, records and, when it failed, the
 end of its log; the targets), gpu_check.log (the steps' logs) and gpu_check.md, the table printed
@@ -115,10 +122,11 @@ def bench(config: str, out: str, name: str, flags: list[str], small: bool) -> tu
 def summarise(results: dict) -> tuple[dict, str]:
     """The targets and a markdown table of what was measured."""
     recs = {}
-    for step in ("decode", "prefill", "prefill_xla", "scan_dsf"):
+    for step in ("decode", "prefill", "decode_pallas", "fused", "scan_dsf", "gptoss", "prefill_xla"):
         for r in (results.get(step, {}).get("records") or []):
             recs[(step, r["batch_size"], r["prompt_len"])] = r
-    peer = {r["batch_size"]: r for r in (results.get("peer", {}).get("records") or [])}
+    peer = {r["batch_size"]: r for step in ("peer_1", "peer_64")
+            for r in (results.get(step, {}).get("records") or [])}
 
     def copy_mbu(r):  # the decode step's bytes against the copy bandwidth measured beside it
         copies = [x["copy"] for x in r.get("bandwidth_readings_gbps", []) if "copy" in x]
@@ -162,6 +170,9 @@ def summarise(results: dict) -> tuple[dict, str]:
                      f"{job['tokens_per_s']:.0f} completion tokens/s, rows {100 * job['utilisation']:.1f}% "
                      f"used, ttft {job['ttft_median_s']:.3f} / {job['ttft_p99_s']:.3f} s, latency "
                      f"{job['latency_median_s']:.2f} / {job['latency_p99_s']:.2f} s (median / p99)")
+    for check in ("attention_kernel", "decode_kernel"):
+        if isinstance(results.get(check, {}).get("records"), dict):
+            lines.append(f"{check}: {json.dumps(results[check]['records'])}")
     lines += ["", "targets: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} -"
                                           for k, v in targets.items()),
               f"machine: {json.dumps(machine)}"]
@@ -206,20 +217,91 @@ def attention_check() -> dict:
     k, v = (jax.random.normal(jax.random.key(i), (1, K, T, H), jnp.bfloat16) for i in (2, 3))
     pos = jnp.arange(T, dtype=jnp.int32)[None]
     policy = Policy(params="bfloat16", activations="bfloat16", matmul="default")
-    for name, fn in (("xla_ms", jax.jit(lambda *a: xla(*a, policy))),
-                     ("cudnn_ms", jax.jit(lambda q, k, v, p: gpu.flash_prefill(q, k, v, p, p, None,
-                                                                              None, H**-0.5)))):
-        jax.block_until_ready(fn(q, k, v, pos))
-        times = []
-        for _ in range(10):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(q, k, v, pos))
-            times.append(time.perf_counter() - t0)
-        out[name] = 1e3 * sorted(times)[len(times) // 2]
+    out["xla_ms"] = timed_ms(jax.jit(lambda *a: xla(*a, policy)), q, k, v, pos)
+    out["cudnn_ms"] = timed_ms(jax.jit(lambda q, k, v, p: gpu.flash_prefill(q, k, v, p, p, None, None,
+                                                                           H**-0.5)), q, k, v, pos)
     if not (out["finite"] and out["rel_error_bf16_vs_f32"] < 2e-2):
         raise SystemExit(f"cuDNN's attention disagrees with XLA's: {out}")
     print(json.dumps(out))
     return out
+
+
+def timed_ms(fn, *args) -> float:
+    """The median of 10 calls of a compiled fn, in milliseconds."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return 1e3 * sorted(times)[len(times) // 2]
+
+
+def decode_check() -> dict:
+    """The Pallas (Triton) decode attention (models/kernels/gpu.decode_attention) on the GPU
+    against podrun's XLA attention in float32, then both timed on one layer of Llama-3.1-8B's heads
+    in bfloat16: at batch 1 over 256 slots, batch 64 over 256 (the decode step's shapes), and batch
+    128 over a cache of 2,048 slots whose rows hold 16 to 1,536 tokens, log-uniform (a job's).
+    "faster" says whether the kernel took less time in that last case."""
+    sys.path.insert(0, ROOT)
+    from runner.log import quiet
+
+    quiet()
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from models.attention import attention
+    from models.kernels import gpu
+    from models.policy import Policy
+
+    def xla(q, kc, vc, k_pos, kn, vn, new_pos, q_pos, policy):
+        return attention(q, q_pos, [(kc, vc, k_pos, None, None), (kn, vn, new_pos, None, None)],
+                         policy)
+
+    def kernel(q, kc, vc, k_pos, kn, vn, new_pos, q_pos):
+        return gpu.decode_attention(q, kc, vc, k_pos, kn, vn, new_pos, q_pos, None, None, H**-0.5)
+
+    K, G, H = 8, 4, 128
+
+    def case(B, S, lengths, seed):
+        rng = np.random.default_rng(seed)
+        q = rng.standard_normal((B, 1, K * G, H)).astype(np.float32)
+        kc, vc = (rng.standard_normal((B, K, S, H)).astype(np.float32) for _ in range(2))
+        kn, vn = (rng.standard_normal((B, K, 1, H)).astype(np.float32) for _ in range(2))
+        k_pos = np.full((B, S), -1, np.int32)
+        for b, n in enumerate(lengths):
+            pad = min((3 * b) % 17, S - n)  # left padding, as a prompt's bucket leaves
+            k_pos[b, pad: pad + n] = np.arange(n)
+        q_pos = np.array([[n] for n in lengths], np.int32)
+        return q, kc, vc, k_pos, kn, vn, q_pos.copy(), q_pos
+
+    args = case(4, 600, [500, 37, 1, 250], 0)
+    want = np.asarray(jax.jit(xla, static_argnums=8)(*args, Policy()))
+    bf = [jnp.asarray(a, jnp.bfloat16) if a.dtype == np.float32 else a for a in args]
+    got = np.asarray(jax.jit(kernel)(*bf)).astype(np.float32)
+    out = {"rel_error_bf16_vs_f32": float(np.linalg.norm(got - want) / np.linalg.norm(want)),
+           "finite": bool(np.isfinite(got).all())}
+    if not (out["finite"] and out["rel_error_bf16_vs_f32"] < 2e-2):
+        raise SystemExit(f"the Pallas decode attention disagrees with XLA's: {out}")
+    policy = Policy(params="bfloat16", activations="bfloat16", matmul="default")
+    rng = np.random.default_rng(1)
+    job = np.exp(rng.uniform(np.log(16), np.log(1536), 128)).astype(int).tolist()
+    for name, B, S, lengths in (("b1_s256", 1, 256, [255]), ("b64_s256", 64, 256, [255] * 64),
+                                ("job_b128_s2048", 128, 2048, job)):
+        a = [jnp.asarray(x, jnp.bfloat16) if x.dtype == np.float32 else jnp.asarray(x)
+             for x in case(B, S, lengths, 2)]
+        out[name] = {"xla_ms": timed_ms(jax.jit(lambda *a: xla(*a, policy)), *a),
+                     "pallas_ms": timed_ms(jax.jit(kernel), *a)}
+    out["faster"] = out["job_b128_s2048"]["pallas_ms"] < out["job_b128_s2048"]["xla_ms"]
+    print(json.dumps(out))
+    return out
+
+
+STEPS = ("decode", "peer", "prefill", "decode_pallas", "fused", "scan_dsf", "job", "gptoss",
+         "prefill_xla")
 
 
 def main() -> None:
@@ -228,15 +310,22 @@ def main() -> None:
     ap.add_argument("--config", default="configs/llama3_h100.py")
     ap.add_argument("--budget_s", type=float, default=480)
     ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--steps", default=",".join(STEPS),
+                    help="which of the measuring steps to run, in their fixed order (the preflight "
+                         "and the kernels' checks always run)")
     ap.add_argument("--small", action="store_true",
                     help="a tiny model and small shapes, to try the script anywhere (CPU too)")
-    ap.add_argument("--attention_check", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--kernel_check", choices=("attention", "decode"), help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.attention_check:
-        result = attention_check()
+    if args.kernel_check:
+        result = (attention_check if args.kernel_check == "attention" else decode_check)()
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
         return
+    chosen = set(args.steps.split(","))
+    if chosen - set(STEPS):
+        sys.exit(f"gpu_check: error: --steps: unknown {sorted(chosen - set(STEPS))}; "
+                 f"the steps are {', '.join(STEPS)}")
     os.makedirs(args.out, exist_ok=True)
     work = tempfile.mkdtemp(prefix="gpu_check-")
     log = os.path.join(args.out, "gpu_check.log")
@@ -257,50 +346,77 @@ def main() -> None:
             json.dump({"steps": steps.results}, f, indent=1)
         sys.exit("gpu_check: error: no GPU, or podrun fails on it; see gpu_check.json")
     over = ["--config.checkpoint.model=llama:tiny", "--config.precision.scan_layers=True"] if small else []
-    path = os.path.join(work, "attention.json")
-    steps.run("attention", [sys.executable, __file__, "--attention_check", f"--out={path}"], 1, path)
-    if steps.results["attention"]["rc"] != 0:  # cuDNN's kernel failed here: XLA's attention
+    for check in ("attention", "decode"):  # a kernel that fails here is left out of every later step
+        path = os.path.join(work, f"{check}_kernel.json")
+        steps.run(f"{check}_kernel", [sys.executable, __file__, f"--kernel_check={check}",
+                                      f"--out={path}"], 1, path)
+    if steps.results["attention_kernel"]["rc"] != 0:  # cuDNN's kernel failed here: XLA's attention
         over.append("--config.precision.cudnn_prefill=False")
-    batches = "1,2,4,8" if small else "1,8,64,256"
+    pallas = steps.results["decode_kernel"]["rc"] == 0
+    batches = "1,2,4" if small else "1,64,256"
     prompt, n = (PROMPT // 8, 16) if small else (PROMPT, NEW)
     prefill = "64,256" if small else "1024,4096"
 
-    def decode(name: str, sizes: str, *flags: str, env: dict | None = None) -> None:
-        argv, path = bench(cfg, work, name, over + [f"--batch_sizes={sizes}", f"--prompt_len={prompt}",
-                                                    f"--new_tokens={n}", "--reps=2", *flags], small)
-        steps.run(name, argv, 60, path, env)
+    def decode(name: str, sizes: str, *flags: str, config: str = cfg, env: dict | None = None) -> None:
+        if name in chosen:
+            argv, path = bench(config, work, name, over + [
+                f"--batch_sizes={sizes}", f"--prompt_len={prompt}", f"--new_tokens={n}", "--reps=2",
+                *flags], small)
+            steps.run(name, argv, 60, path, env)
 
     def prefills(name: str, *flags: str) -> None:
-        argv, path = bench(cfg, work, name, over + ["--batch_sizes=1", f"--prompt_lens={prefill}",
-                                                    "--new_tokens=2", "--reps=3", *flags], small)
-        steps.run(name, argv, 40, path)
+        if name in chosen:
+            argv, path = bench(cfg, work, name, over + ["--batch_sizes=1", f"--prompt_lens={prefill}",
+                                                        "--new_tokens=2", "--reps=3", *flags], small)
+            steps.run(name, argv, 40, path)
 
+    # the targets' figures first: decode, transformers on the same shapes, prefill
     decode("decode", batches)
+    if not small and "peer" in chosen:  # a process per batch size: in one, the recompile for
+        # batch 64 outlasted the budget (2026-11-26), where batch 1 compiled in 50 s
+        for B in (1, 64):
+            path = os.path.join(work, f"peer_{B}.json")
+            steps.run(f"peer_{B}", [sys.executable, "benchmarks/hf_generate_peer.py",
+                                    "--model=llama:llama3.1-8b", f"--batch_sizes={B}",
+                                    f"--prompt_len={PROMPT}", f"--new_tokens={NEW}", "--reps=2",
+                                    f"--output={path}"], 75, path)
     prefills("prefill")
-    if not small:
-        path = os.path.join(work, "peer.json")
-        steps.run("peer", [sys.executable, "benchmarks/hf_generate_peer.py", "--model=llama:llama3.1-8b",
-                           "--batch_sizes=1,64", f"--prompt_len={PROMPT}",
-                           f"--new_tokens={NEW}", "--reps=2", f"--output={path}"], 90, path)
-    # scanned layers with XLA's dynamic-slice fusion, against the unrolled decode above: whether
-    # XLA:GPU then reads each layer's weights in place (scanned, programs compile in seconds)
+    # A/B against the decode step above, one switch each: the Pallas decode attention (batch 1 as
+    # well when it is the config's already); q/k/v and gate/up fused (models/fused.py); the
+    # layers scanned with XLA's dynamic-slice fusion, which may read each layer's weights in place
+    # rather than through a copy (scanned, programs compile in seconds)
+    if pallas:
+        decode("decode_pallas", batches.split(",", 1)[1], "--config.precision.pallas_attention=True")
+    decode("fused", "1", "--config.precision.fuse_projections=True")
     dsf = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_dynamic_slice_fusion=true"
     decode("scan_dsf", "1", "--config.precision.scan_layers=True", env=dict(os.environ, XLA_FLAGS=dsf))
 
-    max_prompt, max_new = (64, 32) if small else (1024, 512)
-    vocab = 256 if small else 128256
-    requests = os.path.join(work, "job_requests.jsonl")
-    shape = job_file(requests, 40 if small else args.requests, max_prompt, max_new, vocab)
-    path = os.path.join(work, "job.json")
-    job_over = [f"--config.generation.batch_size={8 if small else 128}",
-                f"--config.generation.max_prompt_len={max_prompt}",
-                f"--config.generation.max_new_tokens={max_new}", "--config.generation.prefill_rows=8",
-                f"--config.generation.prefill_buckets={(32, 64) if small else (256, 1024)}",
-                "--config.precision.scan_layers=True"]
-    steps.run("job", [sys.executable, "-m", "runner.tools.bench", f"--config={cfg}", "--random_weights",
-                      f"--requests={requests}", f"--output={path}", *over, *job_over], 120, path)
-    steps.results["job"]["workload"] = shape
+    # the job's decode attention in the kernel where it read a job's cache faster than XLA's
+    # and the whole decode step ran with it
+    faster = pallas and steps.results["decode_kernel"]["records"]["faster"]
+    job_attention = [f"--config.precision.pallas_attention="
+                     f"{faster and steps.results.get('decode_pallas', {}).get('rc', 0) == 0}"]
+    if "job" in chosen:
+        max_prompt, max_new = (64, 32) if small else (1024, 512)
+        vocab = 256 if small else 128256
+        requests = os.path.join(work, "job_requests.jsonl")
+        shape = job_file(requests, 40 if small else args.requests, max_prompt, max_new, vocab)
+        path = os.path.join(work, "job.json")
+        job_over = [f"--config.generation.batch_size={8 if small else 128}",
+                    f"--config.generation.max_prompt_len={max_prompt}",
+                    f"--config.generation.max_new_tokens={max_new}",
+                    "--config.generation.prefill_rows=8",
+                    f"--config.generation.prefill_buckets={(32, 64) if small else (256, 1024)}",
+                    "--config.precision.scan_layers=True", *job_attention]
+        steps.run("job", [sys.executable, "-m", "runner.tools.bench", f"--config={cfg}",
+                          "--random_weights", f"--requests={requests}", f"--output={path}", *over,
+                          *job_over], 120, path)
+        steps.results["job"]["workload"] = shape
 
+    # GPT-OSS-20B (configs/gptoss_h100.py; the tiny GPT-OSS with --small)
+    gptoss = (["--config.checkpoint.model=gptoss:tiny", "--config.precision.scan_layers=True"]
+              if small else [])
+    decode("gptoss", batches.rsplit(",", 1)[0], *gptoss, config="configs/gptoss_h100.py")
     if "--config.precision.cudnn_prefill=False" not in over:
         prefills("prefill_xla", "--config.precision.cudnn_prefill=False")
 
