@@ -220,3 +220,30 @@ def test_decode_through_the_triton_kernel_matches_transformers(monkeypatch, kind
         ref = hf_logits(m, seqs[b: b + 1, : n + steps])[0]
         for i in range(steps):
             np.testing.assert_allclose(got[i][b], ref[n + i], atol=3e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("spec,kernels", [("llama:llama3.1-8b", 1), ("gptoss:20b", 2)])
+def test_the_h100_decode_step_lowers_for_cuda_with_the_triton_kernel(monkeypatch, spec, kernels):
+    """The H100 deployments' decode step at full size (abstract weights: nothing allocated), a GPU
+    backend with precision.pallas_attention, lowered for CUDA on this CPU: every layer's attention
+    is a call of the Triton kernel (one kernel for Llama's layers, GPT-OSS's windowed and full
+    layers one each), with the cache donated. What XLA:GPU then compiles needs the GPU
+    (benchmarks/gpu_check.py). The mesh is one CPU device's, as lowering wants a real device."""
+    from tests.conftest import rules_for
+
+    monkeypatch.setattr(Backend, "resolve", classmethod(lambda cls, policy, rules: cls(
+        "gpu", pallas_decode="gpu")))
+    rules = rules_for("1dev")
+    model = Model.named(spec)
+    policy = Policy(params="bfloat16", activations="bfloat16", kv_cache="bfloat16", matmul="default")
+    params = jax.eval_shape(lambda: weights.init(model.declare(), jax.random.key(0), rules,
+                                                 jnp.bfloat16))
+    B = 64
+    cache = jax.eval_shape(lambda: model.new_cache(B, 2048, jnp.bfloat16, rules))
+    rows = jax.ShapeDtypeStruct((B, 1), jnp.int32)
+    step = jax.jit(lambda p, t, pos, c, s: model.forward(p, t, pos, c, rules, policy, Mode.APPEND,
+                                                         s, Output.LAST_LOGITS), donate_argnums=3)
+    text = step.trace(params, rows, rows, cache, jax.ShapeDtypeStruct((B,), jnp.int32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == kernels
+    assert text.count("call @decode_attention") == model.num_layers
