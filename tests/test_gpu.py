@@ -177,7 +177,7 @@ def test_decode_through_the_triton_kernel_matches_transformers(monkeypatch, kind
     then decoded token by token; every step's logits against transformers' over the unpadded
     sequence. GPT-OSS brings sinks and windowed layers (rings of 8 slots, passed by the decode)."""
     from tests.conftest import rules_for
-    from tests.reference import VOCAB, hf_logits, tiny_hf, to_podrun
+    from tests.reference import hf_logits, left_padded_batch, tiny_hf, to_podrun
 
     calls = []
     real = gpu.decode_attention
@@ -194,16 +194,9 @@ def test_decode_through_the_triton_kernel_matches_transformers(monkeypatch, kind
     policy = Policy()
     m = tiny_hf(kind)
     model, params = to_podrun(m, rules)
-    rng = np.random.RandomState(4)
     B, P, steps = 8, 12, 6
-    lengths = rng.randint(2, P + 1, B)
-    seqs = rng.randint(0, VOCAB, (B, P + steps)).astype(np.int32)
+    lengths, seqs, tokens, positions = left_padded_batch(4, B, P, steps, shortest=2)
     cache = model.new_cache(B, P + steps, jnp.float32, rules)
-    tokens = np.zeros((B, P), np.int32)
-    positions = np.full((B, P), -1, np.int32)
-    for b, n in enumerate(lengths):
-        tokens[b, P - n:] = seqs[b, :n]
-        positions[b, P - n:] = np.arange(n)
     prefill = jax.jit(lambda p, t, pos, c: model.forward(p, t, pos, c, rules, policy, Mode.PREFILL,
                                                          0, Output.LAST_LOGITS))
     step = jax.jit(lambda p, t, pos, c, s: model.forward(p, t, pos, c, rules, policy, Mode.APPEND,

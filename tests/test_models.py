@@ -8,7 +8,7 @@ import pytest
 from models.decoder import Mode, Output
 from models.policy import Policy
 from tests.conftest import rules_for
-from tests.reference import VOCAB, hf_logits, tiny_hf, to_podrun
+from tests.reference import VOCAB, hf_logits, left_padded_batch, tiny_hf, to_podrun
 
 KINDS = ["llama", "llama3", "qwen2", "gpt2"]
 
@@ -76,16 +76,9 @@ def test_decode_matches_full_forward(kind, fuse, mesh_rules):
     every step's logits equal those of a full forward pass over the unpadded sequence."""
     m = tiny_hf(kind)
     model, params = to_podrun(m, mesh_rules, fuse)
-    rng = np.random.RandomState(2)
     B, P, steps = 8, 16, 6
-    lengths = rng.randint(3, P + 1, B)
-    seqs = rng.randint(0, VOCAB, (B, P + steps)).astype(np.int32)
+    lengths, seqs, tokens, positions = left_padded_batch(2, B, P, steps, shortest=3)
     cache = model.new_cache(B, P + steps, jnp.float32, mesh_rules)
-    tokens = np.zeros((B, P), np.int32)
-    positions = np.full((B, P), -1, np.int32)
-    for b, n in enumerate(lengths):
-        tokens[b, P - n:] = seqs[b, :n]
-        positions[b, P - n:] = np.arange(n)
     prefill = jax.jit(lambda p, t, pos, c: model.forward(p, t, pos, c, mesh_rules, Policy(), Mode.PREFILL, 0, Output.LAST_LOGITS))
     step = jax.jit(lambda p, t, pos, c, s: model.forward(p, t, pos, c, mesh_rules, Policy(), Mode.APPEND, s, Output.LAST_LOGITS))
     logits, cache = prefill(params, tokens, positions, cache)
