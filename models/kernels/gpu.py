@@ -70,8 +70,8 @@ def _splits(B: int, K: int, blocks: int, programs: int) -> tuple[int, int]:
     return -(-blocks // per), per
 
 
-def _decode_kernel(bound_ref, q_pos_ref, q_ref, k_ref, v_ref, k_pos_ref, *refs, scale: float,
-                   window: int, per_split: int, slots: int, quantized: bool):
+def _decode_kernel(bound_ref, q_pos_ref, q_ref, k_ref, v_ref, k_pos_ref, *refs, G: int,
+                   scale: float, window: int, per_split: int, slots: int, quantized: bool):
     """One (row, kv head, split): the running max m, sum l and unnormalised output o of the split's
     visible slots below the row's bound, over blocks of BLOCK slots."""
     if quantized:
@@ -79,8 +79,9 @@ def _decode_kernel(bound_ref, q_pos_ref, q_ref, k_ref, v_ref, k_pos_ref, *refs, 
     else:
         o_ref, m_ref, l_ref = refs
     f32 = jnp.float32
-    G, H = q_ref.shape
-    q = q_ref[...]
+    Gp, H = q_ref.shape  # Gp >= G rows of the block; those past G are masked off
+    heads = jnp.arange(Gp) < G
+    q = plgpu.load(q_ref, mask=heads[:, None], other=0)
     q_pos = q_pos_ref[...]
     first = pl.program_id(2) * per_split
     last = jnp.minimum(first + per_split, pl.cdiv(bound_ref[...], BLOCK))
@@ -107,11 +108,11 @@ def _decode_kernel(bound_ref, q_pos_ref, q_ref, k_ref, v_ref, k_pos_ref, *refs, 
             v = v.astype(q.dtype)
         return correction[:, None] * o + pl.dot(p.astype(v.dtype), v).astype(f32), m_next, l
 
-    init = (jnp.zeros((G, H), f32), jnp.full((G,), NEG, f32), jnp.zeros((G,), f32))
+    init = (jnp.zeros((Gp, H), f32), jnp.full((Gp,), NEG, f32), jnp.zeros((Gp,), f32))
     o, m, l = jax.lax.fori_loop(first, last, block, init)  # none past the row's bound
-    o_ref[...] = o
-    m_ref[...] = m
-    l_ref[...] = l
+    plgpu.store(o_ref, o, mask=heads[:, None])
+    plgpu.store(m_ref, m, mask=heads)
+    plgpu.store(l_ref, l, mask=heads)
 
 
 @functools.partial(jax.jit, static_argnames=("window", "scale", "interpret", "programs"))
@@ -128,11 +129,11 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, k_pos
     if T != 1:
         raise ValueError(f"the Pallas decode attention takes one query per row, got {T}")
     G = N // K
-    Gp = max(16, pl.next_power_of_2(G))  # a Triton product's rows: at least 16, a power of two
+    Gp = max(16, pl.next_power_of_2(G))  # a Triton product's rows: at least 16, a power of two,
+    # the block's rows past G masked off (nothing of them is read or written)
     f32 = jnp.float32
     quantized = k_scale is not None
     qg = q.reshape(B, K, G, H)
-    qp = jnp.pad(qg, ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
     k_pos = k_pos.astype(jnp.int32)
     # every visible slot of a row lies below its bound: one past its last filled slot
     bound = jnp.max(jnp.where(k_pos >= 0, jnp.arange(1, S + 1), 0), axis=1).astype(jnp.int32)
@@ -147,19 +148,18 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, k_pos
     if quantized:
         in_specs += [pl.BlockSpec((None, None, S), lambda b, h, j: (b, h, 0))] * 2
         extra = (k_scale.astype(f32), v_scale.astype(f32))
-    kernel = functools.partial(_decode_kernel, scale=float(scale), window=int(window or 0),
+    kernel = functools.partial(_decode_kernel, G=G, scale=float(scale), window=int(window or 0),
                                per_split=per_split, slots=S, quantized=quantized)
     o, m, l = pl.pallas_call(
         kernel, grid=(B, K, splits), in_specs=in_specs, interpret=interpret,
         out_specs=[pl.BlockSpec((None, None, None, Gp, H), lambda b, h, j: (b, h, j, 0, 0)),
                    pl.BlockSpec((None, None, None, Gp), lambda b, h, j: (b, h, j, 0)),
                    pl.BlockSpec((None, None, None, Gp), lambda b, h, j: (b, h, j, 0))],
-        out_shape=[jax.ShapeDtypeStruct((B, K, splits, Gp, H), f32),
-                   jax.ShapeDtypeStruct((B, K, splits, Gp), f32),
-                   jax.ShapeDtypeStruct((B, K, splits, Gp), f32)],
+        out_shape=[jax.ShapeDtypeStruct((B, K, splits, G, H), f32),
+                   jax.ShapeDtypeStruct((B, K, splits, G), f32),
+                   jax.ShapeDtypeStruct((B, K, splits, G), f32)],
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
-    )(bound, q_pos[:, 0].astype(jnp.int32), qp, k_cache, v_cache, k_pos, *extra)
-    o, m, l = o[:, :, :, :G], m[:, :, :, :G], l[:, :, :, :G]  # [B, K, J, G(, H)]
+    )(bound, q_pos[:, 0].astype(jnp.int32), qg, k_cache, v_cache, k_pos, *extra)  # [B, K, J, G(, H)]
 
     # the splits, this step's key and the sinks: one softmax
     s_new = jnp.einsum("bkgh,bkh->bkg", qg.astype(f32), k_new[:, :, 0].astype(f32)) * scale
