@@ -13,7 +13,8 @@ little is skipped and says so), in this order, the targets' figures first (--ste
               layer at batch 1 and 64 over 256 slots and over a job's cache (batch 128, 2,048
               slots, rows of 16 to 1,536 tokens); if it fails, no later step uses it
   decode      python -m runner.tools.bench --random_weights, batch 1, 64 and 256, 128-token prompts,
-              128 new tokens
+              128 new tokens, and the compiled step's temporaries beside its KV cache (a
+              temporary as large as a layer's cache is XLA copying it)
   peer_1, peer_64  benchmarks/hf_generate_peer.py: transformers' compiled static-cache
               generate at batch 1, then at 64, on the same shapes (a process each)
   prefill     the same bench, one prompt of 1,024 and of 4,096 tokens
@@ -133,19 +134,24 @@ def summarise(results: dict) -> tuple[dict, str]:
         return r["bytes_per_step"] / r["decode_step_s"] / (sorted(copies)[len(copies) // 2] * 1e9) \
             if copies else None
 
+    def buffers(r):  # the decode step's temporaries beside the cache it updates (bench --memory_analysis)
+        return (f"{r['decode_temp_bytes'] / 2**20:.0f} / {r['kv_cache_bytes'] / 2**20:.0f}"
+                if "decode_temp_bytes" in r else "-")
+
     lines = ["| step | B | prompt | decode tok/s | whole tok/s | step ms | MBU (copy bw) | decode MFU "
-             "| prefill ms | prefill MFU | compile s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| prefill ms | prefill MFU | compile s | decode temp / cache MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (step, B, P), r in sorted(recs.items(), key=lambda kv: (kv[0][0] != "decode", kv[0])):
         mbu = copy_mbu(r)
         lines.append(f"| {step} | {B} | {P} | {r['decode_tokens_per_s']:.1f} | "
                      f"{r['e2e_tokens_per_s']:.1f} | {1e3 * r['decode_step_s']:.2f} | {'-' if mbu is None else f'{100 * mbu:.1f}%'} | "
                      f"{100 * r['mfu']:.2f}% | {1e3 * r['prefill_s']:.1f} | "
-                     f"{100 * r['prefill_mfu']:.1f}% | {r['compile_s']:.1f} |")
+                     f"{100 * r['prefill_mfu']:.1f}% | {r['compile_s']:.1f} | {buffers(r)} |")
     for B, p in sorted(peer.items()):
         ours = recs.get(("decode", B, PROMPT))
         ratio = f"{ours['e2e_tokens_per_s'] / p['tokens_per_s']:.2f}x" if ours else "-"
         lines.append(f"| transformers | {B} | {PROMPT} | - | {p['tokens_per_s']:.1f} | - | - | - | - | "
-                     f"- | warm-up {p['warmup_s']:.0f} | podrun {ratio} |")
+                     f"- | warm-up {p['warmup_s']:.0f} | podrun {ratio} | - |")
     any_rec = next(iter(recs.values()), {})
     machine = {"bandwidth_gbps": any_rec.get("bandwidth_gbps"),
                "readings_gbps": any_rec.get("bandwidth_readings_gbps"),
@@ -361,7 +367,7 @@ def main() -> None:
         if name in chosen:
             argv, path = bench(config, work, name, over + [
                 f"--batch_sizes={sizes}", f"--prompt_len={prompt}", f"--new_tokens={n}", "--reps=2",
-                *flags], small)
+                "--memory_analysis", *flags], small)
             steps.run(name, argv, 60, path, env)
 
     def prefills(name: str, *flags: str) -> None:

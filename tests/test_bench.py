@@ -232,9 +232,16 @@ def test_random_weights_need_no_checkpoint_for_shapes_or_jobs(tmp_path):
               "--config.checkpoint.model=llama:tiny", "--config.mesh.num_cpu_devices=1",
               "--config.mesh.data=1", f"--config.compilation_cache.dir={tmp_path / 'xla'}"]
     podrun("runner.tools.bench", *common, "--batch_sizes=2", "--prompt_len=8", "--new_tokens=4", "--reps=1",
-           "--probe_mib=16", "--probe_matmul=128", f"--output={tmp_path / 'shapes.json'}")
+           "--probe_mib=16", "--probe_matmul=128", "--memory_analysis",
+           f"--output={tmp_path / 'shapes.json'}")
     [r] = json.loads((tmp_path / "shapes.json").read_text())
     assert r["random_weights"] and r["generated_tokens"] == 2 * 4 and r["model"] == "llama:tiny"
+    # --memory_analysis: the cache (per column: 2 layers x k, v x 2 rows x 2 kv heads x 16 float32,
+    # and 2 rows' int32 positions; at least 8 + 4 columns) is donated to the decode step and
+    # updated in place, so its bytes are aliased
+    column = 2 * 2 * 2 * 2 * 16 * 4 + 2 * 4
+    assert r["kv_cache_bytes"] % column == 0 and r["kv_cache_bytes"] >= 12 * column
+    assert r["decode_alias_bytes"] >= r["kv_cache_bytes"] and r["decode_temp_bytes"] >= 0
     rows = [{"id": i, "prompt_token_ids": list(range(1, n + 1)), "max_tokens": m}
             for i, (n, m) in enumerate([(5, 3), (12, 7), (2, 1)])]
     rows.append({"id": "text", "prompt": "hello"})

@@ -495,10 +495,11 @@ class Engine:
                     self.rules.sharding("batch", None, shape=(R, 1)))
         return Prompts(two, two, *[one] * (len(Prompts._fields) - 2))
 
-    def lower(self, variants: bool = False) -> dict[str, jax.stages.Lowered]:
+    def lower(self, variants: bool = False, prefills: bool = True) -> dict[str, jax.stages.Lowered]:
         """Every function generation runs, lowered for the mesh's devices (which may be an AOT
         topology with no devices attached): per bucket P the insert of the most rows at once
-        (`prefill_{P}`, the largest of its sizes) and the decode step (`decode`). With variants,
+        (`prefill_{P}`, the largest of its sizes; not with prefills=False) and the decode step
+        (`decode`). With variants,
         also those that compile only when a request asks for them: the largest bucket's with the
         log-probabilities of every prompt token (`prefill_{P}_logprobs`), the decode step's
         (`decode_logprobs`) and, with prefix sharing, the smallest bucket's after the most
@@ -521,13 +522,14 @@ class Engine:
             return self._insert.lower(weights, self.cache, self.state, prompts, stops, self.pool,
                                       shared, keep, **variant)
 
-        out = {f"prefill_{P}": insert(P) for P in self.buckets}
+        out = {f"prefill_{P}": insert(P) for P in self.buckets} if prefills else {}
         out["decode"] = self._decode.lower(weights, self.cache, self.state, stops)
         if variants:
-            P = self.buckets[-1]
-            out[f"prefill_{P}_logprobs"] = insert(P, logprobs=True, prompt_logprobs=True)
             out["decode_logprobs"] = self._decode.lower(weights, self.cache, self.state, stops,
                                                         logprobs=True)
+        if variants and prefills:
+            P = self.buckets[-1]
+            out[f"prefill_{P}_logprobs"] = insert(P, logprobs=True, prompt_logprobs=True)
             P = self.buckets[0]
             M = min((self.max_prompt_len - P) // self.prefix.block, self.prefix.blocks) if self.prefix else 0
             if M > 0:

@@ -90,6 +90,9 @@ if __name__ == "__main__":  # flags of this command only, so the module can be i
                                     "format) through the whole engine instead of fixed shapes")
     _RANDOM = flags.DEFINE_bool("random_weights", False, "draw checkpoint.model's weights at random "
                                 "on the devices instead of restoring checkpoint.path")
+    _MEMORY = flags.DEFINE_bool("memory_analysis", False, "record the compiled decode step's buffers "
+                                "(XLA's memory analysis; compiles it once more, or loads it from "
+                                "the compilation cache)")
 
 GiB = 1024**3
 
@@ -364,9 +367,20 @@ def _timed(engine: Engine, requests: list[Request], n: int) -> tuple[float, list
     return seconds, out
 
 
+def decode_memory(engine) -> dict:
+    """The compiled decode step's buffers, per device, from XLA's memory analysis, beside the KV
+    cache it updates in place: temporaries as large as a layer's cache mean XLA copies it."""
+    m = engine.lower(prefills=False)["decode"].compile().memory_analysis()
+    cache = jax.tree.leaves(engine.cache)
+    return {"decode_temp_bytes": m.temp_size_in_bytes, "decode_argument_bytes": m.argument_size_in_bytes,
+            "decode_alias_bytes": m.alias_size_in_bytes,
+            "kv_cache_bytes": sum(x.addressable_shards[0].data.nbytes for x in cache)}
+
+
 def measure(s: Settings, model: Model, params, rules: Rules, w: Workload,
-            probe_mib: int = 0) -> list[dict]:
+            probe_mib: int = 0, memory: bool = False) -> list[dict]:
     """Timings and roofline counts per (batch size, prompt length); mbu/mfu are filled by `rate`.
+    With memory, also the decode step's buffers (decode_memory).
 
     With probe_mib, the read bandwidth (BandwidthProbe) is measured before each timed repetition
     and after the last, and the record's is their median: a machine whose bandwidth drifts by a
@@ -390,6 +404,7 @@ def measure(s: Settings, model: Model, params, rules: Rules, w: Workload,
             _timed(engine, requests[P], N)
             warmups[P] = time.perf_counter() - t0
         rss = peak_rss_gib()
+        buffers = decode_memory(engine) if memory else {}
         for P in w.prompt_lens:
             requests_p, warmup = requests[P], warmups[P]
             load_before = os.getloadavg()[0]
@@ -427,7 +442,7 @@ def measure(s: Settings, model: Model, params, rules: Rules, w: Workload,
                 "bandwidth_all_gbps": bandwidths, "bandwidth_readings_gbps": readings,
                 "decode_all_s": decodes, "huge_page_bytes": engine.huge_pages[0],
                 "screen_bytes": engine.greedy_screen_bytes,
-                "loadavg_before_after": [load_before, os.getloadavg()[0]],
+                "loadavg_before_after": [load_before, os.getloadavg()[0]], **buffers,
             })
         del engine
         gc.collect()
@@ -556,7 +571,8 @@ def main(argv: list[str]) -> None:
                  f"{run['mesh']}, precision {s.policy.params}/{s.policy.kv_cache}: batches "
                  f"{work.batch_sizes}, prompts {work.prompt_lens}, {work.new_tokens} new tokens, "
                  f"{work.reps} reps")
-        records = measure(s, model, params, rules, work, 0 if _BANDWIDTH.value else _PROBE_MIB.value)
+        records = measure(s, model, params, rules, work, 0 if _BANDWIDTH.value else _PROBE_MIB.value,
+                          _MEMORY.value)
         del params
         gc.collect()
         gflops = _PEAK.value or peak_gflops(_PROBE_MATMUL.value, s.policy.dtype)
