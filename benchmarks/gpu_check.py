@@ -123,7 +123,8 @@ def bench(config: str, out: str, name: str, flags: list[str], small: bool) -> tu
 def summarise(results: dict) -> tuple[dict, str]:
     """The targets and a markdown table of what was measured."""
     recs = {}
-    for step in ("decode", "prefill", "decode_pallas", "fused", "scan_dsf", "gptoss", "prefill_xla"):
+    for step in ("decode", "prefill", "decode_pallas", "fused", "scan_dsf", "gptoss",
+                 "prefill_xla"):
         for r in (results.get(step, {}).get("records") or []):
             recs[(step, r["batch_size"], r["prompt_len"])] = r
     peer = {r["batch_size"]: r for step in ("peer_1", "peer_64")
@@ -134,7 +135,7 @@ def summarise(results: dict) -> tuple[dict, str]:
         return r["bytes_per_step"] / r["decode_step_s"] / (sorted(copies)[len(copies) // 2] * 1e9) \
             if copies else None
 
-    def buffers(r):  # the decode step's temporaries beside the cache it updates (bench --memory_analysis)
+    def buffers(r):  # the decode step's temporaries beside the cache it updates (--memory_analysis)
         return (f"{r['decode_temp_bytes'] / 2**20:.0f} / {r['kv_cache_bytes'] / 2**20:.0f}"
                 if "decode_temp_bytes" in r else "-")
 

@@ -1,7 +1,8 @@
 """The kernels a mesh runs, chosen once per mesh: podrun's C++ kernels on CPU (models/kernels/cpu.py),
 the Pallas kernels on TPU (models/kernels/tpu.py), cuDNN's prefill attention and a Pallas (Triton)
-decode attention on NVIDIA GPUs (models/kernels/gpu.py), and XLA for everything else. The models and the engine ask their
-policy's Backend (models/policy.Policy.on); none of them tests the platform.
+decode attention on NVIDIA GPUs (models/kernels/gpu.py), and XLA for everything else. The models
+and the engine ask their policy's Backend (models/policy.Policy.on); none of them tests the
+platform.
 
 What a Backend says holds for every call on its mesh. A kernel may still decline a call whose
 operands it does not take (a dtype, a row count, a query count); those checks stay

@@ -92,14 +92,14 @@ def _decode_kernel(bound_ref, q_pos_ref, q_ref, k_ref, v_ref, k_pos_ref, *refs, 
         inside = i * BLOCK + jnp.arange(BLOCK) < slots  # the last block may overhang the cache
         k_pos = plgpu.load(k_pos_ref.at[at], mask=inside, other=-1)
         k = plgpu.load(k_ref.at[at, :], mask=inside[:, None], other=0).astype(q.dtype)
-        s = pl.dot(q, k, trans_b=True).astype(f32) * scale  # [G, BLOCK]
+        s = pl.dot(q, k, trans_b=True).astype(f32) * scale  # [Gp, BLOCK]
         if quantized:
             s = s * plgpu.load(k_scale_ref.at[at], mask=inside, other=0)[None, :]
         seen = (k_pos >= 0) & (k_pos <= q_pos)
         if window:
             seen &= q_pos - k_pos < window
         m_next = jnp.maximum(m, jnp.max(jnp.where(seen[None, :], s, NEG), axis=1))
-        p = jnp.where(seen[None, :], jnp.exp(s - m_next[:, None]), 0.0)  # [G, BLOCK]
+        p = jnp.where(seen[None, :], jnp.exp(s - m_next[:, None]), 0.0)  # [Gp, BLOCK]
         correction = jnp.exp(m - m_next)
         l = correction * l + jnp.sum(p, axis=1)
         v = plgpu.load(v_ref.at[at, :], mask=inside[:, None], other=0)
@@ -159,8 +159,8 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, k_pos
                    jax.ShapeDtypeStruct((B, K, splits, G), f32),
                    jax.ShapeDtypeStruct((B, K, splits, G), f32)],
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
-    )(bound, q_pos[:, 0].astype(jnp.int32), qg, k_cache, v_cache, k_pos, *extra)  # [B, K, J, G(, H)]
-
+    )(bound, q_pos[:, 0].astype(jnp.int32), qg, k_cache, v_cache, k_pos, *extra)
+    # o [B, K, J, G, H], m and l [B, K, J, G]: each split's running output, max and sum
     # the splits, this step's key and the sinks: one softmax
     s_new = jnp.einsum("bkgh,bkh->bkg", qg.astype(f32), k_new[:, :, 0].astype(f32)) * scale
     pos = new_pos[:, 0][:, None, None]

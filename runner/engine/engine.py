@@ -499,11 +499,11 @@ class Engine:
         """Every function generation runs, lowered for the mesh's devices (which may be an AOT
         topology with no devices attached): per bucket P the insert of the most rows at once
         (`prefill_{P}`, the largest of its sizes; not with prefills=False) and the decode step
-        (`decode`). With variants,
-        also those that compile only when a request asks for them: the largest bucket's with the
-        log-probabilities of every prompt token (`prefill_{P}_logprobs`), the decode step's
-        (`decode_logprobs`) and, with prefix sharing, the smallest bucket's after the most
-        columns shared from the pool (`prefill_{P}_after_{C}`)."""
+        (`decode`). With variants, also those that compile only when a request asks for them: the
+        largest bucket's with the log-probabilities of every prompt token
+        (`prefill_{P}_logprobs`), the decode step's (`decode_logprobs`) and, with prefix sharing,
+        the smallest bucket's after the most columns shared from the pool
+        (`prefill_{P}_after_{C}`)."""
         weights = self.weights
         everywhere = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self._everywhere)
         stops = everywhere((MAX_STOP_IDS,))
