@@ -298,7 +298,10 @@ JUDGES = [lambda t: jsonschema.validate(json.loads(t), FORMATS[0]["response_form
           lambda t: t in FORMATS[2]["guided_choice"]]
 
 
-def check_tokenizer(tok, vocab_size: int, stop_ids, seeds=range(4)):
+def assert_walks_hold(tok, vocab_size: int, stop_ids, seeds=range(4)):
+    """Asserts that every format, walked by seeded random choices among the tokens its masks allow,
+    ends on a stop id and decodes to text its judge (jsonschema, regex.fullmatch, membership)
+    accepts."""
     grammars = structured.Grammars(tok, vocab_size, stop_ids)
     for fields, judge in zip(FORMATS, JUDGES):
         for seed in seeds:
@@ -311,19 +314,19 @@ def check_tokenizer(tok, vocab_size: int, stop_ids, seeds=range(4)):
 def test_smollm2_byte_level_bpe_walks_hold(smollm2_gguf, tmp_path):
     text, config = tokenizer_json_from_gguf(smollm2_gguf)
     tok = load_tokenizer(write_folder(tmp_path, {"tokenizer.json": text, "tokenizer_config.json": config}))
-    check_tokenizer(tok, 49152, tok.eos_token_ids)
+    assert_walks_hold(tok, 49152, tok.eos_token_ids)
 
 
 def test_gpt2_style_byte_level_bpe_walks_hold(bpe_folder):
     tok = load_tokenizer(bpe_folder)
-    check_tokenizer(tok, tok.vocab_size, tok.eos_token_ids)
+    assert_walks_hold(tok, tok.vocab_size, tok.eos_token_ids)
 
 
 def test_sentencepiece_walks_hold(sp_model, tmp_path):
     folder = write_folder(tmp_path, {"tokenizer.model": sp_model, "tokenizer_config.json": {
         "bos_token": "<s>", "eos_token": "</s>"}})
     tok = load_tokenizer(folder)
-    check_tokenizer(tok, tok.vocab_size, tok.eos_token_ids)
+    assert_walks_hold(tok, tok.vocab_size, tok.eos_token_ids)
 
 
 def test_harmony_answers_in_the_final_channel(tmp_path):

@@ -154,7 +154,7 @@ class Grammar:
 
 class Grammars:
     """The formats of one tokenizer: its token bytes as llguidance sees them (built on first use,
-    a fraction of a second, about 5 s for o200k), and each format compiled once.
+    as a large vocabulary such as o200k takes seconds), and each format compiled once.
 
     tokenizer: runner.text.tokenizer.Tokenizer; vocab_size: the model's (ids past the
     tokenizer's are never allowed); stop_ids: the ids that end a completion, allowed once the
