@@ -96,6 +96,13 @@ def base_config() -> ConfigDict:
         "prefix_tokens": 4096,
         "prefix_block": 16,
         "reasoning_effort": "medium",  # Harmony (GPT-OSS) chats: low | medium | high
+        # The paged engine (runner/engine/paged_engine.py) with pages of this many tokens; 0 = the
+        # engine of rows that each reserve max_prompt_len + max_new_tokens slots.
+        "page_size": 0,
+        # Paged: the page pool's GiB per device (0 = room for batch_size rows at their longest),
+        # and the prompt tokens one step takes beside the decoding rows (chunked prefill).
+        "kv_cache_gib": 0.0,
+        "chunk_tokens": 256,
     })
     # Several hosts: "auto" initialises jax.distributed on TPU VM pods (or wherever a coordinator
     # is given); "off" never does. On CPU, each process simulates mesh.num_cpu_devices devices.

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from models import scan
 from models.attention import cached_attention
 from models.kv_cache import KVCache, Mode
+from models.paged import PagedCache, paged_attention
 from models.policy import Policy
 from models.rope import Rope, RopeTable, apply_rope, rope_table
 from sharding.rules import Rules, constrain
@@ -97,7 +98,7 @@ def add_bias(x: jax.Array, b: jax.Array | None) -> jax.Array:
 
 
 def forward(family: Family | ModuleType, params: dict, tokens: jax.Array, positions: jax.Array,
-            cache: KVCache, c: Any, rules: Rules, policy: Policy, mode: Mode,
+            cache: KVCache | PagedCache, c: Any, rules: Rules, policy: Policy, mode: Mode,
             column: jax.Array | int = 0, output: Output = Output.LOGITS
             ) -> tuple[jax.Array, KVCache]:
     """tokens, positions [B, T] (position -1 marks padding) through the decoder.
@@ -130,7 +131,7 @@ def forward(family: Family | ModuleType, params: dict, tokens: jax.Array, positi
 
 
 def attention_block(family: Family | ModuleType, p: dict, x: jax.Array, positions: jax.Array,
-                    table: RopeTable | None, cache: KVCache, layer: int, mode: Mode,
+                    table: RopeTable | None, cache: KVCache | PagedCache, layer: int, mode: Mode,
                     column: jax.Array | int, c: Any, rules: Rules, policy: Policy,
                     final_position_only: bool) -> tuple[jax.Array, KVCache]:
     """Self-attention of x [B, T, D] over the cache. final_position_only: every position's keys
@@ -141,8 +142,13 @@ def attention_block(family: Family | ModuleType, p: dict, x: jax.Array, position
     q = constrain(rotate(q), rules, "batch", "seq", "act_heads", None)
     k = constrain(rotate(k), rules, "batch", "seq", "act_kv_heads", None)
     v = constrain(v, rules, "batch", "seq", "act_kv_heads", None)
-    out, cache = cached_attention(q, k, v, positions, cache, layer, mode, column, rules, policy,
-                                  **family.attention_options(p, layer, c))
+    options = family.attention_options(p, layer, c)
+    if isinstance(cache, PagedCache):  # the step's keys written first, then read with the rest
+        cache = cache.write(layer, k, v, column, rules)
+        out = paged_attention(q, cache, layer, rules, policy, **options)
+    else:
+        out, cache = cached_attention(q, k, v, positions, cache, layer, mode, column, rules,
+                                      policy, **options)
     out = out[:, -1:] if final_position_only else out
     return family.attention_out(p, out, policy), cache
 

@@ -19,7 +19,10 @@ from tqdm import tqdm
 from models.weights import check_divisible
 from runner import log, openai_batch
 from runner.checkpoints import convert, pypi, store
+from models.paged import PagedCache
 from runner.engine import Completion, Engine, Request, Scheduler, Stats, hugepages
+from runner.engine.paged_engine import PagedEngine
+from runner.engine.paged_scheduler import PagedScheduler
 from runner.requests_io import AllFailedError, Parsed, Results, read_lines
 from runner.settings import Settings
 from runner.text.structured import Grammars
@@ -136,6 +139,27 @@ def load_model(s: Settings) -> tuple[store.Metadata, Rules, Any]:
     return meta, rules, params
 
 
+def build_engine(s: Settings, model, params, rules: Rules, allocate: bool = True
+                 ) -> Engine | PagedEngine:
+    """The engine the deployment asks for: paged (generation.page_size > 0), its pool sized by
+    generation.kv_cache_gib, or rows that each reserve their longest request."""
+    g = s.generation
+    if not g.page_size:
+        return Engine(model, params, rules, s.policy, g.batch_size, g.max_prompt_len,
+                      g.max_new_tokens, g.steps_per_dispatch, g.prefill_buckets, allocate=allocate,
+                      prefill_rows=g.prefill_rows, prefix_tokens=g.prefix_tokens,
+                      prefix_block=g.prefix_block)
+    pages = 0
+    if g.kv_cache_gib:
+        _, kv_heads, head_dim = model.module.cache_spec(model.config)
+        page = PagedCache.page_bytes(model.num_layers, kv_heads, head_dim, g.page_size,
+                                     s.policy.kv_cache, rules)
+        pages = int(g.kv_cache_gib * 2**30 // page)  # a device holds its group's pages
+    return PagedEngine(model, params, rules, s.policy, g.batch_size, g.max_prompt_len,
+                       g.max_new_tokens, g.page_size, pages, g.steps_per_dispatch, g.chunk_tokens,
+                       allocate=allocate)
+
+
 def answer(s: Settings, loaded: tuple | None = None, tokenizer=None) -> Summary:
     """The job: answers the request file s.input into the results file s.output; what it did.
     `loaded`: (metadata, rules, params) of a model already on the devices, in place of
@@ -150,9 +174,7 @@ def answer(s: Settings, loaded: tuple | None = None, tokenizer=None) -> Summary:
     mesh = rules.mesh
     tokenizer = tokenizer if loaded else load_tokenizer(s.checkpoint_path)
     g = s.generation
-    engine = Engine(meta.model, params, rules, s.policy, g.batch_size, g.max_prompt_len,
-                    g.max_new_tokens, g.steps_per_dispatch, g.prefill_buckets, prefill_rows=g.prefill_rows,
-                    prefix_tokens=g.prefix_tokens, prefix_block=g.prefix_block)
+    engine = build_engine(s, meta.model, params, rules)
     if engine.huge_pages[1]:
         log.info(f"weights and KV cache: {engine.huge_pages[0] / 2**20:.0f} of "
                  f"{engine.huge_pages[1] / 2**20:.0f} MiB on 2 MiB pages")
@@ -176,8 +198,10 @@ def answer(s: Settings, loaded: tuple | None = None, tokenizer=None) -> Summary:
                  for p in bad])
     summary.errors = len(bad)
     todo = [p for p in pending if not p.error]  # in file order: the scheduler takes them so
+    pool = (f" and a pool of {engine.pages * engine.groups} pages of {engine.page_size} tokens"
+            if isinstance(engine, PagedEngine) else "")
     log.info(f"{len(lines)} requests: {summary.already_done} already done, {len(bad)} invalid, "
-             f"{len(todo)} to generate on mesh {dict(mesh.shape)} in {engine.batch_size} rows")
+             f"{len(todo)} to generate on mesh {dict(mesh.shape)} in {engine.batch_size} rows{pool}")
 
     bar = tqdm(total=len(todo), unit="req", file=sys.stderr, desc="podrun",
                disable=jax.process_index() != 0)
@@ -218,7 +242,8 @@ def answer(s: Settings, loaded: tuple | None = None, tokenizer=None) -> Summary:
                                               else len(p.prompt_ids) - p.continuation), n=p.n,
                         constraint=p.constraint)
                 for p in todo]
-    stats = Scheduler(engine, requests, stop_ids, stop_check).run(done)
+    scheduler = PagedScheduler if isinstance(engine, PagedEngine) else Scheduler
+    stats = scheduler(engine, requests, stop_ids, stop_check).run(done)
     summary.generate_s = time.perf_counter() - t0
     summary.utilisation, summary.stats = stats.utilisation, stats
     bar.close()
@@ -231,6 +256,10 @@ def answer(s: Settings, loaded: tuple | None = None, tokenizer=None) -> Summary:
                  f"{stats.decode_steps} steps in {stats.decode_s:.1f} s"
                  + (f" (the last requests gathered into fewer rows {stats.shrinks} times)"
                     if stats.shrinks else ""))
+    if stats.pages:
+        log.info(f"pages in use: {stats.pages_peak} peak, {stats.pages_mean:.1f} mean of {stats.pages}; "
+                 f"rows live: {stats.rows_peak} peak, {stats.rows_mean:.1f} mean of {stats.rows}; "
+                 f"{stats.preemptions} preemptions; {stats.programs} programs")
     results.write_final(len(lines))
     if jax.process_count() > 1:  # the results file is whole before any process reports success
         multihost_utils.sync_global_devices("podrun: results written")

@@ -28,6 +28,9 @@ class Generation:
     reasoning_effort: str
     prefix_tokens: int
     prefix_block: int
+    page_size: int = 0  # 0: the unpaged engine
+    kv_cache_gib: float = 0.0
+    chunk_tokens: int = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +89,9 @@ def from_config(c: ConfigDict) -> Settings:
         reasoning_effort=g.reasoning_effort,
         prefix_tokens=int(g.prefix_tokens),
         prefix_block=int(g.prefix_block),
+        page_size=int(g.page_size),
+        kv_cache_gib=float(g.kv_cache_gib),
+        chunk_tokens=int(g.chunk_tokens),
     )
     for field in ("batch_size", "max_prompt_len", "max_new_tokens", "steps_per_dispatch"):
         if getattr(gen, field) < 1:
@@ -93,6 +99,13 @@ def from_config(c: ConfigDict) -> Settings:
     if gen.prefix_tokens < 0 or gen.prefix_block < 1:
         raise SettingsError(f"generation.prefix_tokens={gen.prefix_tokens} must be 0 (no prefix "
                             f"sharing) or more, prefix_block={gen.prefix_block} at least 1")
+    if gen.page_size < 0 or gen.kv_cache_gib < 0 or gen.chunk_tokens < 1:
+        raise SettingsError(f"generation.page_size={gen.page_size} must be 0 (unpaged) or more, "
+                            f"kv_cache_gib={gen.kv_cache_gib} 0 or more, chunk_tokens="
+                            f"{gen.chunk_tokens} at least 1")
+    if gen.page_size and c.precision.scan_layers:
+        raise SettingsError("generation.page_size > 0 (the paged engine) runs unrolled layers: "
+                            "set precision.scan_layers=False")
     if gen.prefill_rows < 0:
         raise SettingsError(f"generation.prefill_rows={gen.prefill_rows} must be 0 (the whole batch) or more")
     if gen.reasoning_effort not in ("low", "medium", "high"):

@@ -669,8 +669,113 @@ def test_every_vector_path_matches_numpy(path, tmp_path):
          "tests/test_kernels.py::test_decode_attention_over_a_long_cache_matches_numpy",
          "tests/test_kernels.py::test_decode_attention_at_batch_one_matches_numpy",
          "tests/test_kernels.py::test_rms_norm_matches_numpy",
+         "tests/test_kernels.py::test_paged_attention_matches_numpy",
+         "tests/test_kernels.py::test_paged_attention_over_int8_pages_matches_numpy",
          "tests/test_quant.py::test_int8_kernel_matches_numpy",
          "tests/test_quant.py::test_int4_kernel_matches_numpy"],
         check=False, cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert tests.returncode == 0, tests.stdout[-3000:]
     assert " passed" in tests.stdout and "failed" not in tests.stdout
+
+
+def np_paged_attention(q, k_pages, v_pages, tables, rows, q_pos, sinks, window, scale):
+    """Each query's keys gathered one position at a time through its sequence's page table, the
+    softmax in float64; a padding query (q_pos < 0) gives zeros."""
+    T, N, H = q.shape
+    K, S = k_pages.shape[1:3]
+    G = N // K
+    out = np.zeros((T, N, H))
+    for t in range(T):
+        at = int(q_pos[t])
+        if at < 0:
+            continue
+        pos = range(max(0, at - window + 1) if window else 0, at + 1)
+        pages = [int(tables[rows[t], p // S]) for p in pos]
+        slots = [p % S for p in pos]
+        for n in range(N):
+            k = k_pages[pages, n // G, slots].astype(np.float64)  # [len(pos), H]
+            v = v_pages[pages, n // G, slots].astype(np.float64)
+            s = k @ q[t, n].astype(np.float64) * scale
+            m = max(s.max(), sinks[n]) if sinks is not None else s.max()
+            w = np.exp(s - m)
+            total = w.sum() + (np.exp(sinks[n] - m) if sinks is not None else 0.0)
+            out[t, n] = (w[:, None] * v).sum(0) / total
+    return out
+
+
+def paged_case(G: int, H: int, seed: int):
+    """A pool of P = 12 pages of S = 4 slots over K = 2 kv heads, and R = 3 sequences: 18, 12 and
+    6 positions written, the second sharing its first page with the first (a shared prefix). The
+    pages no table names, and the slots past each sequence's last position, hold NaN, as do the
+    table entries past each sequence's last page (-1 or out of range): a kernel that reads any of
+    them gives NaN or fails. Queries of every sequence at position 0, at the first and the last slot
+    of a page, mid-page, and two padding queries (q_pos -1, one of a sequence that does not
+    exist)."""
+    rng = np.random.default_rng(seed)
+    P, K, S, f32 = 12, 2, 4, np.float32
+    N = K * G
+    k_pages, v_pages = (rng.standard_normal((P, K, S, H)).astype(f32) for _ in range(2))
+    tables = np.array([[3, 7, 1, 9, 6], [3, 5, 11, 1000, -1], [0, 8, -1, -1, 12]], np.int32)
+    written = [18, 12, 6]
+    for pages in (k_pages, v_pages):
+        pages[[2, 4, 10]] = np.nan  # in no table
+        pages[6, :, 2:] = np.nan  # sequence 0's last page past position 17
+        pages[8, :, 2:] = np.nan  # sequence 2's, past position 5
+    rows = np.array([0, 0, 1, 2, 99, 0, 2, 1, 1, 0, 2], np.int32)
+    q_pos = np.array([0, 17, 4, 5, -1, 8, 3, 11, -1, 15, 0], np.int32)
+    assert all(q_pos[t] < written[rows[t]] for t in range(len(rows)) if q_pos[t] >= 0)
+    q = rng.standard_normal((len(rows), N, H)).astype(f32)
+    return q, k_pages, v_pages, tables, rows, q_pos
+
+
+@pytest.mark.parametrize("H", [16, 36, 40, 64])
+@pytest.mark.parametrize("G", [1, 3])
+@pytest.mark.parametrize("window,with_sinks", [(None, False), (None, True), (5, False), (5, True)])
+def test_paged_attention_matches_numpy(H, G, window, with_sinks):
+    """A ragged step's queries over a page pool through page tables: head_dim a multiple of the
+    vectors (16, 64; 40 on AVX2) takes the grouped path, 36 (40 on AVX-512) query head by query
+    head; one or three query heads per kv head; keys from position 0 or within a window of 5
+    (which starts mid-page and skips the table's first entries); with and without sinks."""
+    q, k_pages, v_pages, tables, rows, q_pos = paged_case(G, H, seed=H * 10 + G)
+    N = q.shape[1]
+    sinks = np.random.default_rng(G).standard_normal(N).astype(np.float32) if with_sinks else None
+    got = np.asarray(jax.jit(lambda *a: cpu.paged_attention(*a, window, 0.3))(
+        q, k_pages, v_pages, tables, rows, q_pos, sinks))
+    want = np_paged_attention(q, k_pages, v_pages, tables, rows, q_pos, sinks, window, 0.3)
+    assert np.isfinite(got).all()
+    np.testing.assert_array_equal(got[q_pos < 0], 0.0)  # padding queries: zeros
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("H,window,with_sinks", [(64, None, True), (36, 5, False)],
+                         ids=["H64-sinks", "H36-window"])
+def test_paged_attention_over_int8_pages_matches_numpy(H, window, with_sinks):
+    """int8 pages with per-slot scales [P, K, S] read exactly as their dequantised values, on the
+    grouped path and the query-by-query one; the slots that paged_case fills with NaN have NaN
+    scales instead."""
+    q, k_pages, v_pages, tables, rows, q_pos = paged_case(3, H, seed=H)
+    (kq, ks), (vq, vs) = (quantize_slots(np.where(np.isnan(x), 1.0, x)) for x in (k_pages, v_pages))
+    for s, x in ((ks, k_pages), (vs, v_pages)):
+        s[np.isnan(x).any(-1)] = np.nan
+    N = q.shape[1]
+    sinks = np.random.default_rng(1).standard_normal(N).astype(np.float32) if with_sinks else None
+    got = np.asarray(jax.jit(lambda *a: cpu.paged_attention(*a[:7], window, 0.125, *a[7:]))(
+        q, kq, vq, tables, rows, q_pos, sinks, ks, vs))
+    want = np_paged_attention(q, kq * ks[..., None], vq * vs[..., None], tables, rows, q_pos, sinks,
+                              window, 0.125)
+    assert np.isfinite(got).all()
+    np.testing.assert_array_equal(got[q_pos < 0], 0.0)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("row,at,match", [
+    (2, 9, "tables\\[2, 2\\] = -1"), (1, 14, "tables\\[1, 3\\] = 1000"), (3, 0, "outside tables"),
+    (0, 20, "past its table")],
+    ids=["garbage-entry", "entry-past-the-pool", "no-such-row", "past-the-table"])
+def test_paged_attention_refuses_table_entries_it_would_read_out_of_range(row, at, match):
+    """A query whose visible positions need a table entry that names no page, a sequence outside
+    the tables, or a position past its table is an invalid argument, not a read out of bounds."""
+    q, k_pages, v_pages, tables, rows, q_pos = paged_case(1, 16, seed=0)
+    rows[1], q_pos[1] = row, at
+    with pytest.raises(Exception, match="podrun_paged_attention: query 1 .*" + match):
+        np.asarray(cpu.paged_attention(q, k_pages, v_pages, tables, rows, q_pos, None, None, 0.3))

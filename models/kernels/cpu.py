@@ -11,6 +11,8 @@
         without reading most of w: through an int8 copy with error bounds (greedy_screen)
     decode_attention(q, cache k/v and positions, this step's k/v and positions) -> [B, T, N, H],
         for decode steps and for prefills (an empty cache)
+    paged_attention(q [T, N, H], pages k/v [P, K, S, H], tables [R, M], rows, q_pos [T])
+        -> [T, N, H], a ragged step's queries over a pool of KV pages through page tables
     rms_norm(x [..., D], w [D], eps) -> [..., D], float32: x / sqrt(mean(x^2) + eps) * w in one call
 
 A batch-1 decode step is tens or hundreds of products one after another, a few microseconds
@@ -52,7 +54,7 @@ SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_matmul.cc", "cpu_atte
 HEADERS = (Path(__file__).with_name("cpu_kernels.h"),)
 TARGETS = ("podrun_matmul_f32", "podrun_matmul_panels", "podrun_matmul_nk_s8", "podrun_matmul_nk_s4",
            "podrun_greedy_screened", "podrun_decode_attention", "podrun_decode_attention_s8",
-           "podrun_rms_norm")
+           "podrun_paged_attention", "podrun_paged_attention_s8", "podrun_rms_norm")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 
 
@@ -257,4 +259,36 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, k_pos
     target = "podrun_decode_attention" if k_scale is None else "podrun_decode_attention_s8"
     return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
         q, *cache, k_pos.astype(i32), k_new, v_new, new_pos.astype(i32), q_pos.astype(i32),
+        sinks, has_sinks=np.int64(has_sinks), scale=np.float32(scale), window=np.int64(window or 0))
+
+
+def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, tables: jax.Array,
+                    rows: jax.Array, q_pos: jax.Array, sinks: jax.Array | None, window: int | None,
+                    scale: float, k_scale: jax.Array | None = None,
+                    v_scale: jax.Array | None = None) -> jax.Array:
+    """q [T, N, H] float32: T query tokens of a ragged step, each belonging to a sequence;
+    k_pages, v_pages [P, K, S, H] (float32, or int8 with k_scale, v_scale [P, K, S] float32: value =
+    int8 * scale): the KV page pool, P pages of S slots each, K kv heads; tables [R, M] int32: the
+    pages of each of R sequences, position p of sequence r in page tables[r, p // S], slot p % S;
+    rows [T] int32: each query's sequence; q_pos [T] int32: each query's position, -1 for a padding
+    query (its output is zeros, and nothing is read for it); sinks [N] or None (one extra logit per
+    query head that takes probability mass and contributes no value); window: int or None (a key
+    at position p is visible to a query at t when 0 <= p <= t and, with a window, t - p < window);
+    scale: the softmax scale. Query head n uses kv head n // (N // K). Returns [T, N, H] float32.
+
+    Every visible position is assumed written. Only the table entries of the pages a query's
+    visible positions lie in are read (those past q_pos // S may be garbage); the kernel checks
+    them, and rows, against the pool and tables and fails the call with an invalid argument where
+    one is out of range."""
+    register()
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("paged_attention: int8 pages take both k_scale and v_scale, or neither")
+    has_sinks = sinks is not None
+    sinks = jnp.zeros(q.shape[1:2], jnp.float32) if sinks is None else sinks.astype(jnp.float32)
+    i32 = jnp.int32
+    pages = (k_pages, v_pages) if k_scale is None else (
+        k_pages, v_pages, k_scale.astype(jnp.float32), v_scale.astype(jnp.float32))
+    target = "podrun_paged_attention" if k_scale is None else "podrun_paged_attention_s8"
+    return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+        q.astype(jnp.float32), *pages, tables.astype(i32), rows.astype(i32), q_pos.astype(i32),
         sinks, has_sinks=np.int64(has_sinks), scale=np.float32(scale), window=np.int64(window or 0))

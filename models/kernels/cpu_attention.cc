@@ -5,6 +5,7 @@
 #include <climits>
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -108,6 +109,35 @@ void attend_one(const float* q, const C* kc, const C* vc, const float* ks, const
     total += w[j];
     if (j < S) add_row(w[j] * (vs ? vs[j] : 1.f), vc + j * H, out, H);
     else add_row(w[j], vn + (j - S) * nstride, out, H);
+  }
+  float inv = 1.f / total;
+  for (int64_t h = 0; h < H; ++h) out[h] *= inv;
+}
+
+// One query over the n rows idx[0 .. n) of kc, vc (in units of H; the scales ks, vs in units of 1),
+// every one of them visible: paged attention's path for a head_dim the grouped one does not take.
+// scores, w: room for n rounded up to kLanes.
+template <typename C>
+void attend_rows(const float* q, const C* kc, const C* vc, const float* ks, const float* vs,
+                 const int32_t* idx, int64_t n, int64_t H, float scale, const float* sink,
+                 float* scores, float* w, float* out) {
+  int64_t padded = (n + kLanes - 1) / kLanes * kLanes;
+  float m = sink ? *sink : kMasked;
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t r = idx[j];
+    scores[j] = dot_row(q, kc + r * H, H) * scale * (ks ? ks[r] : 1.f);
+    m = std::max(m, scores[j]);
+  }
+  for (int64_t h = 0; h < H; ++h) out[h] = 0.f;
+  if (m == kMasked) return;  // no rows and no sink
+  for (int64_t j = 0; j < n; ++j) w[j] = scores[j] - m;
+  for (int64_t j = n; j < padded; ++j) w[j] = -100.f;
+  for (int64_t j = 0; j < padded; j += kLanes) exp_lanes(w + j);  // w = exp(scores - m)
+  float total = sink ? std::exp(*sink - m) : 0.f;
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t r = idx[j];
+    total += w[j];
+    add_row(w[j] * (vs ? vs[r] : 1.f), vc + r * H, out, H);
   }
   float inv = 1.f / total;
   for (int64_t h = 0; h < H; ++h) out[h] *= inv;
@@ -598,6 +628,145 @@ ffi::Error DecodeAttentionS8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                                  out, has_sinks, scale, window);
 }
 
+// --- paged attention ----------------------------------------------------------------------------
+//
+// q [T, N, H]: the T query tokens of a ragged step, query t of sequence rows[t] at position
+// qpos[t] (negative: a padding query, output zeros, nothing read for it), over a pool of KV pages
+// k, v [P, K, S, H] (float32, or int8 with per-slot scales [P, K, S]): position p of sequence r is
+// slot p % S of page tables[r, p / S]. Query t sees positions max(0, qpos - window + 1) .. qpos
+// (0 .. qpos without a window), every one of them assumed written; only the table entries those
+// positions name are read, each checked to lie in [0, P) before any page is. Sinks and
+// grouped-query heads as decode attention's. One task per (query, kv head k), its G query heads
+// together through the grouped path (attend_heads over cache rows only): relative to kv head k's
+// base (k * S rows in), position p is row page * K * S + p % S, in units of H for the keys and
+// values and of 1 for the scales. A head_dim the grouped path does not take goes query head by
+// query head (attend_rows).
+
+template <typename C>
+ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, const C* kp, const C* vp,
+                          const float* ksp, const float* vsp, ffi::Span<const int64_t> kd,
+                          ffi::Span<const int64_t> vd, ffi::Span<const int64_t> ksd,
+                          ffi::Span<const int64_t> vsd, ffi::Buffer<ffi::S32> tables,
+                          ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::S32> qpos,
+                          ffi::Buffer<ffi::F32> sinks, ffi::ResultBuffer<ffi::F32> out,
+                          int64_t has_sinks, float scale, int64_t window) {
+  const std::string name = ksp ? "podrun_paged_attention_s8" : "podrun_paged_attention";
+  auto bad = [&](const std::string& why) { return ffi::Error::InvalidArgument(name + ": " + why); };
+  auto qd = q.dimensions(), td = tables.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || td.size() != 2)
+    return bad("expects q [T, N, H], k_pages and v_pages [P, K, S, H], tables [R, M]");
+  const int64_t T = qd[0], N = qd[1], H = qd[2], P = kd[0], K = kd[1], S = kd[2];
+  const int64_t R = td[0], M = td[1];
+  if (!(vd == kd)) return bad("k_pages and v_pages differ in shape");
+  if (kd[3] != H) return bad("the pages' head_dim differs from q's");
+  if (K <= 0 || S <= 0 || N % K) return bad("q's heads must be a multiple of the pages' kv heads");
+  if (ksp) {
+    const int64_t want[] = {P, K, S};
+    const ffi::Span<const int64_t> scale_dims(want, 3);
+    if (!(ksd == scale_dims) || !(vsd == scale_dims))
+      return bad("k_scale and v_scale must be [P, K, S] for pages [P, K, S, H]");
+  }
+  if (rows.dimensions().size() != 1 || rows.dimensions()[0] != T ||
+      qpos.dimensions().size() != 1 || qpos.dimensions()[0] != T)
+    return bad("rows and q_pos must be [T] for q [T, N, H]");
+  if (sinks.dimensions().size() != 1 || sinks.dimensions()[0] != N)
+    return bad("sinks must be [N] for q [T, N, H]");
+  if (P * K * S > INT32_MAX) return bad("the page pool has more than 2^31 slots");
+  const int64_t G = N / K;
+  const float *qp = q.typed_data(), *sp = sinks.typed_data();
+  const int32_t *tp = tables.typed_data(), *rp = rows.typed_data(), *pp = qpos.typed_data();
+  float* op = out->typed_data();
+  // The first position each query sees, and every table entry it reads checked before any page is
+  // read; ld: room for the most keys any query sees, rounded up to vectors.
+  auto first = [=](int32_t at) { return window > 0 ? std::max<int64_t>(0, at - window + 1) : 0; };
+  int64_t most = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    const int32_t at = pp[t];
+    if (at < 0) continue;
+    const int64_t r = rp[t], lo = first(at);
+    if (r < 0 || r >= R)
+      return bad("query " + std::to_string(t) + " is of sequence " + std::to_string(r) +
+                 ", outside tables' " + std::to_string(R) + " rows");
+    if (at / S >= M)
+      return bad("query " + std::to_string(t) + " at position " + std::to_string(at) +
+                 " is past its table's " + std::to_string(M) + " pages of " + std::to_string(S));
+    for (int64_t e = lo / S; e <= at / S; ++e) {
+      const int32_t page = tp[r * M + e];
+      if (page < 0 || page >= P)
+        return bad("query " + std::to_string(t) + " reads tables[" + std::to_string(r) + ", " +
+                   std::to_string(e) + "] = " + std::to_string(page) + ", not a page of " +
+                   std::to_string(P));
+    }
+    most = std::max<int64_t>(most, at - lo + 1);
+  }
+  const int64_t ld = std::max<int64_t>((most + kLanes - 1) / kLanes * kLanes, kLanes);
+  using Heads = void (*)(int64_t, const float*, const C*, const C*, const float*, const float*,
+                         const int32_t*, int64_t, const float*, const float*, const int32_t*,
+                         int64_t, float, const float*, float*, int64_t, float*);
+  static constexpr Heads kGrouped[] = {nullptr, attend_heads<C, 1>, attend_heads<C, 2>,
+                                       attend_heads<C, 3>, attend_heads<C, 4>, attend_heads<C, 5>,
+                                       attend_heads<C, 6>, attend_heads<C, 7>, attend_heads<C, 8>};
+  const Heads grouped = H % kLanes == 0 && H / kLanes <= 8 ? kGrouped[H / kLanes] : nullptr;
+  auto body = [=](int64_t begin, int64_t end) {
+    thread_local std::vector<float> scores, w;  // kept from call to call, as decode attention's
+    thread_local std::vector<int32_t> cidx;
+    scores.resize(grouped ? 8 * ld : ld), w.resize(ld), cidx.resize(ld);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t t = task / K, k = task % K;
+      const float* qt = qp + (t * N + k * G) * H;
+      float* ot = op + (t * N + k * G) * H;
+      const int32_t at = pp[t];
+      if (at < 0) {  // padding: zeros, and no table or page read
+        std::fill(ot, ot + G * H, 0.f);
+        continue;
+      }
+      const int32_t* table = tp + int64_t(rp[t]) * M;
+      int64_t n = 0;
+      for (int64_t p = first(at); p <= at; ++p)
+        cidx[n++] = int32_t(int64_t(table[p / S]) * K * S + p % S);
+      const C* kb = kp + k * S * H;
+      const C* vb = vp + k * S * H;
+      const float* ksb = ksp ? ksp + k * S : nullptr;
+      const float* vsb = vsp ? vsp + k * S : nullptr;
+      const float* sk = has_sinks ? sp + k * G : nullptr;
+      if (grouped) {
+        grouped(G, qt, kb, vb, ksb, vsb, cidx.data(), n, nullptr, nullptr, nullptr, 0, scale, sk,
+                scores.data(), ld, ot);
+        continue;
+      }
+      for (int64_t g = 0; g < G; ++g)
+        attend_rows<C>(qt + g * H, kb, vb, ksb, vsb, cidx.data(), n, H, scale,
+                       sk ? sk + g : nullptr, scores.data(), w.data(), ot + g * H);
+    }
+  };
+  parallel_for(pool, T * K, 1, body);
+  return ffi::Error::Success();
+}
+
+ffi::Error PagedAttentionF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                             ffi::Buffer<ffi::F32> kc, ffi::Buffer<ffi::F32> vc,
+                             ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> rows,
+                             ffi::Buffer<ffi::S32> qpos, ffi::Buffer<ffi::F32> sinks,
+                             ffi::ResultBuffer<ffi::F32> out, int64_t has_sinks, float scale,
+                             int64_t window) {
+  return PagedAttention<float>(pool, q, kc.typed_data(), vc.typed_data(), nullptr, nullptr,
+                               kc.dimensions(), vc.dimensions(), {}, {}, tables, rows, qpos, sinks,
+                               out, has_sinks, scale, window);
+}
+
+ffi::Error PagedAttentionS8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                            ffi::Buffer<ffi::S8> kc, ffi::Buffer<ffi::S8> vc,
+                            ffi::Buffer<ffi::F32> ks, ffi::Buffer<ffi::F32> vs,
+                            ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> rows,
+                            ffi::Buffer<ffi::S32> qpos, ffi::Buffer<ffi::F32> sinks,
+                            ffi::ResultBuffer<ffi::F32> out, int64_t has_sinks, float scale,
+                            int64_t window) {
+  return PagedAttention<int8_t>(pool, q, kc.typed_data(), vc.typed_data(), ks.typed_data(),
+                                vs.typed_data(), kc.dimensions(), vc.dimensions(), ks.dimensions(),
+                                vs.dimensions(), tables, rows, qpos, sinks, out, has_sinks, scale,
+                                window);
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(podrun_decode_attention, DecodeAttentionF32,
@@ -631,6 +800,38 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(podrun_decode_attention_s8, DecodeAttentionS8,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // new_pos
                                   .Arg<ffi::Buffer<ffi::S32>>()  // q_pos
                                   .Arg<ffi::Buffer<ffi::F32>>()  // sinks
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("has_sinks")
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("window"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(podrun_paged_attention, PagedAttentionF32,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q [T, N, H]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k pages [P, K, S, H]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v pages
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // tables [R, M]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // rows [T]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_pos [T]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sinks [N]
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("has_sinks")
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("window"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(podrun_paged_attention_s8, PagedAttentionS8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q [T, N, H]
+                                  .Arg<ffi::Buffer<ffi::S8>>()  // k pages [P, K, S, H], int8
+                                  .Arg<ffi::Buffer<ffi::S8>>()  // v pages, int8
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k scales [P, K, S]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v scales
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // tables [R, M]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // rows [T]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_pos [T]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sinks [N]
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("has_sinks")
                                   .Attr<float>("scale")

@@ -59,6 +59,14 @@ class Stats:
     decode_s: float = 0.0  # wall time in decode calls
     masked_calls: int = 0  # decode calls of one step, under some row's format
     mask_s: float = 0.0  # host time computing the formats' token masks
+    # the paged engine (runner/engine/paged_scheduler.py):
+    pages: int = 0  # the pool's pages, every group's
+    pages_peak: int = 0  # the most pages that tables held at once
+    pages_mean: float = 0.0  # pages held, the mean over calls
+    rows_peak: int = 0  # the most rows live (decoding or prefilling) in one call
+    rows_mean: float = 0.0  # rows live, the mean over calls
+    preemptions: int = 0  # rows whose pages were taken back mid-request, to be recomputed
+    programs: int = 0  # distinct device programs called
 
     @property
     def utilisation(self) -> float:
@@ -240,24 +248,33 @@ class Scheduler:
         """Ends the row's sample when a stop id, its max_tokens or the stop check says so; the row
         is then free. A request ends with its last sample."""
         x = live[row]
-        tokens, request = x.tokens, self.requests[x.index]
-        if tokens and tokens[-1] in self.stop_ids and not x.broken:
-            reason = "stop"
-        elif (tokens and x.walk is None and self.stop_check is not None
-              and self.stop_check(x.index, tokens)):
-            reason = "stop"
-        elif len(tokens) >= request.max_tokens or x.broken:
-            reason = "length"
-        else:
+        request = self.requests[x.index]
+        completion = finished(x, request, self.stop_ids, self.stop_check, now)
+        if completion is None:
             return
         del live[row]
         bisect.insort(free, row)
         done = self._ended.setdefault(x.index, {})
-        done[x.sample] = Completion(tokens, reason, ttft_s=x.first_s - x.queued_s,
-                                    decode_s=now - x.first_s, logprobs=x.logprobs,
-                                    prompt_logprobs=x.prompt_logprobs,
-                                    incomplete_format=x.walk is not None and (
-                                        x.broken or reason == "length" and not x.walk.complete))
+        done[x.sample] = completion
         if len(done) == request.n:
             del self._ended[x.index]
             ended.append((x.index, [done[k] for k in range(request.n)]))
+
+
+def finished(x: _Live, request: Request, stop_ids: tuple[int, ...],
+             stop_check: Callable[[int, list[int]], bool] | None, now: float) -> Completion | None:
+    """The completion of sample x when a stop id, its max_tokens, a refused token of its format
+    or the stop check ends it (`now`: the time since the job began), else None."""
+    tokens = x.tokens
+    if tokens and tokens[-1] in stop_ids and not x.broken:
+        reason = "stop"
+    elif tokens and x.walk is None and stop_check is not None and stop_check(x.index, tokens):
+        reason = "stop"
+    elif len(tokens) >= request.max_tokens or x.broken:
+        reason = "length"
+    else:
+        return None
+    return Completion(tokens, reason, ttft_s=x.first_s - x.queued_s, decode_s=now - x.first_s,
+                      logprobs=x.logprobs, prompt_logprobs=x.prompt_logprobs,
+                      incomplete_format=x.walk is not None and (
+                          x.broken or reason == "length" and not x.walk.complete))

@@ -1,0 +1,209 @@
+"""A paged KV cache and attention over it, for one ragged step of many sequences.
+
+The cache is a pool of pages per layer: k, v [G, P, K, S, H], G groups (one per shard of the
+batch: a group's sequences, tokens and pages stay on its devices), P pages of S token slots, K kv
+heads. A sequence's table names its pages in order: position p lives in page table[p // S], slot
+p % S (runner/engine/pages.py hands them out). Positions are a sequence's own, from 0, with no
+gap: a key's position follows from where it lies, so the cache keeps none.
+
+A step's tokens [G, T] each belong to one sequence of their group (`rows`, an index into the
+group's tables [G, R, M]) at a position (-1: padding, which writes and sees nothing). Every layer
+first writes the step's keys and values into their slots, then attends each query over its
+sequence's positions up to its own: a decode step's one token per sequence and a prompt's chunk
+are the same computation.
+
+The step's layout, which the attention in XLA relies on: tokens [0, R) are one per sequence
+(token r of sequence r: a decode step's, or padding), and any tokens after them (a prompt's
+chunk) belong to one sequence, rows[:, R]. The kernels (podrun's CPU one) take any layout.
+
+Einsum legend as models/attention.py: B rows, T queries, S slots, N query heads, K kv heads, H.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as Spec
+
+from models.attention import attention
+from models.kv_cache import quantize_rows
+from models.policy import Policy
+from sharding.rules import Rules, constrain
+
+POOL_AXES = ("cache_batch", None, "cache_kv_heads", None, None)  # k, v [G, P, K, S, H]
+
+
+class PagedCache(NamedTuple):
+    """Every layer's page pool, and (during a forward pass) where the step's tokens go.
+
+    k, v: per layer [G, P, K, S, H]; an int8 cache (precision.kv_cache="int8") holds them as int8
+    with k_scale, v_scale [G, P, K, S] (max |x| over H / 127), else those are None.
+    tables [G, R, M], rows [G, T], positions [G, T]: the step's (`at`), None between steps."""
+
+    k: list[jax.Array]
+    v: list[jax.Array]
+    k_scale: list[jax.Array | None]
+    v_scale: list[jax.Array | None]
+    tables: jax.Array | None = None
+    rows: jax.Array | None = None
+    positions: jax.Array | None = None
+
+    @property
+    def page_size(self) -> int:
+        return self.k[0].shape[3]
+
+    @staticmethod
+    def shardings(rules: Rules, num_layers: int, quantized: bool) -> PagedCache:
+        kv = rules.sharding(*POOL_AXES)
+        scale = rules.sharding(*POOL_AXES[:-1]) if quantized else None
+        return PagedCache([kv] * num_layers, [kv] * num_layers, [scale] * num_layers,
+                          [scale] * num_layers)
+
+    @staticmethod
+    def page_bytes(num_layers: int, kv_heads: int, head_dim: int, page_size: int, dtype: Any,
+                   rules: Rules) -> int:
+        """Bytes one page of every layer's keys and values takes on a device (kv heads split by
+        the rules; an int8 cache with its scales)."""
+        size = jnp.dtype(dtype).itemsize
+        per = size * head_dim + (4 if jnp.dtype(dtype) == jnp.int8 else 0)
+        heads = -(-kv_heads // rules.shards("cache_kv_heads"))
+        return 2 * num_layers * heads * page_size * per
+
+    @staticmethod
+    def create(groups: int, pages: int, page_size: int, num_layers: int, kv_heads: int,
+               head_dim: int, dtype: Any, rules: Rules, allocate: bool = True) -> PagedCache:
+        """An empty pool (zeros), or with allocate=False its shapes with their shardings."""
+        quantized = jnp.dtype(dtype) == jnp.int8
+        shape = (groups, pages, kv_heads, page_size, head_dim)
+
+        def make():
+            kv = [jnp.zeros(shape, dtype) for _ in range(num_layers)]
+            scale = [jnp.zeros(shape[:-1], jnp.float32) if quantized else None
+                     for _ in range(num_layers)]
+            return PagedCache(kv, list(kv), scale, list(scale))
+
+        out = PagedCache.shardings(rules, num_layers, quantized)
+        if not allocate:
+            return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                                jax.eval_shape(make), out)
+        return jax.jit(make, out_shardings=out)()
+
+    def at(self, tables: jax.Array, rows: jax.Array) -> PagedCache:
+        """This pool for a step whose tokens belong to sequences `rows` [G, T] of `tables`."""
+        return self._replace(tables=tables, rows=rows)
+
+    def pool(self) -> PagedCache:
+        """The pages alone, as the engine keeps them between steps."""
+        return self._replace(tables=None, rows=None, positions=None)
+
+    def write_positions(self, positions: jax.Array, column: Any = 0) -> PagedCache:
+        """Keeps the step's positions [G, T] (-1: padding) for the writes; `column` is unused (a
+        token's slot follows from its position)."""
+        return self._replace(positions=positions.astype(jnp.int32))
+
+    def slots(self) -> jax.Array:
+        """Each token's slot in its group's pool, page * S + slot [G, T]; P * S (past the end: a
+        write there is dropped) for padding."""
+        S, P = self.page_size, self.k[0].shape[1]
+        pos = jnp.maximum(self.positions, 0)
+        table = jax.vmap(lambda t, r: t[r])(self.tables, self.rows)  # [G, T, M]: each token's
+        page = jnp.take_along_axis(table, (pos // S)[:, :, None], axis=2, mode="clip")[:, :, 0]
+        return jnp.where(self.positions >= 0, page * S + pos % S, P * S)
+
+    def write(self, layer: int, k: jax.Array, v: jax.Array, column: Any, rules: Rules) -> PagedCache:
+        """Writes one layer's new k, v [G, T, K, H] into their slots."""
+        with jax.named_scope("cache_write"):
+            slots = self.slots()
+            ks, vs, kss, vss = list(self.k), list(self.v), list(self.k_scale), list(self.v_scale)
+            for store, scales, new in ((ks, kss, k), (vs, vss, v)):
+                if scales[layer] is not None:  # int8: one scale per slot and head
+                    new, scale = quantize_rows(new)
+                    scales[layer] = constrain(_scatter(scales[layer], scale, slots), rules,
+                                              *POOL_AXES[:-1])
+                store[layer] = constrain(_scatter(store[layer], new.astype(store[layer].dtype), slots),
+                                         rules, *POOL_AXES)
+            return self._replace(k=ks, v=vs, k_scale=kss, v_scale=vss)
+
+
+def _scatter(pool: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
+    """new [G, T, K, ...] into pool [G, P, K, S, ...] at slots [G, T] (page * S + slot; out of
+    range: dropped)."""
+    P, S = pool.shape[1], pool.shape[3]
+
+    def one(pool, new, slots):  # [P, K, S, ...], [T, K, ...], [T]
+        page, slot = slots // S, slots % S
+        page = jnp.where(slots < P * S, page, P)  # past the end: dropped
+        return pool.at[page, :, slot].set(new, mode="drop")
+
+    return jax.vmap(one)(pool, new, slots)
+
+
+def paged_attention(q: jax.Array, cache: PagedCache, layer: int, rules: Rules, policy: Policy,
+                    *, window: int | None = None, sinks: jax.Array | None = None,
+                    scale: float | None = None) -> jax.Array:
+    """Each query of q [G, T, N, H] over its sequence's positions up to its own (the step's keys
+    already written), in the backend's kernel or in XLA."""
+    kc, vc = cache.k[layer], cache.v[layer]
+    ks, vs = cache.k_scale[layer], cache.v_scale[layer]
+    if policy.backend.attention_kernel and q.dtype == jnp.float32 and kc.dtype in (jnp.float32, jnp.int8):
+        return _cpu_kernel(q, kc, vc, ks, vs, cache, rules, window, sinks, scale)
+    return _xla(q, kc, vc, ks, vs, cache, policy, window, sinks, scale)
+
+
+def _xla(q, kc, vc, ks, vs, cache: PagedCache, policy: Policy, window, sinks, scale) -> jax.Array:
+    """Attention in XLA over each sequence's pages gathered into a row of slots [G, R, K, M * S]:
+    the first R queries one per sequence, the rest (a chunk) over sequence rows[:, R]'s row."""
+    G, T, N, H = q.shape
+    R, M = cache.tables.shape[1:]
+    S = kc.shape[3]
+
+    def rows_of(x):  # [G, P, K, S, ...] -> [G, R, K, M * S, ...]
+        if x is None:
+            return None
+        x = jax.vmap(lambda pool, table: pool[table])(x, cache.tables)  # [G, R, M, K, S, ...]
+        x = jnp.moveaxis(x, 3, 2)  # [G, R, K, M, S, ...]
+        return x.reshape(G, R, x.shape[2], M * S, *x.shape[5:])
+
+    keys = [rows_of(x) for x in (kc, vc, ks, vs)]
+    k_pos = jnp.broadcast_to(jnp.arange(M * S, dtype=jnp.int32), (G * R, M * S))
+    flat = lambda x: None if x is None else x.reshape(G * R, *x.shape[2:])
+    kw = dict(window=window, sinks=sinks, scale=scale)
+    decode = attention(q[:, :R].reshape(G * R, 1, N, H), cache.positions[:, :R].reshape(G * R, 1),
+                       [(flat(keys[0]), flat(keys[1]), k_pos, flat(keys[2]), flat(keys[3]))],
+                       policy, **kw).reshape(G, R, N, H)
+    if T == R:
+        return decode
+    row = cache.rows[:, R]  # [G]
+    pick = lambda x: None if x is None else jax.vmap(lambda a, r: a[r])(x, row)  # [G, K, M * S, ...]
+    chunk = attention(q[:, R:], cache.positions[:, R:],
+                      [(pick(keys[0]), pick(keys[1]), k_pos[:G], pick(keys[2]), pick(keys[3]))],
+                      policy, **kw)
+    return jnp.concatenate([decode, chunk], axis=1)
+
+
+def _cpu_kernel(q, kc, vc, ks, vs, cache: PagedCache, rules: Rules, window, sinks, scale):
+    """podrun's CPU kernel per group (and kv-head shard) under shard_map."""
+    from models.kernels import cpu
+
+    has_sinks = sinks is not None
+    sinks = jnp.zeros(q.shape[2:3], jnp.float32) if sinks is None else sinks
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scales = () if ks is None else (ks, vs)
+
+    def local(q, kc, vc, tables, rows, positions, sinks, *scales):  # one group each
+        return cpu.paged_attention(q[0], kc[0], vc[0], tables[0], rows[0], positions[0],
+                                   sinks if has_sinks else None, window, scale,
+                                   *(s[0] for s in scales))[None]
+
+    args = (q, kc, vc, cache.tables, cache.rows, cache.positions, sinks, *scales)
+    if rules.mesh.size == 1:
+        return local(*args)
+    spec = rules.spec(*POOL_AXES, shape=kc.shape)
+    b, kv = spec[0], spec[2]
+    specs = (Spec(b, None, kv, None), Spec(b, None, kv, None, None), Spec(b, None, kv, None, None),
+             Spec(b, None, None), Spec(b, None), Spec(b, None), Spec(kv),
+             *[Spec(b, None, kv, None)] * len(scales))
+    return jax.shard_map(local, mesh=rules.mesh, out_specs=specs[0], check_vma=False,
+                         in_specs=specs)(*args)

@@ -1,0 +1,268 @@
+"""The host loop of the paged engine: admission by free pages, chunked prefill, preemption.
+
+    waiting samples --admitted (pages for the prompt free)--> a row of a group
+    a prompt, chunk by chunk, in the same step as every decoding row --> its first token
+    decoding rows --decode calls (steps_per_dispatch steps)--> tokens; a row that ends frees its pages
+
+Samples are admitted in request order (a request of n samples is n samples, one after the
+other), at most one at a time into each group's free row, and only while no other row of that
+group is still prefilling: one prompt per group is chunked at a time, so every later sample of the
+same prompt (or prompt of the same prefix) finds the full pages it shares already written and
+named, and takes them instead of computing them. A sample is admitted when the pool has pages for
+its whole prompt and one token, so a row that enters does not stall at once.
+
+A row takes pages as it grows. When a decoding row needs a page and none is free, the newest row
+of its group gives its pages back (preemption) and its sample goes to the front of the waiting
+queue with the tokens it has: readmitted, it computes its prompt and those tokens again as one
+prompt, and samples on from its count of tokens, so its tokens are those of an uninterrupted run.
+
+Every process of a multi-host run runs this loop over the same requests and reads the same
+replicated tokens, so all take the same decisions: nothing here depends on a clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from runner.engine.engine import Completion, Request
+from runner.engine.pages import PagePool, Table, digests
+from runner.engine.paged_engine import PagedEngine
+from runner.engine.sampling import sample_seed
+from runner.engine.scheduler import Stats, _Live, finished
+
+
+@dataclasses.dataclass
+class _Seq:
+    """A sample in a row: what it computes before it samples (its prompt, then after a
+    preemption the tokens it had), its table of pages, and when it was admitted."""
+
+    live: _Live
+    input: list[int]
+    table: Table
+    order: int
+
+    @property
+    def prefilling(self) -> bool:
+        return self.table.length < len(self.input)
+
+
+class PagedScheduler:
+    """Runs `requests` through a PagedEngine, rows refilled as their requests end."""
+
+    def __init__(self, engine: PagedEngine, requests: Sequence[Request], stop_ids: Sequence[int] = (),
+                 stop_check: Callable[[int, list[int]], bool] | None = None):
+        self.engine, self.requests = engine, requests
+        self.stop_ids, self.stop_check = tuple(stop_ids), stop_check
+        for i, r in enumerate(requests):
+            if r.n < 1:
+                raise ValueError(f"request {i}: n={r.n}; a request has one sample or more")
+            if r.prompt_logprobs or r.max_tokens < 1:
+                raise ValueError(f"request {i}: prompt log-probabilities and scoring (max_tokens 0) "
+                                 "are not in the paged engine yet: run with generation.page_size=0")
+            if not 0 < len(r.prompt) <= engine.max_prompt_len or r.max_tokens > engine.max_new_tokens:
+                raise ValueError(f"request {i}: a prompt of {len(r.prompt)} tokens and max_tokens="
+                                 f"{r.max_tokens} exceed max_prompt_len={engine.max_prompt_len} or "
+                                 f"max_new_tokens={engine.max_new_tokens}")
+        self.pools = [PagePool(engine.pages, engine.page_size) for _ in range(engine.groups)]
+        self.stats = Stats(rows=engine.batch_size, pages=engine.pages * engine.groups)
+        self._names: dict[int, list[bytes]] = {}  # each request's full prompt pages' digests
+        self._ended: dict[int, dict[int, Completion]] = {}
+
+    def _digests(self, i: int) -> list[bytes]:
+        if i not in self._names:
+            self._names[i] = digests(self.requests[i].prompt, self.engine.page_size)
+        return self._names[i]
+
+    def run(self, on_done: Callable[[list[tuple[int, list[Completion]]]], None]) -> Stats:
+        """Generates every request; on_done gets the requests that ended in each call, as they
+        end: (index, its samples' completions in sample order)."""
+        engine, t0 = self.engine, time.perf_counter()
+        G, R = engine.groups, engine.rows_per_group
+        waiting: deque[tuple[int, int, _Live | None]] = deque(
+            (i, k, None) for i, r in enumerate(self.requests) for k in range(r.n))
+        rows: list[list[_Seq | None]] = [[None] * R for _ in range(G)]
+        admitted = 0
+        calls = pages_held = rows_live = 0
+        while waiting or any(s for group in rows for s in group):
+            now = time.perf_counter() - t0
+            # admission: one sample a group, into a free row, while none of the group prefills
+            for g in sorted(range(G), key=lambda g: -self.pools[g].available):
+                if not waiting or any(s and s.prefilling for s in rows[g]) or None not in rows[g]:
+                    continue
+                seq = self._admit(waiting[0], g, admitted, now)
+                if seq is None:
+                    continue
+                waiting.popleft()
+                rows[g][rows[g].index(None)] = seq
+                admitted += 1
+            chunk = 0
+            for g in range(G):
+                for s in rows[g]:
+                    if s and s.prefilling:
+                        chunk = max(chunk, min(engine.chunk, len(s.input) - s.table.length))
+            C = next(c for c in engine.chunks if c >= chunk) if chunk else 0
+            steps = 1 if C else engine.steps
+            if any(s and s.live.walk is not None for group in rows for s in group):
+                steps = 1  # the next token's mask needs the one just taken
+            for g in range(G):
+                self._grow(rows[g], waiting, C, steps)
+            live = [s for group in rows for s in group if s]
+            if not live:  # everything admitted was preempted back: admit again
+                continue
+            batch, sampling = self._batch(rows, C)
+            walks = [s.live.walk if s and i in sampling else None
+                     for i, s in enumerate(x for group in rows for x in group)]
+            masks = None
+            if any(w is not None for w in walks):
+                m = time.perf_counter()
+                masks = np.full((engine.batch_size, engine.mask_words), -1, np.int32)
+                for b, w in enumerate(walks):
+                    if w is not None:
+                        w.mask(masks[b])
+                self.stats.mask_s += time.perf_counter() - m
+            logprobs = any(self.requests[s.live.index].logprobs for s in live)
+            began = time.perf_counter() - t0
+            emitted, scores = engine.call(batch, self.stop_ids, steps, logprobs, masks)
+            now = time.perf_counter() - t0
+            calls += 1
+            held = sum(p.in_use for p in self.pools)
+            pages_held += held
+            rows_live += len(live)
+            st = self.stats
+            st.pages_peak, st.rows_peak = max(st.pages_peak, held), max(st.rows_peak, len(live))
+            if C:
+                st.inserts += 1
+                st.insert_s += now - began
+                st.prompt_slots += C * G
+            else:
+                st.decode_calls += 1
+                st.decode_s += now - began
+            st.masked_calls += masks is not None
+            st.decode_steps += steps
+            st.row_steps += steps * engine.batch_size
+            ended: list[tuple[int, list[Completion]]] = []
+            for g in range(G):
+                for r in range(R):
+                    if rows[g][r] is not None:
+                        self._advance(rows[g], r, g * R + r, emitted, scores, C, ended, now)
+            if ended:
+                st.completion_tokens += sum(len(c.token_ids) for _, cs in ended for c in cs)
+                on_done(ended)
+        self.stats.programs = len(engine.programs)
+        self.stats.pages_mean = pages_held / calls if calls else 0.0
+        self.stats.rows_mean = rows_live / calls if calls else 0.0
+        return self.stats
+
+    def _admit(self, entry: tuple[int, int, _Live | None], g: int, order: int,
+               now: float) -> _Seq | None:
+        """Sample `entry` into group g, with the prompt pages the pool already holds, when the
+        pool has pages for the rest of its prompt and one token; else None (nothing taken)."""
+        i, k, prior = entry
+        r, pool = self.requests[i], self.pools[g]
+        x = prior or _Live(i, k, [], now, 0.0, walk=r.constraint.start() if r.constraint else None,
+                           logprobs=[] if r.logprobs else None)
+        if prior is None:
+            self.stats.prompt_tokens += len(r.prompt)
+        tokens = list(r.prompt) + x.tokens
+        names = self._digests(i)[: (len(tokens) - 1) // pool.page_size]
+        found = pool.matchable(names)
+        table = Table(pool)
+        if table.pages_for(len(tokens) + 1) - found > pool.available:
+            return None
+        table = Table(pool, pool.match(names[:found]))
+        return _Seq(x, tokens, table, order)
+
+    def _grow(self, group: list[_Seq | None], waiting: deque, C: int, steps: int) -> None:
+        """Pages for what each row of the group computes in the next call (a decoding row's
+        steps, a prefilling row's chunk), the newest rows preempted, oldest first served, where
+        the pool runs short."""
+        for s in sorted((s for s in group if s), key=lambda s: s.order):
+            if s not in group:
+                continue  # preempted for an older row
+            if s.prefilling:
+                need = s.table.length + min(C, len(s.input) - s.table.length)
+            else:
+                left = self.requests[s.live.index].max_tokens - len(s.live.tokens)
+                need = s.table.length + max(1, min(steps, left))
+            while not s.table.grow(need):
+                newest = max((x for x in group if x), key=lambda x: x.order)
+                self._preempt(group, newest, waiting)
+                if newest is s:
+                    break
+
+    def _preempt(self, group: list[_Seq | None], s: _Seq, waiting: deque) -> None:
+        s.table.release()
+        group[group.index(s)] = None
+        waiting.appendleft((s.live.index, s.live.sample, s.live))
+        self.stats.preemptions += 1
+
+    def _batch(self, rows: list[list[_Seq | None]], C: int):
+        """The call's host arrays, and the rows (by index) that sample in it."""
+        engine, R = self.engine, self.engine.rows_per_group
+        b = engine.empty_batch(C)
+        sampling = set()
+        for g, group in enumerate(rows):
+            for r, s in enumerate(group):
+                if s is None:
+                    continue
+                row, request, table = g * R + r, self.requests[s.live.index], s.table
+                b.tables[g, r, : len(table.pages)] = table.pages
+                b.count[row], b.max_tokens[row] = len(s.live.tokens), request.max_tokens
+                b.seed[row] = sample_seed(request.seed, s.live.sample)
+                b.temperature[row], b.top_k[row] = request.temperature, request.top_k
+                b.top_p[row] = request.top_p
+                if not s.prefilling:
+                    b.tokens[g, r], b.positions[g, r] = s.live.tokens[-1], table.length
+                    b.live[row] = True
+                    sampling.add(row)
+                    continue
+                n = min(C, len(s.input) - table.length)
+                b.tokens[g, R: R + n] = s.input[table.length: table.length + n]
+                b.positions[g, R: R + n] = np.arange(table.length, table.length + n)
+                b.rows[g, R:] = r
+                if table.length + n == len(s.input):  # the prompt's last token: sample after it
+                    b.sample_at[g, r] = R + n - 1
+                    b.live[row] = True
+                    sampling.add(row)
+        return b, sampling
+
+    def _advance(self, group: list[_Seq | None], r: int, row: int, emitted: np.ndarray,
+                 scores, C: int, ended: list, now: float) -> None:
+        """Row r of a group (batch row `row`) after a call: its chunk or tokens taken in, and the
+        row freed when its sample ends."""
+        s = group[r]
+        x, request = s.live, self.requests[s.live.index]
+        decoding = not s.prefilling  # each token it takes follows one it fed (and wrote)
+        if not decoding:
+            n = min(C, len(s.input) - s.table.length)
+            s.table.length += n
+            self.stats.prompt_tokens_computed += n
+            s.table.name_full_pages(self._digests(x.index))
+            if s.prefilling:
+                return
+            if not x.tokens:
+                x.first_s = now
+        for step, t in enumerate(emitted[row]):
+            if t < 0 or len(x.tokens) >= request.max_tokens or (x.tokens and x.tokens[-1] in self.stop_ids):
+                break
+            s.table.length += decoding
+            x.tokens.append(int(t))
+            if x.walk is not None:
+                x.broken = x.broken or not x.walk.take(int(t))
+            if x.logprobs is not None:
+                x.logprobs.append(scores.at((row, step)))
+        completion = finished(x, request, self.stop_ids, self.stop_check, now)
+        if completion is None:
+            return
+        s.table.release()
+        group[r] = None
+        done = self._ended.setdefault(x.index, {})
+        done[x.sample] = completion
+        if len(done) == request.n:
+            del self._ended[x.index]
+            ended.append((x.index, [done[k] for k in range(request.n)]))

@@ -1,0 +1,127 @@
+"""The paged engine: the page pool on the host, then greedy tokens against transformers through
+chunked prompts, shared prefixes and preemption, on one device and over meshes."""
+
+import numpy as np
+import pytest
+
+from models.policy import Policy
+from runner.engine import Request
+from runner.engine.pages import PagePool, Table, digests
+from runner.engine.paged_engine import PagedEngine, chunk_buckets
+from runner.engine.paged_scheduler import PagedScheduler
+from tests.conftest import rules_for
+from tests.reference import VOCAB, hf_greedy, tiny_hf, to_podrun
+
+STEPS = 24
+
+# --- the page pool (no model) -------------------------------------------------------------------
+
+
+def test_pages_are_taken_and_given_back():
+    pool = PagePool(6, 4)
+    a, b = Table(pool), Table(pool)
+    assert a.grow(9) and len(a.pages) == 3 and pool.available == 3
+    assert b.grow(12) and pool.available == 0
+    assert not a.grow(13) and len(a.pages) == 3  # nothing taken when the pool is short
+    assert len(set(a.pages) | set(b.pages)) == 6
+    b.release()
+    assert pool.available == 3 and a.grow(20) and pool.available == 1
+    a.release()
+    assert pool.available == 6 and pool.in_use == 0
+    with pytest.raises(RuntimeError, match="released more often"):
+        pool.release([0])
+
+
+def test_named_pages_are_shared_and_reclaimed_least_recent_first():
+    pool = PagePool(4, 2)
+    prompt = [5, 6, 7, 8, 9]
+    names = digests(prompt, 2)
+    assert len(names) == 2 and digests([5, 6, 7, 9], 2)[0] == names[0] != digests([5, 6, 7, 9], 2)[1]
+    a = Table(pool)
+    a.grow(len(prompt))
+    a.length = len(prompt)
+    a.name_full_pages(names)
+    assert pool.matchable(names) == 2 and pool.matchable(digests([1, 2], 2)) == 0
+    b = Table(pool, pool.match(names))  # a second sequence holds the same two pages
+    assert b.pages == a.pages[:2] and b.length == 4 and pool.refs[a.pages[0]] == 2
+    a.release()
+    b.release()
+    assert pool.available == 4 and pool.matchable(names) == 2  # idle, still matchable
+    c = Table(pool)
+    assert c.grow(4)  # the two free pages first: the named ones kept
+    assert pool.matchable(names) == 2
+    assert c.grow(6)  # then the least recently used named page, its name forgotten
+    assert pool.matchable(names) == 0 and pool.available == 1
+
+
+def test_chunk_buckets():
+    assert chunk_buckets(256) == (16, 64, 256)
+    assert chunk_buckets(32) == (32,)
+
+
+# --- the engine -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_hf("llama", seed=3)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.RandomState(4)
+    return [tuple(int(t) for t in rng.randint(0, VOCAB, n)) for n in (5, 23, 2, 40, 11, 17)]
+
+
+@pytest.fixture(scope="module")
+def references(llama, prompts):
+    return [hf_greedy(llama, p, STEPS) for p in prompts]
+
+
+def paged(m, mesh_name, policy=None, **kw):
+    rules = rules_for(mesh_name)
+    model, params = to_podrun(m, rules, policy=policy)
+    args = dict(batch_size=4, max_prompt_len=48, max_new_tokens=STEPS, page_size=4, pages=0,
+                steps_per_dispatch=4, chunk=16)
+    args.update(kw)
+    return PagedEngine(model, params, rules, policy or Policy(), **args)
+
+
+def generate(engine, requests, **kw):
+    out = [None] * len(requests)
+
+    def done(ended):
+        for i, samples in ended:
+            out[i] = samples[0] if requests[i].n == 1 else samples
+
+    stats = PagedScheduler(engine, requests, **kw).run(done)
+    return out, stats
+
+
+@pytest.mark.parametrize("mesh_name,kernels", [("1dev", True), ("1dev", False), ("data2_model4", False)])
+def test_greedy_through_chunked_prompts_matches_transformers(llama, prompts, references, mesh_name,
+                                                             kernels):
+    """Prompts of 2 to 40 tokens in chunks of up to 16, decoding rows in the same steps."""
+    engine = paged(llama, mesh_name, Policy(kernels=kernels))
+    got, stats = generate(engine, [Request(p, STEPS) for p in prompts])
+    for c, ref in zip(got, references):
+        assert c.token_ids == ref and c.finish_reason == "length"
+    assert stats.programs <= 4 and stats.preemptions == 0
+
+
+def test_a_small_pool_preempts_and_gives_the_same_tokens(llama, prompts, references):
+    engine = paged(llama, "1dev", pages=20)  # 80 slots: four rows of up to 64 tokens do not fit
+    got, stats = generate(engine, [Request(p, STEPS) for p in prompts])
+    assert stats.preemptions > 0
+    assert [c.token_ids for c in got] == references
+
+
+def test_shared_prefixes_are_pages_taken_not_computed(llama, prompts):
+    base = prompts[3][:32]
+    reqs = [Request(base + p[:5], STEPS) for p in prompts[:4]]
+    refs = [hf_greedy(llama, r.prompt, STEPS) for r in reqs]
+    engine = paged(llama, "1dev")
+    got, stats = generate(engine, reqs)
+    assert [c.token_ids for c in got] == refs
+    # the first computes the 32 shared tokens, the others the rest alone (and their last token)
+    assert stats.prompt_tokens_computed < stats.prompt_tokens - 2 * 32
