@@ -24,7 +24,7 @@ from runner.engine import Completion, Engine, Request, Scheduler, Stats, hugepag
 from runner.engine.paged_engine import PagedEngine
 from runner.engine.paged_scheduler import PagedScheduler
 from runner.requests_io import AllFailedError, Parsed, Results, read_lines
-from runner.settings import Settings
+from runner.settings import Settings, SettingsError
 from runner.text.structured import Grammars
 from runner.text.tokenizer import load_tokenizer
 from runner.text.tools import call_syntax, parse_calls, tool_call
@@ -155,6 +155,13 @@ def build_engine(s: Settings, model, params, rules: Rules, allocate: bool = True
         page = PagedCache.page_bytes(model.num_layers, kv_heads, head_dim, g.page_size,
                                      s.policy.kv_cache, rules)
         pages = int(g.kv_cache_gib * 2**30 // page)  # a device holds its group's pages
+        need = -(-(g.max_prompt_len + g.max_new_tokens) // g.page_size)
+        if pages < need:
+            raise SettingsError(
+                f"generation.kv_cache_gib={g.kv_cache_gib} holds {pages} pages of {g.page_size} "
+                f"tokens per device, fewer than the {need} one request of max_prompt_len + "
+                f"max_new_tokens = {g.max_prompt_len + g.max_new_tokens} tokens needs; raise it "
+                f"to at least {need * page / 2**30:.4g} or lower those")
     return PagedEngine(model, params, rules, s.policy, g.batch_size, g.max_prompt_len,
                        g.max_new_tokens, g.page_size, pages, g.steps_per_dispatch, g.chunk_tokens,
                        allocate=allocate)

@@ -73,6 +73,33 @@ def test_a_small_deployment_compiles_for_a_v5e_topology_with_its_shards_per_chip
     assert "v5e:2x2" in text and "decode" in text and "of HBM" in text
 
 
+def test_a_paged_deployment_compiles_its_mixed_and_decode_programs_for_a_v5e_topology():
+    """generation.page_size=16: runner.tools.compile builds the job's engine (the paged one) and
+    compiles each chunk bucket's mixed step and the decode call, each taking the weights and the
+    page pool as declared: 1 MiB a chip of 2 layers x (k, v) x 1 kv head (2 over model) x 16
+    slots x 128 x 2 bytes a page, 64 pages."""
+    from runner.engine.paged_engine import PagedEngine
+    from runner.tools.compile import compile_deployment, report
+    from runner.tools.memory import footprint
+
+    s = tiny_tpu_settings(page_size=16, kv_cache_gib=2**-10, chunk_tokens=32)
+    engine, compiled = compile_deployment(s, SMALL)
+    assert isinstance(engine, PagedEngine)
+    assert {d.platform for d in engine.rules.mesh.devices.flat} == {"tpu"}
+    assert sorted(compiled) == ["decode_8", "mixed_32"]
+    page = 2 * 2 * 1 * 16 * 128 * 2
+    assert engine.pages == 2**20 // page == 64
+    declared = footprint(s, SMALL)
+    assert declared.kv_cache == 64 * page and declared.prefix_pool == 0
+    for c in compiled.values():
+        assert declared.per_device <= c.argument_bytes <= declared.per_device * 1.02 + 2**14, c
+        assert c.peak_bytes <= 16 * 2**30 and c.flops > 0
+    assert compiled["decode_8"].alias_bytes >= declared.kv_cache  # the pool is donated
+
+    text = report(s, engine, compiled)
+    assert "pool of 64 pages x 16 tokens per group" in text and "mixed per call" in text
+
+
 def test_a_two_slice_deployment_compiles_with_data_across_the_slices():
     from runner.tools.compile import compile_deployment
 

@@ -75,6 +75,39 @@ def test_greedy_generation_matches_transformers(model_dir, mesh, tmp_path):
     assert not os.path.exists(str(out) + ".partial")
 
 
+@pytest.mark.parametrize("mesh", [("--config.mesh.data=2", "--config.mesh.model=4"),
+                                  pytest.param(("--config.mesh.data=1",), marks=pytest.mark.slow)])
+def test_paged_greedy_through_chunks_and_preemption_matches_transformers(model_dir, mesh, tmp_path):
+    """The paged engine with a pool too small for every row at once: prompts chunked 16 tokens a
+    step, rows preempted mid-answer and recomputed; the tokens still transformers'."""
+    from models.paged import PagedCache
+    from runner.engine.paged_engine import chunk_buckets
+
+    m, root = model_dir
+    c = m.config
+    kv_heads = getattr(c, "num_key_value_heads", None) or getattr(c, "n_head", None)
+    layers = getattr(c, "num_hidden_layers", None) or c.n_layer
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // (getattr(c, "num_attention_heads", None) or c.n_head)
+    model_shards = 4 if "--config.mesh.model=4" in mesh else 1
+    page = 2 * layers * -(-kv_heads // model_shards) * 4 * head_dim * 4  # bytes: 4 tokens, float32
+    # 26 pages per group (2 rows over data=2, 4 on one device) hold one request of
+    # max_prompt_len + max_new_tokens = 96 tokens (24 pages), not every row's 32 tokens after
+    # prompts of up to 45
+    pages = 26 if model_shards == 4 else 30
+    rng = np.random.RandomState(6)
+    prompts = [[int(t) for t in rng.randint(0, VOCAB, n)] for n in (7, 30, 1, 18, 45, 3, 22)]
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt_token_ids": p} for i, p in enumerate(prompts)])
+    out = tmp_path / "out.jsonl"
+    got = run_main(root, inp, out, "--config.generation.page_size=4", "--config.generation.chunk_tokens=16",
+                   f"--config.generation.kv_cache_gib={(pages + 0.5) * page / 2**30!r}", *mesh)
+    assert chunk_buckets(16) == (16,) and PagedCache  # the chunk the prompts of 18 to 45 split into
+    preempted = int(got.stderr.split(" preemptions")[0].rsplit(" ", 1)[1])
+    assert preempted > 0, got.stderr[-2000:]
+    for r, p in zip(read_jsonl(out), prompts):
+        assert r["token_ids"] == hf_greedy(m, p, STEPS)
+        assert r["usage"] == {"prompt_tokens": len(p), "completion_tokens": STEPS}
+
+
 # The runner's handling of requests does not depend on the model: one model by default, each under
 # -m slow.
 ONE_MODEL = ["gptoss", *(pytest.param(k, marks=pytest.mark.slow) for k in ("llama", "qwen2", "gpt2"))]

@@ -5,9 +5,10 @@
 Builds the config's mesh over libtpu's description of `mesh.tpu_topology` (e.g. v5e:2x4; one slice,
 times the slices that mesh.dcn asks for), lowers
 and compiles every prefill bucket and the decode step against abstract weights (and the variants a
-request compiles when it asks for log-probabilities or shares a prefix), and prints per-chip
-memory (weights, KV cache, temporaries) against the chip's HBM and the step's flops and bytes
-accessed from XLA's cost analysis. Needs libtpu (`pip install libtpu==0.0.42.1`, the version
+request compiles when it asks for log-probabilities or shares a prefix), or for a paged deployment
+(generation.page_size > 0) the mixed step of every chunk bucket and the decode call, and prints
+per-chip memory (weights, KV cache, temporaries) against the chip's HBM and the step's flops and
+bytes accessed from XLA's cost analysis. Needs libtpu (`pip install libtpu==0.0.42.1`, the version
 jax[tpu] 0.10.2 pins); JAX itself stays on CPU (JAX_PLATFORMS=cpu is set here when unset).
 
 XLA's cost analysis counts the body of a loop once: the decode figures are one decode step's (the
@@ -30,6 +31,8 @@ from ml_collections import config_flags
 
 from models.registry import Model
 from runner.engine import Engine
+from runner.engine.paged_engine import PagedEngine
+from runner.job import build_engine
 from runner.settings import Settings, from_config
 from runner.tools.memory import GiB, footprint
 from sharding.mesh import make_mesh
@@ -55,11 +58,12 @@ class Compiled:
 
 
 def compile_deployment(s: Settings, model: Model | None = None, only: tuple[str, ...] = (),
-                       variants: bool = False) -> tuple[Engine, dict[str, Compiled]]:
-    """Compiles for s.tpu_topology; the model is checkpoint.model's preset unless given. `only`
-    names the programs to compile (e.g. "prefill_512", "decode"); () compiles them all. variants:
-    also those that compile only when a request asks for them (log-probabilities, a shared
-    prefix; Engine.lower)."""
+                       variants: bool = False) -> tuple[Engine | PagedEngine, dict[str, Compiled]]:
+    """Compiles for s.tpu_topology the engine the job builds (runner.job.build_engine: paged when
+    generation.page_size > 0); the model is checkpoint.model's preset unless given. `only` names
+    the programs to compile (e.g. "prefill_512", "decode"; paged "mixed_256", "decode_8"); ()
+    compiles them all. variants: also those that compile only when a request asks for them
+    (log-probabilities, a shared prefix; Engine.lower, PagedEngine.lower)."""
     from jax.experimental import topologies
 
     if not s.tpu_topology:
@@ -76,11 +80,7 @@ def compile_deployment(s: Settings, model: Model | None = None, only: tuple[str,
     model = model or Model.named(s.checkpoint_model)
     rules = Rules.make(make_mesh(s.mesh, topo.devices), s.rules)
     params = model.abstract_params(rules, s.policy)
-    g = s.generation
-    engine = Engine(model, params, rules, s.policy, g.batch_size, g.max_prompt_len, g.max_new_tokens,
-                    g.steps_per_dispatch, g.prefill_buckets, allocate=False,
-                    prefill_rows=g.prefill_rows, prefix_tokens=g.prefix_tokens,
-                    prefix_block=g.prefix_block)
+    engine = build_engine(s, model, params, rules, allocate=False)
     programs = engine.lower(variants)
     if unknown := sorted(set(only) - set(programs)):
         raise ValueError(f"no program {unknown} to compile; this deployment has {sorted(programs)}")
@@ -96,12 +96,15 @@ def compile_deployment(s: Settings, model: Model | None = None, only: tuple[str,
     return engine, out
 
 
-def report(s: Settings, engine: Engine, compiled: dict[str, Compiled]) -> str:
+def report(s: Settings, engine: Engine | PagedEngine, compiled: dict[str, Compiled]) -> str:
     f = footprint(s, engine.model)
     hbm = f.device_memory
+    paged = isinstance(engine, PagedEngine)
     w = max([len("program")] + [len(c.name) for c in compiled.values()]) + 2
+    cache = (f"pool of {engine.pages} pages x {engine.page_size} tokens per group" if paged
+             else f"cache {engine.cache_len} tokens")
     lines = [f"{s.checkpoint_model} on {s.tpu_topology} ({f.devices} chips, mesh {dict(engine.rules.mesh.shape)}), "
-             f"batch {engine.batch_size}, cache {engine.cache_len} tokens:",
+             f"batch {engine.batch_size}, {cache}:",
              f"  declared per chip: weights {f.weights / GiB:.2f} GiB, KV cache {f.kv_cache / GiB:.2f} GiB"
              + (f", prefix pool {f.prefix_pool / GiB:.2f} GiB" if f.prefix_pool else ""),
              f"  {'program':<{w}}{'args GiB':>10}{'temp GiB':>10}{'peak GiB':>10}{'of HBM':>8}"
@@ -111,7 +114,9 @@ def report(s: Settings, engine: Engine, compiled: dict[str, Compiled]) -> str:
         lines.append(f"  {c.name:<{w}}{c.argument_bytes / GiB:>10.2f}{c.temp_bytes / GiB:>10.2f}"
                      f"{c.peak_bytes / GiB:>10.2f}{share:>8}{c.flops / 1e9:>12.1f}{c.bytes_accessed / 1e9:>13.2f}")
     lines.append(f"  GFLOP and GB accessed per chip, a loop's body counted once: decode per step "
-                 f"({engine.steps} per call), prefill per group of {engine.prefill_rows} rows")
+                 f"({engine.steps} per call), "
+                 + (f"mixed per call (the rows' next tokens and a chunk of up to {engine.chunk} "
+                    "prompt tokens)" if paged else f"prefill per group of {engine.prefill_rows} rows"))
     return "\n".join(lines)
 
 

@@ -1,0 +1,127 @@
+"""runner.tools.memory for the paged engine (generation.page_size > 0): the pool's bytes per
+device and the rows the KV memory admits, against arithmetic from the model's declared shapes."""
+
+import os
+import subprocess
+import sys
+
+from configs.base import base_config
+from models.registry import Model
+from runner.settings import from_config
+from tests.test_configs import ROOT, load
+
+GiB = 2**30
+
+
+def gptoss_v5e(**generation):
+    """configs/gptoss_v5e.py (GPT-OSS-20B on v5e:2x4, 16 GiB a chip) at 16k new tokens."""
+    c = load(os.path.join(ROOT, "configs", "gptoss_v5e.py")).get_config()
+    c.generation.update({"max_new_tokens": 16384, **generation})
+    s = from_config(c)
+    return s, Model.named(s.checkpoint_model)
+
+
+def test_a_paged_deployments_kv_cache_is_its_pool_of_pages_per_device():
+    """24 layers x (k, v) x 1 kv head a chip (8 over model x expert) x 16 slots x 64 x 2 bytes a
+    page, every layer at every position (no window ring): 6 GiB holds 65,536 of them. At a mean
+    of 3,000 tokens (188 pages) a row, the pool admits 348 rows, capped by the batch; device
+    memory beside the weights admits more. The prefix pool does not exist (pages are shared)."""
+    from runner.tools.memory import describe, footprint
+
+    s, model = gptoss_v5e(page_size=16, kv_cache_gib=6.0, batch_size=512)
+    c = model.config
+    assert (c.num_layers, c.num_kv_heads, c.head_dim) == (24, 8, 64)
+    page = 2 * 24 * (8 // 8) * 16 * 64 * 2
+    pages = 6 * GiB // page
+    assert pages == 65536
+    f = footprint(s, model)
+    assert (f.page_size, f.pages, f.page_bytes) == (16, pages, page)
+    assert f.kv_cache == pages * page == 6 * GiB and f.prefix_pool == 0
+    assert f.per_device == f.weights + 6 * GiB
+
+    per_row = -(-3000 // 16)
+    assert per_row == 188
+    assert f.pool_rows(3000) == pages // per_row == 348  # a batch of 512: the pool decides
+    assert footprint(gptoss_v5e(page_size=16, kv_cache_gib=6.0, batch_size=256)[0],
+                     model).pool_rows(3000) == 256  # the batch decides
+    in_memory = (16 * GiB - f.weights) // (per_row * page)
+    assert f.memory_rows(3000) == in_memory and in_memory > 600
+
+    text = describe(f, model, mean_tokens=3000)
+    assert f"pool of {pages} pages x 16 tokens per group" in text
+    assert f"page pool {pages} pages per group, {pages} in all (1 group): {pages * 16} tokens" in text
+    assert "rows admitted at a mean of 3000 tokens (188 pages a row): 348 of batch 512" in text
+    assert f"rows admitted in device memory at a mean of 3000 tokens: {in_memory} " in text
+    assert "rows admitted" not in describe(f, model)  # no --mean_tokens, no rows
+
+
+def test_without_kv_cache_gib_the_pool_holds_every_row_at_its_longest():
+    """kv_cache_gib=0: as PagedEngine's pages=0, rows per group x pages of the longest request."""
+    from runner.tools.memory import footprint, pool_pages
+    from sharding.mesh import abstract_mesh
+    from sharding.rules import Rules
+
+    s, model = gptoss_v5e(page_size=16, batch_size=64)
+    longest = -(-(1024 + 16384) // 16)
+    f = footprint(s, model)
+    assert f.pages == 64 * longest
+    assert f.kv_cache == 64 * longest * 2 * 24 * 1 * 16 * 64 * 2
+    rules = Rules.make(abstract_mesh(s.mesh, 8), s.rules)
+    assert pool_pages(s, model, rules) == f.pages
+
+
+def test_groups_over_the_data_axis_each_hold_their_own_pages():
+    """data=2: two groups, a device holding its group's pages; rows admitted count both. int8
+    keys and values add a float32 scale per slot and head."""
+    from runner.tools.memory import footprint
+
+    c = base_config()
+    c.checkpoint.update(path="/unused", model="gptoss:tiny")
+    c.mesh.update(data=2, model=2, expert=1, num_cpu_devices=4, device_memory_gib=1.0)
+    c.precision.kv_cache = "int8"
+    c.generation.update(batch_size=6, max_prompt_len=32, max_new_tokens=32, page_size=8,
+                        kv_cache_gib=2**-10)  # 1 MiB per device
+    s = from_config(c)
+    model = Model.named("gptoss:tiny")  # 2 layers, 4 kv heads of 16
+    page = 2 * 2 * (4 // 2) * 8 * (16 + 4)
+    pages = 2**20 // page
+    f = footprint(s, model)
+    assert (f.page_bytes, f.pages, f.data_shards, f.batch_size) == (page, pages, 2, 6)
+    assert f.kv_cache == pages * page
+    assert f.pool_rows(40) == min(6, 2 * (pages // 5)) == 6
+    assert f.pool_rows(8 * pages) == 2  # one row a group
+    assert f.memory_rows(40) == (GiB - f.weights) // (5 * page) * 2
+
+
+def test_unpaged_rows_that_fit_at_their_worst_case():
+    """The unpaged engine: a row reserves max_prompt_len + max_new_tokens = 17,408 slots on the 12
+    full layers and the 128-slot window ring on the 12 sliding ones; the rows that fit beside
+    the weights and the prefix pool (4,096 tokens, every layer) are the issue's 192 but not 256."""
+    from runner.tools.memory import describe, footprint
+
+    s, model = gptoss_v5e(batch_size=192)
+    c = model.config
+    length = 1024 + 16384
+    slots = sum(min(c.window(i) or length, length) for i in range(c.num_layers))
+    assert slots == 12 * length + 12 * 128
+    row = slots * 1 * 64 * 2 * 2  # 1 kv head a chip, k and v, bf16
+    prefixes = 4096 * 24 * 1 * 64 * 2 * 2
+    f = footprint(s, model)
+    assert (f.row_kv, f.prefix_pool, f.page_size) == (row, prefixes, 0)
+    assert f.kv_cache == 192 * row
+    rows = (16 * GiB - f.weights - prefixes) // row
+    assert f.worst_case_rows() == rows and 192 <= rows < 256
+    text = describe(f, model, mean_tokens=3000)
+    assert text.startswith(describe(f, model))  # the report as it was, then the rows
+    assert f"rows that fit in device memory at their worst case: {rows} " in text
+
+
+def test_the_memory_command_takes_mean_tokens():
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-m", "runner.tools.memory", "--config=configs/gptoss_v5e.py",
+                        "--config.generation.page_size=16", "--config.generation.kv_cache_gib=6",
+                        "--mean_tokens=3000"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "pool of 65536 pages x 16 tokens per group" in r.stdout
+    assert "rows admitted at a mean of 3000 tokens (188 pages a row): 64 of batch 64" in r.stdout
