@@ -12,6 +12,11 @@ first writes the step's keys and values into their slots, then attends each quer
 sequence's positions up to its own: a decode step's one token per sequence and a prompt's chunk
 are the same computation.
 
+Sliding-window layers (GPT-OSS) keep a pool of their own, with a table of their own per
+sequence: a sequence gives back the pages that have left every later query's window, so those
+layers hold about a window of tokens per sequence, not its whole length. A table entry given back
+stays in the table, pointing anywhere: the window masks whatever is there.
+
 The step's layout, which the attention in XLA relies on: tokens [0, R) are one per sequence
 (token r of sequence r: a decode step's, or padding), and any tokens after them (a prompt's
 chunk) belong to one sequence, rows[:, R]. The kernels (podrun's CPU one) take any layout.
@@ -38,15 +43,18 @@ POOL_AXES = ("cache_batch", None, "cache_kv_heads", None, None)  # k, v [G, P, K
 class PagedCache(NamedTuple):
     """Every layer's page pool, and (during a forward pass) where the step's tokens go.
 
-    k, v: per layer [G, P, K, S, H]; an int8 cache (precision.kv_cache="int8") holds them as int8
-    with k_scale, v_scale [G, P, K, S] (max |x| over H / 127), else those are None.
-    tables [G, R, M], rows [G, T], positions [G, T]: the step's (`at`), None between steps."""
+    k, v: per layer [G, P, K, S, H] (P: the full layers' pages, or the windowed layers'); an int8
+    cache (precision.kv_cache="int8") holds them as int8 with k_scale, v_scale [G, P, K, S] (max
+    |x| over H / 127), else those are None.
+    tables, window_tables [G, R, M] (the full layers' and the windowed layers' pages of each
+    sequence), rows [G, T], positions [G, T]: the step's (`at`), None between steps."""
 
     k: list[jax.Array]
     v: list[jax.Array]
     k_scale: list[jax.Array | None]
     v_scale: list[jax.Array | None]
     tables: jax.Array | None = None
+    window_tables: jax.Array | None = None
     rows: jax.Array | None = None
     positions: jax.Array | None = None
 
@@ -72,16 +80,20 @@ class PagedCache(NamedTuple):
         return 2 * num_layers * heads * page_size * per
 
     @staticmethod
-    def create(groups: int, pages: int, page_size: int, num_layers: int, kv_heads: int,
-               head_dim: int, dtype: Any, rules: Rules, allocate: bool = True) -> PagedCache:
-        """An empty pool (zeros), or with allocate=False its shapes with their shardings."""
+    def create(groups: int, pages: int, window_pages: int, page_size: int,
+               windows: tuple[int | None, ...], kv_heads: int, head_dim: int, dtype: Any,
+               rules: Rules, allocate: bool = True) -> PagedCache:
+        """An empty pool (zeros): `pages` pages per group for full-attention layers,
+        `window_pages` for those with a window (windows[i]); with allocate=False its shapes with
+        their shardings."""
         quantized = jnp.dtype(dtype) == jnp.int8
-        shape = (groups, pages, kv_heads, page_size, head_dim)
+        num_layers = len(windows)
+        shapes = [(groups, window_pages if w else pages, kv_heads, page_size, head_dim)
+                  for w in windows]
 
         def make():
-            kv = [jnp.zeros(shape, dtype) for _ in range(num_layers)]
-            scale = [jnp.zeros(shape[:-1], jnp.float32) if quantized else None
-                     for _ in range(num_layers)]
+            kv = [jnp.zeros(shape, dtype) for shape in shapes]
+            scale = [jnp.zeros(shape[:-1], jnp.float32) if quantized else None for shape in shapes]
             return PagedCache(kv, list(kv), scale, list(scale))
 
         out = PagedCache.shardings(rules, num_layers, quantized)
@@ -90,32 +102,38 @@ class PagedCache(NamedTuple):
                                 jax.eval_shape(make), out)
         return jax.jit(make, out_shardings=out)()
 
-    def at(self, tables: jax.Array, rows: jax.Array) -> PagedCache:
-        """This pool for a step whose tokens belong to sequences `rows` [G, T] of `tables`."""
-        return self._replace(tables=tables, rows=rows)
+    def at(self, tables: jax.Array, window_tables: jax.Array, rows: jax.Array) -> PagedCache:
+        """This pool for a step whose tokens belong to sequences `rows` [G, T] of the tables."""
+        return self._replace(tables=tables, window_tables=window_tables, rows=rows)
 
     def pool(self) -> PagedCache:
         """The pages alone, as the engine keeps them between steps."""
-        return self._replace(tables=None, rows=None, positions=None)
+        return self._replace(tables=None, window_tables=None, rows=None, positions=None)
+
+    def tables_for(self, window: int | None) -> jax.Array:
+        """The tables of a layer with this window (None: full attention)."""
+        return self.tables if window is None else self.window_tables
 
     def write_positions(self, positions: jax.Array, column: Any = 0) -> PagedCache:
         """Keeps the step's positions [G, T] (-1: padding) for the writes; `column` is unused (a
         token's slot follows from its position)."""
         return self._replace(positions=positions.astype(jnp.int32))
 
-    def slots(self) -> jax.Array:
-        """Each token's slot in its group's pool, page * S + slot [G, T]; P * S (past the end: a
-        write there is dropped) for padding."""
-        S, P = self.page_size, self.k[0].shape[1]
+    def slots(self, tables: jax.Array, pages: int) -> jax.Array:
+        """Each token's slot in its group's pool of `pages` pages through `tables`, page * S +
+        slot [G, T]; pages * S (past the end: a write there is dropped) for padding."""
+        S, P = self.page_size, pages
         pos = jnp.maximum(self.positions, 0)
-        table = jax.vmap(lambda t, r: t[r])(self.tables, self.rows)  # [G, T, M]: each token's
+        table = jax.vmap(lambda t, r: t[r])(tables, self.rows)  # [G, T, M]: each token's
         page = jnp.take_along_axis(table, (pos // S)[:, :, None], axis=2, mode="clip")[:, :, 0]
         return jnp.where(self.positions >= 0, page * S + pos % S, P * S)
 
-    def write(self, layer: int, k: jax.Array, v: jax.Array, column: Any, rules: Rules) -> PagedCache:
-        """Writes one layer's new k, v [G, T, K, H] into their slots."""
+    def write(self, layer: int, k: jax.Array, v: jax.Array, column: Any, rules: Rules,
+              window: int | None = None) -> PagedCache:
+        """Writes one layer's new k, v [G, T, K, H] into their slots (the layer's window picks
+        its pool's tables)."""
         with jax.named_scope("cache_write"):
-            slots = self.slots()
+            slots = self.slots(self.tables_for(window), self.k[layer].shape[1])
             ks, vs, kss, vss = list(self.k), list(self.v), list(self.k_scale), list(self.v_scale)
             for store, scales, new in ((ks, kss, k), (vs, vss, v)):
                 if scales[layer] is not None:  # int8: one scale per slot and head
@@ -156,13 +174,14 @@ def _xla(q, kc, vc, ks, vs, cache: PagedCache, policy: Policy, window, sinks, sc
     """Attention in XLA over each sequence's pages gathered into a row of slots [G, R, K, M * S]:
     the first R queries one per sequence, the rest (a chunk) over sequence rows[:, R]'s row."""
     G, T, N, H = q.shape
-    R, M = cache.tables.shape[1:]
+    tables = cache.tables_for(window)
+    R, M = tables.shape[1:]
     S = kc.shape[3]
 
     def rows_of(x):  # [G, P, K, S, ...] -> [G, R, K, M * S, ...]
         if x is None:
             return None
-        x = jax.vmap(lambda pool, table: pool[table])(x, cache.tables)  # [G, R, M, K, S, ...]
+        x = jax.vmap(lambda pool, table: pool[table])(x, tables)  # [G, R, M, K, S, ...]
         x = jnp.moveaxis(x, 3, 2)  # [G, R, K, M, S, ...]
         return x.reshape(G, R, x.shape[2], M * S, *x.shape[5:])
 
@@ -197,7 +216,7 @@ def _cpu_kernel(q, kc, vc, ks, vs, cache: PagedCache, rules: Rules, window, sink
                                    sinks if has_sinks else None, window, scale,
                                    *(s[0] for s in scales))[None]
 
-    args = (q, kc, vc, cache.tables, cache.rows, cache.positions, sinks, *scales)
+    args = (q, kc, vc, cache.tables_for(window), cache.rows, cache.positions, sinks, *scales)
     if rules.mesh.size == 1:
         return local(*args)
     spec = rules.spec(*POOL_AXES, shape=kc.shape)

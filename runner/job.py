@@ -19,7 +19,6 @@ from tqdm import tqdm
 from models.weights import check_divisible
 from runner import log, openai_batch
 from runner.checkpoints import convert, pypi, store
-from models.paged import PagedCache
 from runner.engine import Completion, Engine, Request, Scheduler, Stats, hugepages
 from runner.engine.paged_engine import PagedEngine
 from runner.engine.paged_scheduler import PagedScheduler
@@ -149,22 +148,12 @@ def build_engine(s: Settings, model, params, rules: Rules, allocate: bool = True
                       g.max_new_tokens, g.steps_per_dispatch, g.prefill_buckets, allocate=allocate,
                       prefill_rows=g.prefill_rows, prefix_tokens=g.prefix_tokens,
                       prefix_block=g.prefix_block)
-    pages = 0
-    if g.kv_cache_gib:
-        _, kv_heads, head_dim = model.module.cache_spec(model.config)
-        page = PagedCache.page_bytes(model.num_layers, kv_heads, head_dim, g.page_size,
-                                     s.policy.kv_cache, rules)
-        pages = int(g.kv_cache_gib * 2**30 // page)  # a device holds its group's pages
-        need = -(-(g.max_prompt_len + g.max_new_tokens) // g.page_size)
-        if pages < need:
-            raise SettingsError(
-                f"generation.kv_cache_gib={g.kv_cache_gib} holds {pages} pages of {g.page_size} "
-                f"tokens per device, fewer than the {need} one request of max_prompt_len + "
-                f"max_new_tokens = {g.max_prompt_len + g.max_new_tokens} tokens needs; raise it "
-                f"to at least {need * page / 2**30:.4g} or lower those")
-    return PagedEngine(model, params, rules, s.policy, g.batch_size, g.max_prompt_len,
-                       g.max_new_tokens, g.page_size, pages, g.steps_per_dispatch, g.chunk_tokens,
-                       allocate=allocate)
+    try:
+        return PagedEngine(model, params, rules, s.policy, g.batch_size, g.max_prompt_len,
+                           g.max_new_tokens, g.page_size, int(g.kv_cache_gib * 2**30),
+                           g.steps_per_dispatch, g.chunk_tokens, allocate=allocate)
+    except ValueError as e:  # a pool too small for one request
+        raise SettingsError(f"generation.kv_cache_gib={g.kv_cache_gib}: {e}") from e
 
 
 def answer(s: Settings, loaded: tuple | None = None, tokenizer=None) -> Summary:

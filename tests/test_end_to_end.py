@@ -81,27 +81,30 @@ def test_greedy_generation_matches_transformers(model_dir, mesh, tmp_path):
 def test_paged_greedy_through_chunks_and_preemption_matches_transformers(model_dir, mesh, tmp_path):
     """The paged engine with a pool too small for every row at once: prompts chunked 16 tokens a
     step, rows preempted mid-answer and recomputed; the tokens still transformers'."""
-    from models.paged import PagedCache
-    from runner.engine.paged_engine import chunk_buckets
-
     m, root = model_dir
     c = m.config
     kv_heads = getattr(c, "num_key_value_heads", None) or getattr(c, "n_head", None)
     layers = getattr(c, "num_hidden_layers", None) or c.n_layer
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // (getattr(c, "num_attention_heads", None) or c.n_head)
     model_shards = 4 if "--config.mesh.model=4" in mesh else 1
-    page = 2 * layers * -(-kv_heads // model_shards) * 4 * head_dim * 4  # bytes: 4 tokens, float32
-    # 26 pages per group (2 rows over data=2, 4 on one device) hold one request of
+    rows = 2 if model_shards == 4 else 4  # a group's: batch 4 over the data axis
+    # bytes of a page (4 tokens, float32) of `n` layers on a device
+    page = lambda n: 2 * n * -(-kv_heads // model_shards) * 4 * head_dim * 4
+    # GPT-OSS: a window of 8 on its sliding layers, whose own pool holds, per row, the window and
+    # a chunk of 16 back from the end and two pages more: (8 - 1 + 16) / 4, rounded up, + 2
+    windowed = sum(t == "sliding_attention" for t in getattr(c, "layer_types", None) or ())
+    window_bytes = rows * 8 * page(windowed)
+    # 26 full-layer pages per group (2 rows over data=2, 4 on one device) hold one request of
     # max_prompt_len + max_new_tokens = 96 tokens (24 pages), not every row's 32 tokens after
     # prompts of up to 45
     pages = 26 if model_shards == 4 else 30
+    kv_bytes = (pages + 0.5) * page(layers - windowed) + window_bytes
     rng = np.random.RandomState(6)
     prompts = [[int(t) for t in rng.randint(0, VOCAB, n)] for n in (7, 30, 1, 18, 45, 3, 22)]
     inp = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt_token_ids": p} for i, p in enumerate(prompts)])
     out = tmp_path / "out.jsonl"
     got = run_main(root, inp, out, "--config.generation.page_size=4", "--config.generation.chunk_tokens=16",
-                   f"--config.generation.kv_cache_gib={(pages + 0.5) * page / 2**30!r}", *mesh)
-    assert chunk_buckets(16) == (16,) and PagedCache  # the chunk the prompts of 18 to 45 split into
+                   f"--config.generation.kv_cache_gib={kv_bytes / 2**30!r}", *mesh)
     preempted = int(got.stderr.split(" preemptions")[0].rsplit(" ", 1)[1])
     assert preempted > 0, got.stderr[-2000:]
     for r, p in zip(read_jsonl(out), prompts):

@@ -6,7 +6,7 @@ import pytest
 
 from models.policy import Policy
 from runner.engine import Request
-from runner.engine.pages import PagePool, Table, digests
+from runner.engine.pages import HOLE, PagePool, Table, digests
 from runner.engine.paged_engine import PagedEngine, chunk_buckets
 from runner.engine.paged_scheduler import PagedScheduler
 from tests.conftest import rules_for
@@ -54,6 +54,21 @@ def test_named_pages_are_shared_and_reclaimed_least_recent_first():
     assert pool.matchable(names) == 0 and pool.available == 1
 
 
+def test_a_window_table_gives_back_what_left_the_window_and_shares_past_holes():
+    pool = PagePool(8, 4)
+    a = Table(pool)
+    a.grow(20)
+    a.length = 20
+    a.release_before(9)  # pages 0 and 1 hold positions 0..7, all before 9; page 2 holds 8..11
+    assert a.pages[:2] == [HOLE, HOLE] and HOLE not in a.pages[2:] and pool.available == 5
+    a.name_full_pages(digests(list(range(20)), 4))  # names pages 2..4, never a hole
+    b = Table(pool, pool.match(digests(list(range(20)), 4)[3:5]), skipped=3)
+    assert b.pages == [HOLE, HOLE, HOLE, a.pages[3], a.pages[4]] and b.length == 20
+    a.release()
+    b.release()
+    assert pool.available == 8 and pool.in_use == 0
+
+
 def test_chunk_buckets():
     assert chunk_buckets(256) == (16, 64, 256)
     assert chunk_buckets(32) == (32,)
@@ -78,13 +93,14 @@ def references(llama, prompts):
     return [hf_greedy(llama, p, STEPS) for p in prompts]
 
 
-def paged(m, mesh_name, policy=None, **kw):
+def paged(m, mesh_name, policy=None, pages=0, **kw):
+    """An engine over pages of 4 tokens; `pages` per group (0: room for every row's longest)."""
     rules = rules_for(mesh_name)
     model, params = to_podrun(m, rules, policy=policy)
-    args = dict(batch_size=4, max_prompt_len=48, max_new_tokens=STEPS, page_size=4, pages=0,
+    args = dict(batch_size=4, max_prompt_len=48, max_new_tokens=STEPS, page_size=4,
                 steps_per_dispatch=4, chunk=16)
     args.update(kw)
-    return PagedEngine(model, params, rules, policy or Policy(), **args)
+    return PagedEngine(model, params, rules, policy or Policy(), pages=pages, **args)
 
 
 def generate(engine, requests, **kw):
@@ -125,3 +141,20 @@ def test_shared_prefixes_are_pages_taken_not_computed(llama, prompts):
     assert [c.token_ids for c in got] == refs
     # the first computes the 32 shared tokens, the others the rest alone (and their last token)
     assert stats.prompt_tokens_computed < stats.prompt_tokens - 2 * 32
+
+
+@pytest.mark.parametrize("mesh_name,pages", [("1dev", 0), ("1dev", 26), ("data2_model4", 0)])
+def test_windowed_layers_give_back_pages_that_left_the_window(mesh_name, pages):
+    """GPT-OSS (window 8 on every other layer, sinks), prompts chunked: transformers' tokens.
+    The windowed layers' pool holds too few pages for every row's whole length (4 rows of up to
+    72 tokens, 18 pages each), so with room for every row in the full layers' pool nothing is
+    preempted only if rows give back the pages that left their window; a small full pool
+    preempts."""
+    m = tiny_hf("gptoss", seed=5)
+    rng = np.random.RandomState(7)
+    prompts = [tuple(int(t) for t in rng.randint(0, VOCAB, n)) for n in (30, 3, 41, 12, 25)]
+    engine = paged(m, mesh_name, pages=pages)
+    assert engine.window == 8 and engine.window_pages < engine.rows_per_group * 18
+    got, stats = generate(engine, [Request(p, STEPS) for p in prompts])
+    assert (stats.preemptions > 0) == (pages > 0)
+    assert [c.token_ids for c in got] == [hf_greedy(m, p, STEPS) for p in prompts]

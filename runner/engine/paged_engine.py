@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -45,6 +46,7 @@ class Batch(NamedTuple):
     positions: jax.Array  # [G, T] int32, -1: padding
     rows: jax.Array  # [G, T] int32: the row (of its group) each token belongs to
     tables: jax.Array  # [G, R, M] int32: each row's pages
+    window_tables: jax.Array  # [G, R, M] int32: each row's pages of the windowed layers' pool
     sample_at: jax.Array  # [G, R] int32: the token after which each row samples
     live: jax.Array  # [B] bool: the row samples its next token in this call
     count: jax.Array  # [B] int32: tokens the row has generated
@@ -70,9 +72,11 @@ class PagedEngine:
     mesh."""
 
     def __init__(self, model: Model, params, rules: Rules, policy: Policy, batch_size: int,
-                 max_prompt_len: int, max_new_tokens: int, page_size: int, pages: int,
-                 steps_per_dispatch: int = 8, chunk: int = 256, allocate: bool = True):
-        """pages: the pool's pages per group (each group holds batch_size / G rows); 0 gives
+                 max_prompt_len: int, max_new_tokens: int, page_size: int, kv_bytes: int = 0,
+                 steps_per_dispatch: int = 8, chunk: int = 256, allocate: bool = True,
+                 pages: int = 0):
+        """kv_bytes: the pools' bytes per device (a device holds its group's pages, of its share
+        of the kv heads), or `pages`: the full-attention layers' pages per group; neither gives
         every row room for its longest request, as an unpaged cache would."""
         if policy.scan_layers:
             raise ValueError("the paged engine runs unrolled layers: precision.scan_layers=False")
@@ -84,17 +88,30 @@ class PagedEngine:
         self.max_len = max_prompt_len + max_new_tokens
         self.page_size = page_size
         self.max_pages = M = -(-self.max_len // page_size)  # a table's entries
-        self.pages = pages or R * M
-        if self.pages < M:
-            raise ValueError(f"a pool of {self.pages} pages of {page_size} tokens holds fewer than "
-                             f"one request of max_prompt_len + max_new_tokens = {self.max_len}")
         self.steps = max(1, min(steps_per_dispatch, max_new_tokens))
         self.chunks = chunk_buckets(min(chunk, max_prompt_len + max_new_tokens))
         self.chunk = self.chunks[-1]
-        _, kv_heads, head_dim = model.module.cache_spec(model.config)
+        windows, kv_heads, head_dim = model.module.cache_spec(model.config)
+        self.window = max((w for w in windows if w), default=0)  # the windowed layers' (one)
+        # Windowed layers: each row holds the pages its next call's queries can see, at most
+        # window - 1 + chunk (or steps) positions back from the end, plus the page that starts
+        # part-way: enough for every row at once.
+        self.window_pages = (R * (-(-(self.window - 1 + max(self.chunk, self.steps)) // page_size) + 2)
+                             if self.window else 0)
+        page = partial(PagedCache.page_bytes, kv_heads=kv_heads, head_dim=head_dim,
+                       page_size=page_size, dtype=policy.kv_cache, rules=rules)
+        windowed = sum(1 for w in windows if w)
+        self.pages = pages or R * M
+        if kv_bytes and not pages:
+            self.pages = int((kv_bytes - self.window_pages * page(windowed)) // page(len(windows) - windowed))
+        if self.pages < M:
+            raise ValueError(f"a pool of {self.pages} pages of {page_size} tokens holds fewer than "
+                             f"one request of max_prompt_len + max_new_tokens = {self.max_len}")
+        # the pools' bytes on a device
+        self.pool_bytes = self.pages * page(len(windows) - windowed) + self.window_pages * page(windowed)
         kv_dtype = jnp.dtype(policy.kv_cache)
-        self.cache = PagedCache.create(G, self.pages, page_size, model.num_layers, kv_heads,
-                                       head_dim, kv_dtype, rules, allocate)
+        self.cache = PagedCache.create(G, self.pages, self.window_pages, page_size, windows,
+                                       kv_heads, head_dim, kv_dtype, rules, allocate)
         self.greedy_screen = greedy_screen(model, params, self.policy, B) if allocate else None
         # (bytes on 2 MiB pages, bytes asked) of the weights and pool: CPU only (Engine's)
         self.huge_pages = (hugepages.collapse((self.params, self.cache, self.greedy_screen))
@@ -102,7 +119,7 @@ class PagedEngine:
         cache_sh = jax.tree.map(lambda x: x.sharding, self.cache)
         self._everywhere = everywhere = rules.sharding()
         self._batch_sh = Batch(*[rules.sharding("batch", None)] * 3,
-                               rules.sharding("batch", None, None), rules.sharding("batch", None),
+                               *[rules.sharding("batch", None, None)] * 2, rules.sharding("batch", None),
                                *[rules.sharding("batch")] * 7)
         donate = (1,) if policy.donate_cache else ()
         self._step = jax.jit(self._step_fn, donate_argnums=donate,
@@ -133,7 +150,8 @@ class PagedEngine:
         the pool)."""
         G, R = b.sample_at.shape
         out, cache = self.model.forward(weights.params, b.tokens, b.positions,
-                                        cache.at(b.tables, b.rows), self.rules, self.policy,
+                                        cache.at(b.tables, b.window_tables, b.rows), self.rules,
+                                        self.policy,
                                         Mode.APPEND, 0, Output.HIDDEN)
         hidden = jnp.take_along_axis(out, b.sample_at[:, :, None], axis=1).reshape(G * R, -1)
         output = Output.LAST_LOGITS if logprobs else self.output
@@ -217,6 +235,7 @@ class PagedEngine:
         rows = np.broadcast_to(np.concatenate([np.arange(R), np.zeros(chunk, int)]), (G, T))
         return Batch(np.zeros((G, T), np.int32), np.full((G, T), -1, np.int32),
                      rows.astype(np.int32).copy(), np.zeros((G, R, M), np.int32),
+                     np.zeros((G, R, M), np.int32),
                      np.broadcast_to(np.arange(R, dtype=np.int32), (G, R)).copy(),
                      np.zeros(B, bool), np.zeros(B, np.int32), np.ones(B, np.int32),
                      np.zeros(B, np.uint32), np.zeros(B, np.float32), np.zeros(B, np.int32),

@@ -45,6 +45,11 @@ class _Seq:
     input: list[int]
     table: Table
     order: int
+    window: Table | None = None  # the windowed layers' pages (a model with windows)
+
+    @property
+    def tables(self) -> list[Table]:
+        return [self.table] if self.window is None else [self.table, self.window]
 
     @property
     def prefilling(self) -> bool:
@@ -69,6 +74,8 @@ class PagedScheduler:
                                  f"{r.max_tokens} exceed max_prompt_len={engine.max_prompt_len} or "
                                  f"max_new_tokens={engine.max_new_tokens}")
         self.pools = [PagePool(engine.pages, engine.page_size) for _ in range(engine.groups)]
+        self.window_pools = [PagePool(engine.window_pages, engine.page_size) if engine.window
+                             else None for _ in range(engine.groups)]
         self.stats = Stats(rows=engine.batch_size, pages=engine.pages * engine.groups)
         self._names: dict[int, list[bytes]] = {}  # each request's full prompt pages' digests
         self._ended: dict[int, dict[int, Completion]] = {}
@@ -170,12 +177,30 @@ class PagedScheduler:
             self.stats.prompt_tokens += len(r.prompt)
         tokens = list(r.prompt) + x.tokens
         names = self._digests(i)[: (len(tokens) - 1) // pool.page_size]
-        found = pool.matchable(names)
-        table = Table(pool)
-        if table.pages_for(len(tokens) + 1) - found > pool.available:
+        found, skip = self._shareable(names, g)
+        window = self.window_pools[g]
+        need = Table(pool).pages_for(len(tokens) + 1)
+        if need - found > pool.available or (
+                window is not None and self.engine.window_pages // self.engine.rows_per_group
+                > window.available):
             return None
         table = Table(pool, pool.match(names[:found]))
-        return _Seq(x, tokens, table, order)
+        seq = _Seq(x, tokens, table, order)
+        if window is not None:
+            seq.window = Table(window, window.match(names[skip:found]), skipped=skip)
+        return seq
+
+    def _shareable(self, names: list[bytes], g: int) -> tuple[int, int]:
+        """(pages of a prompt, by their names, that a sample admitted into group g takes from the
+        pool rather than computes; of those, the first that the windowed layers need): the most
+        that the full layers' pool holds, and of those the windowed layers' pool holds the ones
+        the first computed token's window reaches."""
+        pool, window, S = self.pools[g], self.window_pools[g], self.engine.page_size
+        found = pool.matchable(names)
+        skip = lambda n: max(0, n * S - self.engine.window + 1) // S
+        while window is not None and found and not window.holds_all(names[skip(found):found]):
+            found -= 1
+        return found, skip(found) if window is not None else 0
 
     def _grow(self, group: list[_Seq | None], waiting: deque, C: int, steps: int) -> None:
         """Pages for what each row of the group computes in the next call (a decoding row's
@@ -189,14 +214,17 @@ class PagedScheduler:
             else:
                 left = self.requests[s.live.index].max_tokens - len(s.live.tokens)
                 need = s.table.length + max(1, min(steps, left))
-            while not s.table.grow(need):
+            if s.window is not None:  # what no query of this call or later can see
+                s.window.release_before(s.table.length - self.engine.window + 1)
+            while not all(table.grow(need) for table in s.tables):
                 newest = max((x for x in group if x), key=lambda x: x.order)
                 self._preempt(group, newest, waiting)
                 if newest is s:
                     break
 
     def _preempt(self, group: list[_Seq | None], s: _Seq, waiting: deque) -> None:
-        s.table.release()
+        for table in s.tables:
+            table.release()
         group[group.index(s)] = None
         waiting.appendleft((s.live.index, s.live.sample, s.live))
         self.stats.preemptions += 1
@@ -212,6 +240,8 @@ class PagedScheduler:
                     continue
                 row, request, table = g * R + r, self.requests[s.live.index], s.table
                 b.tables[g, r, : len(table.pages)] = table.pages
+                if s.window is not None:  # a hole reads page 0, which the window masks
+                    b.window_tables[g, r, : len(s.window.pages)] = np.maximum(s.window.pages, 0)
                 b.count[row], b.max_tokens[row] = len(s.live.tokens), request.max_tokens
                 b.seed[row] = sample_seed(request.seed, s.live.sample)
                 b.temperature[row], b.top_k[row] = request.temperature, request.top_k
@@ -240,9 +270,10 @@ class PagedScheduler:
         decoding = not s.prefilling  # each token it takes follows one it fed (and wrote)
         if not decoding:
             n = min(C, len(s.input) - s.table.length)
-            s.table.length += n
+            for table in s.tables:
+                table.length += n
+                table.name_full_pages(self._digests(x.index))
             self.stats.prompt_tokens_computed += n
-            s.table.name_full_pages(self._digests(x.index))
             if s.prefilling:
                 return
             if not x.tokens:
@@ -250,7 +281,8 @@ class PagedScheduler:
         for step, t in enumerate(emitted[row]):
             if t < 0 or len(x.tokens) >= request.max_tokens or (x.tokens and x.tokens[-1] in self.stop_ids):
                 break
-            s.table.length += decoding
+            for table in s.tables:
+                table.length += decoding
             x.tokens.append(int(t))
             if x.walk is not None:
                 x.broken = x.broken or not x.walk.take(int(t))
@@ -259,7 +291,8 @@ class PagedScheduler:
         completion = finished(x, request, self.stop_ids, self.stop_check, now)
         if completion is None:
             return
-        s.table.release()
+        for table in s.tables:
+            table.release()
         group[r] = None
         done = self._ended.setdefault(x.index, {})
         done[x.sample] = completion

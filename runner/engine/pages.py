@@ -106,6 +106,9 @@ class PagePool:
             n += 1
         return n
 
+    def holds_all(self, names: Sequence[bytes]) -> bool:
+        return all(d in self._named for d in names)
+
     def name(self, page: int, digest: bytes) -> None:
         """Marks a held page, whose slots are all written, as the page of `digest`, for later
         prompts to match. A digest already named keeps its page; a page has one name."""
@@ -114,13 +117,19 @@ class PagePool:
         self._named[digest], self._name_of[page] = page, digest
 
 
-class Table:
-    """One sequence's pages, in position order, and how many of its tokens the device holds."""
+HOLE = -1  # a table entry given back (a windowed layer's page that left the window)
 
-    def __init__(self, pool: PagePool, shared: Sequence[int] = ()):
+
+class Table:
+    """One sequence's pages, in position order, and how many of its tokens the device holds.
+    A windowed layers' table has holes (HOLE) before the pages its window still reaches."""
+
+    def __init__(self, pool: PagePool, shared: Sequence[int] = (), skipped: int = 0):
+        """shared: pages matched from the pool (never written by this table), after `skipped`
+        holes (a window's table need not hold a shared prefix's early pages)."""
         self.pool = pool
-        self.pages: list[int] = list(shared)
-        self.shared = len(self.pages)  # pages matched from the pool (never written by this table)
+        self.pages: list[int] = [HOLE] * skipped + list(shared)
+        self.shared = len(self.pages)
         self.length = self.shared * pool.page_size  # tokens whose keys and values are written
 
     def pages_for(self, tokens: int) -> int:
@@ -137,12 +146,21 @@ class Table:
         return True
 
     def release(self) -> None:
-        self.pool.release(self.pages)
+        self.pool.release([p for p in self.pages if p != HOLE])
         self.pages, self.shared, self.length = [], 0, 0
+
+    def release_before(self, position: int) -> None:
+        """Gives back the pages whose every slot lies before `position` (they left the window
+        of every query still to come)."""
+        for i in range(min(position // self.pool.page_size, len(self.pages))):
+            if self.pages[i] != HOLE:
+                self.pool.release([self.pages[i]])
+                self.pages[i] = HOLE
 
     def name_full_pages(self, names: Sequence[bytes]) -> None:
         """Names this table's pages whose slots are all written, for the digests `names` of its
         prompt's full pages."""
         full = min(len(names), self.length // self.pool.page_size, len(self.pages))
         for i in range(self.shared, full):
-            self.pool.name(self.pages[i], names[i])
+            if self.pages[i] != HOLE:
+                self.pool.name(self.pages[i], names[i])
