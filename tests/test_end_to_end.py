@@ -75,6 +75,9 @@ def test_greedy_generation_matches_transformers(model_dir, mesh, tmp_path):
     assert not os.path.exists(str(out) + ".partial")
 
 
+# GPT-OSS (windows, sinks) and Llama by default, the other two under -m slow
+@pytest.mark.parametrize("model_dir", ["gptoss", "llama", *(pytest.param(k, marks=pytest.mark.slow)
+                                                             for k in ("qwen2", "gpt2"))], indirect=True)
 @pytest.mark.parametrize("mesh", [("--config.mesh.data=2", "--config.mesh.model=4"),
                                   pytest.param(("--config.mesh.data=1", "--config.mesh.num_cpu_devices=1"),
                                                marks=pytest.mark.slow)])

@@ -114,7 +114,8 @@ def generate(engine, requests, **kw):
     return out, stats
 
 
-@pytest.mark.parametrize("mesh_name,kernels", [("1dev", True), ("1dev", False), ("data2_model4", False)])
+@pytest.mark.parametrize("mesh_name,kernels", [("1dev", True), pytest.param("1dev", False, marks=pytest.mark.slow),
+                                               ("data2_model4", False)])
 def test_greedy_through_chunked_prompts_matches_transformers(llama, prompts, references, mesh_name,
                                                              kernels):
     """Prompts of 2 to 40 tokens in chunks of up to 16, decoding rows in the same steps."""
@@ -143,7 +144,8 @@ def test_shared_prefixes_are_pages_taken_not_computed(llama, prompts):
     assert stats.prompt_tokens_computed < stats.prompt_tokens - 2 * 32
 
 
-@pytest.mark.parametrize("mesh_name,pages", [("1dev", 0), ("1dev", 26), ("data2_model4", 0)])
+@pytest.mark.parametrize("mesh_name,pages", [("1dev", 0), pytest.param("1dev", 26, marks=pytest.mark.slow),
+                                             ("data2_model4", 0)])
 def test_windowed_layers_give_back_pages_that_left_the_window(mesh_name, pages):
     """GPT-OSS (window 8 on every other layer, sinks), prompts chunked: transformers' tokens.
     The windowed layers' pool holds too few pages for every row's whole length (4 rows of up to
@@ -158,3 +160,36 @@ def test_windowed_layers_give_back_pages_that_left_the_window(mesh_name, pages):
     got, stats = generate(engine, [Request(p, STEPS) for p in prompts])
     assert (stats.preemptions > 0) == (pages > 0)
     assert [c.token_ids for c in got] == [hf_greedy(m, p, STEPS) for p in prompts]
+
+
+def test_sampled_tokens_logprobs_and_prompt_scores_are_the_unpaged_engines(llama, prompts):
+    """Seeded sampling (n samples among them), log-probabilities of generated and of prompt
+    tokens: the same as the unpaged engine's (tests/test_engine.py checks those against
+    transformers and numpy), whatever the chunking, the prefix sharing and a preemption."""
+    from runner.engine import Engine
+
+    reqs = [Request(p, 12, temperature=0.9, top_p=0.8, top_k=40, seed=7 + i, logprobs=True,
+                    n=2 if i % 3 == 0 else 1)
+            for i, p in enumerate(prompts)]
+    reqs.append(Request(prompts[3], 6, prompt_logprobs=True, prompt_logprobs_from=1))
+    reqs.append(Request(prompts[3][:30] + prompts[1][:5], 0, prompt_logprobs=True, prompt_logprobs_from=30))
+    rules = rules_for("1dev")
+    model, params = to_podrun(llama, rules)
+    unpaged = Engine(model, params, rules, Policy(), batch_size=4, max_prompt_len=48,
+                     max_new_tokens=STEPS, steps_per_dispatch=4).generate(reqs)
+    got, stats = generate(paged(llama, "1dev", pages=18), reqs)
+    assert stats.preemptions > 0
+    flat = lambda out: [c for x in out for c in (x if isinstance(x, list) else [x])]
+    for a, b in zip(flat(got), flat(unpaged)):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        if b.logprobs is not None:
+            np.testing.assert_allclose([float(x.logprob) for x in a.logprobs],
+                                       [float(x.logprob) for x in b.logprobs], atol=2e-4)
+            assert [list(x.top_ids) for x in a.logprobs] == [list(x.top_ids) for x in b.logprobs]
+    for r, a, b in zip(reqs, got, unpaged):
+        if r.prompt_logprobs:  # from the first asked for on (before it, shared pages give None)
+            asked = slice(r.prompt_logprobs_from - 1, None)
+            assert len(a.prompt_logprobs) == len(b.prompt_logprobs) == len(r.prompt) - 1
+            np.testing.assert_allclose([float(x.logprob) for x in a.prompt_logprobs[asked]],
+                                       [float(x.logprob) for x in b.prompt_logprobs[asked]], atol=2e-4)
+    assert got[-1].token_ids == [] and got[-1].finish_reason == "length"

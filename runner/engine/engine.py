@@ -36,13 +36,11 @@ from runner.engine import hugepages
 from runner.engine.prefixes import PrefixIndex
 from runner.engine.sampling import (  # noqa: F401 (re-exported: the engine's sampling)
     CANDIDATES, MAX_LOGPROBS, TokenLogprobs, _candidate_nucleus, allowed_tokens, greedy_screen,
-    greedy_tokens, masked_greedy, next_tokens, nucleus, sample, sample_seed, token_logprobs, unpacked)
+    greedy_tokens, masked_greedy, next_tokens, nucleus, position_logprobs, sample, sample_seed,
+    token_logprobs, unpacked)
 from sharding.rules import Rules, fit
 
 MAX_STOP_IDS = 16  # stop ids are passed as a fixed-size array, so their number never recompiles
-# Prompt positions unembedded at once for a prompt's log-probabilities: bounds the logits held to
-# rows x this x vocabulary.
-PROMPT_LOGPROB_POSITIONS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -403,21 +401,8 @@ class Engine:
 
     def _prompt_logprobs(self, unembedding, hidden: jax.Array, tokens: jax.Array) -> TokenLogprobs:
         """Each position's next prompt token's TokenLogprobs [R, P - 1], from the final norm's
-        output hidden [R, P, D], PROMPT_LOGPROB_POSITIONS positions at a time."""
-        R, P, D = hidden.shape
-        C = min(PROMPT_LOGPROB_POSITIONS, P - 1)
-        n = -(-(P - 1) // C)
-        h = jnp.pad(hidden[:, : P - 1], ((0, 0), (0, n * C - (P - 1)), (0, 0)))
-        nxt = jnp.pad(tokens[:, 1:], ((0, 0), (0, n * C - (P - 1))))
-
-        def chunk(i):
-            hs = jax.lax.dynamic_slice_in_dim(h, i * C, C, axis=1)
-            return token_logprobs(unembedding.logits(hs, self.rules, self.policy),
-                                  jax.lax.dynamic_slice_in_dim(nxt, i * C, C, axis=1))
-
-        parts = jax.lax.map(chunk, jnp.arange(n))  # [n, R, C, ...]
-        return jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1).reshape(R, n * C, *x.shape[3:])[:, : P - 1],
-                            parts)
+        output hidden [R, P, D]."""
+        return position_logprobs(unembedding, hidden[:, :-1], tokens[:, 1:], self.rules, self.policy)
 
     def _decode_fn(self, weights, cache: KVCache, state: Rows, stop_ids, logprobs: bool = False,
                    masks=None):

@@ -32,7 +32,8 @@ from models.policy import Policy
 from models.registry import Model
 from runner.engine import hugepages
 from runner.engine.engine import MAX_STOP_IDS, Weights
-from runner.engine.sampling import TokenLogprobs, greedy_screen, next_tokens, token_logprobs
+from runner.engine.sampling import (TokenLogprobs, greedy_screen, next_tokens, position_logprobs,
+                                    token_logprobs)
 from sharding.rules import Rules
 
 
@@ -45,6 +46,7 @@ class Batch(NamedTuple):
     tokens: jax.Array  # [G, T] int32
     positions: jax.Array  # [G, T] int32, -1: padding
     rows: jax.Array  # [G, T] int32: the row (of its group) each token belongs to
+    targets: jax.Array  # [G, T] int32: each chunk token's next token (for prompt log-probabilities)
     tables: jax.Array  # [G, R, M] int32: each row's pages
     window_tables: jax.Array  # [G, R, M] int32: each row's pages of the windowed layers' pool
     sample_at: jax.Array  # [G, R] int32: the token after which each row samples
@@ -118,14 +120,14 @@ class PagedEngine:
                            if allocate and self.policy.backend.huge_pages else (0, 0))
         cache_sh = jax.tree.map(lambda x: x.sharding, self.cache)
         self._everywhere = everywhere = rules.sharding()
-        self._batch_sh = Batch(*[rules.sharding("batch", None)] * 3,
+        self._batch_sh = Batch(*[rules.sharding("batch", None)] * 4,
                                *[rules.sharding("batch", None, None)] * 2, rules.sharding("batch", None),
                                *[rules.sharding("batch")] * 7)
         donate = (1,) if policy.donate_cache else ()
         self._step = jax.jit(self._step_fn, donate_argnums=donate,
                              compiler_options=self.policy.backend.compiler_options,
-                             static_argnames=("steps", "logprobs"),
-                             out_shardings=(everywhere, cache_sh, everywhere))
+                             static_argnames=("steps", "logprobs", "prompt_logprobs"),
+                             out_shardings=(everywhere, cache_sh, everywhere, everywhere))
         self._stops: dict[tuple[int, ...], jax.Array] = {}
         self.announce: Callable[[str], contextlib.AbstractContextManager] | None = None
         self.programs: set[str] = set()  # the programs called so far, by name
@@ -144,15 +146,20 @@ class PagedEngine:
 
     # --- device functions ---------------------------------------------------------------------
 
-    def _forward(self, weights, cache: PagedCache, b: Batch, logprobs: bool, masks):
+    def _forward(self, weights, cache: PagedCache, b: Batch, logprobs: bool, masks,
+                 prompt_logprobs: bool = False):
         """One step: the tokens through the model, then each row's next token from the hidden
         state of its `sample_at` token. Returns (next tokens [B], their TokenLogprobs or None,
-        the pool)."""
+        the pool, and with prompt_logprobs the chunk tokens' targets' TokenLogprobs [G, T - R])."""
         G, R = b.sample_at.shape
         out, cache = self.model.forward(weights.params, b.tokens, b.positions,
                                         cache.at(b.tables, b.window_tables, b.rows), self.rules,
                                         self.policy,
                                         Mode.APPEND, 0, Output.HIDDEN)
+        prompt = None
+        if prompt_logprobs:
+            prompt = position_logprobs(self.model.unembedding(weights.params), out[:, R:],
+                                       b.targets[:, R:], self.rules, self.policy)
         hidden = jnp.take_along_axis(out, b.sample_at[:, :, None], axis=1).reshape(G * R, -1)
         output = Output.LAST_LOGITS if logprobs else self.output
         if output is Output.LAST_LOGITS:
@@ -160,27 +167,29 @@ class PagedEngine:
                                                                    self.policy)[:, 0]
         nxt = next_tokens(self.model, self.rules, self.policy, weights, hidden, output, b.seed,
                           b.count, b.temperature, b.top_k, b.top_p, masks)
-        return nxt, token_logprobs(hidden, nxt) if logprobs else None, cache.pool()
+        return nxt, token_logprobs(hidden, nxt) if logprobs else None, cache.pool(), prompt
 
     def _step_fn(self, weights, cache: PagedCache, b: Batch, stop_ids, masks=None, steps: int = 1,
-                 logprobs: bool = False):
+                 logprobs: bool = False, prompt_logprobs: bool = False):
         """`steps` steps: the first of `b` as given, each later one (decode only) feeding every
         live row's token to it at the next position, until the row stops (a stop id, its
-        max_tokens). Returns the tokens [B, steps] (-1 where a row did not sample), the pool, and
-        with logprobs their TokenLogprobs [B, steps]."""
+        max_tokens). Returns the tokens [B, steps] (-1 where a row did not sample), the pool,
+        with logprobs their TokenLogprobs [B, steps], and with prompt_logprobs (one step) the
+        chunk's targets' [G, T - R]."""
         G, R = b.sample_at.shape
         if steps == 1:
-            nxt, scores, cache = self._forward(weights, cache, b, logprobs, masks)
+            nxt, scores, cache, prompt = self._forward(weights, cache, b, logprobs, masks,
+                                                       prompt_logprobs)
             emitted = jnp.where(b.live, nxt, -1)[:, None]
             scores = None if scores is None else jax.tree.map(lambda x: x[:, None], scores)
-            return emitted, cache, scores
+            return emitted, cache, scores, prompt
         first_pos = b.positions[:, :R].reshape(G * R)
 
         def step(carry, _):
             cache, token, pos, count, live = carry
             positions = jnp.where(live, pos, -1).reshape(G, R)
             s = b._replace(tokens=token.reshape(G, R), positions=positions, live=live, count=count)
-            nxt, scores, cache = self._forward(weights, cache, s, logprobs, None)
+            nxt, scores, cache, _ = self._forward(weights, cache, s, logprobs, None)
             count = count + live
             stopped = jnp.isin(nxt, stop_ids) | (count >= b.max_tokens)
             return ((cache, jnp.where(live, nxt, token), pos + 1, count, live & ~stopped),
@@ -189,7 +198,7 @@ class PagedEngine:
         carry = (cache, b.tokens[:, :R].reshape(G * R), first_pos, b.count, b.live)
         (cache, *_), (emitted, scores) = jax.lax.scan(step, carry, None, length=steps)
         scores = None if scores is None else jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1), scores)
-        return emitted.T, cache, scores
+        return emitted.T, cache, scores, None
 
     # --- host side ----------------------------------------------------------------------------
 
@@ -203,29 +212,34 @@ class PagedEngine:
             self._stops[key] = jax.device_put(stops, self._everywhere)
         return self._stops[key]
 
-    def program(self, chunk: int, steps: int, logprobs: bool = False, masked: bool = False) -> str:
+    def program(self, chunk: int, steps: int, logprobs: bool = False, masked: bool = False,
+                prompt_logprobs: bool = False) -> str:
         """The name of the program a call of this shape runs."""
         name = f"mixed_{chunk}" if chunk else f"decode_{steps}"
-        return name + ("_logprobs" if logprobs else "") + ("_masked" if masked else "")
+        return (name + ("_logprobs" if logprobs else "") + ("_masked" if masked else "")
+                + ("_prompt_logprobs" if prompt_logprobs else ""))
 
     def call(self, batch: Batch, stop_ids: Sequence[int] = (), steps: int = 1,
-             logprobs: bool = False, masks: np.ndarray | None = None
-             ) -> tuple[np.ndarray, TokenLogprobs | None]:
+             logprobs: bool = False, masks: np.ndarray | None = None, prompt_logprobs: bool = False
+             ) -> tuple[np.ndarray, TokenLogprobs | None, TokenLogprobs | None]:
         """Runs one program on host arrays `batch`: the tokens [B, steps] (-1 where a row did not
-        sample) and, with logprobs, their TokenLogprobs [B, steps]."""
+        sample), with logprobs their TokenLogprobs [B, steps], with prompt_logprobs the chunk
+        tokens' targets' [G, C]."""
         T = batch.tokens.shape[1]
-        name = self.program(T - self.rows_per_group, steps, logprobs, masks is not None)
+        name = self.program(T - self.rows_per_group, steps, logprobs, masks is not None,
+                            prompt_logprobs)
         device = jax.tree.map(jax.device_put, batch, self._batch_sh)
         if masks is not None:
             masks = jax.device_put(masks, self.rules.sharding("batch", None, shape=masks.shape))
         first = name not in self.programs and self.announce is not None
         self.programs.add(name)
         with self.announce(name) if first else contextlib.nullcontext():
-            emitted, self.cache, scores = self._step(self.weights, self.cache, device,
-                                                     self._stop_array(stop_ids), masks,
-                                                     steps=steps, logprobs=logprobs)
+            emitted, self.cache, scores, prompt = self._step(
+                self.weights, self.cache, device, self._stop_array(stop_ids), masks, steps=steps,
+                logprobs=logprobs, prompt_logprobs=prompt_logprobs)
             emitted = np.asarray(emitted)
-        return emitted, None if scores is None else TokenLogprobs(*map(np.asarray, scores))
+        host = lambda x: None if x is None else TokenLogprobs(*map(np.asarray, x))
+        return emitted, host(scores), host(prompt)
 
     def empty_batch(self, chunk: int) -> Batch:
         """Host arrays of a call with `chunk` chunk tokens (0: decode only) in which nothing
@@ -234,7 +248,8 @@ class PagedEngine:
         T = R + chunk
         rows = np.broadcast_to(np.concatenate([np.arange(R), np.zeros(chunk, int)]), (G, T))
         return Batch(np.zeros((G, T), np.int32), np.full((G, T), -1, np.int32),
-                     rows.astype(np.int32).copy(), np.zeros((G, R, M), np.int32),
+                     rows.astype(np.int32).copy(), np.zeros((G, T), np.int32),
+                     np.zeros((G, R, M), np.int32),
                      np.zeros((G, R, M), np.int32),
                      np.broadcast_to(np.arange(R, dtype=np.int32), (G, R)).copy(),
                      np.zeros(B, bool), np.zeros(B, np.int32), np.ones(B, np.int32),
@@ -243,8 +258,8 @@ class PagedEngine:
 
     def lower(self, variants: bool = False) -> dict[str, jax.stages.Lowered]:
         """Every program a job runs, lowered for the mesh's devices (an AOT topology too): the
-        decode call and the mixed step of each chunk bucket; with variants, the decode step that
-        also returns log-probabilities."""
+        decode call and the mixed step of each chunk bucket; with variants, the decode call that
+        also returns log-probabilities and the largest mixed step that returns the chunk's."""
         stops = jax.ShapeDtypeStruct((MAX_STOP_IDS,), jnp.int32, sharding=self._everywhere)
 
         def shaped(chunk):
@@ -258,4 +273,7 @@ class PagedEngine:
         if variants:
             out[self.program(0, self.steps, logprobs=True)] = self._step.lower(
                 self.weights, self.cache, shaped(0), stops, steps=self.steps, logprobs=True)
+            C = self.chunk
+            out[self.program(C, 1, logprobs=True, prompt_logprobs=True)] = self._step.lower(
+                self.weights, self.cache, shaped(C), stops, logprobs=True, prompt_logprobs=True)
         return out

@@ -66,9 +66,6 @@ class PagedScheduler:
         for i, r in enumerate(requests):
             if r.n < 1:
                 raise ValueError(f"request {i}: n={r.n}; a request has one sample or more")
-            if r.prompt_logprobs or r.max_tokens < 1:
-                raise ValueError(f"request {i}: prompt log-probabilities and scoring (max_tokens 0) "
-                                 "are not in the paged engine yet: run with generation.page_size=0")
             if not 0 < len(r.prompt) <= engine.max_prompt_len or r.max_tokens > engine.max_new_tokens:
                 raise ValueError(f"request {i}: a prompt of {len(r.prompt)} tokens and max_tokens="
                                  f"{r.max_tokens} exceed max_prompt_len={engine.max_prompt_len} or "
@@ -133,8 +130,10 @@ class PagedScheduler:
                         w.mask(masks[b])
                 self.stats.mask_s += time.perf_counter() - m
             logprobs = any(self.requests[s.live.index].logprobs for s in live)
+            scored = any(s.prefilling and s.live.prompt_logprobs is not None for s in live)
             began = time.perf_counter() - t0
-            emitted, scores = engine.call(batch, self.stop_ids, steps, logprobs, masks)
+            emitted, scores, prompt_scores = engine.call(batch, self.stop_ids, steps, logprobs,
+                                                         masks, scored)
             now = time.perf_counter() - t0
             calls += 1
             held = sum(p.in_use for p in self.pools)
@@ -156,7 +155,8 @@ class PagedScheduler:
             for g in range(G):
                 for r in range(R):
                     if rows[g][r] is not None:
-                        self._advance(rows[g], r, g * R + r, emitted, scores, C, ended, now)
+                        self._advance(rows[g], g, r, emitted, scores, prompt_scores, C,
+                                      ended, now)
             if ended:
                 st.completion_tokens += sum(len(c.token_ids) for _, cs in ended for c in cs)
                 on_done(ended)
@@ -172,11 +172,14 @@ class PagedScheduler:
         i, k, prior = entry
         r, pool = self.requests[i], self.pools[g]
         x = prior or _Live(i, k, [], now, 0.0, walk=r.constraint.start() if r.constraint else None,
-                           logprobs=[] if r.logprobs else None)
+                           logprobs=[] if r.logprobs else None,
+                           prompt_logprobs=[None] * (len(r.prompt) - 1) if r.prompt_logprobs else None)
         if prior is None:
             self.stats.prompt_tokens += len(r.prompt)
         tokens = list(r.prompt) + x.tokens
-        names = self._digests(i)[: (len(tokens) - 1) // pool.page_size]
+        # never the last token (computed for the next one), nor one whose log-probability is asked
+        scored = r.prompt_logprobs_from if r.prompt_logprobs else len(tokens)
+        names = self._digests(i)[: (min(len(tokens), scored) - 1) // pool.page_size]
         found, skip = self._shareable(names, g)
         window = self.window_pools[g]
         need = Table(pool).pages_for(len(tokens) + 1)
@@ -253,23 +256,28 @@ class PagedScheduler:
                     continue
                 n = min(C, len(s.input) - table.length)
                 b.tokens[g, R: R + n] = s.input[table.length: table.length + n]
+                after = s.input[table.length + 1: table.length + n + 1]
+                b.targets[g, R: R + len(after)] = after
                 b.positions[g, R: R + n] = np.arange(table.length, table.length + n)
                 b.rows[g, R:] = r
-                if table.length + n == len(s.input):  # the prompt's last token: sample after it
+                if table.length + n == len(s.input) and request.max_tokens > 0:  # sample after it
                     b.sample_at[g, r] = R + n - 1
                     b.live[row] = True
                     sampling.add(row)
         return b, sampling
 
-    def _advance(self, group: list[_Seq | None], r: int, row: int, emitted: np.ndarray,
-                 scores, C: int, ended: list, now: float) -> None:
-        """Row r of a group (batch row `row`) after a call: its chunk or tokens taken in, and the
-        row freed when its sample ends."""
-        s = group[r]
+    def _advance(self, group: list[_Seq | None], g: int, r: int, emitted: np.ndarray, scores,
+                 prompt_scores, C: int, ended: list, now: float) -> None:
+        """Row r of group g after a call: its chunk (and its prompt tokens' log-probabilities) or
+        its tokens taken in, and the row freed when its sample ends."""
+        s, row = group[r], g * self.engine.rows_per_group + r
         x, request = s.live, self.requests[s.live.index]
         decoding = not s.prefilling  # each token it takes follows one it fed (and wrote)
         if not decoding:
             n = min(C, len(s.input) - s.table.length)
+            if x.prompt_logprobs is not None:  # position p's is prompt token p + 1's
+                for i, p in enumerate(range(s.table.length, min(s.table.length + n, len(x.prompt_logprobs)))):
+                    x.prompt_logprobs[p] = prompt_scores.at((g, i))
             for table in s.tables:
                 table.length += n
                 table.name_full_pages(self._digests(x.index))

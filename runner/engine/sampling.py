@@ -257,3 +257,27 @@ def greedy_screen(model, params, policy, rows: int):
     from models.kernels import cpu
 
     return cpu.greedy_screen(u.w, w_nk=u.vocab_first)
+
+
+# Positions unembedded at once for a prompt's log-probabilities: bounds the logits held to rows x
+# this x vocabulary.
+PROMPT_LOGPROB_POSITIONS = 64
+
+
+def position_logprobs(unembedding, hidden: jax.Array, targets: jax.Array, rules, policy
+                      ) -> TokenLogprobs:
+    """The TokenLogprobs [R, P] of targets [R, P] (each position's next token) from the final
+    norm's output hidden [R, P, D], PROMPT_LOGPROB_POSITIONS positions at a time."""
+    R, P, D = hidden.shape
+    C = min(PROMPT_LOGPROB_POSITIONS, P)
+    n = -(-P // C)
+    h = jnp.pad(hidden, ((0, 0), (0, n * C - P), (0, 0)))
+    nxt = jnp.pad(targets, ((0, 0), (0, n * C - P)))
+
+    def chunk(i):
+        hs = jax.lax.dynamic_slice_in_dim(h, i * C, C, axis=1)
+        return token_logprobs(unembedding.logits(hs, rules, policy),
+                              jax.lax.dynamic_slice_in_dim(nxt, i * C, C, axis=1))
+
+    parts = jax.lax.map(chunk, jnp.arange(n))  # [n, R, C, ...]
+    return jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1).reshape(R, n * C, *x.shape[3:])[:, :P], parts)

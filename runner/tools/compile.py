@@ -26,6 +26,7 @@ import sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # topology descriptions only, no chips
 
+import jax
 from absl import app
 from ml_collections import config_flags
 
@@ -51,6 +52,7 @@ class Compiled:
     alias_bytes: int  # outputs that reuse donated inputs (the cache)
     flops: float  # per call, the whole program
     bytes_accessed: float
+    error: str = ""  # XLA's reason when the program does not fit the chip (then all else is 0)
 
     @property
     def peak_bytes(self) -> int:
@@ -88,7 +90,13 @@ def compile_deployment(s: Settings, model: Model | None = None, only: tuple[str,
     for name, lowered in programs.items():
         if only and name not in only:
             continue
-        c = lowered.compile()
+        try:
+            c = lowered.compile()
+        except jax.errors.JaxRuntimeError as e:  # XLA:TPU refuses a program that cannot fit
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            out[name] = Compiled(name, 0, 0, 0, 0, 0.0, 0.0, error=str(e).strip().splitlines()[0])
+            continue
         m, cost = c.memory_analysis(), c.cost_analysis()
         cost = cost[0] if isinstance(cost, list) else cost
         out[name] = Compiled(name, m.argument_size_in_bytes, m.temp_size_in_bytes, m.output_size_in_bytes,
@@ -101,8 +109,12 @@ def report(s: Settings, engine: Engine | PagedEngine, compiled: dict[str, Compil
     hbm = f.device_memory
     paged = isinstance(engine, PagedEngine)
     w = max([len("program")] + [len(c.name) for c in compiled.values()]) + 2
-    cache = (f"pool of {engine.pages} pages x {engine.page_size} tokens per group" if paged
-             else f"cache {engine.cache_len} tokens")
+    if paged:
+        pages = (f"{engine.pages} + {engine.window_pages} window" if engine.window_pages
+                 else f"{engine.pages}")
+        cache = f"pool of {pages} pages x {engine.page_size} tokens per group"
+    else:
+        cache = f"cache {engine.cache_len} tokens"
     lines = [f"{s.checkpoint_model} on {s.tpu_topology} ({f.devices} chips, mesh {dict(engine.rules.mesh.shape)}), "
              f"batch {engine.batch_size}, {cache}:",
              f"  declared per chip: weights {f.weights / GiB:.2f} GiB, KV cache {f.kv_cache / GiB:.2f} GiB"
@@ -110,6 +122,9 @@ def report(s: Settings, engine: Engine | PagedEngine, compiled: dict[str, Compil
              f"  {'program':<{w}}{'args GiB':>10}{'temp GiB':>10}{'peak GiB':>10}{'of HBM':>8}"
              f"{'GFLOP':>12}{'GB accessed':>13}"]
     for c in compiled.values():
+        if c.error:
+            lines.append(f"  {c.name:<{w}}does not fit: {c.error.removeprefix('RESOURCE_EXHAUSTED: ')}")
+            continue
         share = f"{100 * c.peak_bytes / hbm:.0f}%" if hbm else "?"
         lines.append(f"  {c.name:<{w}}{c.argument_bytes / GiB:>10.2f}{c.temp_bytes / GiB:>10.2f}"
                      f"{c.peak_bytes / GiB:>10.2f}{share:>8}{c.flops / 1e9:>12.1f}{c.bytes_accessed / 1e9:>13.2f}")
@@ -128,7 +143,8 @@ def main(argv: list[str]) -> None:
     except ValueError as e:
         sys.exit(f"podrun compile: error: {e}")
     print(report(s, engine, compiled))
-    too_big = [c.name for c in compiled.values() if s.device_memory_gib and c.peak_bytes > s.device_memory_gib * GiB]
+    too_big = [c.name for c in compiled.values()
+               if c.error or s.device_memory_gib and c.peak_bytes > s.device_memory_gib * GiB]
     if too_big:
         sys.exit(f"podrun compile: error: {too_big} do not fit {s.device_memory_gib} GiB per chip")
 

@@ -5,8 +5,9 @@
 Nothing is allocated: shapes come from the model's weight declarations (checkpoint.model) and the
 engine's cache, their shards from the config's mesh and rules. The unpaged engine's cache is
 batch_size rows of max_prompt_len + max_new_tokens slots (a window's ring on sliding-window
-layers); the paged engine's (generation.page_size > 0) is its page pool, a device holding its
-group's pages. --mean_tokens=L also reports how many rows the KV memory admits when a request
+layers); the paged engine's (generation.page_size > 0) is its page pools (the full-attention
+layers', and the windowed layers' with room for every row's window), a device holding its group's
+pages. --mean_tokens=L also reports how many rows the KV memory admits when a request
 holds L tokens on average (paged) or, unpaged, how many rows fit at their worst case.
 """
 
@@ -51,9 +52,17 @@ class Footprint:
     batch_size: int = 0  # rows, rounded up to a multiple of the batch's shards
     data_shards: int = 1  # the batch's shards: the paged engine's groups
     row_kv: int = 0  # unpaged: the bytes one row's cache takes on a device, at its longest
-    page_size: int = 0  # paged (> 0): tokens a page holds; 0: the unpaged engine
-    pages: int = 0  # paged: the pool's pages per group (kv_cache is pages x page_bytes)
-    page_bytes: int = 0  # paged: one page of every layer on a device
+    # paged (page_size > 0; 0: the unpaged engine): per group, the full-attention layers' pool of
+    # `pages` and the windowed layers' of `window_pages` (room for every row's window at once),
+    # a page's bytes on a device in each; a row holds at most window_row_pages of the latter,
+    # and the longest request max_pages of the former
+    page_size: int = 0
+    pages: int = 0
+    page_bytes: int = 0
+    window_pages: int = 0
+    window_page_bytes: int = 0
+    window_row_pages: int = 0
+    max_pages: int = 0
 
     @property
     def per_device(self) -> int:
@@ -74,37 +83,62 @@ class Footprint:
 
     def pool_rows(self, mean_tokens: int) -> int:
         """Paged: the rows the pool admits when each holds mean_tokens tokens (at most the
-        batch)."""
+        batch; the window pool has room for every row)."""
         return min(self.batch_size, self.data_shards * (self.pages // self.pages_per_row(mean_tokens)))
+
+    def row_bytes(self, mean_tokens: int) -> int:
+        """Paged: a row's pages of mean_tokens tokens on a device, its window's included."""
+        return (self.pages_per_row(mean_tokens) * self.page_bytes
+                + self.window_row_pages * self.window_page_bytes)
 
     def memory_rows(self, mean_tokens: int) -> int:
         """Paged: the rows of mean_tokens tokens whose pages fit in device memory beside the
         weights, over all groups (whatever kv_cache_gib and batch_size say)."""
-        return max(0, self.free // (self.pages_per_row(mean_tokens) * self.page_bytes)) * self.data_shards
+        return max(0, self.free // self.row_bytes(mean_tokens)) * self.data_shards
 
 
 def _shard_bytes(shape, axes, rules: Rules, itemsize: int) -> int:
     return math.prod(math.ceil(n / rules.shards(a)) for n, a in zip(shape, axes)) * itemsize
 
 
-def page_bytes(s: Settings, model: Model, rules: Rules) -> int:
-    """Bytes one page (generation.page_size tokens of every layer's keys and values) takes on a
-    device: the paged engine's unit of KV memory."""
-    _, kv_heads, head_dim = model.module.cache_spec(model.config)
-    return PagedCache.page_bytes(model.num_layers, kv_heads, head_dim, s.generation.page_size,
-                                 s.policy.kv_cache, rules)
+# The paged engine's pools, sized as runner/engine/paged_engine.py's PagedEngine sizes them from
+# generation.kv_cache_gib (kv_bytes there); tests/test_compile.py checks the two agree.
+
+def page_bytes(s: Settings, model: Model, rules: Rules) -> tuple[int, int]:
+    """Bytes one page (generation.page_size tokens of keys and values) takes on a device in the
+    full-attention layers' pool and in the windowed layers' (0 without windows)."""
+    windows, kv_heads, head_dim = model.module.cache_spec(model.config)
+    windowed = sum(1 for w in windows if w)
+    page = lambda layers: PagedCache.page_bytes(layers, kv_heads, head_dim, s.generation.page_size,
+                                                s.policy.kv_cache, rules)
+    return page(len(windows) - windowed), page(windowed)
 
 
-def pool_pages(s: Settings, model: Model, rules: Rules) -> int:
-    """The paged engine's pages per group (a device holds its group's): as many as
-    generation.kv_cache_gib holds, or with 0 room for every row of the group at its longest
-    (max_prompt_len + max_new_tokens), as PagedEngine gives for pages=0."""
+def window_row_pages(s: Settings, model: Model) -> int:
+    """The windowed layers' pages one row holds at most: its next call's queries see window - 1
+    + chunk (or steps) positions back, plus the page that starts part-way; 0 without windows."""
     g = s.generation
-    if g.kv_cache_gib:
-        return int(g.kv_cache_gib * GiB // page_bytes(s, model, rules))
-    groups = rules.shards("batch")
-    rows = -(-g.batch_size // groups)
-    return rows * -(-(g.max_prompt_len + g.max_new_tokens) // g.page_size)
+    windows, _, _ = model.module.cache_spec(model.config)
+    window = max((w for w in windows if w), default=0)
+    if not window:
+        return 0
+    chunk = min(g.chunk_tokens, g.max_prompt_len + g.max_new_tokens)  # the largest chunk bucket
+    steps = max(1, min(g.steps_per_dispatch, g.max_new_tokens))
+    return -(-(window - 1 + max(chunk, steps)) // g.page_size) + 2
+
+
+def pool_pages(s: Settings, model: Model, rules: Rules) -> tuple[int, int]:
+    """The paged engine's pages per group (a device holds its group's): the full-attention
+    layers' and the windowed layers'. The window pool has room for every row of the group; the
+    full layers' pool takes what generation.kv_cache_gib leaves, or with 0 room for every row of
+    the group at its longest (max_prompt_len + max_new_tokens)."""
+    g = s.generation
+    rows = -(-g.batch_size // rules.shards("batch"))
+    window_pages = rows * window_row_pages(s, model)
+    if not g.kv_cache_gib:
+        return rows * -(-(g.max_prompt_len + g.max_new_tokens) // g.page_size), window_pages
+    full, windowed = page_bytes(s, model, rules)
+    return int((int(g.kv_cache_gib * GiB) - window_pages * windowed) // full), window_pages
 
 
 def footprint(s: Settings, model: Model) -> Footprint:
@@ -125,11 +159,14 @@ def footprint(s: Settings, model: Model) -> Footprint:
     data = rules.shards("batch")
     batch = -(-g.batch_size // data) * data
     memory = int(s.device_memory_gib * GiB)
-    if g.page_size:  # the page pool [G, P, K, S, H] per layer, G over cache_batch
-        pages, page = pool_pages(s, model, rules), page_bytes(s, model, rules)
+    if g.page_size:  # the page pools [G, P, K, S, H] per layer, G over cache_batch
+        (pages, window_pages), (page, window_page) = pool_pages(s, model, rules), page_bytes(s, model, rules)
         groups = -(-data // rules.shards("cache_batch"))  # a device's groups: 1 by default
-        return Footprint(devices, w_bytes, groups * pages * page, total, memory, 0, batch, data,
-                         page_size=g.page_size, pages=pages, page_bytes=page)
+        kv = groups * (pages * page + window_pages * window_page)
+        return Footprint(devices, w_bytes, kv, total, memory, 0, batch, data, page_size=g.page_size,
+                         pages=pages, page_bytes=page, window_pages=window_pages,
+                         window_page_bytes=window_page, window_row_pages=window_row_pages(s, model),
+                         max_pages=-(-(g.max_prompt_len + g.max_new_tokens) // g.page_size))
     length = max(g.prefill_buckets or (g.max_prompt_len,)) + g.max_new_tokens
     windows, kv_heads, head_dim = model.module.cache_spec(model.config)
     c_size = KVCache.bytes_per_element(s.policy.kv_cache, head_dim)
@@ -150,8 +187,10 @@ def footprint(s: Settings, model: Model) -> Footprint:
 
 def describe(f: Footprint, model: Model, mean_tokens: int = 0) -> str:
     """The report; mean_tokens > 0 adds the rows the KV memory admits (see the module's doc)."""
-    pool = (f" (pool of {f.pages} pages x {f.page_size} tokens per group, "
-            f"{f.page_bytes / 2**20:.3f} MiB a page)" if f.page_size else "")
+    pool = ""
+    if f.page_size:
+        pages = f"{f.pages} + {f.window_pages} window" if f.window_pages else f"{f.pages}"
+        pool = f" (pool of {pages} pages x {f.page_size} tokens per group)"
     lines = [
         f"model {model.family} ({f.total_weights / GiB:.2f} GiB of weights in all) on {f.devices} devices:",
         f"  weights   {f.weights / GiB:8.3f} GiB per device",
@@ -168,14 +207,23 @@ def describe(f: Footprint, model: Model, mean_tokens: int = 0) -> str:
         groups = f"{f.data_shards} group" + ("s" if f.data_shards > 1 else "")
         lines.append(f"  page pool {f.pages} pages per group, {f.pages * f.data_shards} in all "
                      f"({groups}): {f.pages * f.page_size} tokens per group, "
-                     f"{f.pages * f.page_size * f.data_shards} in all")
+                     f"{f.pages * f.page_size * f.data_shards} in all "
+                     f"({f.page_bytes / 2**20:.3f} MiB a page of the full-attention layers)")
+        if f.window_pages:
+            lines.append(f"  window pool {f.window_pages} pages per group, {f.window_row_pages} a "
+                         f"row ({f.window_page_bytes / 2**20:.3f} MiB a page of the windowed layers)")
+        if f.pages < f.max_pages:
+            lines.append(f"  the pool holds fewer pages than the {f.max_pages} of one request of "
+                         "max_prompt_len + max_new_tokens: the engine refuses it (raise kv_cache_gib)")
     if mean_tokens and f.page_size:
         per = f.pages_per_row(mean_tokens)
-        lines.append(f"  rows admitted at a mean of {mean_tokens} tokens ({per} pages a row): "
+        window = f", + {f.window_row_pages} window pages" if f.window_row_pages else ""
+        lines.append(f"  rows admitted at a mean of {mean_tokens} tokens ({per} pages a row{window}): "
                      f"{f.pool_rows(mean_tokens)} of batch {f.batch_size} by the pool")
         if f.device_memory:
             lines.append(f"  rows admitted in device memory at a mean of {mean_tokens} tokens: "
-                         f"{f.memory_rows(mean_tokens)} (pages beside the weights, all groups)")
+                         f"{f.memory_rows(mean_tokens)} ({f.row_bytes(mean_tokens) / 2**20:.2f} "
+                         "MiB a row per device beside the weights, all groups)")
     elif mean_tokens and f.device_memory:
         lines.append(f"  rows that fit in device memory at their worst case: {f.worst_case_rows()} "
                      f"({f.row_kv / 2**20:.2f} MiB a row per device beside the weights and prefix "
