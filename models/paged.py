@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as Spec
 
-from models.attention import attention
+from models.attention import MASKED
 from models.kv_cache import quantize_rows
 from models.policy import Policy
 from sharding.rules import Rules, constrain
@@ -170,36 +170,82 @@ def paged_attention(q: jax.Array, cache: PagedCache, layer: int, rules: Rules, p
     return _xla(q, kc, vc, ks, vs, cache, policy, window, sinks, scale)
 
 
+# Pages a block of XLA's attention reads at once: its temporaries are those of BLOCK_PAGES pages a
+# sequence, whatever the sequences' lengths.
+BLOCK_PAGES = 8
+
+
 def _xla(q, kc, vc, ks, vs, cache: PagedCache, policy: Policy, window, sinks, scale) -> jax.Array:
-    """Attention in XLA over each sequence's pages gathered into a row of slots [G, R, K, M * S]:
-    the first R queries one per sequence, the rest (a chunk) over sequence rows[:, R]'s row."""
+    """Attention in XLA: the first R queries one per sequence, the rest (a chunk) of sequence
+    rows[:, R], each over its sequence's pages in blocks (`_blocked`)."""
     G, T, N, H = q.shape
     tables = cache.tables_for(window)
-    R, M = tables.shape[1:]
-    S = kc.shape[3]
-
-    def rows_of(x):  # [G, P, K, S, ...] -> [G, R, K, M * S, ...]
-        if x is None:
-            return None
-        x = jax.vmap(lambda pool, table: pool[table])(x, tables)  # [G, R, M, K, S, ...]
-        x = jnp.moveaxis(x, 3, 2)  # [G, R, K, M, S, ...]
-        return x.reshape(G, R, x.shape[2], M * S, *x.shape[5:])
-
-    keys = [rows_of(x) for x in (kc, vc, ks, vs)]
-    k_pos = jnp.broadcast_to(jnp.arange(M * S, dtype=jnp.int32), (G * R, M * S))
-    flat = lambda x: None if x is None else x.reshape(G * R, *x.shape[2:])
-    kw = dict(window=window, sinks=sinks, scale=scale)
-    decode = attention(q[:, :R].reshape(G * R, 1, N, H), cache.positions[:, :R].reshape(G * R, 1),
-                       [(flat(keys[0]), flat(keys[1]), k_pos, flat(keys[2]), flat(keys[3]))],
-                       policy, **kw).reshape(G, R, N, H)
+    R = tables.shape[1]
+    K = kc.shape[2]
+    scale = H ** -0.5 if scale is None else scale
+    run = lambda q, q_pos, tables: _blocked(q.reshape(*q.shape[:3], K, N // K, H), q_pos, tables,
+                                            kc, vc, ks, vs, policy, window, sinks, scale)
+    pos = cache.positions
+    out = run(q[:, :R, None], pos[:, :R, None], tables).reshape(G, R, N, H)  # [G, R, 1, ...]
     if T == R:
-        return decode
-    row = cache.rows[:, R]  # [G]
-    pick = lambda x: None if x is None else jax.vmap(lambda a, r: a[r])(x, row)  # [G, K, M * S, ...]
-    chunk = attention(q[:, R:], cache.positions[:, R:],
-                      [(pick(keys[0]), pick(keys[1]), k_pos[:G], pick(keys[2]), pick(keys[3]))],
-                      policy, **kw)
-    return jnp.concatenate([decode, chunk], axis=1)
+        return out
+    chunk_table = jax.vmap(lambda t, r: t[r])(tables, cache.rows[:, R])[:, None]  # [G, 1, M]
+    chunk = run(q[:, None, R:], pos[:, None, R:], chunk_table)[:, 0]  # [G, T - R, N, H]
+    return jnp.concatenate([out, chunk], axis=1)
+
+
+def _blocked(q, q_pos, tables, kc, vc, ks, vs, policy: Policy, window, sinks, scale) -> jax.Array:
+    """q [G, Q, T, K, Gq, H]: Q sequences of T queries each, at q_pos [G, Q, T] (-1: padding),
+    over the sequences' pages (tables [G, Q, M]) -> [G, Q, T, K * Gq, H].
+
+    One softmax over blocks of BLOCK_PAGES pages (running max and sum), from the first block any
+    query's window reaches to the last any query's position reaches: the temporaries are a
+    block's, and the reads end at the longest sequence of the step, not at its table's end."""
+    G, Q, T, K, Gq, H = q.shape
+    M, S = tables.shape[2], kc.shape[3]
+    Bp = min(BLOCK_PAGES, M)
+    tables = jnp.pad(tables, ((0, 0), (0, 0), (0, -M % Bp)))
+    live = q_pos >= 0
+    last = jnp.max(jnp.where(live, q_pos, 0))
+    first = jnp.min(jnp.where(live, jnp.maximum(q_pos - window + 1, 0), last)) if window else 0
+    f32 = jnp.float32
+
+    def gather(x, pages):  # [G, P, K, S, ...] at pages [G, Q, Bp] -> [G, Q, K, Bp * S, ...]
+        x = jax.vmap(lambda pool, p: pool[p])(x, pages)  # [G, Q, Bp, K, S, ...]
+        x = jnp.moveaxis(x, 3, 2)
+        return x.reshape(G, Q, K, Bp * S, *x.shape[5:])
+
+    def block(b, carry):
+        top, total, acc = carry  # [G, Q, K, Gq, T], the same, [G, Q, K, Gq, T, H]
+        pages = jax.lax.dynamic_slice_in_dim(tables, b * Bp, Bp, axis=2)
+        k, v = gather(kc, pages), gather(vc, pages)
+        if ks is not None:  # int8: dequantised slot by slot
+            k = k.astype(q.dtype) * gather(ks, pages)[..., None].astype(q.dtype)
+            v = v.astype(q.dtype) * gather(vs, pages)[..., None].astype(q.dtype)
+        s = policy.einsum("GQTKgH,GQKSH->GQKgTS", q, k).astype(f32) * scale
+        k_pos = b * Bp * S + jnp.arange(Bp * S)
+        seen = live[..., None] & (k_pos <= q_pos[..., None])  # [G, Q, T, Bp * S]
+        if window:
+            seen &= q_pos[..., None] - k_pos < window
+        seen = seen[:, :, None, None]
+        s = jnp.where(seen, s, MASKED)
+        new_top = jnp.maximum(top, jnp.max(s, axis=-1))
+        p = jnp.where(seen, jnp.exp(s - new_top[..., None]), 0.0)
+        fade = jnp.exp(top - new_top)
+        acc = acc * fade[..., None] + policy.einsum("GQKgTS,GQKSH->GQKgTH", p.astype(v.dtype),
+                                                    v).astype(f32)
+        return new_top, total * fade + jnp.sum(p, axis=-1), acc
+
+    shape = (G, Q, K, Gq, T)
+    carry = (jnp.full(shape, MASKED, f32), jnp.zeros(shape, f32), jnp.zeros((*shape, H), f32))
+    top, total, acc = jax.lax.fori_loop(first // S // Bp, last // S // Bp + 1, block, carry)
+    if sinks is not None:  # one more logit per query head, with no value
+        sink = sinks.astype(f32).reshape(1, 1, K, Gq, 1)
+        new_top = jnp.maximum(top, sink)
+        fade = jnp.exp(top - new_top)
+        total, acc, top = total * fade + jnp.exp(sink - new_top), acc * fade[..., None], new_top
+    out = acc / jnp.where(total > 0, total, 1.0)[..., None]  # [G, Q, K, Gq, T, H]
+    return jnp.moveaxis(out, 4, 2).reshape(G, Q, T, K * Gq, H).astype(q.dtype)
 
 
 def _cpu_kernel(q, kc, vc, ks, vs, cache: PagedCache, rules: Rules, window, sinks, scale):
