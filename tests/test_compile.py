@@ -76,8 +76,10 @@ def test_a_small_deployment_compiles_for_a_v5e_topology_with_its_shards_per_chip
 def test_a_paged_deployment_compiles_its_mixed_and_decode_programs_for_a_v5e_topology():
     """generation.page_size=16: runner.tools.compile builds the job's engine (the paged one) and
     compiles each chunk bucket's mixed step and the decode call, each taking the weights and the
-    page pool as declared: 1 MiB a chip of 2 layers x (k, v) x 1 kv head (2 over model) x 16
-    slots x 128 x 2 bytes a page, 64 pages."""
+    page pools as runner.tools.memory declares them: 1 MiB a chip, of pages of 1 layer (of the 2,
+    one full and one windowed) x (k, v) x 1 kv head (2 over model) x 16 slots x 128 x 2 bytes. The
+    window pool has room for every row's window: 16 - 1 + a chunk of 32 positions, 3 pages, and 2
+    more; the full layer's pool takes the rest."""
     from runner.engine.paged_engine import PagedEngine
     from runner.tools.compile import compile_deployment, report
     from runner.tools.memory import footprint
@@ -87,17 +89,32 @@ def test_a_paged_deployment_compiles_its_mixed_and_decode_programs_for_a_v5e_top
     assert isinstance(engine, PagedEngine)
     assert {d.platform for d in engine.rules.mesh.devices.flat} == {"tpu"}
     assert sorted(compiled) == ["decode_8", "mixed_32"]
-    page = 2 * 2 * 1 * 16 * 128 * 2
-    assert engine.pages == 2**20 // page == 64
+    assert [SMALL.config.window(i) for i in range(2)] == [16, None]
+    page = 2 * 1 * 1 * 16 * 128 * 2
+    window_pages = 4 * (-(-(16 - 1 + 32) // 16) + 2)
+    assert (engine.window_pages, engine.pages) == (window_pages, 2**20 // page - window_pages) == (20, 108)
     declared = footprint(s, SMALL)
-    assert declared.kv_cache == 64 * page and declared.prefix_pool == 0
+    assert (declared.pages, declared.window_pages) == (engine.pages, engine.window_pages)
+    assert declared.kv_cache == engine.pool_bytes == 128 * page and declared.prefix_pool == 0
     for c in compiled.values():
         assert declared.per_device <= c.argument_bytes <= declared.per_device * 1.02 + 2**14, c
         assert c.peak_bytes <= 16 * 2**30 and c.flops > 0
-    assert compiled["decode_8"].alias_bytes >= declared.kv_cache  # the pool is donated
+    assert compiled["decode_8"].alias_bytes >= declared.kv_cache  # the pools are donated
 
     text = report(s, engine, compiled)
-    assert "pool of 64 pages x 16 tokens per group" in text and "mixed per call" in text
+    assert "pool of 108 + 20 window pages x 16 tokens per group" in text and "mixed per call" in text
+
+
+def test_a_program_too_large_for_the_chip_is_reported_as_not_fitting():
+    """A cache of 20 GiB a chip (64 rows of 655,392 slots on the full layer, 1 kv head of 128 a
+    chip, k and v in bf16): XLA:TPU refuses the decode program, and the report says so in its
+    row instead of a traceback."""
+    from runner.tools.compile import compile_deployment, report
+
+    s = tiny_tpu_settings(batch_size=64, max_new_tokens=655360, page_size=0)
+    engine, compiled = compile_deployment(s, SMALL, only=("decode",))
+    assert "Ran out of memory" in compiled["decode"].error
+    assert "does not fit: Ran out of memory" in report(s, engine, compiled)
 
 
 def test_a_two_slice_deployment_compiles_with_data_across_the_slices():
