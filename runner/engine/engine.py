@@ -157,6 +157,19 @@ def buckets(max_prompt_len: int, smallest: int = 16) -> tuple[int, ...]:
     return tuple(x for x in out if x < max_prompt_len) + (max_prompt_len,)
 
 
+def stop_array(made: dict, stop_ids: Sequence[int], sharding) -> jax.Array:
+    """stop_ids as the fixed-size device array the programs take (-1 padding), made once per set
+    and kept in `made`."""
+    key = tuple(stop_ids)
+    if key not in made:
+        if len(key) > MAX_STOP_IDS:
+            raise ValueError(f"{len(key)} stop ids; at most {MAX_STOP_IDS} are supported")
+        stops = np.full((MAX_STOP_IDS,), -1, np.int32)
+        stops[: len(key)] = key
+        made[key] = jax.device_put(stops, sharding)
+    return made[key]
+
+
 # The fewest rows a job's last requests are gathered into (Engine.shrink): below about this many a
 # decode step's cost is the weights' bytes whatever the rows, so fewer would save little and
 # compile more programs.
@@ -448,14 +461,7 @@ class Engine:
         raise ValueError(f"prompt of {length} tokens exceeds max_prompt_len={self.max_prompt_len}")
 
     def _stop_array(self, stop_ids: Sequence[int]) -> jax.Array:
-        key = tuple(stop_ids)
-        if key not in self._stops:
-            if len(key) > MAX_STOP_IDS:
-                raise ValueError(f"{len(key)} stop ids; at most {MAX_STOP_IDS} are supported")
-            stops = np.full((MAX_STOP_IDS,), -1, np.int32)
-            stops[: len(key)] = key
-            self._stops[key] = jax.device_put(stops, self._everywhere)
-        return self._stops[key]
+        return stop_array(self._stops, stop_ids, self._everywhere)
 
     def insert(self, targets: Sequence[Sequence[int]], requests: Sequence[Request],
                stop_ids: Sequence[int] = (), samples: Sequence[Sequence[int]] | None = None,

@@ -31,7 +31,7 @@ from models.paged import PagedCache
 from models.policy import Policy
 from models.registry import Model
 from runner.engine import hugepages
-from runner.engine.engine import MAX_STOP_IDS, Weights
+from runner.engine.engine import MAX_STOP_IDS, Weights, stop_array
 from runner.engine.sampling import (TokenLogprobs, greedy_screen, next_tokens, position_logprobs,
                                     token_logprobs)
 from sharding.rules import Rules
@@ -203,14 +203,7 @@ class PagedEngine:
     # --- host side ----------------------------------------------------------------------------
 
     def _stop_array(self, stop_ids: Sequence[int]) -> jax.Array:
-        key = tuple(stop_ids)
-        if key not in self._stops:
-            if len(key) > MAX_STOP_IDS:
-                raise ValueError(f"{len(key)} stop ids; at most {MAX_STOP_IDS} are supported")
-            stops = np.full((MAX_STOP_IDS,), -1, np.int32)
-            stops[: len(key)] = key
-            self._stops[key] = jax.device_put(stops, self._everywhere)
-        return self._stops[key]
+        return stop_array(self._stops, stop_ids, self._everywhere)
 
     def program(self, chunk: int, steps: int, logprobs: bool = False, masked: bool = False,
                 prompt_logprobs: bool = False) -> str:
