@@ -234,6 +234,7 @@ def gptoss_20b_decode(options=None, layers=2, **policy):
     return model, rules, engine.lower()["decode"].compile(compiler_options=options)
 
 
+@pytest.mark.slow  # GPT-OSS-20B's decode step compiled for v5e (about a minute)
 def test_the_gptoss_embedding_reaches_the_decode_step_row_major_and_is_not_copied():
     """GPT-OSS-20B's decode step for v5e (one step per call): the embedding table is an input laid
     out row-major, as its gather reads it. Left to choose, XLA:TPU laid it out column-major and
@@ -270,8 +271,9 @@ def test_int8_gptoss_experts_are_not_dequantised_into_a_copy_on_every_decode_ste
     assert largest < experts, largest
 
 
-# (slow: unquantised, the same program as int8's less the scales' reads)
-@pytest.mark.parametrize("quantize", [pytest.param("none", marks=pytest.mark.slow), "int8"])
+# slow (2-3 minutes each on 2 cores): GPT-OSS-20B's whole decode step compiled for v5e
+@pytest.mark.slow
+@pytest.mark.parametrize("quantize", ["none", "int8"])
 def test_a_gptoss_decode_step_accesses_at_most_a_quarter_more_than_its_floor_on_v5e(quantize):
     """The TPU target: GPT-OSS-20B's decode step for v5e (batch 64, all 24 layers, as two layers
     understate it), by XLA's cost analysis with VMEM prefetches off (it counts each as extra

@@ -119,7 +119,8 @@ def test_requests_inserted_mid_run_match_transformers(llama, prompts, references
     assert len(calls) < static
 
 
-@pytest.mark.parametrize("mesh_name,smallest", [("1dev", 1), ("data2_model4", 2)])
+@pytest.mark.parametrize("mesh_name,smallest", [("1dev", 1),
+                                                pytest.param("data2_model4", 2, marks=pytest.mark.slow)])
 def test_the_last_requests_gathered_into_fewer_rows_match_transformers(llama, prompts, references,
                                                                         mesh_name, smallest):
     """Twelve requests of very different lengths through 8 rows: once none waits and at most half
@@ -303,7 +304,8 @@ def test_n_samples_share_one_prefill_and_are_independent_draws(llama):
 
 
 @pytest.mark.parametrize("mesh_name,policy", [("1dev", Policy()),
-                                              ("data2_model4", Policy(scan_layers=True))])
+                                              pytest.param("data2_model4", Policy(scan_layers=True),
+                                                           marks=pytest.mark.slow)])
 def test_prompts_that_share_a_prefix_compute_it_once_and_match_transformers(llama, mesh_name, policy):
     """Prompts behind one 40-token prefix (two blocks of 16 shared, the rest computed), and others
     in between: greedy tokens equal transformers' for each prompt alone, in any order; the prefix
@@ -412,7 +414,7 @@ def test_greedy_tokens_are_argmax_with_ties_to_the_lowest_index():
     np.testing.assert_array_equal(np.asarray(greedy_tokens(jnp.asarray(x))), np.argmax(x, axis=-1))
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2", "gptoss"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2", pytest.param("gptoss", marks=pytest.mark.slow)])
 def test_greedy_tokens_through_the_unembedding_screen_match_transformers(kind, prompts):
     """On one CPU device greedy tokens come through the int8 screen of the unembedding (Llama's
     lm_head [D, V], Qwen2's and GPT-2's tied embedding [V, D], GPT-OSS's lm_head [V, D]): the

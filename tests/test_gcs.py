@@ -187,6 +187,7 @@ def test_everything_on_gcs_gives_the_local_results(gcs, setup):
     assert gcs.cat(f"{BUCKET}/e2e/again.jsonl").decode() == setup.local
 
 
+@pytest.mark.slow  # two processes on gs:// (tests/test_multihost.py runs two on local files)
 def test_restore_onto_a_different_mesh_across_two_processes(gcs, setup):
     """Saved sharded over data=2 x model=4 in one process, restored over data=2 x expert=2 x model=2
     by two processes that each read their own shards from gs://; one process writes the results."""

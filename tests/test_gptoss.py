@@ -93,11 +93,14 @@ def test_decode_with_the_ring_cache_matches_full_forward(gptoss, mesh_name):
 
 
 # (slow: expert4_data2 prefilled all at once, which the grouped case below also reaches through the
-# same experts; data x model, which test_end_to_end runs through runner.main with the expert axis)
+# same experts; data x model, which test_end_to_end runs through runner.main with the expert axis;
+# heads over model and expert, the grouped case's experts with heads split too)
 @pytest.mark.parametrize("mesh_name,batch,rows", [("1dev", 1, 0),
                                                   pytest.param("expert4_data2", 4, 0, marks=pytest.mark.slow),
                                                   pytest.param("data2_model4", 4, 0, marks=pytest.mark.slow),
-                                                  ("expert4_data2", 4, 2), ("heads_over_model_expert", 4, 2)])
+                                                  ("expert4_data2", 4, 2),
+                                                  pytest.param("heads_over_model_expert", 4, 2,
+                                                               marks=pytest.mark.slow)])
 def test_greedy_generation_matches_transformers(gptoss, mesh_name, batch, rows):
     """Six requests of different lengths through `batch` rows, so most enter a row mid-run, into
     the ring caches of rows that held other requests; rows > 0: at most that many prompts
