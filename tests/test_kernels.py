@@ -747,6 +747,22 @@ def test_paged_attention_matches_numpy(H, G, window, with_sinks):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("H,G,window,with_sinks", [(64, 3, 5, True), (36, 1, None, False)])
+def test_paged_attention_of_a_prompt_chunk_matches_numpy(H, G, window, with_sinks):
+    """A step of 77 queries (a prompt's chunk beside the decode tokens), which the kernel runs on
+    XLA's thread pool rather than on the team that takes a decode step's few queries."""
+    q, k_pages, v_pages, tables, rows, q_pos = paged_case(G, H, seed=H + G)
+    q = np.concatenate([q, *(np.roll(q, i, axis=1) for i in range(1, 7))])
+    rows, q_pos = np.tile(rows, 7), np.tile(q_pos, 7)
+    assert len(q_pos) > 64
+    sinks = np.random.default_rng(G).standard_normal(q.shape[1]).astype(np.float32) if with_sinks else None
+    got = np.asarray(jax.jit(lambda *a: cpu.paged_attention(*a, window, 0.3))(
+        q, k_pages, v_pages, tables, rows, q_pos, sinks))
+    want = np_paged_attention(q, k_pages, v_pages, tables, rows, q_pos, sinks, window, 0.3)
+    np.testing.assert_array_equal(got[q_pos < 0], 0.0)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("H,window,with_sinks", [(64, None, True), (36, 5, False)],
                          ids=["H64-sinks", "H36-window"])
 def test_paged_attention_over_int8_pages_matches_numpy(H, window, with_sinks):

@@ -642,6 +642,8 @@ ffi::Error DecodeAttentionS8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
 // values and of 1 for the scales. A head_dim the grouped path does not take goes query head by
 // query head (attend_rows).
 
+constexpr int64_t kTeamQueries = 64;  // a paged call of at most this many queries: a decode step's
+
 template <typename C>
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, const C* kp, const C* vp,
                           const float* ksp, const float* vsp, ffi::Span<const int64_t> kd,
@@ -739,7 +741,21 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, const C
                        sk ? sk + g : nullptr, scores.data(), w.data(), ot + g * H);
     }
   };
-  parallel_for(pool, T * K, 1, body);
+  // A decode step's few queries (a token a row) go to the team, as decode attention's do, and
+  // join the product chain: nothing of the pages is asked for ahead (they lie anywhere in the
+  // pool), but while the last heads run the helpers ask for the next product's weights. A
+  // prompt's chunk goes to XLA's pool.
+  const int64_t tasks = T * K;
+  if (T <= kTeamQueries) {
+    Team& team = Team::get();
+    auto run = [&](int t, int n) {
+      if (n == 1) return body(0, tasks);
+      for (int64_t c; (c = team.claim(t)) >= 0;) body(c, c + 1);
+    };
+    team.run(run, Chain::next({reinterpret_cast<const char*>(kp)}), tasks);
+  } else {
+    parallel_for(pool, tasks, 1, body);
+  }
   return ffi::Error::Success();
 }
 
