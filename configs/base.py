@@ -103,6 +103,9 @@ def base_config() -> ConfigDict:
         # and the prompt tokens one step takes beside the decoding rows (chunked prefill).
         "kv_cache_gib": 0.0,
         "chunk_tokens": 256,
+        # Paged: admit the requests of larger max_tokens first (input order among equals), so the
+        # longest answers do not start last and leave the other rows idle at the job's end.
+        "longest_first": True,
     })
     # Several hosts: "auto" initialises jax.distributed on TPU VM pods (or wherever a coordinator
     # is given); "off" never does. On CPU, each process simulates mesh.num_cpu_devices devices.

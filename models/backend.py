@@ -37,6 +37,11 @@ class Backend:
     # A prompt's attention over its own keys in a flash kernel: "pallas" (TPU), "cudnn" (NVIDIA;
     # not with attention sinks) or "" (XLA's attention)
     flash_prefill: str = ""
+    # What one more step of the paged engine costs, in prompt tokens computed: on TPU and GPU a
+    # step reads every weight from HBM, worth hundreds of tokens' flops, so a prompt's last chunk
+    # is padded up to a bucket rather than split; on CPU a step's own cost is a few tokens', so a
+    # prompt is split into buckets it fills (runner/engine/paged_scheduler.py's chunk plan).
+    step_tokens: int = 256
 
     @classmethod
     def resolve(cls, policy: Any, rules: Rules) -> Backend:
@@ -54,7 +59,7 @@ class Backend:
                        attention_kernel=on and unsplit_cache,
                        panels=alone and policy.panel_weights and f32 and policy.quantize == "none",
                        greedy_screen=alone and policy.greedy_screen and policy.dtype.name == "float32",
-                       huge_pages=policy.huge_pages)
+                       huge_pages=policy.huge_pages, step_tokens=16)
         if platform == "tpu":
             return cls(platform, pallas_decode="tpu" if pallas_decode else "",
                        ragged_experts=policy.pallas_moe, row_major_tables=True,

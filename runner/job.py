@@ -171,9 +171,6 @@ def answer(s: Settings, loaded: tuple | None = None, tokenizer=None) -> Summary:
     tokenizer = tokenizer if loaded else load_tokenizer(s.checkpoint_path)
     g = s.generation
     engine = build_engine(s, meta.model, params, rules)
-    if engine.huge_pages[1]:
-        log.info(f"weights and KV cache: {engine.huge_pages[0] / 2**20:.0f} of "
-                 f"{engine.huge_pages[1] / 2**20:.0f} MiB on 2 MiB pages")
     render_chat, parse_chat, chat_stops = chat_format(meta.model, tokenizer, s)
     # Harmony's own stops replace the tokenizer's guesses: a gpt-oss chat template mentions
     # <|end|>, which closes the analysis message, not the answer.
@@ -238,8 +235,14 @@ def answer(s: Settings, loaded: tuple | None = None, tokenizer=None) -> Summary:
                                               else len(p.prompt_ids) - p.continuation), n=p.n,
                         constraint=p.constraint)
                 for p in todo]
-    scheduler = PagedScheduler if isinstance(engine, PagedEngine) else Scheduler
-    stats = scheduler(engine, requests, stop_ids, stop_check).run(done)
+    if isinstance(engine, PagedEngine):
+        scheduler = PagedScheduler(engine, requests, stop_ids, stop_check, s.generation.longest_first)
+    else:
+        scheduler = Scheduler(engine, requests, stop_ids, stop_check)
+    stats = scheduler.run(done)
+    if engine.huge_pages[1]:
+        log.info(f"weights and KV cache: {engine.huge_pages[0] / 2**20:.0f} of "
+                 f"{engine.huge_pages[1] / 2**20:.0f} MiB on 2 MiB pages")
     summary.generate_s = time.perf_counter() - t0
     summary.utilisation, summary.stats = stats.utilisation, stats
     bar.close()
@@ -255,7 +258,8 @@ def answer(s: Settings, loaded: tuple | None = None, tokenizer=None) -> Summary:
     if stats.pages:
         log.info(f"pages in use: {stats.pages_peak} peak, {stats.pages_mean:.1f} mean of {stats.pages}; "
                  f"rows live: {stats.rows_peak} peak, {stats.rows_mean:.1f} mean of {stats.rows}; "
-                 f"{stats.preemptions} preemptions; {stats.programs} programs")
+                 f"{stats.preemptions} preemptions; {stats.programs} programs, whose "
+                 f"compilation the calls waited for {stats.compile_wait_s:.1f} s")
     results.write_final(len(lines))
     if jax.process_count() > 1:  # the results file is whole before any process reports success
         multihost_utils.sync_global_devices("podrun: results written")

@@ -31,6 +31,7 @@ class Generation:
     page_size: int = 0  # 0: the unpaged engine
     kv_cache_gib: float = 0.0
     chunk_tokens: int = 256
+    longest_first: bool = True  # paged: admission by max_tokens, largest first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +93,7 @@ def from_config(c: ConfigDict) -> Settings:
         page_size=int(g.page_size),
         kv_cache_gib=float(g.kv_cache_gib),
         chunk_tokens=int(g.chunk_tokens),
+        longest_first=bool(g.longest_first),
     )
     for field in ("batch_size", "max_prompt_len", "max_new_tokens", "steps_per_dispatch"):
         if getattr(gen, field) < 1:

@@ -74,6 +74,29 @@ def test_chunk_buckets():
     assert chunk_buckets(32) == (32,)
 
 
+@pytest.mark.parametrize("step_tokens", [16, 256])
+def test_a_prompt_is_chunked_at_the_least_cost_in_slots_and_steps(step_tokens):
+    """The chunks a prompt of n tokens is computed in cost the least slots plus step_tokens a step
+    of any counts of 16-, 64- and 256-slot chunks that hold it: with steps that cost little its
+    end is split into chunks it fills, with steps that cost much padded up to one chunk."""
+    from types import SimpleNamespace
+
+    engine = SimpleNamespace(pages=64, page_size=4, groups=1, window_pages=0, window=0, batch_size=4,
+                             max_prompt_len=1024, max_new_tokens=8, chunks=(16, 64, 256),
+                             policy=SimpleNamespace(backend=SimpleNamespace(step_tokens=step_tokens)))
+    scheduler = PagedScheduler(engine, [])
+    for n in range(1, 700, 7):
+        pieces, left = [], n
+        while left > 0:
+            pieces.append(scheduler._piece(left))
+            left -= pieces[-1]
+        best = min(16 * a + 64 * b + 256 * c + step_tokens * (a + b + c)
+                   for a in range(n // 16 + 2) for b in range(n // 64 + 2) for c in range(n // 256 + 2)
+                   if 16 * a + 64 * b + 256 * c >= n)
+        assert sum(pieces) + step_tokens * len(pieces) == best, (n, pieces)
+    assert scheduler._piece(150) == (16 if step_tokens == 16 else 256)
+
+
 # --- the engine -----------------------------------------------------------------------------------
 
 
@@ -120,10 +143,13 @@ def test_greedy_through_chunked_prompts_matches_transformers(llama, prompts, ref
                                                              kernels):
     """Prompts of 2 to 40 tokens in chunks of up to 16, decoding rows in the same steps."""
     engine = paged(llama, mesh_name, Policy(kernels=kernels))
-    got, stats = generate(engine, [Request(p, STEPS) for p in prompts])
+    requests = [Request(p, STEPS) for p in prompts]
+    got, stats = generate(engine, requests)
     for c, ref in zip(got, references):
         assert c.token_ids == ref and c.finish_reason == "length"
     assert stats.programs <= 4 and stats.preemptions == 0
+    # the programs compiled ahead, from the prompts alone, are the ones the job called
+    assert {p.name for p in PagedScheduler(engine, requests).programs()} == engine.programs
 
 
 def test_a_small_pool_preempts_and_gives_the_same_tokens(llama, prompts, references):
@@ -131,6 +157,32 @@ def test_a_small_pool_preempts_and_gives_the_same_tokens(llama, prompts, referen
     got, stats = generate(engine, [Request(p, STEPS) for p in prompts])
     assert stats.preemptions > 0
     assert [c.token_ids for c in got] == references
+
+
+def test_a_decode_call_ends_when_a_row_ends_and_a_sample_waits(llama, prompts, references):
+    """Six requests of 3 to 22 tokens over 4 rows, 4 steps a call: a row that ends mid-call ends
+    the call while samples wait (its place is refilled at once), not once none waits; every
+    request still gets transformers' tokens."""
+    lengths = (3, 22, 5, 9, 14, 7)
+    engine = paged(llama, "1dev")
+    got, stats = generate(engine, [Request(p, n) for p, n in zip(prompts, lengths)])
+    assert [c.token_ids for c in got] == [ref[:n] for ref, n in zip(references, lengths)]
+    # some decode call ended early (decode_steps counts the mixed calls' one step each too)
+    assert stats.decode_steps - stats.inserts < stats.decode_calls * engine.steps
+
+
+@pytest.mark.parametrize("longest_first", [False, True])
+def test_longest_first_admits_by_max_tokens(llama, prompts, references, longest_first):
+    """One row: requests end in the order they were admitted, by max_tokens, largest first
+    (request order among equals), or in request order; the tokens are the same either way."""
+    lengths = (3, 20, 5, 20)
+    engine = paged(llama, "1dev", batch_size=1)
+    ended = []
+    requests = [Request(p, n) for p, n in zip(prompts, lengths)]
+    PagedScheduler(engine, requests, longest_first=longest_first).run(
+        lambda done: ended.extend((i, c[0].token_ids) for i, c in done))
+    assert [i for i, _ in ended] == ([1, 3, 2, 0] if longest_first else [0, 1, 2, 3])
+    assert sorted(ended) == [(i, references[i][:n]) for i, n in enumerate(lengths)]
 
 
 def test_shared_prefixes_are_pages_taken_not_computed(llama, prompts):
@@ -168,8 +220,8 @@ def test_sampled_tokens_logprobs_and_prompt_scores_are_the_unpaged_engines(llama
     transformers and numpy), whatever the chunking, the prefix sharing and a preemption."""
     from runner.engine import Engine
 
-    reqs = [Request(p, 12, temperature=0.9, top_p=0.8, top_k=40, seed=7 + i, logprobs=True,
-                    n=2 if i % 3 == 0 else 1)
+    reqs = [Request(p, 12 if i % 2 else 9, temperature=0.9, top_p=0.8, top_k=40, seed=7 + i,
+                    logprobs=True, n=2 if i % 3 == 0 else 1)
             for i, p in enumerate(prompts)]
     reqs.append(Request(prompts[3], 6, prompt_logprobs=True, prompt_logprobs_from=1))
     reqs.append(Request(prompts[3][:30] + prompts[1][:5], 0, prompt_logprobs=True, prompt_logprobs_from=30))

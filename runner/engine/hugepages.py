@@ -78,11 +78,17 @@ def collapse(tree: Any) -> tuple[int, int]:
     Linux, (0, asked) where the kernel has no MADV_COLLAPSE or THP is off.
     The 2 MiB around a buffer may hold other allocations of the process: collapsing moves pages,
     never their contents."""
+    return collapse_regions(regions(tree))
+
+
+def collapse_regions(spans: list[tuple[int, int]]) -> tuple[int, int]:
+    """collapse's work on regions(tree): the system calls alone, which hold no Python lock and
+    can run on a thread of their own while the arrays are in use."""
     madvise = _madvise()
     if madvise is None:
         return 0, 0
     done = asked = 0
-    for a, b in regions(tree):
+    for a, b in spans:
         for page in range(a, b, HUGE):
             asked += HUGE
             if madvise(page, HUGE, MADV_COLLAPSE) == 0:  # else EINVAL (no MADV_COLLAPSE, THP

@@ -7,7 +7,8 @@ group's rows, tokens and pages stay on its devices); a row holds pages, not a re
 rows run. Each call runs one program of two kinds, each compiled once:
 - `mixed` (one per chunk bucket C): tokens [G, R + C], the R rows' next tokens (padding for rows
   not decoding) and a chunk of C prompt tokens of one row per group, in one forward pass;
-- `decode`: tokens [G, R], `steps_per_dispatch` decode steps, each sampled token fed to the next.
+- `decode`: tokens [G, R], `steps_per_dispatch` decode steps, each sampled token fed to the next,
+  ending early when a row stops and a sample waits for its place.
 The host (runner/engine/paged_scheduler.py) owns every row's state, its pages and their tables,
 and passes them with each call: nothing of a row lives on the device but its keys and values.
 Sampling is runner/engine/sampling.py's, a row's key its seed folded with its count of tokens,
@@ -18,6 +19,8 @@ it was preempted and recomputed.
 from __future__ import annotations
 
 import contextlib
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import NamedTuple
@@ -37,6 +40,23 @@ from runner.engine.sampling import (TokenLogprobs, greedy_screen, next_tokens, p
 from sharding.rules import Rules
 
 
+class Program(NamedTuple):
+    """A program of the engine, by what sets its shapes: a mixed step of `chunk` chunk tokens
+    (one step), or a decode call (chunk 0) of `steps` steps; and what it returns besides."""
+
+    chunk: int
+    steps: int
+    logprobs: bool = False
+    masked: bool = False  # each row's allowed tokens, from the host
+    prompt_logprobs: bool = False
+
+    @property
+    def name(self) -> str:
+        return ((f"mixed_{self.chunk}" if self.chunk else f"decode_{self.steps}")
+                + "_logprobs" * self.logprobs + "_masked" * self.masked
+                + "_prompt_logprobs" * self.prompt_logprobs)
+
+
 class Batch(NamedTuple):
     """One call's input, from the host: a step's tokens [G, T] and where they go, and each of
     the B = G * R rows' sampling state [B]. Tokens [0, R) of a group are its rows' next tokens,
@@ -50,6 +70,7 @@ class Batch(NamedTuple):
     tables: jax.Array  # [G, R, M] int32: each row's pages
     window_tables: jax.Array  # [G, R, M] int32: each row's pages of the windowed layers' pool
     sample_at: jax.Array  # [G, R] int32: the token after which each row samples
+    refill: jax.Array  # [G] bool: a sample waits for a row of the group (a decode call ends early)
     live: jax.Array  # [B] bool: the row samples its next token in this call
     count: jax.Array  # [B] int32: tokens the row has generated
     max_tokens: jax.Array  # [B] int32
@@ -115,22 +136,41 @@ class PagedEngine:
         self.cache = PagedCache.create(G, self.pages, self.window_pages, page_size, windows,
                                        kv_heads, head_dim, kv_dtype, rules, allocate)
         self.greedy_screen = greedy_screen(model, params, self.policy, B) if allocate else None
-        # (bytes on 2 MiB pages, bytes asked) of the weights and pool: CPU only (Engine's)
-        self.huge_pages = (hugepages.collapse((self.params, self.cache, self.greedy_screen))
-                           if allocate and self.policy.backend.huge_pages else (0, 0))
+        # (bytes on 2 MiB pages, bytes asked) of the weights and pool: CPU only (Engine's), the
+        # pages moved on a thread of their own while the programs compile and the first run
+        self._huge_pages = None
+        if allocate and self.policy.backend.huge_pages:
+            spans = hugepages.regions((self.params, self.cache, self.greedy_screen))
+            self._huge_pages = ThreadPoolExecutor(1, thread_name_prefix="podrun-huge-pages").submit(
+                hugepages.collapse_regions, spans)
         cache_sh = jax.tree.map(lambda x: x.sharding, self.cache)
         self._everywhere = everywhere = rules.sharding()
         self._batch_sh = Batch(*[rules.sharding("batch", None)] * 4,
                                *[rules.sharding("batch", None, None)] * 2, rules.sharding("batch", None),
-                               *[rules.sharding("batch")] * 7)
+                               *[rules.sharding("batch")] * 8)
         donate = (1,) if policy.donate_cache else ()
         self._step = jax.jit(self._step_fn, donate_argnums=donate,
                              compiler_options=self.policy.backend.compiler_options,
                              static_argnames=("steps", "logprobs", "prompt_logprobs"),
                              out_shardings=(everywhere, cache_sh, everywhere, everywhere))
+        self._masks_sh = rules.sharding("batch", None, shape=(B, self.mask_words))
         self._stops: dict[tuple[int, ...], jax.Array] = {}
+        # announce(name) -> a context manager around a wait for a program's compilation
         self.announce: Callable[[str], contextlib.AbstractContextManager] | None = None
         self.programs: set[str] = set()  # the programs called so far, by name
+        self._compiled: dict[Program, Future] = {}  # compiled, or compiling on self._compiler
+        self.compile_wait_s = 0.0  # calls' time waiting for their programs' compilation
+        self._compiler = ThreadPoolExecutor(1, thread_name_prefix="podrun-compile")
+        # the arguments' shapes and shardings, which a compilation on another thread reads while
+        # calls replace (and donate) the pool
+        self._abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+            (self.weights, self.cache))
+
+    @property
+    def huge_pages(self) -> tuple[int, int]:
+        """(bytes on 2 MiB pages, bytes asked) of the weights and pool: CPU only (Engine's)."""
+        return self._huge_pages.result() if self._huge_pages is not None else (0, 0)
 
     @property
     def weights(self) -> Weights:
@@ -171,11 +211,13 @@ class PagedEngine:
 
     def _step_fn(self, weights, cache: PagedCache, b: Batch, stop_ids, masks=None, steps: int = 1,
                  logprobs: bool = False, prompt_logprobs: bool = False):
-        """`steps` steps: the first of `b` as given, each later one (decode only) feeding every
-        live row's token to it at the next position, until the row stops (a stop id, its
-        max_tokens). Returns the tokens [B, steps] (-1 where a row did not sample), the pool,
-        with logprobs their TokenLogprobs [B, steps], and with prompt_logprobs (one step) the
-        chunk's targets' [G, T - R]."""
+        """Up to `steps` steps: the first of `b` as given, each later one (decode only) feeding
+        every live row's token to it at the next position, until the row stops (a stop id, its
+        max_tokens). A call of several steps ends early once no row is live, or once a row of a
+        group whose `refill` is set has stopped: its place goes to a waiting sample at once
+        rather than idling to the end of the call. Returns the tokens [B, steps] (-1 where a row
+        did not sample), the pool, with logprobs their TokenLogprobs [B, steps], and with
+        prompt_logprobs (one step) the chunk's targets' [G, T - R]."""
         G, R = b.sample_at.shape
         if steps == 1:
             nxt, scores, cache, prompt = self._forward(weights, cache, b, logprobs, masks,
@@ -183,20 +225,33 @@ class PagedEngine:
             emitted = jnp.where(b.live, nxt, -1)[:, None]
             scores = None if scores is None else jax.tree.map(lambda x: x[:, None], scores)
             return emitted, cache, scores, prompt
-        first_pos = b.positions[:, :R].reshape(G * R)
+        B = G * R
+        scores = None
+        if logprobs:  # the shapes of a step's TokenLogprobs, to fill step by step
+            scores = jax.tree.map(lambda x: jnp.zeros((steps, *x.shape), x.dtype), jax.eval_shape(
+                lambda: token_logprobs(jnp.zeros((B, self.model.vocab_size)), jnp.zeros(B, jnp.int32))))
 
-        def step(carry, _):
-            cache, token, pos, count, live = carry
+        def go_on(carry):
+            i, live = carry[0], carry[5]
+            ended = (b.live & ~live).reshape(G, R)
+            return (i < steps) & jnp.any(live) & ~jnp.any(ended & b.refill[:, None])
+
+        def step(carry):
+            i, cache, token, pos, count, live, emitted, scores = carry
             positions = jnp.where(live, pos, -1).reshape(G, R)
             s = b._replace(tokens=token.reshape(G, R), positions=positions, live=live, count=count)
-            nxt, scores, cache, _ = self._forward(weights, cache, s, logprobs, None)
+            nxt, got, cache, _ = self._forward(weights, cache, s, logprobs, None)
             count = count + live
             stopped = jnp.isin(nxt, stop_ids) | (count >= b.max_tokens)
-            return ((cache, jnp.where(live, nxt, token), pos + 1, count, live & ~stopped),
-                    (jnp.where(live, nxt, -1), scores))
+            emitted = emitted.at[i].set(jnp.where(live, nxt, -1))
+            if scores is not None:
+                scores = jax.tree.map(lambda all_, x: all_.at[i].set(x), scores, got)
+            return (i + 1, cache, jnp.where(live, nxt, token), pos + 1, count, live & ~stopped,
+                    emitted, scores)
 
-        carry = (cache, b.tokens[:, :R].reshape(G * R), first_pos, b.count, b.live)
-        (cache, *_), (emitted, scores) = jax.lax.scan(step, carry, None, length=steps)
+        carry = (jnp.int32(0), cache, b.tokens[:, :R].reshape(B), b.positions[:, :R].reshape(B),
+                 b.count, b.live, jnp.full((steps, B), -1, jnp.int32), scores)
+        _, cache, *_, emitted, scores = jax.lax.while_loop(go_on, step, carry)
         scores = None if scores is None else jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1), scores)
         return emitted.T, cache, scores, None
 
@@ -206,11 +261,52 @@ class PagedEngine:
         return stop_array(self._stops, stop_ids, self._everywhere)
 
     def program(self, chunk: int, steps: int, logprobs: bool = False, masked: bool = False,
-                prompt_logprobs: bool = False) -> str:
-        """The name of the program a call of this shape runs."""
-        name = f"mixed_{chunk}" if chunk else f"decode_{steps}"
-        return (name + ("_logprobs" if logprobs else "") + ("_masked" if masked else "")
-                + ("_prompt_logprobs" if prompt_logprobs else ""))
+                prompt_logprobs: bool = False) -> Program:
+        """The program a call of this shape runs."""
+        return Program(chunk, 1 if chunk else steps, logprobs, masked, prompt_logprobs)
+
+    def _lower(self, p: Program) -> jax.stages.Lowered:
+        """Program p lowered for the mesh's devices (an AOT topology's too)."""
+        shaped = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+        b = jax.tree.map(shaped, self.empty_batch(p.chunk), self._batch_sh)
+        stops = jax.ShapeDtypeStruct((MAX_STOP_IDS,), jnp.int32, sharding=self._everywhere)
+        masks = (jax.ShapeDtypeStruct((self.batch_size, self.mask_words), jnp.int32,
+                                      sharding=self._masks_sh) if p.masked else None)
+        return self._step.lower(*self._abstract, b, stops, masks, steps=p.steps,
+                                logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs)
+
+    def prepare(self, programs: Sequence[Program]) -> None:
+        """Compiles `programs` (or loads them from the compilation cache) one after another on a
+        thread of their own, in that order, while the calls run: a program's first call then
+        waits only for what is left of its compilation. The tracing is Python's, which a
+        running program leaves free."""
+        for p in programs:
+            if p not in self._compiled:
+                self._compiled[p] = self._compiler.submit(lambda p=p: self._lower(p).compile())
+
+    def forget_prepared(self) -> None:
+        """Drops the prepared programs whose compilation has not begun (a job that ended)."""
+        for p, future in list(self._compiled.items()):
+            if future.cancel():
+                del self._compiled[p]
+
+    def _executable(self, p: Program) -> jax.stages.Compiled:
+        """Program p compiled: prepared, or compiled now (announced) when it was not, or when its
+        compilation had not begun (then taken off the thread's queue). The time the call waits
+        adds to compile_wait_s."""
+        future = self._compiled.get(p)
+        if future is not None and future.done():
+            return future.result()
+        began = time.perf_counter()
+        with self.announce(p.name) if self.announce is not None else contextlib.nullcontext():
+            if future is not None and not future.cancel():
+                compiled = future.result()
+            else:
+                compiled = self._lower(p).compile()
+                self._compiled[p] = future = Future()
+                future.set_result(compiled)
+        self.compile_wait_s += time.perf_counter() - began
+        return compiled
 
     def call(self, batch: Batch, stop_ids: Sequence[int] = (), steps: int = 1,
              logprobs: bool = False, masks: np.ndarray | None = None, prompt_logprobs: bool = False
@@ -218,21 +314,17 @@ class PagedEngine:
         """Runs one program on host arrays `batch`: the tokens [B, steps] (-1 where a row did not
         sample), with logprobs their TokenLogprobs [B, steps], with prompt_logprobs the chunk
         tokens' targets' [G, C]."""
-        T = batch.tokens.shape[1]
-        name = self.program(T - self.rows_per_group, steps, logprobs, masks is not None,
-                            prompt_logprobs)
+        p = self.program(batch.tokens.shape[1] - self.rows_per_group, steps, logprobs,
+                         masks is not None, prompt_logprobs)
+        run = self._executable(p)
+        self.programs.add(p.name)
         device = jax.tree.map(jax.device_put, batch, self._batch_sh)
         if masks is not None:
-            masks = jax.device_put(masks, self.rules.sharding("batch", None, shape=masks.shape))
-        first = name not in self.programs and self.announce is not None
-        self.programs.add(name)
-        with self.announce(name) if first else contextlib.nullcontext():
-            emitted, self.cache, scores, prompt = self._step(
-                self.weights, self.cache, device, self._stop_array(stop_ids), masks, steps=steps,
-                logprobs=logprobs, prompt_logprobs=prompt_logprobs)
-            emitted = np.asarray(emitted)
+            masks = jax.device_put(masks, self._masks_sh)
+        emitted, self.cache, scores, prompt = run(self.weights, self.cache, device,
+                                                  self._stop_array(stop_ids), masks)
         host = lambda x: None if x is None else TokenLogprobs(*map(np.asarray, x))
-        return emitted, host(scores), host(prompt)
+        return np.asarray(emitted), host(scores), host(prompt)
 
     def empty_batch(self, chunk: int) -> Batch:
         """Host arrays of a call with `chunk` chunk tokens (0: decode only) in which nothing
@@ -245,7 +337,7 @@ class PagedEngine:
                      np.zeros((G, R, M), np.int32),
                      np.zeros((G, R, M), np.int32),
                      np.broadcast_to(np.arange(R, dtype=np.int32), (G, R)).copy(),
-                     np.zeros(B, bool), np.zeros(B, np.int32), np.ones(B, np.int32),
+                     np.zeros(G, bool), np.zeros(B, bool), np.zeros(B, np.int32), np.ones(B, np.int32),
                      np.zeros(B, np.uint32), np.zeros(B, np.float32), np.zeros(B, np.int32),
                      np.ones(B, np.float32))
 
@@ -253,20 +345,8 @@ class PagedEngine:
         """Every program a job runs, lowered for the mesh's devices (an AOT topology too): the
         decode call and the mixed step of each chunk bucket; with variants, the decode call that
         also returns log-probabilities and the largest mixed step that returns the chunk's."""
-        stops = jax.ShapeDtypeStruct((MAX_STOP_IDS,), jnp.int32, sharding=self._everywhere)
-
-        def shaped(chunk):
-            return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-                                self.empty_batch(chunk), self._batch_sh)
-
-        out = {self.program(C, 1): self._step.lower(self.weights, self.cache, shaped(C), stops)
-               for C in self.chunks}
-        out[self.program(0, self.steps)] = self._step.lower(self.weights, self.cache, shaped(0),
-                                                            stops, steps=self.steps)
+        programs = [self.program(C, 1) for C in self.chunks] + [self.program(0, self.steps)]
         if variants:
-            out[self.program(0, self.steps, logprobs=True)] = self._step.lower(
-                self.weights, self.cache, shaped(0), stops, steps=self.steps, logprobs=True)
-            C = self.chunk
-            out[self.program(C, 1, logprobs=True, prompt_logprobs=True)] = self._step.lower(
-                self.weights, self.cache, shaped(C), stops, logprobs=True, prompt_logprobs=True)
-        return out
+            programs += [self.program(0, self.steps, logprobs=True),
+                         self.program(self.chunk, 1, logprobs=True, prompt_logprobs=True)]
+        return {p.name: self._lower(p) for p in programs}

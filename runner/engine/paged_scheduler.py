@@ -4,12 +4,13 @@
     a prompt, chunk by chunk, in the same step as every decoding row --> its first token
     decoding rows --decode calls (steps_per_dispatch steps)--> tokens; a row that ends frees its pages
 
-Samples are admitted in request order (a request of n samples is n samples, one after the
-other), at most one at a time into each group's free row, and only while no other row of that
-group is still prefilling: one prompt per group is chunked at a time, so every later sample of the
-same prompt (or prompt of the same prefix) finds the full pages it shares already written and
-named, and takes them instead of computing them. A sample is admitted when the pool has pages for
-its whole prompt and one token, so a row that enters does not stall at once.
+Samples are admitted in request order, or with longest_first by max_tokens, largest first (a
+request of n samples is n samples, one after the other), at most one at a time into each group's
+free row, and only while no other row of that group is still prefilling: one prompt per group is
+chunked at a time, so every later sample of the same prompt (or prompt of the same prefix) finds
+the full pages it shares already written and named, and takes them instead of computing them. A
+sample is admitted when the pool has pages for its whole prompt and one token, so a row that
+enters does not stall at once.
 
 A row takes pages as it grows. When a decoding row needs a page and none is free, the newest row
 of its group gives its pages back (preemption) and its sample goes to the front of the waiting
@@ -31,7 +32,7 @@ import numpy as np
 
 from runner.engine.engine import Completion, Request
 from runner.engine.pages import PagePool, Table, digests
-from runner.engine.paged_engine import PagedEngine
+from runner.engine.paged_engine import PagedEngine, Program
 from runner.engine.sampling import sample_seed
 from runner.engine.scheduler import Stats, _Live, finished
 
@@ -60,8 +61,14 @@ class PagedScheduler:
     """Runs `requests` through a PagedEngine, rows refilled as their requests end."""
 
     def __init__(self, engine: PagedEngine, requests: Sequence[Request], stop_ids: Sequence[int] = (),
-                 stop_check: Callable[[int, list[int]], bool] | None = None):
+                 stop_check: Callable[[int, list[int]], bool] | None = None,
+                 longest_first: bool = False):
+        """longest_first: admit requests by max_tokens, largest first (request order among
+        equals): the job's longest answers do not start last, with every other row idle until
+        they end."""
         self.engine, self.requests = engine, requests
+        self.order = sorted(range(len(requests)), key=lambda i: -requests[i].max_tokens
+                            ) if longest_first else range(len(requests))
         self.stop_ids, self.stop_check = tuple(stop_ids), stop_check
         for i, r in enumerate(requests):
             if r.n < 1:
@@ -76,19 +83,57 @@ class PagedScheduler:
         self.stats = Stats(rows=engine.batch_size, pages=engine.pages * engine.groups)
         self._names: dict[int, list[bytes]] = {}  # each request's full prompt pages' digests
         self._ended: dict[int, dict[int, Completion]] = {}
+        self._plan: list[tuple[int, int]] = [(0, 0)]  # _piece's costs, from 0 tokens up
 
     def _digests(self, i: int) -> list[bytes]:
         if i not in self._names:
             self._names[i] = digests(self.requests[i].prompt, self.engine.page_size)
         return self._names[i]
 
+    def _piece(self, n: int) -> int:
+        """The chunk bucket of the next step of a row with n prompt tokens left: the first of the
+        cheapest way to compute them in chunks, where a chunk of C slots costs C + the backend's
+        step_tokens (a step's own cost). So a prompt's end is padded up to a bucket where a step
+        costs much (TPU, GPU), and split into buckets it fills where a step costs little (CPU)."""
+        step, plan = self.engine.policy.backend.step_tokens, self._plan
+        for m in range(len(plan), n + 1):  # plan[m]: (cost, first bucket) for m tokens
+            plan.append(min((C + step + plan[max(0, m - C)][0], C) for C in self.engine.chunks))
+        return plan[n][1]
+
+    def programs(self) -> list[Program]:
+        """The programs this job's calls will likely run, in the order of their first calls: the
+        chunks of the prompts of the first rows, a decode call, then the later prompts' chunks
+        (prefix sharing and preemption can ask for others, compiled when first called)."""
+        engine, out = self.engine, []
+        for n, i in enumerate(self.order):
+            r = self.requests[i]
+            if n == engine.batch_size and any(r.max_tokens > 1 for r in self.requests):
+                out.append(engine.program(0, engine.steps))
+            left = len(r.prompt)
+            while left > 0:
+                C = self._piece(left)
+                out.append(engine.program(C, 1))
+                left -= C
+        if any(r.max_tokens > 1 for r in self.requests):
+            out.append(engine.program(0, engine.steps))
+        return list(dict.fromkeys(out))
+
     def run(self, on_done: Callable[[list[tuple[int, list[Completion]]]], None]) -> Stats:
         """Generates every request; on_done gets the requests that ended in each call, as they
         end: (index, its samples' completions in sample order)."""
+        self.engine.prepare(self.programs())
+        waited = self.engine.compile_wait_s
+        try:
+            return self._run(on_done)
+        finally:
+            self.engine.forget_prepared()
+            self.stats.compile_wait_s = self.engine.compile_wait_s - waited
+
+    def _run(self, on_done: Callable[[list[tuple[int, list[Completion]]]], None]) -> Stats:
         engine, t0 = self.engine, time.perf_counter()
         G, R = engine.groups, engine.rows_per_group
         waiting: deque[tuple[int, int, _Live | None]] = deque(
-            (i, k, None) for i, r in enumerate(self.requests) for k in range(r.n))
+            (i, k, None) for i in self.order for k in range(self.requests[i].n))
         rows: list[list[_Seq | None]] = [[None] * R for _ in range(G)]
         admitted = 0
         calls = pages_held = rows_live = 0
@@ -104,12 +149,8 @@ class PagedScheduler:
                 waiting.popleft()
                 rows[g][rows[g].index(None)] = seq
                 admitted += 1
-            chunk = 0
-            for g in range(G):
-                for s in rows[g]:
-                    if s and s.prefilling:
-                        chunk = max(chunk, min(engine.chunk, len(s.input) - s.table.length))
-            C = next(c for c in engine.chunks if c >= chunk) if chunk else 0
+            C = max((self._piece(len(s.input) - s.table.length)
+                     for group in rows for s in group if s and s.prefilling), default=0)
             steps = 1 if C else engine.steps
             if any(s and s.live.walk is not None for group in rows for s in group):
                 steps = 1  # the next token's mask needs the one just taken
@@ -119,6 +160,7 @@ class PagedScheduler:
             if not live:  # everything admitted was preempted back: admit again
                 continue
             batch, sampling = self._batch(rows, C)
+            batch.refill[:] = bool(waiting)
             walks = [s.live.walk if s and i in sampling else None
                      for i, s in enumerate(x for group in rows for x in group)]
             masks = None
@@ -149,8 +191,11 @@ class PagedScheduler:
                 st.decode_calls += 1
                 st.decode_s += now - began
             st.masked_calls += masks is not None
-            st.decode_steps += steps
-            st.row_steps += steps * engine.batch_size
+            ran = int(np.max(np.nonzero((emitted >= 0).any(axis=0))[0], initial=0)) + 1  # an early end
+            st.decode_steps += ran
+            st.row_steps += ran * engine.batch_size
+            st.prefill_row_steps += sum(1 for s in live if s.prefilling) - len(
+                [r for r in sampling if rows[r // R][r % R].prefilling])
             ended: list[tuple[int, list[Completion]]] = []
             for g in range(G):
                 for r in range(R):

@@ -49,6 +49,7 @@ class Stats:
     decode_calls: int = 0
     decode_steps: int = 0  # decode_calls x steps per dispatch
     row_steps: int = 0  # decode steps x the rows each ran with (fewer once the job's tail shrinks)
+    prefill_row_steps: int = 0  # the paged engine's row-steps computing a prompt's chunk, no token
     shrinks: int = 0  # times the live rows were gathered into a smaller cache
     inserts: int = 0  # prefill calls
     prompt_slots: int = 0  # rows x bucket over every insert: the prompt tokens computed, padding in
@@ -67,11 +68,14 @@ class Stats:
     rows_mean: float = 0.0  # rows live, the mean over calls
     preemptions: int = 0  # rows whose pages were taken back mid-request, to be recomputed
     programs: int = 0  # distinct device programs called
+    compile_wait_s: float = 0.0  # calls' wall time waiting for their programs' compilation
 
     @property
     def utilisation(self) -> float:
-        """Completion tokens per decode row-step: 1 when no row ever idles."""
-        return self.completion_tokens / self.row_steps if self.row_steps else 0.0
+        """The row-steps in which a row worked (took a token, or computed a chunk of its prompt
+        in a paged engine's step) over all: 1 when no row ever idles."""
+        return ((self.completion_tokens + self.prefill_row_steps) / self.row_steps
+                if self.row_steps else 0.0)
 
 
 @dataclasses.dataclass
