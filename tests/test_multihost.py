@@ -45,11 +45,14 @@ def start(root, inp, out, pid, port, *extra):
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-@pytest.mark.parametrize("across", [(), pytest.param(("--config.mesh.dcn.data=2",), marks=pytest.mark.slow)],
-                         ids=["one_slice", "data_over_dcn"])
+@pytest.mark.parametrize("across", [(), pytest.param(("--config.mesh.dcn.data=2",), marks=pytest.mark.slow),
+                                    ("--config.generation.page_size=4", "--config.generation.chunk_tokens=16")],
+                         ids=["one_slice", "data_over_dcn", "paged"])
 def test_two_processes_write_the_same_results_as_one(setup, tmp_path, across):
     """data_over_dcn: each process plays a slice, and the data axis alone crosses between them (slow:
-    test_compile's two-slice deployment checks that layout in the default suite)."""
+    test_compile's two-slice deployment checks that layout in the default suite). paged: the two
+    processes run the paged engine, each its scheduler over the same requests, and write what
+    one process of the unpaged engine writes."""
     root, inp = setup
     podrun("runner.main", *args(root, inp, tmp_path / "one.jsonl"))
     port = free_port()
