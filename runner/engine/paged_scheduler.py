@@ -105,18 +105,16 @@ class PagedScheduler:
         chunks of the prompts of the first rows, a decode call, then the later prompts' chunks
         (prefix sharing and preemption can ask for others, compiled when first called)."""
         engine, out = self.engine, []
+        decode = [engine.program(0, engine.steps)] if any(r.max_tokens > 1 for r in self.requests) else []
         for n, i in enumerate(self.order):
-            r = self.requests[i]
-            if n == engine.batch_size and any(r.max_tokens > 1 for r in self.requests):
-                out.append(engine.program(0, engine.steps))
-            left = len(r.prompt)
+            if n == engine.batch_size:
+                out += decode
+            left = len(self.requests[i].prompt)
             while left > 0:
                 C = self._piece(left)
                 out.append(engine.program(C, 1))
                 left -= C
-        if any(r.max_tokens > 1 for r in self.requests):
-            out.append(engine.program(0, engine.steps))
-        return list(dict.fromkeys(out))
+        return list(dict.fromkeys(out + decode))
 
     def run(self, on_done: Callable[[list[tuple[int, list[Completion]]]], None]) -> Stats:
         """Generates every request; on_done gets the requests that ended in each call, as they
