@@ -192,8 +192,8 @@ class PagedScheduler:
             ran = int(np.max(np.nonzero((emitted >= 0).any(axis=0))[0], initial=0)) + 1  # an early end
             st.decode_steps += ran
             st.row_steps += ran * engine.batch_size
-            st.prefill_row_steps += sum(1 for s in live if s.prefilling) - len(
-                [r for r in sampling if rows[r // R][r % R].prefilling])
+            st.prefill_row_steps += sum(1 for g, group in enumerate(rows) for r, s in enumerate(group)
+                                        if s and s.prefilling and g * R + r not in sampling)
             ended: list[tuple[int, list[Completion]]] = []
             for g in range(G):
                 for r in range(R):
