@@ -6,7 +6,10 @@ against the floor a step must read (the declared weights and KV cache per chip, 
 
 Compiles the decode step alone, one step per call (no loop), for the config's mesh.tpu_topology
 (libtpu needed, as for runner.tools.compile), and prints temporaries, bytes accessed and their ratio to
-the floor. Overrides are `section.key=value`.
+the floor. Overrides are `section.key=value`. With generation.page_size > 0 it compiles the paged
+engine's decode_1, and the floor's KV part is the pool's pages (what the rows hold when the pool is
+full, as the scheduler keeps it); XLA cannot see into a Pallas kernel, whose bytes are those it
+declares (the pages its sequences hold, models/kernels/tpu.paged_attention).
 
 On v5e it compiles twice. XLA's "bytes accessed" counts each prefetch of an operand into VMEM
 (memory-space assignment) as a read and a write, on top of the consumer's read, so the second
@@ -35,6 +38,7 @@ from jax.experimental import topologies
 
 from models.registry import Model
 from runner.engine import Engine
+from runner.job import build_engine
 from runner.settings import from_config
 from runner.tools.memory import footprint
 from sharding.mesh import make_mesh
@@ -55,6 +59,8 @@ def main(path: str, *overrides: str) -> None:
         section, name = key.split(".")
         old = c[section][name]
         c[section][name] = value == "True" if isinstance(old, bool) else type(old)(value)
+    if c.generation.page_size:  # the paged engine's decode call of one step
+        c.generation.steps_per_dispatch = 1
     s = from_config(c)
     if s.policy.scan_layers:  # XLA's cost analysis counts a loop's body once, not once per trip
         sys.exit("tpu_decode_bytes: precision.scan_layers=True puts the layers in a loop whose body "
@@ -64,13 +70,19 @@ def main(path: str, *overrides: str) -> None:
     rules = Rules.make(make_mesh(s.mesh, topo.devices), s.rules)
     params = model.abstract_params(rules, s.policy)
     g = s.generation
-    engine = Engine(model, params, rules, s.policy, g.batch_size, g.max_prompt_len, g.max_new_tokens,
-                    1, g.prefill_buckets, allocate=False, prefill_rows=g.prefill_rows)
-    lowered = engine.lower()["decode"]
+    if g.page_size:
+        engine = build_engine(s, model, params, rules, allocate=False)
+        lowered = engine.lower()["decode_1"]
+    else:
+        engine = Engine(model, params, rules, s.policy, g.batch_size, g.max_prompt_len,
+                        g.max_new_tokens, 1, g.prefill_buckets, allocate=False,
+                        prefill_rows=g.prefill_rows)
+        lowered = engine.lower()["decode"]
     f = footprint(s, model)
     floor = f.weights + f.kv_cache
+    what = "KV pool, every page held" if g.page_size else "KV cache"
     print(f"{s.checkpoint_model} on {s.tpu_topology}: floor {floor / 1e9:.2f} GB per chip per step "
-          f"(weights {f.weights / 2**30:.2f} GiB + KV cache {f.kv_cache / 2**30:.2f} GiB)")
+          f"(weights {f.weights / 2**30:.2f} GiB + {what} {f.kv_cache / 2**30:.2f} GiB)")
     runs = [("as deployed", {})]
     if s.tpu_topology.startswith("v5e"):  # v5e's flag for XLA's prefetches into VMEM
         runs.append(("no VMEM prefetch", {"xla_vf_vmem_memory_space_assignment": False}))

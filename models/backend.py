@@ -37,6 +37,9 @@ class Backend:
     # A prompt's attention over its own keys in a flash kernel: "pallas" (TPU), "cudnn" (NVIDIA;
     # not with attention sinks) or "" (XLA's attention)
     flash_prefill: str = ""
+    # TPU: the paged engine's cache writes and attention in Pallas, over pools stored folded
+    # (models/paged.py, models/kernels/tpu.py); int8 pools stay XLA's
+    pallas_paged: bool = False
     # What one more step of the paged engine costs, in prompt tokens computed: on TPU and GPU a
     # step reads every weight from HBM, worth hundreds of tokens' flops, so a prompt's last chunk
     # is padded up to a bucket rather than split; on CPU a step's own cost is a few tokens', so a
@@ -63,7 +66,8 @@ class Backend:
         if platform == "tpu":
             return cls(platform, pallas_decode="tpu" if pallas_decode else "",
                        ragged_experts=policy.pallas_moe, row_major_tables=True,
-                       flash_prefill="pallas" if policy.pallas_prefill and unsplit_cache else "")
+                       flash_prefill="pallas" if policy.pallas_prefill and unsplit_cache else "",
+                       pallas_paged=policy.kernels and unsplit_cache)
         return cls(platform, pallas_decode="gpu" if pallas_decode else "",
                    flash_prefill="cudnn" if policy.cudnn_prefill and unsplit_cache else "")
 

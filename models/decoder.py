@@ -144,7 +144,7 @@ def attention_block(family: Family | ModuleType, p: dict, x: jax.Array, position
     v = constrain(v, rules, "batch", "seq", "act_kv_heads", None)
     options = family.attention_options(p, layer, c)
     if isinstance(cache, PagedCache):  # the step's keys written first, then read with the rest
-        cache = cache.write(layer, k, v, column, rules, options.get("window"))
+        cache = cache.write(layer, k, v, column, rules, options.get("window"), policy)
         out = paged_attention(q, cache, layer, rules, policy, **options)
     else:
         out, cache = cached_attention(q, k, v, positions, cache, layer, mode, column, rules,

@@ -21,6 +21,10 @@ The step's layout, which the attention in XLA relies on: tokens [0, R) are one p
 (token r of sequence r: a decode step's, or padding), and any tokens after them (a prompt's
 chunk) belong to one sequence, rows[:, R]. The kernels (podrun's CPU one) take any layout.
 
+With the TPU kernels (Backend.pallas_paged) a pool is stored folded, [G, P, K, S // f, f * H]:
+f = models/kernels/tpu.fold(H) slots side by side in 128 lanes, the layout those kernels read
+without a copy (see there). Everything else reads [G, P, K, S, H] (f = 1).
+
 Einsum legend as models/attention.py: B rows, T queries, S slots, N query heads, K kv heads, H.
 """
 
@@ -58,9 +62,13 @@ class PagedCache(NamedTuple):
     rows: jax.Array | None = None
     positions: jax.Array | None = None
 
-    @property
-    def page_size(self) -> int:
-        return self.k[0].shape[3]
+    @staticmethod
+    def fold(policy: Policy, dtype: Any, head_dim: int) -> int:
+        """Slots a row of a pool holds: side by side for the TPU kernels (int8 pools are XLA's)."""
+        if policy.backend.pallas_paged and jnp.dtype(dtype) != jnp.int8:
+            from models.kernels import tpu
+            return tpu.fold(head_dim)
+        return 1
 
     @staticmethod
     def shardings(rules: Rules, num_layers: int, quantized: bool) -> PagedCache:
@@ -82,14 +90,17 @@ class PagedCache(NamedTuple):
     @staticmethod
     def create(groups: int, pages: int, window_pages: int, page_size: int,
                windows: tuple[int | None, ...], kv_heads: int, head_dim: int, dtype: Any,
-               rules: Rules, allocate: bool = True) -> PagedCache:
+               rules: Rules, allocate: bool = True, fold: int = 1) -> PagedCache:
         """An empty pool (zeros): `pages` pages per group for full-attention layers,
-        `window_pages` for those with a window (windows[i]); with allocate=False its shapes with
-        their shardings."""
+        `window_pages` for those with a window (windows[i]), stored `fold` slots a row (fold 1:
+        [G, P, K, S, H]); with allocate=False its shapes with their shardings."""
         quantized = jnp.dtype(dtype) == jnp.int8
         num_layers = len(windows)
-        shapes = [(groups, window_pages if w else pages, kv_heads, page_size, head_dim)
-                  for w in windows]
+        if page_size % fold:
+            raise ValueError(f"generation.page_size={page_size} must be a multiple of {fold} "
+                             f"on TPU (slots of {head_dim} that fill 128 lanes)")
+        shapes = [(groups, window_pages if w else pages, kv_heads, page_size // fold,
+                   fold * head_dim) for w in windows]
 
         def make():
             kv = [jnp.zeros(shape, dtype) for shape in shapes]
@@ -119,22 +130,28 @@ class PagedCache(NamedTuple):
         token's slot follows from its position)."""
         return self._replace(positions=positions.astype(jnp.int32))
 
-    def slots(self, tables: jax.Array, pages: int) -> jax.Array:
-        """Each token's slot in its group's pool of `pages` pages through `tables`, page * S +
-        slot [G, T]; pages * S (past the end: a write there is dropped) for padding."""
-        S, P = self.page_size, pages
+    def slots(self, tables: jax.Array, pages: int, S: int) -> jax.Array:
+        """Each token's slot in its group's pool of `pages` pages of S slots through `tables`,
+        page * S + slot [G, T]; pages * S (past the end: a write there is dropped) for padding."""
+        P = pages
         pos = jnp.maximum(self.positions, 0)
         table = jax.vmap(lambda t, r: t[r])(tables, self.rows)  # [G, T, M]: each token's
         page = jnp.take_along_axis(table, (pos // S)[:, :, None], axis=2, mode="clip")[:, :, 0]
         return jnp.where(self.positions >= 0, page * S + pos % S, P * S)
 
     def write(self, layer: int, k: jax.Array, v: jax.Array, column: Any, rules: Rules,
-              window: int | None = None) -> PagedCache:
+              window: int | None = None, policy: Policy | None = None) -> PagedCache:
         """Writes one layer's new k, v [G, T, K, H] into their slots (the layer's window picks
-        its pool's tables)."""
+        its pool's tables): in the TPU kernel (policy's Backend.pallas_paged), else a scatter."""
         with jax.named_scope("cache_write"):
-            slots = self.slots(self.tables_for(window), self.k[layer].shape[1])
+            pool = self.k[layer]
+            S = pool.shape[3] * pool.shape[4] // k.shape[-1]
+            slots = self.slots(self.tables_for(window), pool.shape[1], S)
             ks, vs, kss, vss = list(self.k), list(self.v), list(self.k_scale), list(self.v_scale)
+            if policy is not None and policy.backend.pallas_paged and kss[layer] is None:
+                ks[layer] = _tpu_write(pool, k, slots, rules)
+                vs[layer] = _tpu_write(vs[layer], v, slots, rules)
+                return self._replace(k=ks, v=vs)
             for store, scales, new in ((ks, kss, k), (vs, vss, v)):
                 if scales[layer] is not None:  # int8: one scale per slot and head
                     new, scale = quantize_rows(new)
@@ -167,6 +184,8 @@ def paged_attention(q: jax.Array, cache: PagedCache, layer: int, rules: Rules, p
     ks, vs = cache.k_scale[layer], cache.v_scale[layer]
     if policy.backend.attention_kernel and q.dtype == jnp.float32 and kc.dtype in (jnp.float32, jnp.int8):
         return _cpu_kernel(q, kc, vc, ks, vs, cache, rules, window, sinks, scale)
+    if policy.backend.pallas_paged and ks is None:
+        return _tpu_kernel(q, kc, vc, cache, rules, window, sinks, scale)
     return _xla(q, kc, vc, ks, vs, cache, policy, window, sinks, scale)
 
 
@@ -265,10 +284,58 @@ def _cpu_kernel(q, kc, vc, ks, vs, cache: PagedCache, rules: Rules, window, sink
     args = (q, kc, vc, cache.tables_for(window), cache.rows, cache.positions, sinks, *scales)
     if rules.mesh.size == 1:
         return local(*args)
-    spec = rules.spec(*POOL_AXES, shape=kc.shape)
-    b, kv = spec[0], spec[2]
+    b, kv = _group_specs(rules, kc)
     specs = (Spec(b, None, kv, None), Spec(b, None, kv, None, None), Spec(b, None, kv, None, None),
              Spec(b, None, None), Spec(b, None), Spec(b, None), Spec(kv),
              *[Spec(b, None, kv, None)] * len(scales))
+    return jax.shard_map(local, mesh=rules.mesh, out_specs=specs[0], check_vma=False,
+                         in_specs=specs)(*args)
+
+
+def _group_specs(rules: Rules, pool: jax.Array) -> tuple[Any, Any]:
+    """The mesh axes of a pool's groups and kv heads."""
+    spec = rules.spec(*POOL_AXES, shape=pool.shape)
+    return spec[0], spec[2]
+
+
+def _tpu_write(pool: jax.Array, new: jax.Array, slots: jax.Array, rules: Rules) -> jax.Array:
+    """models/kernels/tpu.write_pages per group (and kv-head shard) under shard_map."""
+    from models.kernels import tpu
+
+    local = lambda pool, new, slots: tpu.write_pages(pool[0], new[0], slots[0])[None]
+    if rules.mesh.size == 1:
+        return local(pool, new, slots)
+    b, kv = _group_specs(rules, pool)
+    pool_spec = Spec(b, None, kv, None, None)
+    return jax.shard_map(local, mesh=rules.mesh, out_specs=pool_spec, check_vma=False,
+                         in_specs=(pool_spec, Spec(b, None, kv, None), Spec(b, None)))(pool, new, slots)
+
+
+def _tpu_kernel(q, kc, vc, cache: PagedCache, rules: Rules, window, sinks, scale):
+    """models/kernels/tpu.paged_attention per group (and kv-head shard) under shard_map: the
+    first R queries one per sequence, the rest (a chunk) of sequence rows[:, R], as `_xla`."""
+    from models.kernels import tpu
+
+    has_sinks = sinks is not None
+    sinks = jnp.zeros(q.shape[2:3], jnp.float32) if sinks is None else sinks
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    R = cache.tables_for(window).shape[1]
+
+    def local(q, kc, vc, tables, rows, positions, sinks):  # one group each
+        q, kc, vc, tables, rows, positions = (x[0] for x in (q, kc, vc, tables, rows, positions))
+        run = lambda q, table, pos: tpu.paged_attention(q, kc, vc, table, pos,
+                                                        sinks if has_sinks else None, window, scale)
+        out = run(q[:R, None], tables, positions[:R, None])[:, 0]  # [R, N, H]
+        if q.shape[0] > R:  # the chunk, of one sequence
+            chunk = run(q[None, R:], tables[rows[R]][None], positions[None, R:])[0]
+            out = jnp.concatenate([out, chunk], axis=0)
+        return out[None]
+
+    args = (q, kc, vc, cache.tables_for(window), cache.rows, cache.positions, sinks)
+    if rules.mesh.size == 1:
+        return local(*args)
+    b, kv = _group_specs(rules, kc)
+    specs = (Spec(b, None, kv, None), Spec(b, None, kv, None, None), Spec(b, None, kv, None, None),
+             Spec(b, None, None), Spec(b, None), Spec(b, None), Spec(kv))
     return jax.shard_map(local, mesh=rules.mesh, out_specs=specs[0], check_vma=False,
                          in_specs=specs)(*args)

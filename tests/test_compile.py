@@ -3,6 +3,7 @@
 import dataclasses
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -100,9 +101,34 @@ def test_a_paged_deployment_compiles_its_mixed_and_decode_programs_for_a_v5e_top
         assert declared.per_device <= c.argument_bytes <= declared.per_device * 1.02 + 2**14, c
         assert c.peak_bytes <= 16 * 2**30 and c.flops > 0
     assert compiled["decode_8"].alias_bytes >= declared.kv_cache  # the pools are donated
+    # Each layer writes its keys and values and attends in the Pallas kernels (the mixed step
+    # attends twice: the rows' tokens, then the chunk), on the pools as they are: no copy of one.
+    hlo = {name: lowered.compile().as_text() for name, lowered in engine.lower().items()}
+    layers = SMALL.config.num_layers
+    assert hlo["decode_8"].count('custom_call_target="tpu_custom_call"') == 3 * layers
+    assert hlo["mixed_32"].count('custom_call_target="tpu_custom_call"') == 4 * layers
 
     text = report(s, engine, compiled)
     assert "pool of 108 + 20 window pages x 16 tokens per group" in text and "mixed per call" in text
+
+
+def test_pools_of_head_dim_64_reach_the_tpu_kernels_without_a_copy():
+    """GPT-OSS's head_dim of 64 on TPU: the pools are stored folded, two slots a row of 128
+    lanes, and the decode program hands them to the Pallas kernels as they are. Unfolded
+    ([.., 16, 64]), XLA lays a pool out pages minor-most and copies it, whole, around every
+    kernel call (checked by hand: a copy of each pool per layer and step)."""
+    from runner.tools.compile import compile_deployment
+
+    model = dataclasses.replace(SMALL, config=dataclasses.replace(SMALL.config, head_dim=64))
+    s = tiny_tpu_settings(page_size=16, kv_cache_gib=2**-10, chunk_tokens=32)
+    engine, _ = compile_deployment(s, model, only=("decode_8",))
+    assert engine.cache.k[0].shape[3:] == (8, 128)
+    pools = {math.prod(x.shape) // 2 for x in engine.cache.k}  # a chip's: 1 of the 2 kv heads
+    text = engine.lower()["decode_8"].compile().as_text()
+    assert text.count('custom_call_target="tpu_custom_call"') == 3 * model.config.num_layers
+    copies = {math.prod(int(d) for d in m.group(1).split(",")) for m in re.finditer(
+        r"= \w+\[([\d,]+)\]\{[^}]*\} copy\(", text)}
+    assert not copies & pools
 
 
 def test_a_program_too_large_for_the_chip_is_reported_as_not_fitting():

@@ -795,3 +795,73 @@ def test_paged_attention_refuses_table_entries_it_would_read_out_of_range(row, a
     rows[1], q_pos[1] = row, at
     with pytest.raises(Exception, match="podrun_paged_attention: query 1 .*" + match):
         np.asarray(cpu.paged_attention(q, k_pages, v_pages, tables, rows, q_pos, None, None, 0.3))
+
+
+# --- the paged engine's TPU kernels, in Pallas' interpreter ---------------------------------------
+
+
+def folded(pool: np.ndarray, f: int) -> np.ndarray:
+    """A pool [P, K, S, H] as the TPU kernels store it: f slots side by side in a row."""
+    P, K, S, H = pool.shape
+    return pool.reshape(P, K, S // f, f * H)
+
+
+@pytest.mark.parametrize("H,T,window,with_sinks", [
+    (64, 1, 100, True),  # decode rows: two slots a row of 128 lanes
+    (32, 128, None, False),  # a chunk in two blocks of queries, four slots a row
+    pytest.param(128, 1, None, False, marks=pytest.mark.slow),
+    pytest.param(64, 48, 40, True, marks=pytest.mark.slow)],
+    ids=["decode-H64-window-sinks", "chunk-H32", "decode-H128", "chunk-H64-window-sinks"])
+def test_pallas_paged_attention_matches_numpy_in_interpret_mode(H, T, window, with_sinks):
+    """models/kernels/tpu.paged_attention, run by Pallas' interpreter on CPU, against numpy over
+    each sequence's pages gathered in order: sequences over several blocks of pages (16 pages of
+    16 slots a block), pages shared by two tables, a padding query (zeros), windows, sinks."""
+    from models.kernels import tpu
+
+    rng = np.random.default_rng(H + T)
+    P, K, S, G, M = 96, 2, 16, 8, 40
+    N, f32 = K * G, np.float32
+    Q = 4 if T == 1 else 1
+    kp, vp = (rng.standard_normal((P, K, S, H)).astype(f32) for _ in range(2))
+    tables = np.stack([rng.permutation(P)[:M] for _ in range(Q)]).astype(np.int32)
+    if T == 1:
+        tables[1, :5] = tables[0, :5]  # a shared prefix
+        q_pos = np.array([[M * S - 1], [300], [-1], [7]], np.int32)
+    else:
+        q_pos = (500 + np.arange(T, dtype=np.int32))[None]
+        q_pos[0, -3:] = -1  # a chunk padded at its end
+    q = rng.standard_normal((Q, T, N, H)).astype(f32)
+    sinks = rng.standard_normal(N).astype(f32) if with_sinks else None
+    f = tpu.fold(H)
+    got = tpu.paged_attention(q, folded(kp, f), folded(vp, f), tables, q_pos, sinks, window, 0.125,
+                              interpret=True)
+    # each sequence's keys in order: position p in page table[p // S], slot p % S
+    kc, vc = (np.moveaxis(x[tables], 2, 1).reshape(Q, K, M * S, H) for x in (kp, vp))
+    k_pos = np.tile(np.arange(M * S, dtype=np.int32), (Q, 1))
+    empty = np.zeros((Q, K, 0, H), f32)
+    want = np_attention(q, kc, vc, k_pos, empty, empty, np.zeros((Q, 0), np.int32), q_pos, sinks,
+                        window, 0.125)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+    assert not np.asarray(got)[q_pos < 0].any()
+
+
+def test_pallas_write_pages_writes_each_slot_once_in_interpret_mode(monkeypatch):
+    """models/kernels/tpu.write_pages in Pallas' interpreter: a decode step's tokens (each its
+    own page), a chunk's consecutive slots over three pages and several blocks of tokens (a page read,
+    changed and written back by each), padding dropped; every other slot as it was."""
+    from models.kernels import tpu
+
+    rng = np.random.default_rng(1)
+    P, K, S, H = 12, 2, 16, 64
+    monkeypatch.setattr(tpu, "WRITE_BLOCK_BYTES", 8 * K * S * 128 * 4 // 2)  # 8 tokens a block
+    pool = rng.standard_normal((P, K, S, H)).astype(np.float32)
+    slots = np.concatenate([[3 * S + 5, 7 * S + 15, P * S, 0],  # decode tokens, padding
+                            9 * S + 10 + np.arange(30), [P * S + 3] * 2]).astype(np.int32)
+    new = rng.standard_normal((len(slots), K, H)).astype(np.float32)
+    want = pool.copy()
+    for t, s in enumerate(slots):
+        if s < P * S:
+            want[s // S, :, s % S] = new[t]
+    f = tpu.fold(H)
+    got = tpu.write_pages(folded(pool, f), new, slots, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got).reshape(P, K, S, H), want)

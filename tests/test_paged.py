@@ -271,3 +271,29 @@ def test_an_int8_cache_keeps_the_float32_distributions(llama, prompts):
         assert max(abs(a[i] - b[i]) for i in a) < 1e-4
         worst = max(worst, max(abs(a[i] - w[i]) for i in a.keys() & w.keys()))
     assert 0 < worst < 0.5, worst  # 0: the pages were not int8 after all
+
+
+@pytest.mark.slow  # the interpreted kernels compile for minutes; tests/test_kernels.py checks them
+@pytest.mark.parametrize("mesh_name,pages", [("1dev", 0), ("data2_model4", 6)])
+def test_the_tpu_kernels_give_transformers_tokens_in_interpret_mode(mesh_name, pages, monkeypatch):
+    """The paged engine with the TPU kernels (Backend.pallas_paged: folded pools, written and
+    read by models/kernels/tpu.py), run by Pallas' interpreter on CPU: GPT-OSS (window 8 on every
+    other layer, sinks), prompts chunked, per group and kv-head shard under shard_map, and a pool
+    small enough to preempt."""
+    from functools import partial
+
+    from models.backend import Backend
+    from models.kernels import tpu
+
+    monkeypatch.setattr(Backend, "resolve", classmethod(lambda cls, policy, rules: cls(
+        "cpu", pallas_paged=True)))
+    for name in ("paged_attention", "write_pages"):
+        monkeypatch.setattr(tpu, name, partial(getattr(tpu, name), interpret=True))
+    m = tiny_hf("gptoss", seed=5)
+    rng = np.random.RandomState(7)
+    prompts = [tuple(int(t) for t in rng.randint(0, VOCAB, n)) for n in (30, 3, 41, 12, 25)]
+    engine = paged(m, mesh_name, pages=pages, page_size=16)
+    assert engine.cache.k[0].shape[3:] == (2, 128)  # head_dim 16: 8 slots a row
+    got, stats = generate(engine, [Request(p, STEPS) for p in prompts])
+    assert (stats.preemptions > 0) == (pages > 0)
+    assert [c.token_ids for c in got] == [hf_greedy(m, p, STEPS) for p in prompts]

@@ -244,3 +244,296 @@ def flash_prefill(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
     )(rows_pos, k_pos.astype(jnp.int32).reshape(B, 1, T), qr, k, v, row_sinks)
     return jnp.transpose(out.reshape(B, K, T, G, H), (0, 2, 1, 3, 4)).reshape(B, T, N, H)
+
+
+# --- paged attention: queries over a pool of pages (the paged engine, models/paged.py) ---------
+#
+# The pool's pages are stored folded: a page of S slots of head_dim H is [K, S // f, f * H], f =
+# fold(H) slots side by side in a row of 128 lanes (slot s of a page in row s // f, lanes
+# (s % f) * H on). A head_dim of 64 laid out [.., S, 64] would pad every row to 128 lanes in HBM,
+# and XLA's default layout for it puts the pages minor-most instead, which the kernels cannot read
+# without a copy of the whole pool; folded, the default layout is the row-major one the kernels
+# read, with no padding.
+#
+# paged_attention: Q sequences of T queries each (a decode step's rows, T = 1, or a prompt's chunk,
+# Q = 1) over their pages. The grid walks (sequence, block of its queries); a kv head's query heads
+# ride along as rows (rows = queries x heads per kv head), as in flash_prefill. Pages are not blocks
+# of the grid: each grid step copies the pages its queries reach from HBM, `bp` pages at a time,
+# double-buffered, from the first page any query's window reaches to the last page any query's
+# position reaches. So a step reads what its sequence holds, never its table's length. A page's
+# [K, S // f, f * H] is contiguous: one copy for every kv head. Each of the f slots of a row is
+# scored by a copy of the queries placed in its lanes (zeros elsewhere), and its values accumulate
+# in f sums of 128 lanes, of which the caller keeps the slot's own H lanes.
+#
+# write_pages: the step's new keys (or values) into their slots, read-modify-write of each page a
+# token writes (a slot is a part of a tile, which a copy cannot address alone): a step moves its
+# pages' bytes twice, not a pass over the pool.
+
+PAGED_BLOCK_TOKENS = 256  # keys a block of pages holds
+PAGED_QUERY_ROWS = 512  # query rows (queries x heads per kv head) per grid step, at most
+LANES = 128
+
+
+def fold(head_dim: int) -> int:
+    """Slots a row of the folded pool holds: 128 lanes of head_dim each, 1 for 128 or more."""
+    return LANES // head_dim if head_dim < LANES and LANES % head_dim == 0 else 1
+
+
+def paged_query_block(T: int, heads_per_kv: int) -> int:
+    """Queries per grid step: a power of two dividing T whose rows stay within PAGED_QUERY_ROWS."""
+    tq = T
+    while tq > 1 and tq % 2 == 0 and tq * heads_per_kv > PAGED_QUERY_ROWS:
+        tq //= 2
+    return tq
+
+
+def div(a, b: int):
+    """a // b for a >= 0, as Mosaic lowers it (a floor division asks for a sign it does not lower)."""
+    return jax.lax.div(a, jnp.int32(b))
+
+
+def _paged_kernel(first_ref, last_ref, table_ref, q_ref, pos_ref, sink_ref, k_hbm, v_hbm, o_ref,
+                  kbuf, vbuf, sem, m_ref, l_ref, acc_ref, *, scale: float, window: int,
+                  has_sinks: bool, bp: int, f: int):
+    i, j = pl.program_id(0), pl.program_id(1)
+    at = i * pl.num_programs(1) + j
+    first, last = first_ref[at], last_ref[at]  # positions: the first key and the last any query sees
+    P, K, Rp, L = k_hbm.shape  # Rp rows of f slots a page
+    S, M = Rp * f, table_ref.shape[1]
+    f32 = jnp.float32
+    for h in range(K):
+        m_ref[h] = jnp.full(m_ref.shape[1:], NEG, f32)
+        l_ref[h] = jnp.zeros(l_ref.shape[1:], f32)
+        acc_ref[h] = jnp.zeros(acc_ref.shape[1:], f32)
+
+    def copies(b, slot):  # the block's pages, each (k, v) copy with whether its page is needed
+        lo, hi = div(first, S), div(last, S)
+        for p in range(bp):
+            n = b * bp + p
+            page = jnp.clip(table_ref[0, jnp.minimum(n, M - 1)], 0, P - 1)
+            dst = pl.ds(p * Rp, Rp)
+            yield p, (n >= lo) & (n <= hi), (
+                pltpu.make_async_copy(k_hbm.at[page], kbuf.at[slot, :, dst], sem.at[0, slot]),
+                pltpu.make_async_copy(v_hbm.at[page], vbuf.at[slot, :, dst], sem.at[1, slot]))
+
+    def start(b, slot):
+        for p, needed, pair in copies(b, slot):
+            @pl.when(needed)
+            def _():
+                for c in pair:
+                    c.start()
+
+            @pl.when(jnp.logical_not(needed))  # a page no query sees: zeros, never stale NaNs
+            def _():
+                vbuf[slot, :, pl.ds(p * Rp, Rp), :] = jnp.zeros((K, Rp, L), vbuf.dtype)
+
+    def wait(b, slot):
+        for _, needed, pair in copies(b, slot):
+            @pl.when(needed)
+            def _():
+                for c in pair:
+                    c.wait()
+
+    qp = pos_ref[...]  # [rows, 1]
+
+    def block(b, carry):
+        slot = jax.lax.rem(b - div(first, S * bp), 2)
+
+        @pl.when(b < div(last, S * bp))
+        def _():
+            start(b + 1, 1 - slot)
+
+        wait(b, slot)
+        row_pos = b * bp * S + f * jax.lax.broadcasted_iota(jnp.int32, (1, bp * Rp), 1)
+        for h in range(K):
+            k, v = kbuf[slot, h], vbuf[slot, h]  # [bp * Rp, L]
+            scores, seen = [], []
+            for u in range(f):  # the u-th slot of each row
+                kp = row_pos + u
+                ok = (qp >= 0) & (kp <= qp)
+                seen.append(ok & (qp - kp < window) if window else ok)
+                scores.append(jnp.where(seen[u], jax.lax.dot_general(
+                    q_ref[h, u], k, (((1,), (1,)), ((), ())), preferred_element_type=f32) * scale, NEG))
+            m_prev = m_ref[h]
+            m_new = m_prev
+            for u in range(f):
+                m_new = jnp.maximum(m_new, jnp.max(scores[u], axis=1, keepdims=True))
+            alpha = jnp.exp(m_prev - m_new)
+            total = alpha * l_ref[h]
+            for u in range(f):
+                p = jnp.where(seen[u], jnp.exp(scores[u] - m_new), 0.0)
+                total = total + jnp.sum(p, axis=1, keepdims=True)
+                acc_ref[h, u] = alpha * acc_ref[h, u] + jnp.dot(
+                    p.astype(v.dtype), v, preferred_element_type=f32)
+            l_ref[h] = total
+            m_ref[h] = m_new
+        return carry
+
+    @pl.when(last >= 0)
+    def _():
+        b0 = div(first, S * bp)
+        start(b0, 0)
+        jax.lax.fori_loop(b0, div(last, S * bp) + 1, block, 0)
+
+    for h in range(K):
+        m, total = m_ref[h], l_ref[h]
+        if has_sinks:  # one more logit per row, with no value
+            sink = sink_ref[h]
+            top = jnp.maximum(m, sink)
+            total = total * jnp.exp(m - top) + jnp.exp(sink - top)
+            fade = jnp.exp(m - top)
+        inv = 1.0 / jnp.where(total > 0, total, 1.0)
+        for u in range(f):
+            acc = acc_ref[h, u] * fade if has_sinks else acc_ref[h, u]
+            o_ref[h, u] = (acc * inv).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("window", "scale", "interpret"))
+def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, tables: jax.Array,
+                    q_pos: jax.Array, sinks: jax.Array | None, window: int | None, scale: float,
+                    interpret: bool = False) -> jax.Array:
+    """q [Q, T, N, H]: Q sequences of T queries at q_pos [Q, T] (-1: padding, which gives zeros),
+    each over its sequence's positions up to its own, through tables [Q, M] into the folded pool
+    k, v [P, K, S // f, f * H] (the step's keys already written) -> [Q, T, N, H]."""
+    Q, T, N, H = q.shape
+    P, K, Rp, L = k_pool.shape
+    f = L // H
+    S, G = Rp * f, N // K
+    tq = paged_query_block(T, G)
+    nq, rows = T // tq, tq * G
+    bp = max(1, PAGED_BLOCK_TOKENS // S)
+    has_sinks = sinks is not None
+    sinks = jnp.zeros((N,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
+    q_pos = q_pos.astype(jnp.int32)
+    blocks = q_pos.reshape(Q, nq, tq)
+    live = blocks >= 0
+    last = jnp.max(jnp.where(live, blocks, -1), axis=2).reshape(-1)
+    reach = jnp.maximum(blocks - window + 1, 0) if window else jnp.zeros_like(blocks)
+    first = jnp.min(jnp.where(live, reach, jnp.iinfo(jnp.int32).max), axis=2).reshape(-1)
+    first = jnp.where(last >= 0, first, 0)
+    # rows r = t * G + g of each kv head's queries, as flash_prefill; copy u in the lanes of slot u
+    qr = jnp.transpose(q.reshape(Q, T, K, G, H), (0, 2, 1, 3, 4)).reshape(Q, K, 1, T * G, H)
+    qr = jnp.concatenate([jnp.pad(qr, ((0, 0),) * 4 + ((u * H, L - (u + 1) * H),))
+                          for u in range(f)], axis=2)  # [Q, K, f, T * G, L]
+    rows_pos = jnp.repeat(q_pos, G, axis=1).reshape(Q, T * G, 1)
+    row_sinks = jnp.tile(sinks.reshape(K, 1, G), (1, tq, 1)).reshape(K, rows, 1)
+    kernel = functools.partial(_paged_kernel, scale=float(scale), window=int(window or 0),
+                               has_sinks=has_sinks, bp=bp, f=f)
+    grid = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2,
+        grid=(Q, nq),
+        in_specs=[
+            pl.BlockSpec((None, 1, tables.shape[1]), lambda i, j, *_: (i, 0, 0),
+                         memory_space=pltpu.SMEM),  # the sequence's table [Q, 1, M]
+            pl.BlockSpec((None, K, f, rows, L), lambda i, j, *_: (i, 0, 0, j, 0)),  # query rows
+            pl.BlockSpec((None, rows, 1), lambda i, j, *_: (i, j, 0)),  # their positions
+            pl.BlockSpec((K, rows, 1), lambda i, j, *_: (0, 0, 0)),  # sinks per row
+            pl.BlockSpec(memory_space=pl.ANY),  # k pool, in HBM
+            pl.BlockSpec(memory_space=pl.ANY),  # v pool
+        ],
+        out_specs=pl.BlockSpec((None, K, f, rows, L), lambda i, j, *_: (i, 0, 0, j, 0)),
+        scratch_shapes=[pltpu.VMEM((2, K, bp * Rp, L), k_pool.dtype),
+                        pltpu.VMEM((2, K, bp * Rp, L), v_pool.dtype),
+                        pltpu.SemaphoreType.DMA((2, 2)),
+                        pltpu.VMEM((K, rows, 1), jnp.float32), pltpu.VMEM((K, rows, 1), jnp.float32),
+                        pltpu.VMEM((K, f, rows, L), jnp.float32)],
+    )
+    # What the kernel reads: the queries (and writes as many outputs), and each sequence's pages
+    # once, at most the pool's (a pool is sized for what its rows hold, and a step's rows hold about
+    # all of it). XLA would count whole operands, the pool once per layer whatever the rows hold.
+    pages = min(Q * tables.shape[1], P)
+    keys = pages * S // Q if not window else min(pages * S // Q, window + T)
+    cost = pl.CostEstimate(
+        flops=4 * Q * T * N * L * keys, transcendentals=Q * T * N * keys,
+        bytes_accessed=2 * qr.size * qr.dtype.itemsize
+        + 2 * pages * K * Rp * L * jnp.dtype(k_pool.dtype).itemsize)
+    out = pl.pallas_call(
+        kernel, grid_spec=grid, interpret=interpret, cost_estimate=cost,
+        out_shape=jax.ShapeDtypeStruct((Q, K, f, T * G, L), q.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+    )(first, last, tables.astype(jnp.int32)[:, None], qr, rows_pos, row_sinks, k_pool, v_pool)
+    out = sum(out[:, :, u, :, u * H:(u + 1) * H] for u in range(f))  # [Q, K, T * G, H]
+    return jnp.transpose(out.reshape(Q, K, T, G, H), (0, 2, 1, 3, 4)).reshape(Q, T, N, H)
+
+
+def _write_kernel(slots_ref, leader_ref, new_ref, pool_in, pool_out, buf, sem, *, size: int,
+                  f: int):
+    del pool_in  # aliased to pool_out
+    _, K, Rp, L = pool_out.shape
+    S = Rp * f
+    blk = pl.program_id(0)
+    TB = new_ref.shape[0]
+    H = L // f
+    lanes = jax.lax.broadcasted_iota(jnp.int32, (K, Rp, L), 2)
+    rows = jax.lax.broadcasted_iota(jnp.int32, (K, Rp, L), 1)
+
+    def token(t):  # (its slot, whether it writes, whether it leads its page's writes)
+        s = slots_ref[blk * TB + t]
+        return s, s < size, leader_ref[blk * TB + t] == t
+
+    def page_copy(t, out: bool):
+        s = slots_ref[blk * TB + t]
+        page = pool_out.at[div(s, S)]
+        return pltpu.make_async_copy(buf.at[t], page, sem.at[0]) if out else \
+            pltpu.make_async_copy(page, buf.at[t], sem.at[0])
+
+    def each(body, leaders_only=True):
+        def step(t, carry):
+            _, writes, leads = token(t)
+            pl.when(writes & leads if leaders_only else writes)(lambda: body(t))
+            return carry
+        jax.lax.fori_loop(0, TB, step, 0)
+
+    each(lambda t: page_copy(t, False).start())  # each page its block writes, read once
+    each(lambda t: page_copy(t, False).wait())
+
+    def put(t):  # token t into its slot of its leader's copy of the page
+        s = jax.lax.rem(slots_ref[blk * TB + t], jnp.int32(S))
+        at = leader_ref[blk * TB + t]
+        mine = (rows == div(s, f)) & (div(lanes, H) == jax.lax.rem(s, jnp.int32(f)))
+        buf[at] = jnp.where(mine, jnp.broadcast_to(new_ref[t], (K, Rp, L)), buf[at])
+
+    each(put, leaders_only=False)
+    each(lambda t: page_copy(t, True).start())
+    each(lambda t: page_copy(t, True).wait())
+
+
+WRITE_BLOCK_BYTES = 2 << 20  # a write step's copies of pages in VMEM, at most
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",), donate_argnums=(0,))
+def write_pages(pool: jax.Array, new: jax.Array, slots: jax.Array,
+                interpret: bool = False) -> jax.Array:
+    """new [T, K, H] into the folded pool [P, K, S // f, f * H] at slots [T] (page * S + slot;
+    P * S or more: dropped), in place: the pool is donated and aliased. Tokens that write one
+    page must lie in one block of the step's tokens or in consecutive ones (a decode step's write
+    different pages, a chunk's consecutive slots)."""
+    P, K, Rp, L = pool.shape
+    T, _, H = new.shape
+    f = L // H
+    S = Rp * f
+    page_bytes = K * max(Rp, 16) * L * 4
+    TB = max(1, min(T, WRITE_BLOCK_BYTES // page_bytes))
+    while T % TB:
+        TB -= 1
+    slots = slots.astype(jnp.int32)
+    # Each token's leader: the first token of its block that writes the same page.
+    page = jnp.where(slots < P * S, slots // S, -1).reshape(T // TB, TB)
+    same = (page[:, :, None] == page[:, None, :]) & (page[:, None, :] >= 0)
+    leader = jnp.argmax(same, axis=2).astype(jnp.int32).reshape(T)
+    wide = jnp.tile(new.astype(pool.dtype), (1, 1, f)).reshape(T, K, 1, L)
+    grid = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2, grid=(T // TB,),
+        in_specs=[pl.BlockSpec((TB, K, 1, L), lambda i, *_: (i, 0, 0, 0)),
+                  pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=pl.BlockSpec(memory_space=pl.ANY),
+        scratch_shapes=[pltpu.VMEM((TB, K, Rp, L), pool.dtype), pltpu.SemaphoreType.DMA((1,))])
+    item = jnp.dtype(pool.dtype).itemsize
+    return pl.pallas_call(
+        functools.partial(_write_kernel, size=P * S, f=f), grid_spec=grid, interpret=interpret,
+        out_shape=jax.ShapeDtypeStruct(pool.shape, pool.dtype),
+        input_output_aliases={3: 0},  # operands count the scalar prefetch: the pool is the fourth
+        cost_estimate=pl.CostEstimate(flops=0, transcendentals=0,
+                                      bytes_accessed=2 * T * K * Rp * L * item),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+    )(slots, leader, wide, pool)

@@ -134,7 +134,8 @@ class PagedEngine:
         self.pool_bytes = self.pages * page(len(windows) - windowed) + self.window_pages * page(windowed)
         kv_dtype = jnp.dtype(policy.kv_cache)
         self.cache = PagedCache.create(G, self.pages, self.window_pages, page_size, windows,
-                                       kv_heads, head_dim, kv_dtype, rules, allocate)
+                                       kv_heads, head_dim, kv_dtype, rules, allocate,
+                                       PagedCache.fold(self.policy, kv_dtype, head_dim))
         self.greedy_screen = greedy_screen(model, params, self.policy, B) if allocate else None
         # (bytes on 2 MiB pages, bytes asked) of the weights and pool: CPU only (Engine's), the
         # pages moved on a thread of their own while the programs compile and the first run
@@ -161,10 +162,10 @@ class PagedEngine:
         self._compiled: dict[Program, Future] = {}  # compiled, or compiling on self._compiler
         self.compile_wait_s = 0.0  # calls' time waiting for their programs' compilation
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="podrun-compile")
-        # the arguments' shapes and shardings, which a compilation on another thread reads while
-        # calls replace (and donate) the pool
+        # the arguments' shapes, shardings and layouts (a lookup table's pinned row-major on TPU),
+        # which a compilation on another thread reads while calls replace (and donate) the pool
         self._abstract = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.format),
             (self.weights, self.cache))
 
     @property
