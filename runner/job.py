@@ -16,6 +16,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
+from models.paged import PagedCache
 from models.weights import check_divisible
 from runner import log, openai_batch
 from runner.checkpoints import convert, pypi, store
@@ -148,6 +149,12 @@ def build_engine(s: Settings, model, params, rules: Rules, allocate: bool = True
                       g.max_new_tokens, g.steps_per_dispatch, g.prefill_buckets, allocate=allocate,
                       prefill_rows=g.prefill_rows, prefix_tokens=g.prefix_tokens,
                       prefix_block=g.prefix_block)
+    head_dim = model.module.cache_spec(model.config)[2]
+    fold = PagedCache.fold(s.policy.on(rules), s.policy.kv_cache, head_dim)
+    if g.page_size % fold:
+        raise SettingsError(f"generation.page_size={g.page_size} must be a multiple of {fold} with "
+                            f"the TPU kernels, whose pools hold {fold} slots of head_dim {head_dim} "
+                            "in a row of 128 lanes (or precision.kernels=False)")
     try:
         return PagedEngine(model, params, rules, s.policy, g.batch_size, g.max_prompt_len,
                            g.max_new_tokens, g.page_size, int(g.kv_cache_gib * 2**30),

@@ -190,6 +190,8 @@ def run_compile(*args):
     ("--config.mesh.tpu_topology=", "sets no mesh.tpu_topology"),
     ("--config.mesh.expert=8", "are visible"),  # 8*2 chips asked of a v5e:2x4 (8 chips)
     ("--config.mesh.tpu_topology=v5e:3x3x3", "tpu_topology='v5e:3x3x3'"),
+    # GPT-OSS's pools on TPU hold two slots of head_dim 64 a row
+    ("--config.generation.page_size=15", "generation.page_size=15 must be a multiple of 2"),
 ])
 def test_bad_compile_requests_fail_in_one_line(override, message):
     r = run_compile("--config=configs/gptoss_v5e.py", override)

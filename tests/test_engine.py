@@ -40,8 +40,9 @@ def make_engine(m, mesh_name, policy=None, **kw):
     return Engine(model, params, rules, policy or Policy(), **args)
 
 
-@pytest.mark.parametrize("mesh_name,donate", [("1dev", True), ("data8", True), ("data2_model4", True),
-                                              ("data2_model4", False)])
+@pytest.mark.parametrize("mesh_name,donate", [("1dev", True), pytest.param("data8", True, marks=pytest.mark.slow),
+                                              ("data2_model4", True),
+                                              pytest.param("data2_model4", False, marks=pytest.mark.slow)])
 def test_greedy_batches_match_transformers(llama, prompts, references, mesh_name, donate):
     """Ragged prompts, batches that do not fill (or divide over) the data axis, 32 greedy steps;
     with the cache donated to each call (updated in place) or not (a new cache per call)."""
@@ -100,7 +101,7 @@ def test_rows_decode_only_the_calls_they_need(llama, prompts, references):
         assert len(calls) == 2
 
 
-@pytest.mark.parametrize("mesh_name", ["1dev", "data2_model4"])
+@pytest.mark.parametrize("mesh_name", ["1dev", pytest.param("data2_model4", marks=pytest.mark.slow)])
 def test_requests_inserted_mid_run_match_transformers(llama, prompts, references, mesh_name):
     """Ten requests of different lengths through 2 rows: each enters a row another request has
     just left, beside a row in mid-decode, and its greedy tokens are transformers' for it alone;

@@ -214,6 +214,7 @@ def test_restore_onto_a_different_mesh_across_two_processes(gcs, setup):
     assert gcs.cat(f"{BUCKET}/two/out.jsonl").decode() == setup.local
 
 
+@pytest.mark.slow  # test_partial_objects_are_used_and_checked_against_the_input resumes from them too
 def test_a_killed_run_resumes_from_the_partial_objects(gcs, setup):
     """SIGKILL once a batch object exists, then rerun: every request exactly once, in order, equal
     to the uninterrupted local run, and the rerun generated only what was missing."""
