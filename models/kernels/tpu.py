@@ -275,12 +275,13 @@ LANES = 128
 
 
 def fold(head_dim: int) -> int:
-    """Slots a row of the folded pool holds: 128 lanes of head_dim each, 1 for 128 or more."""
+    """Slots a row of the folded pool holds: as many of head_dim as fill 128 lanes (1 for a
+    head_dim of 128 or more, or one that does not divide 128)."""
     return LANES // head_dim if head_dim < LANES and LANES % head_dim == 0 else 1
 
 
 def paged_query_block(T: int, heads_per_kv: int) -> int:
-    """Queries per grid step: a power of two dividing T whose rows stay within PAGED_QUERY_ROWS."""
+    """Queries per grid step: T, halved while it is even and its rows exceed PAGED_QUERY_ROWS."""
     tq = T
     while tq > 1 and tq % 2 == 0 and tq * heads_per_kv > PAGED_QUERY_ROWS:
         tq //= 2
