@@ -7,6 +7,11 @@
 Each step is one command, run with what is left of the budget (a step that would start with too
 little is skipped and says so), in this order, the targets' figures first (--steps picks some):
   preflight   jax sees the GPU; a tiny model runs through runner.tools.bench (else the check stops)
+  throughput  vLLM's throughput workload (its PR #7117 on an H100: about 12.5k total tokens/s):
+              --requests requests of 256 prompt and 256 new tokens (every answer runs its 256:
+              token ids, no stop) through the paged engine, 256 rows, from random weights; total
+              tokens/s over the generation less the calls' waits for compilation (the programs
+              compile on a thread while the first calls run; vLLM's figure excludes compilation)
   attention_kernel  cuDNN's prefill attention against XLA's on the GPU, both timed at 4,096 tokens
               (if it fails, every later step runs with precision.cudnn_prefill=False)
   decode_kernel  the Pallas (Triton) decode attention against XLA's on the GPU, both timed on one
@@ -66,6 +71,25 @@ def job_file(path: str, n: int, max_prompt: int, max_new: int, vocab: int, seed:
             ids = rng.integers(0, vocab, int(p)).tolist()
             f.write(json.dumps({"id": f"r{i}", "prompt_token_ids": ids, "max_tokens": int(m)}) + "\n")
     return {"requests": n, "prompt_tokens": int(prompts.sum()), "max_tokens": int(news.sum())}
+
+
+def uniform_job_file(path: str, n: int, prompt: int, new: int, vocab: int, seed: int = 0) -> dict:
+    """n requests of `prompt` random token ids and max_tokens `new` each."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    with open(path, "w") as f:
+        for i in range(n):
+            ids = rng.integers(0, vocab, prompt).tolist()
+            f.write(json.dumps({"id": f"r{i}", "prompt_token_ids": ids, "max_tokens": new}) + "\n")
+    return {"requests": n, "prompt_tokens": n * prompt, "max_tokens": n * new}
+
+
+def total_tokens_per_s(r: dict) -> float | None:
+    """A job's prompt and completion tokens per second of generation, less the calls' waits for
+    compilation (engine_compile_wait_s, the paged engine's)."""
+    seconds = r["generate_s"] - r.get("engine_compile_wait_s", 0.0)
+    return (r["prompt_tokens"] + r["completion_tokens"]) / seconds if seconds > 0 else None
 
 
 class Steps:
@@ -169,6 +193,17 @@ def summarise(results: dict) -> tuple[dict, str]:
                                        / peer[B]["tokens_per_s"])
            for B in (1, 64) if B in peer and ("decode", B, PROMPT) in recs},
     }
+    throughput = results.get("throughput", {}).get("records")
+    if isinstance(throughput, dict):
+        tps = total_tokens_per_s(throughput)
+        targets["throughput_total_tokens_per_s"] = tps
+        lines.append("")
+        lines.append(f"throughput: {throughput['requests']} requests, {throughput['prompt_tokens']} "
+                     f"prompt + {throughput['completion_tokens']} completion tokens in "
+                     f"{throughput['generate_s']:.1f} s, of which "
+                     f"{throughput.get('engine_compile_wait_s', 0.0):.1f} s waiting for compilation: "
+                     f"{'-' if tps is None else f'{tps:.0f}'} total tokens/s (vLLM's on an H100: "
+                     f"about 12,500), rows {100 * throughput['utilisation']:.1f}% used")
     job = results.get("job", {}).get("records")
     if isinstance(job, dict):
         lines.append("")
@@ -307,7 +342,7 @@ def decode_check() -> dict:
     return out
 
 
-STEPS = ("decode", "peer", "prefill", "decode_pallas", "fused", "scan_dsf", "job", "gptoss",
+STEPS = ("throughput", "decode", "peer", "prefill", "decode_pallas", "fused", "scan_dsf", "job", "gptoss",
          "prefill_xla")
 
 
@@ -377,7 +412,23 @@ def main() -> None:
                                                         "--new_tokens=2", "--reps=3", *flags], small)
             steps.run(name, argv, 40, path)
 
-    # the targets' figures first: decode, transformers on the same shapes, prefill
+    # the targets' figures first: vLLM's throughput workload, decode, transformers on the same
+    # shapes, prefill
+    if "throughput" in chosen:
+        n, length = (40, 16) if small else (args.requests, 256)
+        requests = os.path.join(work, "throughput_requests.jsonl")
+        shape = uniform_job_file(requests, n, length, length, 256 if small else 128256)
+        path = os.path.join(work, "throughput.json")
+        paged = [f"--config.generation.batch_size={8 if small else 256}",
+                 f"--config.generation.max_prompt_len={length}",
+                 f"--config.generation.max_new_tokens={length}",
+                 "--config.generation.page_size=16",
+                 f"--config.generation.kv_cache_gib={0 if small else 40}",
+                 "--config.precision.scan_layers=False"]
+        steps.run("throughput", [sys.executable, "-m", "runner.tools.bench", f"--config={cfg}",
+                                 "--random_weights", f"--requests={requests}", f"--output={path}",
+                                 *over, *paged], 120, path)
+        steps.results["throughput"]["workload"] = shape
     decode("decode", batches)
     if not small and "peer" in chosen:  # a process per batch size: in one, the recompile for
         # batch 64 outlasted the budget (2026-11-26), where batch 1 compiled in 50 s
