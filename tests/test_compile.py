@@ -41,7 +41,8 @@ SMALL = Model("gptoss", gptoss.Config(vocab_size=1024, hidden_size=256, intermed
                                       num_experts=4, experts_per_token=2, sliding_window=16))
 
 
-@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
+@pytest.mark.parametrize("scan", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["unrolled", "scanned"])
 def test_a_small_deployment_compiles_for_a_v5e_topology_with_its_shards_per_chip(scan):
     """scan: the layers in one loop over stacked weights and caches (what a chip holds is the same)."""
     from runner.tools.compile import compile_deployment, report
@@ -342,7 +343,8 @@ def test_the_programs_a_request_compiles_when_it_asks_compile_for_a_v5e_topology
     assert compiled["decode_logprobs"].output_bytes >= 4 * 8 * 20 * 2 * 4
 
 
-@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
+@pytest.mark.parametrize("scan", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["unrolled", "scanned"])
 def test_prefill_attention_compiles_as_the_pallas_flash_kernel_for_tpu(scan):
     """With precision.pallas_prefill every prefill program's attention is the Pallas flash kernel
     (a Mosaic custom call in the program compiled for v5e), and decode keeps XLA's attention."""
