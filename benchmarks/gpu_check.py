@@ -58,31 +58,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT, NEW = 128, 128
 
 
-def job_file(path: str, n: int, max_prompt: int, max_new: int, vocab: int, seed: int = 0) -> dict:
+def job_file(path: str, n: int, max_prompt: int, max_new: int, vocab: int, seed: int = 0,
+             uniform: bool = False) -> dict:
     """n requests of token ids, prompt and completion lengths log-uniform (many short, a few long):
-    prompts 16..max_prompt, completions 8..max_new."""
+    prompts 16..max_prompt, completions 8..max_new; with `uniform`, every prompt max_prompt long
+    and every completion max_new."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    prompts = np.exp(rng.uniform(math.log(16), math.log(max_prompt), n)).astype(int)
-    news = np.exp(rng.uniform(math.log(8), math.log(max_new), n)).astype(int)
+    if uniform:
+        prompts, news = np.full(n, max_prompt), np.full(n, max_new)
+    else:
+        prompts = np.exp(rng.uniform(math.log(16), math.log(max_prompt), n)).astype(int)
+        news = np.exp(rng.uniform(math.log(8), math.log(max_new), n)).astype(int)
     with open(path, "w") as f:
         for i, (p, m) in enumerate(zip(prompts, news)):
             ids = rng.integers(0, vocab, int(p)).tolist()
             f.write(json.dumps({"id": f"r{i}", "prompt_token_ids": ids, "max_tokens": int(m)}) + "\n")
     return {"requests": n, "prompt_tokens": int(prompts.sum()), "max_tokens": int(news.sum())}
-
-
-def uniform_job_file(path: str, n: int, prompt: int, new: int, vocab: int, seed: int = 0) -> dict:
-    """n requests of `prompt` random token ids and max_tokens `new` each."""
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    with open(path, "w") as f:
-        for i in range(n):
-            ids = rng.integers(0, vocab, prompt).tolist()
-            f.write(json.dumps({"id": f"r{i}", "prompt_token_ids": ids, "max_tokens": new}) + "\n")
-    return {"requests": n, "prompt_tokens": n * prompt, "max_tokens": n * new}
 
 
 def total_tokens_per_s(r: dict) -> float | None:
@@ -412,23 +405,28 @@ def main() -> None:
                                                         "--new_tokens=2", "--reps=3", *flags], small)
             steps.run(name, argv, 40, path)
 
+    vocab = 256 if small else 128256
+
+    def job(name: str, max_prompt: int, max_new: int, *flags: str, uniform: bool = False) -> None:
+        """A request file of --requests requests (40 with --small) through runner.tools.bench's
+        job mode, from random weights."""
+        if name in chosen:
+            requests = os.path.join(work, f"{name}_requests.jsonl")
+            shape = job_file(requests, 40 if small else args.requests, max_prompt, max_new, vocab,
+                             uniform=uniform)
+            path = os.path.join(work, f"{name}.json")
+            steps.run(name, [sys.executable, "-m", "runner.tools.bench", f"--config={cfg}",
+                             "--random_weights", f"--requests={requests}", f"--output={path}",
+                             *over, f"--config.generation.max_prompt_len={max_prompt}",
+                             f"--config.generation.max_new_tokens={max_new}", *flags], 120, path)
+            steps.results[name]["workload"] = shape
+
     # the targets' figures first: vLLM's throughput workload, decode, transformers on the same
     # shapes, prefill
-    if "throughput" in chosen:
-        n, length = (40, 16) if small else (args.requests, 256)
-        requests = os.path.join(work, "throughput_requests.jsonl")
-        shape = uniform_job_file(requests, n, length, length, 256 if small else 128256)
-        path = os.path.join(work, "throughput.json")
-        paged = [f"--config.generation.batch_size={8 if small else 256}",
-                 f"--config.generation.max_prompt_len={length}",
-                 f"--config.generation.max_new_tokens={length}",
-                 "--config.generation.page_size=16",
-                 f"--config.generation.kv_cache_gib={0 if small else 40}",
-                 "--config.precision.scan_layers=False"]
-        steps.run("throughput", [sys.executable, "-m", "runner.tools.bench", f"--config={cfg}",
-                                 "--random_weights", f"--requests={requests}", f"--output={path}",
-                                 *over, *paged], 120, path)
-        steps.results["throughput"]["workload"] = shape
+    length = 16 if small else 256
+    job("throughput", length, length, f"--config.generation.batch_size={8 if small else 256}",
+        "--config.generation.page_size=16", f"--config.generation.kv_cache_gib={0 if small else 40}",
+        "--config.precision.scan_layers=False", uniform=True)
     decode("decode", batches)
     if not small and "peer" in chosen:  # a process per batch size: in one, the recompile for
         # batch 64 outlasted the budget (2026-11-26), where batch 1 compiled in 50 s
@@ -454,22 +452,10 @@ def main() -> None:
     faster = pallas and steps.results["decode_kernel"]["records"]["faster"]
     job_attention = [f"--config.precision.pallas_attention="
                      f"{faster and steps.results.get('decode_pallas', {}).get('rc', 0) == 0}"]
-    if "job" in chosen:
-        max_prompt, max_new = (64, 32) if small else (1024, 512)
-        vocab = 256 if small else 128256
-        requests = os.path.join(work, "job_requests.jsonl")
-        shape = job_file(requests, 40 if small else args.requests, max_prompt, max_new, vocab)
-        path = os.path.join(work, "job.json")
-        job_over = [f"--config.generation.batch_size={8 if small else 128}",
-                    f"--config.generation.max_prompt_len={max_prompt}",
-                    f"--config.generation.max_new_tokens={max_new}",
-                    "--config.generation.prefill_rows=8",
-                    f"--config.generation.prefill_buckets={(32, 64) if small else (256, 1024)}",
-                    "--config.precision.scan_layers=True", *job_attention]
-        steps.run("job", [sys.executable, "-m", "runner.tools.bench", f"--config={cfg}",
-                          "--random_weights", f"--requests={requests}", f"--output={path}", *over,
-                          *job_over], 120, path)
-        steps.results["job"]["workload"] = shape
+    job("job", *((64, 32) if small else (1024, 512)),
+        f"--config.generation.batch_size={8 if small else 128}", "--config.generation.prefill_rows=8",
+        f"--config.generation.prefill_buckets={(32, 64) if small else (256, 1024)}",
+        "--config.precision.scan_layers=True", *job_attention)
 
     # GPT-OSS-20B (configs/gptoss_h100.py; the tiny GPT-OSS with --small)
     gptoss = (["--config.checkpoint.model=gptoss:tiny", "--config.precision.scan_layers=True"]

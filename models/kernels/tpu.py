@@ -302,10 +302,7 @@ def _paged_kernel(first_ref, last_ref, table_ref, q_ref, pos_ref, sink_ref, k_hb
     P, K, Rp, L = k_hbm.shape  # Rp rows of f slots a page
     S, M = Rp * f, table_ref.shape[1]
     f32 = jnp.float32
-    for h in range(K):
-        m_ref[h] = jnp.full(m_ref.shape[1:], NEG, f32)
-        l_ref[h] = jnp.zeros(l_ref.shape[1:], f32)
-        acc_ref[h] = jnp.zeros(acc_ref.shape[1:], f32)
+    _reset(m_ref, l_ref, acc_ref)
 
     def copies(b, slot):  # the block's pages, each (k, v) copy with whether its page is needed
         lo, hi = div(first, S), div(last, S)
@@ -377,16 +374,10 @@ def _paged_kernel(first_ref, last_ref, table_ref, q_ref, pos_ref, sink_ref, k_hb
         jax.lax.fori_loop(b0, div(last, S * bp) + 1, block, 0)
 
     for h in range(K):
-        m, total = m_ref[h], l_ref[h]
-        if has_sinks:  # one more logit per row, with no value
-            sink = sink_ref[h]
-            top = jnp.maximum(m, sink)
-            total = total * jnp.exp(m - top) + jnp.exp(sink - top)
-            fade = jnp.exp(m - top)
-        inv = 1.0 / jnp.where(total > 0, total, 1.0)
+        sink = sink_ref[h] if has_sinks else None  # [rows, 1]
         for u in range(f):
-            acc = acc_ref[h, u] * fade if has_sinks else acc_ref[h, u]
-            o_ref[h, u] = (acc * inv).astype(o_ref.dtype)
+            o_ref[h, u] = _normalised(m_ref.at[h], l_ref.at[h], acc_ref.at[h, u],
+                                      sink).astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("window", "scale", "interpret"))
@@ -468,9 +459,8 @@ def _write_kernel(slots_ref, leader_ref, new_ref, pool_in, pool_out, buf, sem, *
     lanes = jax.lax.broadcasted_iota(jnp.int32, (K, Rp, L), 2)
     rows = jax.lax.broadcasted_iota(jnp.int32, (K, Rp, L), 1)
 
-    def token(t):  # (its slot, whether it writes, whether it leads its page's writes)
-        s = slots_ref[blk * TB + t]
-        return s, s < size, leader_ref[blk * TB + t] == t
+    def token(t):  # (whether it writes, whether it leads its page's writes)
+        return slots_ref[blk * TB + t] < size, leader_ref[blk * TB + t] == t
 
     def page_copy(t, out: bool):
         s = slots_ref[blk * TB + t]
@@ -480,7 +470,7 @@ def _write_kernel(slots_ref, leader_ref, new_ref, pool_in, pool_out, buf, sem, *
 
     def each(body, leaders_only=True):
         def step(t, carry):
-            _, writes, leads = token(t)
+            writes, leads = token(t)
             pl.when(writes & leads if leaders_only else writes)(lambda: body(t))
             return carry
         jax.lax.fori_loop(0, TB, step, 0)
