@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import hashlib
+import json
 import re
 from typing import Any
 
@@ -54,8 +55,9 @@ class FileFormat:
 
 
 def file_format(lines: list[Line]) -> FileFormat:
-    """The request file's format, from its first JSON object. A Batch file whose custom_ids repeat
-    is refused whole (RequestFileError naming them and their lines), before any model loads."""
+    """The request file's format, from its first JSON object. A file whose ids repeat (custom_ids
+    in a Batch file, given ids in podrun's) is refused whole (RequestFileError naming them and
+    their lines), before any model loads: results are matched to requests by id."""
     for line in lines:
         d, _ = decode(line)
         if d is not None:
@@ -63,23 +65,25 @@ def file_format(lines: list[Line]) -> FileFormat:
             break
     else:
         return FileFormat(False, lines[0].number)
-    if fmt.batch:
-        _check_unique(lines)
+    _check_unique(lines, "custom_id" if fmt.batch else "id")
     return fmt
 
 
-def _check_unique(lines: list[Line]) -> None:
+def _check_unique(lines: list[Line], key: str) -> None:
+    """Refuses a file in which two lines give the same `key` (ids compared as JSON values)."""
     where: dict[str, list[int]] = {}
     for line in lines:
         d, _ = decode(line)
-        if d is not None and isinstance(d.get("custom_id"), str):
-            where.setdefault(d["custom_id"], []).append(line.number)
+        if d is not None and d.get(key) is not None and (key == "id" or isinstance(d[key], str)):
+            where.setdefault(json.dumps(d[key], sort_keys=True), []).append(line.number)
     repeated = [(c, ns) for c, ns in where.items() if len(ns) > 1]
     if repeated:
-        shown = "; ".join(f"{_short(c)} on lines {', '.join(map(str, ns[:10]))}" for c, ns in repeated[:5])
+        shown = "; ".join(f"{_short(json.loads(c))} on lines {', '.join(map(str, ns[:10]))}"
+                          for c, ns in repeated[:5])
         more = f"; and {len(repeated) - 5} more" if len(repeated) > 5 else ""
-        raise RequestFileError(f"io.input: {len(repeated)} custom_id(s) given more than once, but each "
-                               f"Batch request needs its own: {shown}{more}")
+        what = "Batch request" if key == "custom_id" else "request"
+        raise RequestFileError(f"io.input: {len(repeated)} {key}(s) given more than once, but each "
+                               f"{what} needs its own: {shown}{more}")
 
 
 def parse_line(index: int, line: Line, fmt: FileFormat, tokenizer, s: Settings, vocab_size: int,

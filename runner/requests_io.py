@@ -94,15 +94,24 @@ SYNC_EVERY_S = 1.0  # fsync costs up to tens of ms on a busy disk: once per batc
 MAX_N = 128  # samples per request
 
 
-def _number(d: dict, key: str, default: Any, kind: type, ok) -> Any:
+def _number(d: dict, key: str, default: Any, kind: type, lo: float | None = None,
+            hi: float | None = None, above: bool = False) -> Any:
+    """d[key] as a `kind` in [lo, hi] (lo excluded when `above`), default when absent or null; a
+    ValueError naming the field, the value and the range."""
     if key not in d or d[key] is None:
         return default
     v = d[key]
+    noun = "an integer" if kind is int else "a number"
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (
             kind is int and not (isinstance(v, int) or (math.isfinite(v) and v == int(v)))):
-        raise ValueError(f"{key}={_short(v)} is not a{'n integer' if kind is int else ' number'}")
-    if not (math.isfinite(v) and ok(v)):
-        raise ValueError(f"{key}={_short(v)} is out of range")
+        raise ValueError(f"{key}={_short(v)} is not {noun}")
+    if hi is not None:
+        bounds = f"{noun} above {lo} and at most {hi}" if above else f"{noun} from {lo} to {hi}"
+    else:
+        bounds = f"{noun} {'above' if above else 'at least'} {lo}"
+    if not (math.isfinite(v) and (lo is None or v > lo or (v == lo and not above))
+            and (hi is None or v <= hi)):
+        raise ValueError(f"{key}={_short(v)} is out of range: give {bounds}")
     return kind(v)
 
 
@@ -176,11 +185,11 @@ def parse_fields(index: int, number: int, d: dict, rid: Any, tokenizer, s: Setti
     try:
         if unknown := _unknown(d):
             raise ValueError(unknown)
-        n = _number(d, "n", 1, int, lambda v: 1 <= v <= MAX_N)
+        n = _number(d, "n", 1, int, 1, MAX_N)
         logprobs, prompt_logprobs = _logprobs(d)
         scoring = prompt_logprobs is not None or d.get("continuation") is not None
         max_tokens = _number(d, "max_tokens", 0 if "continuation" in d else g.max_new_tokens, int,
-                             lambda v: v >= 0)
+                             0)
         if max_tokens == 0 and not scoring:
             raise ValueError("max_tokens=0 generates nothing: ask for prompt_logprobs or give a "
                              "continuation to score")
@@ -188,10 +197,10 @@ def parse_fields(index: int, number: int, d: dict, rid: Any, tokenizer, s: Setti
             raise ValueError(
                 f"max_tokens={max_tokens} exceeds generation.max_new_tokens={g.max_new_tokens}"
             )
-        temperature = _number(d, "temperature", samp.temperature, float, lambda v: v >= 0)
-        top_p = _number(d, "top_p", samp.top_p, float, lambda v: 0 < v <= 1)
-        top_k = _number(d, "top_k", samp.top_k, int, lambda v: 0 <= v <= INT32_MAX)
-        seed = _number(d, "seed", samp.seed, int, lambda v: True)
+        temperature = _number(d, "temperature", samp.temperature, float, 0)
+        top_p = _number(d, "top_p", samp.top_p, float, 0, 1, above=True)
+        top_k = _number(d, "top_k", samp.top_k, int, 0, INT32_MAX)
+        seed = _number(d, "seed", samp.seed, int)
         stop = d.get("stop")
         stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
         if not isinstance(stop, list | tuple) or not all(isinstance(x, str) and x for x in stop):
@@ -233,18 +242,17 @@ def _logprobs(d: dict) -> tuple[int | None, int | None]:
     """(alternatives per generated token, per prompt token), None where not asked. `logprobs` is
     a count (as in OpenAI's completions), or true with `top_logprobs` the count (as in its chat
     completions)."""
-    ok = lambda v: 0 <= v <= MAX_LOGPROBS
     given = d.get("logprobs")
     if isinstance(given, bool):
-        top = _number(d, "top_logprobs", 0, int, ok)
+        top = _number(d, "top_logprobs", 0, int, 0, MAX_LOGPROBS)
         generated = top if given else None
         if not given and d.get("top_logprobs") is not None:
             raise ValueError("top_logprobs needs logprobs: true")
     else:
         if d.get("top_logprobs") is not None:
             raise ValueError("top_logprobs goes with logprobs: true; or give logprobs as a count")
-        generated = _number(d, "logprobs", None, int, ok)
-    prompt = _number(d, "prompt_logprobs", None, int, ok)
+        generated = _number(d, "logprobs", None, int, 0, MAX_LOGPROBS)
+    prompt = _number(d, "prompt_logprobs", None, int, 0, MAX_LOGPROBS)
     return generated, prompt
 
 

@@ -181,6 +181,19 @@ def test_duplicate_custom_ids_are_refused_with_their_lines():
     assert file_format(lines[:2]) == FileFormat(True, 1)
 
 
+def test_repeated_ids_in_podrun_format_are_refused_like_custom_ids():
+    """Results are matched to requests by id: a repeated id would answer two requests under one."""
+    lines = [Line(n, json.dumps({"id": i, "prompt": "x"})) for n, i in ((1, "a"), (2, 7), (3, "b"), (4, 7),
+                                                                        (6, "a"))]
+    with pytest.raises(RequestFileError, match=r'2 id\(s\) given more than once.*"a" on lines 1, 6; '
+                                               r'7 on lines 2, 4$'):
+        file_format(lines)
+    # ids left to their line numbers never repeat, and "7" the string is not 7 the number
+    free = [Line(1, json.dumps({"prompt": "x"})), Line(2, json.dumps({"prompt": "y"})),
+            Line(3, json.dumps({"id": "7", "prompt": "x"})), Line(4, json.dumps({"id": 7, "prompt": "x"}))]
+    assert file_format(free) == FileFormat(False, 1)
+
+
 batch_lines = st.fixed_dictionaries(
     {}, optional={"custom_id": st.text(max_size=8) | json_values, "method": st.just("POST") | json_values,
                   "url": st.sampled_from([CHAT_URL, TEXT_URL, "/v1/embeddings"]) | json_values,

@@ -120,6 +120,9 @@ def call_prefix(syntax: str, choice: ToolChoice) -> str:
     return head if choice.mode == "required" else f'{head}{choice.name}", "{args}":'
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's chat roles
+
+
 def check_messages(msgs: Any) -> list[dict]:
     """The chat's messages, checked: every message a {role, content: str}, but for an assistant
     message with `tool_calls` (content then may be null or absent) and a `tool` message (which
@@ -132,6 +135,9 @@ def check_messages(msgs: Any) -> list[dict]:
         where = f"messages[{k}]"
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ValueError(f"{where} must be an object {{role: str, content: str}}")
+        if m["role"] not in ROLES:  # a template would render any name, and the model read it as text
+            raise ValueError(f"{where}.role={_short(m['role'])} is not a chat role: give one of "
+                             f"{', '.join(ROLES)}")
         content = m.get("content")
         if m["role"] == "assistant" and m.get("tool_calls") is not None:
             tool_calls = m["tool_calls"]
