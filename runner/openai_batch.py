@@ -6,7 +6,8 @@ podrun's own parser then checks. A result line: {"id": "batch_req_...", "custom_
 {"status_code": 200, "request_id": "req_...", "body": <chat.completion | text_completion>},
 "error": null}, or for a request that cannot be served {..., "response": {"status_code": 400,
 "request_id", "body": null}, "error": {"object": "error", "message", "type": "BadRequestError",
-"param", "code": 400}} (vLLM's ErrorResponse).
+"param", "code", "line"}}: vLLM's ErrorResponse, with OpenAI's BatchError's string `code`
+(invalid_request, invalid_json, unknown_parameter, context_length_exceeded) and input `line`.
 
 The format is the file's: its first JSON object decides, and a line of the other format gets an
 error naming both lines. One results file then has one format, and a rerun resumes it exactly as
@@ -23,8 +24,8 @@ import json
 import re
 from typing import Any
 
-from runner.requests_io import (BATCH, FIELDS, FUTURE, Line, Parsed, RequestFileError, _short, decode,
-                                parse_fields)
+from runner.requests_io import (BATCH, FIELDS, FUTURE, Line, Parsed, RequestError, RequestFileError, _short,
+                                decode, parse_fields)
 from runner.settings import Settings
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
@@ -93,12 +94,14 @@ def parse_line(index: int, line: Line, fmt: FileFormat, tokenizer, s: Settings, 
     Never raises."""
     d, error = decode(line)
     if d is None:
-        return Parsed(index, None if fmt.batch else line.number, error=error)
+        return Parsed(index, None if fmt.batch else line.number, error=error, code="invalid_json",
+                      line=line.number)
     if any(k in d for k in BATCH) != fmt.batch:
         kinds = ("podrun's format", "an OpenAI Batch request (custom_id, method, url, body)")
         return Parsed(index, None if fmt.batch else d.get("id", line.number), error=(
             f"line {line.number} is {kinds[not fmt.batch]}, but the file's first request (line "
-            f"{fmt.first}) is {kinds[fmt.batch]}: give one format per file"))
+            f"{fmt.first}) is {kinds[fmt.batch]}: give one format per file"), code="invalid_request",
+            line=line.number)
     if not fmt.batch:
         return parse_fields(index, line.number, d, d.get("id", line.number), tokenizer, s, vocab_size,
                             render_chat, grammars)
@@ -106,10 +109,12 @@ def parse_line(index: int, line: Line, fmt: FileFormat, tokenizer, s: Settings, 
     try:
         url, fields, renamed = request_fields(d)
     except ValueError as e:
-        return Parsed(index, custom_id if isinstance(custom_id, str) else None, error=str(e))
+        return Parsed(index, custom_id if isinstance(custom_id, str) else None, error=str(e),
+                      code=getattr(e, "code", "invalid_request"), line=line.number)
     except Exception as e:  # whatever the line holds, its own error result and not the run's end
         return Parsed(index, custom_id if isinstance(custom_id, str) else None,
-                      error=f"line {line.number}: {type(e).__name__}: {_short(str(e), 200)}")
+                      error=f"line {line.number}: {type(e).__name__}: {_short(str(e), 200)}",
+                      code="invalid_request", line=line.number)
     p = parse_fields(index, line.number, fields, custom_id, tokenizer, s, vocab_size, render_chat,
                      grammars)
     for ours, theirs in renamed.items():  # the error names the field as the body gave it
@@ -129,7 +134,8 @@ def request_fields(d: dict) -> tuple[str, dict, dict[str, str]]:
         raise ValueError(f"custom_id={_short(d['custom_id'])} is not a string")
     for key in d:
         if key not in BATCH:
-            raise ValueError(f"unknown field {_short(key)}: a Batch line has custom_id, method, url and body")
+            raise RequestError(f"unknown field {_short(key)}: a Batch line has custom_id, method, url and body",
+                               "unknown_parameter")
     if d.get("method") != "POST":
         raise ValueError(f"method={_short(d.get('method'))}: Batch requests are POST")
     url = d.get("url")
@@ -152,7 +158,7 @@ def request_fields(d: dict) -> tuple[str, dict, dict[str, str]]:
                 raise ValueError(f"{key}={_short(value)} is not supported: podrun serves only "
                                  f"{key}={_short(defaults[key])}")
         elif key not in IGNORED and key not in MAX_TOKENS[url]:
-            raise ValueError(_unknown_body_field(key, url))
+            raise RequestError(_unknown_body_field(key, url), "unknown_parameter")
     given = [k for k in MAX_TOKENS[url] if body.get(k) is not None]
     if len(given) == 2 and body[given[0]] != body[given[1]]:
         raise ValueError(f"max_completion_tokens={_short(body[given[0]])} and max_tokens="
@@ -238,7 +244,7 @@ def error_line(p: Parsed) -> dict:
     return {"id": f"batch_req_{key}", "custom_id": p.id,
             "response": {"status_code": 400, "request_id": f"req_{key}", "body": None},
             "error": {"object": "error", "message": p.error, "type": "BadRequestError",
-                      "param": _param(p.error), "code": 400}}
+                      "param": _param(p.error), "code": p.code or "invalid_request", "line": p.line or None}}
 
 
 _NAMED = re.compile(r"(?:unknown )?(?:body )?field (['\"])(.*?)\1")

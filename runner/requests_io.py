@@ -46,6 +46,15 @@ class RequestFileError(ValueError):
     """The request file as a whole cannot be used (missing, unreadable, or a stale partial file)."""
 
 
+class RequestError(ValueError):
+    """Why one request cannot be served, with a code in OpenAI's words for what kind of fault it is
+    (a Batch error line carries it; podrun's own lines carry the message alone)."""
+
+    def __init__(self, message: str, code: str = "invalid_request"):
+        super().__init__(message)
+        self.code = code
+
+
 class AllFailedError(ValueError):
     """Every request of the file got an error result (the results file is written all the same)."""
 
@@ -80,6 +89,8 @@ class Parsed:
     call_prefix: tuple[int, ...] = ()
     api: str = ""  # an OpenAI Batch line's object (chat.completion, text_completion); "": podrun's
     constraint: Any = None  # the compiled format the completion follows (structured.Grammar)
+    code: str = ""  # with an error: its kind (RequestError.code)
+    line: int = 0  # the line of the request file it was read from
 
 
 # A request line's fields. FUTURE are fields podrun does not serve yet, named as such rather than
@@ -173,7 +184,7 @@ def parse_request(index: int, line: Line, tokenizer, s: Settings, vocab_size: in
     format, if it has one."""
     d, error = decode(line)
     if d is None:
-        return Parsed(index, line.number, error=error)
+        return Parsed(index, line.number, error=error, code="invalid_json", line=line.number)
     return parse_fields(index, line.number, d, d.get("id", line.number), tokenizer, s, vocab_size,
                         render_chat, grammars)
 
@@ -184,7 +195,7 @@ def parse_fields(index: int, number: int, d: dict, rid: Any, tokenizer, s: Setti
     g, samp = s.generation, s.sampling
     try:
         if unknown := _unknown(d):
-            raise ValueError(unknown)
+            raise RequestError(unknown, "unknown_parameter")
         n = _number(d, "n", 1, int, 1, MAX_N)
         logprobs, prompt_logprobs = _logprobs(d)
         scoring = prompt_logprobs is not None or d.get("continuation") is not None
@@ -220,13 +231,13 @@ def parse_fields(index: int, number: int, d: dict, rid: Any, tokenizer, s: Setti
         continuation = _continuation(d, tokenizer, vocab_size)
         ids = list(ids) + continuation
         if len(ids) > g.max_prompt_len:
-            raise ValueError(
-                f"the prompt has {len(ids)} tokens, more than generation.max_prompt_len={g.max_prompt_len}"
-            )
+            raise RequestError(f"the prompt has {len(ids)} tokens, more than generation.max_prompt_len="
+                               f"{g.max_prompt_len}", "context_length_exceeded")
     except Exception as e:  # whatever the line holds, its own error result and not the run's end
         message = str(e) if isinstance(e, ValueError | TypeError) else f"{type(e).__name__}: {e}"
         message = " ".join(message.split())  # one line, whatever the library wrote
-        return Parsed(index, rid, error=message if len(message) <= 400 else message[:397] + "...")
+        return Parsed(index, rid, error=message if len(message) <= 400 else message[:397] + "...",
+                      code=getattr(e, "code", "invalid_request"), line=number)
     # A request's random stream is its own seed's, wherever it stands in the file and whatever
     # runs beside it; without one, sampling.seed's mixed with the request's line number.
     row_seed = (seed if "seed" in d and d["seed"] is not None
@@ -235,7 +246,7 @@ def parse_fields(index: int, number: int, d: dict, rid: Any, tokenizer, s: Setti
                   tuple(stop) + s.generation.stop, row_seed, chat="messages" in d, n=n,
                   logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                   continuation=len(continuation), tools=offered, call_prefix=tuple(prefix),
-                  constraint=constraint)
+                  constraint=constraint, line=number)
 
 
 def _logprobs(d: dict) -> tuple[int | None, int | None]:

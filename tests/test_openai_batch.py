@@ -157,7 +157,12 @@ def test_bad_batch_lines_get_an_error_naming_the_field(tok, s, line, error, para
     assert p.error.startswith(error), p.error
     out = openai_batch.error_line(p)
     assert out["error"]["param"] == param and out["error"]["message"] == p.error
-    assert out["response"]["status_code"] == 400 and out["error"]["code"] == 400
+    assert out["response"]["status_code"] == 400
+    batch_error = openai.types.BatchError.model_validate(out["error"])  # OpenAI's type: a string code
+    assert batch_error.line == 4
+    assert batch_error.code == ("invalid_json" if "not valid JSON" in p.error else
+                                "unknown_parameter" if "unknown" in p.error or "belongs to" in p.error
+                                else "invalid_request")
     assert out["custom_id"] == p.id
     assert p.id == (json.loads(line).get("custom_id") if "is not a string" not in error and line[0] == "{"
                     and "podrun's format" not in error and "not valid JSON" not in error else None)
@@ -257,8 +262,10 @@ def check_envelope(line: dict, custom_id) -> dict | None:
         return response["body"]
     assert response["status_code"] == 400 and response["body"] is None
     e = line["error"]
-    assert isinstance(e["message"], str) and "\n" not in e["message"] and e["code"] == 400
-    openai.types.BatchError.model_validate({k: e[k] for k in ("message", "param")})
+    assert isinstance(e["message"], str) and "\n" not in e["message"]
+    error = openai.types.BatchError.model_validate(e)
+    assert error.code in ("invalid_request", "invalid_json", "unknown_parameter", "context_length_exceeded")
+    assert isinstance(error.line, int) and error.line >= 1
     return None
 
 
