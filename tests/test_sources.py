@@ -1,7 +1,9 @@
 """runner/checkpoints/'s HF folder and GGUF readers against independent references: transformers'
 own loaders (HF folders and GGUF), GGUF files written here the way llama.cpp's convert_hf_to_gguf.py
-writes them (names from gguf's own tensor map, its permute and transposes), gguf's quantisers, and
-K-quant blocks packed here from the ggml block layouts (ggml-common.h, dequantize_row_q{4,5,6}_K)."""
+writes them (names from gguf's own tensor map, its permute and transposes), gguf's quantisers and
+dequantisers (every tensor type the installed gguf reads; random blocks for those it only reads),
+and K-quant blocks packed here from the ggml block layouts (ggml-common.h,
+dequantize_row_q{4,5,6}_K)."""
 
 from __future__ import annotations
 
@@ -69,10 +71,62 @@ def llama_cpp_rows(n_rows: int, n_heads: int) -> np.ndarray:
                      for h in range(n_heads) for j in range(hd // 2) for i in range(2)])
 
 
+def gguf_dequantises(qtype) -> bool:
+    """Whether gguf.quants.dequantize reads qtype (it raises NotImplementedError for the others)."""
+    try:
+        gguf.quants.dequantize(np.zeros((1, gguf.GGML_QUANT_SIZES[qtype][1]), np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def gguf_quantises(qtype) -> bool:
+    """Whether gguf.quants.quantize writes qtype (NotImplementedError for the others)."""
+    try:
+        gguf.quants.quantize(np.zeros((1, gguf.GGML_QUANT_SIZES[qtype][0]), np.float32), qtype)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def random_blocks(qtype, shape: tuple[int, ...], rng) -> np.ndarray:
+    """Random blocks of qtype for `shape` values, as bytes [..., row bytes]. Where gguf dequantises
+    qtype, a block it reads as NaN or inf (an f16 scale of all-ones exponent, an MXFP4 exponent
+    too large) is drawn again, until every value is finite."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    b = rng.integers(0, 256, (int(np.prod(shape)) // block, size), dtype=np.uint8)
+    for _ in range(50):
+        if not gguf_dequantises(qtype):
+            break
+        with np.errstate(invalid="ignore", over="ignore"):
+            bad = ~np.isfinite(gguf.quants.dequantize(b, qtype)).all(axis=1)
+        if not bad.any():
+            break
+        b[bad] = rng.integers(0, 256, (int(bad.sum()), size), dtype=np.uint8)
+    else:
+        raise AssertionError(f"no finite {qtype.name} blocks drawn")
+    return b.reshape(*shape[:-1], shape[-1] // block * size)
+
+
+def stored_as(qtype, a: np.ndarray, rng) -> tuple[np.ndarray, object]:
+    """(data, raw_dtype) for GGUFWriter.add_tensor storing float32 `a` as qtype: gguf's quantiser
+    where it has one, random blocks (random_blocks) for the types gguf only dequantises."""
+    floats = {Q.F32: np.float32, Q.F16: np.float16, Q.F64: np.float64}
+    if qtype in floats:
+        return a.astype(floats[qtype]), None
+    try:
+        return gguf.quants.quantize(a, qtype), qtype
+    except NotImplementedError:
+        return random_blocks(qtype, a.shape, rng), qtype
+
+
 def write_gguf(path, arch: str, config, state: dict[str, np.ndarray], encode=None,
-               extra: dict[str, np.ndarray] | None = None, kv: dict | None = None) -> str:
+               extra: dict[str, np.ndarray] | None = None, kv: dict | None = None,
+               types: dict | None = None) -> str:
     """A GGUF as convert_hf_to_gguf.py writes one. encode(hf_name, gguf_layout_array) may return
-    (data, raw_dtype) to store a tensor quantised; otherwise it is stored as given (F32)."""
+    (data, raw_dtype) to store a tensor quantised; otherwise types {hf_name: GGMLQuantizationType}
+    picks a tensor's type (stored_as), and the rest are stored as given (F32)."""
+    rng = np.random.default_rng(0)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(config.max_position_embeddings)
     w.add_embedding_length(config.hidden_size)
@@ -109,7 +163,8 @@ def write_gguf(path, arch: str, config, state: dict[str, np.ndarray], encode=Non
         if arch == "gpt2" and re.search(r"(c_attn|c_proj|c_fc)\.weight$", hf_name):
             a = a.T  # Conv1D [in, out] -> Linear [out, in]
         a = np.ascontiguousarray(a, dtype=np.float32)
-        data, raw_dtype = (encode and encode(hf_name, a)) or (a, None)
+        data, raw_dtype = (encode and encode(hf_name, a)) or (
+            stored_as(types[hf_name], a, rng) if hf_name in (types or {}) else (a, None))
         w.add_tensor(name, data, raw_dtype=raw_dtype)
     for name, a in (extra or {}).items():
         w.add_tensor(name, a)
@@ -118,6 +173,25 @@ def write_gguf(path, arch: str, config, state: dict[str, np.ndarray], encode=Non
     w.write_tensors_to_file()
     w.close()
     return str(path)
+
+
+def gguf_reference(path: str, arch: str, config, hf_names) -> dict[str, np.ndarray]:
+    """The file's tensors as gguf's own reader and dequantiser give them (float32), in HF names
+    and layout: llama's q/k rows put back in HF order, numpy shapes the reverse of GGUF's dims."""
+    to_gguf = gguf.get_tensor_name_map(GGUF_ARCH[arch], config.num_hidden_layers)
+    hf = {to_gguf.get_name(n, try_suffixes=(".weight", ".bias")): n for n in hf_names}
+    out = {}
+    for t in gguf.GGUFReader(path).tensors:
+        data = np.asarray(t.data)
+        a = (data.astype(np.float32) if t.tensor_type in (Q.F32, Q.F64)
+             else gguf.quants.dequantize(data, t.tensor_type))
+        a = a.reshape(tuple(reversed(t.shape.tolist())))
+        name = hf[t.name]
+        if arch == "llama" and re.search(r"\.(q|k)_proj\.weight$", name):
+            heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
+            a = a[np.argsort(llama_cpp_rows(a.shape[0], heads))]
+        out[name] = a
+    return out
 
 
 def hf_config_of(src) -> transformers.PretrainedConfig:
@@ -193,44 +267,33 @@ QUANT_BOUND = {Q.Q8_0: 1 / 200, Q.Q4_0: 1 / 7.5, Q.Q4_1: 1 / 13}
 
 
 @pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda t: t.name)
-def test_quantised_gguf_tensors_dequantise_to_the_reference(tmp_path, qtype):
-    model = tiny_hf_model("llama", hidden_size=128, intermediate_size=256)
+def test_gguf_tensors_of_each_type_convert_to_ggufs_own_dequantisation(tmp_path, qtype):
+    """Every matrix (lm_head and llama's permuted q/k too) stored as qtype by gguf's quantiser.
+    The source's tensors are what gguf's own reader and dequantiser make of the file, in HF
+    layout, and close to the model's weights."""
+    model = tiny_hf_model("llama", hidden_size=256, intermediate_size=256, num_hidden_layers=1)
     orig = state_of(model)
-    stored = {}
-
-    def encode(name, a):
-        if a.ndim != 2:
-            return None
-        if qtype == Q.F16:
-            stored[name] = a.astype(np.float16)
-            return stored[name], None
-        stored[name] = gguf.quants.quantize(a, qtype)
-        return stored[name], qtype
-
-    src = read_gguf(write_gguf(tmp_path / "q.gguf", "llama", model.config, orig, encode))
-    assert set(stored) == {n for n, a in orig.items() if a.ndim == 2}  # 16 matrices, lm_head too
+    types = {n: qtype for n, a in orig.items() if a.ndim == 2}
+    path = write_gguf(tmp_path / "q.gguf", "llama", model.config, orig, types=types)
+    src = read_gguf(path)
+    ref = gguf_reference(path, "llama", model.config, orig)
+    assert len(types) == 9 and set(src.tensors) == set(ref) == set(orig)  # embed, lm_head, 7 more
     for name, got in src.tensors.items():
         x = orig[name]
-        if name not in stored:
+        assert got.shape == x.shape, name
+        if name not in types:
             np.testing.assert_array_equal(got, x, err_msg=name)
             continue
-        if qtype == Q.F16:
-            assert got.dtype == np.float16
-            np.testing.assert_array_equal(got, x.astype(np.float16), err_msg=name)
-            continue
-        if qtype == Q.BF16:
-            assert got.dtype == ml_dtypes.bfloat16
-            np.testing.assert_array_equal(got, x.astype(ml_dtypes.bfloat16), err_msg=name)
-            continue
-        assert got.dtype == np.float32 and got.shape == x.shape
-        ref = gguf.quants.dequantize(stored[name], qtype)  # in GGUF (maybe permuted) row order
-        if re.search(r"\.(q|k)_proj\.", name):
-            heads = 4 if ".q_proj." in name else 2
-            ref = ref[np.argsort(llama_cpp_rows(x.shape[0], heads))]
-        np.testing.assert_array_equal(got, ref, err_msg=name)
-        block_max = np.abs(x.reshape(-1, 32)).max(axis=1, keepdims=True)
-        err = np.abs(got - x).reshape(-1, 32)
-        assert (err <= QUANT_BOUND[qtype] * block_max + 1e-7).all(), name
+        want_dtype = {Q.F16: np.float16, Q.BF16: ml_dtypes.bfloat16}.get(qtype, np.float32)
+        assert got.dtype == want_dtype, name
+        np.testing.assert_array_equal(got.astype(np.float32), ref[name], err_msg=name)
+        if qtype in (Q.F16, Q.BF16):
+            np.testing.assert_array_equal(got, x.astype(want_dtype), err_msg=name)
+        elif gguf_quantises(qtype):  # from the model's weights (else random blocks)
+            block = gguf.GGML_QUANT_SIZES[qtype][0]
+            block_max = np.abs(x.reshape(-1, block)).max(axis=1, keepdims=True)
+            err = np.abs(got - x).reshape(-1, block)
+            assert (err <= QUANT_BOUND[qtype] * block_max + 1e-7).all(), name
 
 
 def pack_k_quant(qtype, rows: int, cols: int, rng) -> tuple[np.ndarray, np.ndarray]:
@@ -418,8 +481,8 @@ def test_gguf_file_reads_what_ggufs_own_reader_reads(tmp_path):
     rng = np.random.default_rng(0)
     a = rng.normal(size=(8, 64)).astype(np.float32)
     for qtype in (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_1):
-        w.add_tensor(f"x.{qtype.name}", a if qtype == Q.F32 else gguf.quants.quantize(a, qtype),
-                     raw_dtype=None if qtype == Q.F32 else qtype)
+        data, raw_dtype = stored_as(qtype, a, rng)
+        w.add_tensor(f"x.{qtype.name}", data, raw_dtype=raw_dtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -469,8 +532,8 @@ def bad_sources(tmp_path) -> dict:
         "truncated gguf tensors": truncate(small_gguf(tmp_path, "a.gguf"), 0.6),
         "truncated gguf header": truncate(small_gguf(tmp_path, "b.gguf"), 0.002),
         "not a model": str(tmp_path / "x.txt"),
-        "unsupported quant": small_gguf(tmp_path, "c.gguf", encode=lambda n, a: (
-            (gguf.quants.quantize(a, Q.Q5_0), Q.Q5_0) if n.endswith("up_proj.weight") else None)),
+        "unsupported quant": small_gguf(tmp_path, "c.gguf", types={
+            "model.layers.0.mlp.up_proj.weight": Q.Q5_0}),
         "unrecoverable rope_freqs": small_gguf(tmp_path, "d.gguf", extra={
             "rope_freqs.weight": np.linspace(3, 1, 8).astype(np.float32)}),
     }
