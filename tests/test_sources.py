@@ -12,20 +12,25 @@ import os
 import re
 
 import gguf
+import jax
 import ml_dtypes
 import numpy as np
 import pytest
 import torch
 import transformers
 
+from models.decoder import Mode
 from models.llama import PRESETS as LLAMA_PRESETS
+from models.policy import Policy
 from models.registry import Model
-from runner.checkpoints.convert import read_source
+from runner.checkpoints import store
+from runner.checkpoints.convert import convert, read_source
 from runner.checkpoints.gguf_file import GGUFFile
 from runner.checkpoints.gguf_source import read_gguf
 from runner.checkpoints.hf_folder import read_hf_folder
 from runner.checkpoints.source import SourceError
-from tests.reference import transformers_gguf_load
+from tests.conftest import rules_for
+from tests.reference import GGUFReference, transformers_gguf_load
 
 Q = gguf.GGMLQuantizationType
 GGUF_ARCH = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2,
@@ -261,16 +266,29 @@ def test_gguf_of_a_random_hf_model_reads_back_as_its_state_dict(tmp_path, arch):
         assert c.rms_norm_eps == model.config.rms_norm_eps
 
 
-# Worst |error| / max|x| of its block: half a step (Q4_0: a whole step at the clipped end), plus
-# the rounding of the f16 scale. A wrong layout or dequantiser errs by about max|x| itself.
-QUANT_BOUND = {Q.Q8_0: 1 / 200, Q.Q4_0: 1 / 7.5, Q.Q4_1: 1 / 13}
+# Every tensor type gguf's dequantiser reads, as the installed gguf reports it (not a list kept
+# here), less F32/F16/BF16 (read as they are), plus F64 (read by GGUFReader, narrowed to float32).
+GGUF_READS = [t for t in Q if gguf_dequantises(t) and t not in (Q.F32, Q.F16, Q.BF16)] + [Q.F64]
+# Worst |error| / max|x| of its block: half a step (Q4_0, Q5_0: a whole step at the clipped end),
+# plus the rounding of the f16 scale; others gguf may quantise, half of max|x| (ternary TQ's
+# step). A wrong layout or dequantiser errs by about max|x| itself.
+QUANT_BOUND = {Q.Q8_0: 1 / 200, Q.Q4_0: 1 / 7.5, Q.Q4_1: 1 / 13, Q.Q5_0: 1 / 15, Q.Q5_1: 1 / 29,
+               Q.MXFP4: 1 / 3.5, Q.TQ1_0: 1 / 1.9, Q.TQ2_0: 1 / 1.9}
 
 
-@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda t: t.name)
+def test_gguf_reads_the_types_of_llama_cpps_mixed_quantisations():
+    """Q4_K_M and Q5_K_M files mix Q5_0, Q5_1 and Q8_0 in (for rows no K-quant block fits), and
+    the IQ types are llama.cpp's own; all of them are among the types tested here."""
+    assert {Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
+            Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M, Q.IQ4_NL,
+            Q.IQ4_XS} <= set(GGUF_READS)
+
+
+@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16] + GGUF_READS, ids=lambda t: t.name)
 def test_gguf_tensors_of_each_type_convert_to_ggufs_own_dequantisation(tmp_path, qtype):
-    """Every matrix (lm_head and llama's permuted q/k too) stored as qtype by gguf's quantiser.
-    The source's tensors are what gguf's own reader and dequantiser make of the file, in HF
-    layout, and close to the model's weights."""
+    """Every matrix (lm_head and llama's permuted q/k too) stored as qtype: gguf's quantisation of
+    the model's weights, or random blocks for the types it only dequantises. The source's tensors
+    are what gguf's own reader and dequantiser make of the file, in HF layout."""
     model = tiny_hf_model("llama", hidden_size=256, intermediate_size=256, num_hidden_layers=1)
     orig = state_of(model)
     types = {n: qtype for n, a in orig.items() if a.ndim == 2}
@@ -287,13 +305,43 @@ def test_gguf_tensors_of_each_type_convert_to_ggufs_own_dequantisation(tmp_path,
         want_dtype = {Q.F16: np.float16, Q.BF16: ml_dtypes.bfloat16}.get(qtype, np.float32)
         assert got.dtype == want_dtype, name
         np.testing.assert_array_equal(got.astype(np.float32), ref[name], err_msg=name)
-        if qtype in (Q.F16, Q.BF16):
+        if qtype in (Q.F16, Q.BF16, Q.F64):
             np.testing.assert_array_equal(got, x.astype(want_dtype), err_msg=name)
         elif gguf_quantises(qtype):  # from the model's weights (else random blocks)
             block = gguf.GGML_QUANT_SIZES[qtype][0]
             block_max = np.abs(x.reshape(-1, block)).max(axis=1, keepdims=True)
             err = np.abs(got - x).reshape(-1, block)
-            assert (err <= QUANT_BOUND[qtype] * block_max + 1e-7).all(), name
+            assert (err <= QUANT_BOUND.get(qtype, 1 / 1.9) * block_max + 1e-7).all(), name
+
+
+def test_qwen2_gguf_mixing_q5_0_and_q5_1_in_converts_and_runs_as_transformers_loads_it(tmp_path):
+    """Issue 42: Qwen2.5-Coder-0.5B's Q4_K_M stores token_embd as Q5_0 (no K-quant block fits a
+    row of 896). A tiny Qwen2 (rows of 64) quantised as llama.cpp's Q4_K_M falls back (Q5_0 for
+    Q4_K, Q5_1 for Q5_K, Q8_0 for Q6_K) is converted, restored and run: its logits are those of
+    transformers' own load of the same GGUF (through gguf's dequantiser)."""
+    model = tiny_hf_model("qwen2")
+    types = {n: Q.Q5_1 if ".v_proj." in n else Q.Q8_0 if ".down_proj." in n else Q.Q5_0
+             for n, a in state_of(model).items() if a.ndim == 2}
+    path = write_gguf(tmp_path / "q4_k_m.gguf", "qwen2", model.config, state_of(model), types=types)
+    stored = {t.name: t.tensor_type for t in gguf.GGUFReader(path).tensors}
+    assert stored["token_embd.weight"] == Q.Q5_0 and stored["blk.0.attn_v.weight"] == Q.Q5_1
+    convert(path, str(tmp_path / "ck"))
+
+    meta = store.load_metadata(str(tmp_path / "ck"))
+    rules = rules_for("1dev")
+    params = store.restore(str(tmp_path / "ck"), meta.model, rules, "float32")
+    ids = np.array([[1, 17, 42, 5, 88, 3, 60, 9]], np.int32)
+    positions = np.arange(ids.shape[1], dtype=np.int32)[None]
+    cache = meta.model.new_cache(1, 16, np.float32, rules)
+    logits, _ = jax.jit(lambda p, t, pos, c: meta.model.forward(
+        p, t, pos, c, rules, Policy(), Mode.PREFILL))(params, ids, positions, cache)
+    want = GGUFReference(path).model
+    with torch.no_grad():
+        ref = want(torch.tensor(ids)).logits.numpy()
+    embed = want.model.embed_tokens.weight.detach().numpy()
+    x = state_of(model)["model.embed_tokens.weight"]
+    assert 0 < np.abs(embed - x).max() <= np.abs(x).max() / 15  # Q5_0's values, not the floats
+    np.testing.assert_allclose(np.asarray(logits), ref, rtol=1e-4, atol=1e-4)
 
 
 def pack_k_quant(qtype, rows: int, cols: int, rng) -> tuple[np.ndarray, np.ndarray]:
@@ -480,7 +528,7 @@ def test_gguf_file_reads_what_ggufs_own_reader_reads(tmp_path):
     w.add_array("t.empty", [])
     rng = np.random.default_rng(0)
     a = rng.normal(size=(8, 64)).astype(np.float32)
-    for qtype in (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_1):
+    for qtype in (Q.F32, Q.F16, Q.F64, Q.BF16, Q.Q8_0, Q.Q4_1):
         data, raw_dtype = stored_as(qtype, a, rng)
         w.add_tensor(f"x.{qtype.name}", data, raw_dtype=raw_dtype)
     w.write_header_to_file()
@@ -505,6 +553,12 @@ def test_gguf_file_reads_what_ggufs_own_reader_reads(tmp_path):
 
 
 # --- errors ---------------------------------------------------------------------------------------
+
+# A quantised type the installed gguf has no dequantiser for (0.19.0: Q8_1, Q8_K, Q1_0), or else
+# I8 (an integer type, never dequantised).
+GGUF_CANNOT_READ = next((t for t in Q if gguf.GGML_QUANT_SIZES[t][0] > 1
+                         and not gguf_dequantises(t)), Q.I8)
+
 
 def small_gguf(tmp_path, name="s.gguf", **kw) -> str:
     model = tiny_hf_model("llama", num_hidden_layers=1)
@@ -533,7 +587,7 @@ def bad_sources(tmp_path) -> dict:
         "truncated gguf header": truncate(small_gguf(tmp_path, "b.gguf"), 0.002),
         "not a model": str(tmp_path / "x.txt"),
         "unsupported quant": small_gguf(tmp_path, "c.gguf", types={
-            "model.layers.0.mlp.up_proj.weight": Q.Q5_0}),
+            "model.layers.0.mlp.up_proj.weight": GGUF_CANNOT_READ}),
         "unrecoverable rope_freqs": small_gguf(tmp_path, "d.gguf", extra={
             "rope_freqs.weight": np.linspace(3, 1, 8).astype(np.float32)}),
     }
@@ -547,6 +601,16 @@ def test_bad_sources_raise_source_error_naming_the_path(tmp_path, case):
     with pytest.raises(SourceError, match=re.escape(path)) as e:
         read_source(path)
     assert "\n" not in str(e.value)
+
+
+def test_a_gguf_type_gguf_cannot_dequantise_is_refused_naming_tensor_type_and_remedy(tmp_path):
+    path = bad_sources(tmp_path)["unsupported quant"]
+    with pytest.raises(SourceError) as e:
+        read_source(path)
+    msg = str(e.value)
+    assert msg.startswith(f"{path}: tensor blk.0.ffn_up.weight is {GGUF_CANNOT_READ.name}, ")
+    assert "cannot dequantise" in msg and "upgrade gguf" in msg and "llama-quantize" in msg
+    assert "\n" not in msg
 
 
 def test_unsupported_gguf_architecture_is_refused(tmp_path):
