@@ -1,7 +1,9 @@
 """runner/checkpoints/'s HF folder and GGUF readers against independent references: transformers'
 own loaders (HF folders and GGUF), GGUF files written here the way llama.cpp's convert_hf_to_gguf.py
-writes them (names from gguf's own tensor map, its permute and transposes), gguf's quantisers, and
-K-quant blocks packed here from the ggml block layouts (ggml-common.h, dequantize_row_q{4,5,6}_K)."""
+writes them (names from gguf's own tensor map, its permute and transposes), gguf's quantisers and
+dequantisers (every tensor type the installed gguf reads; random blocks for those it only reads),
+and K-quant blocks packed here from the ggml block layouts (ggml-common.h,
+dequantize_row_q{4,5,6}_K)."""
 
 from __future__ import annotations
 
@@ -10,20 +12,25 @@ import os
 import re
 
 import gguf
+import jax
 import ml_dtypes
 import numpy as np
 import pytest
 import torch
 import transformers
 
+from models.decoder import Mode
 from models.llama import PRESETS as LLAMA_PRESETS
+from models.policy import Policy
 from models.registry import Model
-from runner.checkpoints.convert import read_source
+from runner.checkpoints import store
+from runner.checkpoints.convert import convert, read_source
 from runner.checkpoints.gguf_file import GGUFFile
 from runner.checkpoints.gguf_source import read_gguf
 from runner.checkpoints.hf_folder import read_hf_folder
 from runner.checkpoints.source import SourceError
-from tests.reference import transformers_gguf_load
+from tests.conftest import rules_for
+from tests.reference import GGUFReference, transformers_gguf_load
 
 Q = gguf.GGMLQuantizationType
 GGUF_ARCH = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2,
@@ -69,10 +76,62 @@ def llama_cpp_rows(n_rows: int, n_heads: int) -> np.ndarray:
                      for h in range(n_heads) for j in range(hd // 2) for i in range(2)])
 
 
+def gguf_dequantises(qtype) -> bool:
+    """Whether gguf.quants.dequantize reads qtype (it raises NotImplementedError for the others)."""
+    try:
+        gguf.quants.dequantize(np.zeros((1, gguf.GGML_QUANT_SIZES[qtype][1]), np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def gguf_quantises(qtype) -> bool:
+    """Whether gguf.quants.quantize writes qtype (NotImplementedError for the others)."""
+    try:
+        gguf.quants.quantize(np.zeros((1, gguf.GGML_QUANT_SIZES[qtype][0]), np.float32), qtype)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def random_blocks(qtype, shape: tuple[int, ...], rng) -> np.ndarray:
+    """Random blocks of qtype for `shape` values, as bytes [..., row bytes]. Where gguf dequantises
+    qtype, a block it reads as NaN or inf (an f16 scale of all-ones exponent, an MXFP4 exponent
+    too large) is drawn again, until every value is finite."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    b = rng.integers(0, 256, (int(np.prod(shape)) // block, size), dtype=np.uint8)
+    for _ in range(50):
+        if not gguf_dequantises(qtype):
+            break
+        with np.errstate(invalid="ignore", over="ignore"):
+            bad = ~np.isfinite(gguf.quants.dequantize(b, qtype)).all(axis=1)
+        if not bad.any():
+            break
+        b[bad] = rng.integers(0, 256, (int(bad.sum()), size), dtype=np.uint8)
+    else:
+        raise AssertionError(f"no finite {qtype.name} blocks drawn")
+    return b.reshape(*shape[:-1], shape[-1] // block * size)
+
+
+def stored_as(qtype, a: np.ndarray, rng) -> tuple[np.ndarray, object]:
+    """(data, raw_dtype) for GGUFWriter.add_tensor storing float32 `a` as qtype: gguf's quantiser
+    where it has one, random blocks (random_blocks) for the types gguf only dequantises."""
+    floats = {Q.F32: np.float32, Q.F16: np.float16, Q.F64: np.float64}
+    if qtype in floats:
+        return a.astype(floats[qtype]), None
+    try:
+        return gguf.quants.quantize(a, qtype), qtype
+    except NotImplementedError:
+        return random_blocks(qtype, a.shape, rng), qtype
+
+
 def write_gguf(path, arch: str, config, state: dict[str, np.ndarray], encode=None,
-               extra: dict[str, np.ndarray] | None = None, kv: dict | None = None) -> str:
+               extra: dict[str, np.ndarray] | None = None, kv: dict | None = None,
+               types: dict | None = None) -> str:
     """A GGUF as convert_hf_to_gguf.py writes one. encode(hf_name, gguf_layout_array) may return
-    (data, raw_dtype) to store a tensor quantised; otherwise it is stored as given (F32)."""
+    (data, raw_dtype) to store a tensor quantised; otherwise types {hf_name: GGMLQuantizationType}
+    picks a tensor's type (stored_as), and the rest are stored as given (F32)."""
+    rng = np.random.default_rng(0)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(config.max_position_embeddings)
     w.add_embedding_length(config.hidden_size)
@@ -109,7 +168,8 @@ def write_gguf(path, arch: str, config, state: dict[str, np.ndarray], encode=Non
         if arch == "gpt2" and re.search(r"(c_attn|c_proj|c_fc)\.weight$", hf_name):
             a = a.T  # Conv1D [in, out] -> Linear [out, in]
         a = np.ascontiguousarray(a, dtype=np.float32)
-        data, raw_dtype = (encode and encode(hf_name, a)) or (a, None)
+        data, raw_dtype = (encode and encode(hf_name, a)) or (
+            stored_as(types[hf_name], a, rng) if hf_name in (types or {}) else (a, None))
         w.add_tensor(name, data, raw_dtype=raw_dtype)
     for name, a in (extra or {}).items():
         w.add_tensor(name, a)
@@ -118,6 +178,25 @@ def write_gguf(path, arch: str, config, state: dict[str, np.ndarray], encode=Non
     w.write_tensors_to_file()
     w.close()
     return str(path)
+
+
+def gguf_reference(path: str, arch: str, config, hf_names) -> dict[str, np.ndarray]:
+    """The file's tensors as gguf's own reader and dequantiser give them (float32), in HF names
+    and layout: llama's q/k rows put back in HF order, numpy shapes the reverse of GGUF's dims."""
+    to_gguf = gguf.get_tensor_name_map(GGUF_ARCH[arch], config.num_hidden_layers)
+    hf = {to_gguf.get_name(n, try_suffixes=(".weight", ".bias")): n for n in hf_names}
+    out = {}
+    for t in gguf.GGUFReader(path).tensors:
+        data = np.asarray(t.data)
+        a = (data.astype(np.float32) if t.tensor_type in (Q.F32, Q.F64)
+             else gguf.quants.dequantize(data, t.tensor_type))
+        a = a.reshape(tuple(reversed(t.shape.tolist())))
+        name = hf[t.name]
+        if arch == "llama" and re.search(r"\.(q|k)_proj\.weight$", name):
+            heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
+            a = a[np.argsort(llama_cpp_rows(a.shape[0], heads))]
+        out[name] = a
+    return out
 
 
 def hf_config_of(src) -> transformers.PretrainedConfig:
@@ -187,50 +266,82 @@ def test_gguf_of_a_random_hf_model_reads_back_as_its_state_dict(tmp_path, arch):
         assert c.rms_norm_eps == model.config.rms_norm_eps
 
 
-# Worst |error| / max|x| of its block: half a step (Q4_0: a whole step at the clipped end), plus
-# the rounding of the f16 scale. A wrong layout or dequantiser errs by about max|x| itself.
-QUANT_BOUND = {Q.Q8_0: 1 / 200, Q.Q4_0: 1 / 7.5, Q.Q4_1: 1 / 13}
+# Every tensor type gguf's dequantiser reads, as the installed gguf reports it (not a list kept
+# here), less F32/F16/BF16 (read as they are), plus F64 (read by GGUFReader, narrowed to float32).
+GGUF_READS = [t for t in Q if gguf_dequantises(t) and t not in (Q.F32, Q.F16, Q.BF16)] + [Q.F64]
+# Worst |error| / max|x| of its block: half a step (Q4_0, Q5_0: a whole step at the clipped end),
+# plus the rounding of the f16 scale; others gguf may quantise, half of max|x| (ternary TQ's
+# step). A wrong layout or dequantiser errs by about max|x| itself.
+QUANT_BOUND = {Q.Q8_0: 1 / 200, Q.Q4_0: 1 / 7.5, Q.Q4_1: 1 / 13, Q.Q5_0: 1 / 15, Q.Q5_1: 1 / 29,
+               Q.MXFP4: 1 / 3.5, Q.TQ1_0: 1 / 1.9, Q.TQ2_0: 1 / 1.9}
 
 
-@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda t: t.name)
-def test_quantised_gguf_tensors_dequantise_to_the_reference(tmp_path, qtype):
-    model = tiny_hf_model("llama", hidden_size=128, intermediate_size=256)
+def test_gguf_reads_the_types_of_llama_cpps_mixed_quantisations():
+    """Q4_K_M and Q5_K_M files mix Q5_0, Q5_1 and Q8_0 in (for rows no K-quant block fits), and
+    the IQ types are llama.cpp's own; all of them are among the types tested here."""
+    assert {Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
+            Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M, Q.IQ4_NL,
+            Q.IQ4_XS} <= set(GGUF_READS)
+
+
+@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16] + GGUF_READS, ids=lambda t: t.name)
+def test_gguf_tensors_of_each_type_convert_to_ggufs_own_dequantisation(tmp_path, qtype):
+    """Every matrix (lm_head and llama's permuted q/k too) stored as qtype: gguf's quantisation of
+    the model's weights, or random blocks for the types it only dequantises. The source's tensors
+    are what gguf's own reader and dequantiser make of the file, in HF layout."""
+    model = tiny_hf_model("llama", hidden_size=256, intermediate_size=256, num_hidden_layers=1)
     orig = state_of(model)
-    stored = {}
-
-    def encode(name, a):
-        if a.ndim != 2:
-            return None
-        if qtype == Q.F16:
-            stored[name] = a.astype(np.float16)
-            return stored[name], None
-        stored[name] = gguf.quants.quantize(a, qtype)
-        return stored[name], qtype
-
-    src = read_gguf(write_gguf(tmp_path / "q.gguf", "llama", model.config, orig, encode))
-    assert set(stored) == {n for n, a in orig.items() if a.ndim == 2}  # 16 matrices, lm_head too
+    types = {n: qtype for n, a in orig.items() if a.ndim == 2}
+    path = write_gguf(tmp_path / "q.gguf", "llama", model.config, orig, types=types)
+    src = read_gguf(path)
+    ref = gguf_reference(path, "llama", model.config, orig)
+    assert len(types) == 9 and set(src.tensors) == set(ref) == set(orig)  # embed, lm_head, 7 more
     for name, got in src.tensors.items():
         x = orig[name]
-        if name not in stored:
+        assert got.shape == x.shape, name
+        if name not in types:
             np.testing.assert_array_equal(got, x, err_msg=name)
             continue
-        if qtype == Q.F16:
-            assert got.dtype == np.float16
-            np.testing.assert_array_equal(got, x.astype(np.float16), err_msg=name)
-            continue
-        if qtype == Q.BF16:
-            assert got.dtype == ml_dtypes.bfloat16
-            np.testing.assert_array_equal(got, x.astype(ml_dtypes.bfloat16), err_msg=name)
-            continue
-        assert got.dtype == np.float32 and got.shape == x.shape
-        ref = gguf.quants.dequantize(stored[name], qtype)  # in GGUF (maybe permuted) row order
-        if re.search(r"\.(q|k)_proj\.", name):
-            heads = 4 if ".q_proj." in name else 2
-            ref = ref[np.argsort(llama_cpp_rows(x.shape[0], heads))]
-        np.testing.assert_array_equal(got, ref, err_msg=name)
-        block_max = np.abs(x.reshape(-1, 32)).max(axis=1, keepdims=True)
-        err = np.abs(got - x).reshape(-1, 32)
-        assert (err <= QUANT_BOUND[qtype] * block_max + 1e-7).all(), name
+        want_dtype = {Q.F16: np.float16, Q.BF16: ml_dtypes.bfloat16}.get(qtype, np.float32)
+        assert got.dtype == want_dtype, name
+        np.testing.assert_array_equal(got.astype(np.float32), ref[name], err_msg=name)
+        if qtype in (Q.F16, Q.BF16, Q.F64):
+            np.testing.assert_array_equal(got, x.astype(want_dtype), err_msg=name)
+        elif gguf_quantises(qtype):  # from the model's weights (else random blocks)
+            block = gguf.GGML_QUANT_SIZES[qtype][0]
+            block_max = np.abs(x.reshape(-1, block)).max(axis=1, keepdims=True)
+            err = np.abs(got - x).reshape(-1, block)
+            assert (err <= QUANT_BOUND.get(qtype, 1 / 1.9) * block_max + 1e-7).all(), name
+
+
+def test_qwen2_gguf_mixing_q5_0_and_q5_1_in_converts_and_runs_as_transformers_loads_it(tmp_path):
+    """Issue 42: Qwen2.5-Coder-0.5B's Q4_K_M stores token_embd as Q5_0 (no K-quant block fits a
+    row of 896). A tiny Qwen2 (rows of 64) quantised as llama.cpp's Q4_K_M falls back (Q5_0 for
+    Q4_K, Q5_1 for Q5_K, Q8_0 for Q6_K) is converted, restored and run: its logits are those of
+    transformers' own load of the same GGUF (through gguf's dequantiser)."""
+    model = tiny_hf_model("qwen2")
+    types = {n: Q.Q5_1 if ".v_proj." in n else Q.Q8_0 if ".down_proj." in n else Q.Q5_0
+             for n, a in state_of(model).items() if a.ndim == 2}
+    path = write_gguf(tmp_path / "q4_k_m.gguf", "qwen2", model.config, state_of(model), types=types)
+    stored = {t.name: t.tensor_type for t in gguf.GGUFReader(path).tensors}
+    assert stored["token_embd.weight"] == Q.Q5_0 and stored["blk.0.attn_v.weight"] == Q.Q5_1
+    convert(path, str(tmp_path / "ck"))
+
+    meta = store.load_metadata(str(tmp_path / "ck"))
+    rules = rules_for("1dev")
+    params = store.restore(str(tmp_path / "ck"), meta.model, rules, "float32")
+    ids = np.array([[1, 17, 42, 5, 88, 3, 60, 9]], np.int32)
+    positions = np.arange(ids.shape[1], dtype=np.int32)[None]
+    cache = meta.model.new_cache(1, 16, np.float32, rules)
+    logits, _ = jax.jit(lambda p, t, pos, c: meta.model.forward(
+        p, t, pos, c, rules, Policy(), Mode.PREFILL))(params, ids, positions, cache)
+    want = GGUFReference(path).model
+    with torch.no_grad():
+        ref = want(torch.tensor(ids)).logits.numpy()
+    embed = want.model.embed_tokens.weight.detach().numpy()
+    x = state_of(model)["model.embed_tokens.weight"]
+    assert 0 < np.abs(embed - x).max() <= np.abs(x).max() / 15  # Q5_0's values, not the floats
+    np.testing.assert_allclose(np.asarray(logits), ref, rtol=1e-4, atol=1e-4)
 
 
 def pack_k_quant(qtype, rows: int, cols: int, rng) -> tuple[np.ndarray, np.ndarray]:
@@ -417,9 +528,9 @@ def test_gguf_file_reads_what_ggufs_own_reader_reads(tmp_path):
     w.add_array("t.empty", [])
     rng = np.random.default_rng(0)
     a = rng.normal(size=(8, 64)).astype(np.float32)
-    for qtype in (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_1):
-        w.add_tensor(f"x.{qtype.name}", a if qtype == Q.F32 else gguf.quants.quantize(a, qtype),
-                     raw_dtype=None if qtype == Q.F32 else qtype)
+    for qtype in (Q.F32, Q.F16, Q.F64, Q.BF16, Q.Q8_0, Q.Q4_1):
+        data, raw_dtype = stored_as(qtype, a, rng)
+        w.add_tensor(f"x.{qtype.name}", data, raw_dtype=raw_dtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -442,6 +553,12 @@ def test_gguf_file_reads_what_ggufs_own_reader_reads(tmp_path):
 
 
 # --- errors ---------------------------------------------------------------------------------------
+
+# A quantised type the installed gguf has no dequantiser for (0.19.0: Q8_1, Q8_K, Q1_0), or else
+# I8 (an integer type, never dequantised).
+GGUF_CANNOT_READ = next((t for t in Q if gguf.GGML_QUANT_SIZES[t][0] > 1
+                         and not gguf_dequantises(t)), Q.I8)
+
 
 def small_gguf(tmp_path, name="s.gguf", **kw) -> str:
     model = tiny_hf_model("llama", num_hidden_layers=1)
@@ -469,8 +586,8 @@ def bad_sources(tmp_path) -> dict:
         "truncated gguf tensors": truncate(small_gguf(tmp_path, "a.gguf"), 0.6),
         "truncated gguf header": truncate(small_gguf(tmp_path, "b.gguf"), 0.002),
         "not a model": str(tmp_path / "x.txt"),
-        "unsupported quant": small_gguf(tmp_path, "c.gguf", encode=lambda n, a: (
-            (gguf.quants.quantize(a, Q.Q5_0), Q.Q5_0) if n.endswith("up_proj.weight") else None)),
+        "unsupported quant": small_gguf(tmp_path, "c.gguf", types={
+            "model.layers.0.mlp.up_proj.weight": GGUF_CANNOT_READ}),
         "unrecoverable rope_freqs": small_gguf(tmp_path, "d.gguf", extra={
             "rope_freqs.weight": np.linspace(3, 1, 8).astype(np.float32)}),
     }
@@ -484,6 +601,16 @@ def test_bad_sources_raise_source_error_naming_the_path(tmp_path, case):
     with pytest.raises(SourceError, match=re.escape(path)) as e:
         read_source(path)
     assert "\n" not in str(e.value)
+
+
+def test_a_gguf_type_gguf_cannot_dequantise_is_refused_naming_tensor_type_and_remedy(tmp_path):
+    path = bad_sources(tmp_path)["unsupported quant"]
+    with pytest.raises(SourceError) as e:
+        read_source(path)
+    msg = str(e.value)
+    assert msg.startswith(f"{path}: tensor blk.0.ffn_up.weight is {GGUF_CANNOT_READ.name}, ")
+    assert "cannot dequantise" in msg and "upgrade gguf" in msg and "llama-quantize" in msg
+    assert "\n" not in msg
 
 
 def test_unsupported_gguf_architecture_is_refused(tmp_path):

@@ -23,6 +23,7 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 _NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<?", 10: "<u8",
           11: "<i8", 12: "<f8"}
 _FLOAT32, _STRING, _ARRAY = 6, 8, 9
+_FLOATS = {"F32": np.float32, "F16": np.float16, "F64": np.float64}  # tensors read as their values
 
 
 @dataclasses.dataclass
@@ -30,7 +31,7 @@ class Tensor:
     name: str
     shape: tuple[int, ...]  # ggml order: the fastest-varying dimension first
     tensor_type: object  # gguf.GGMLQuantizationType
-    data: np.ndarray  # numpy order; F32/F16 the values, BF16 and quantised types uint8 [..., row bytes]
+    data: np.ndarray  # numpy order; F32/F16/F64 the values, others uint8 [..., row bytes]
 
 
 class GGUFFile:
@@ -73,8 +74,8 @@ class GGUFFile:
                 raise ValueError(f"tensor {name} runs past the end of the file (truncated)")
             raw = np.frombuffer(buf, np.uint8, nbytes, start + offset)
             rows = shape[:0:-1]
-            if kind.name in ("F32", "F16"):
-                data = raw.view(np.float32 if kind.name == "F32" else np.float16).reshape(*rows, shape[0])
+            if kind.name in _FLOATS:
+                data = raw.view(_FLOATS[kind.name]).reshape(*rows, shape[0])
             else:
                 data = raw.reshape(*rows, shape[0] // block * size)
             self.tensors.append(Tensor(name, shape, kind, data))

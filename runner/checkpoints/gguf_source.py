@@ -1,14 +1,16 @@
 """A llama.cpp .gguf file read as a `Source`: an HF config built from its metadata, and its
-tensors in HF names and layout. Tensors are dequantised to float32 (F16/BF16 keep their dtype):
-llama.cpp's row permutation of llama q/k projections is undone, and GPT-2's Conv1D weights get
-their [in, out] layout back. References for names and layouts: llama.cpp's convert_hf_to_gguf.py,
-transformers' modeling_gguf_pytorch_utils.py.
+tensors in HF names and layout. Tensors of every type gguf's own dequantiser reads (whatever the
+installed gguf knows: the Q, K, IQ and TQ quants, MXFP4, ...) become float32, as F64 does; F16 and
+BF16 keep their dtype. llama.cpp's row permutation of llama q/k projections is undone, and GPT-2's
+Conv1D weights get their [in, out] layout back. References for names and layouts: llama.cpp's
+convert_hf_to_gguf.py, transformers' modeling_gguf_pytorch_utils.py.
 """
 
 from __future__ import annotations
 
 import re
 import struct
+from importlib.metadata import version as _version
 
 import ml_dtypes
 import numpy as np
@@ -17,7 +19,6 @@ from runner.checkpoints.source import Source, SourceError
 
 _GGUF_ARCHS = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
                "gpt2": ("gpt2", "GPT2LMHeadModel")}
-_QUANTISED = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 # GGUF tensor name (without .weight/.bias) -> HF module name; {i} is the block index.
 _LLAMA_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                 "output": "lm_head"} | {k: "model.layers.{i}." + v for k, v in {
@@ -118,18 +119,24 @@ def read_gguf(path: str) -> Source:
 
 
 def _gguf_array(gguf, t, path: str) -> np.ndarray:
-    """One tensor in HF (row-major) shape: GGUF lists dims fastest-first, the reverse of numpy."""
+    """One tensor in HF (row-major) shape: GGUF lists dims fastest-first, the reverse of numpy.
+    Any type gguf.quants.dequantize knows is read; it raises NotImplementedError for the others."""
     shape = tuple(int(d) for d in reversed(t.shape))
     kind = t.tensor_type.name
     if kind in ("F32", "F16"):
         a = np.asarray(t.data)
     elif kind == "BF16":
         a = np.asarray(t.data).view(ml_dtypes.bfloat16)  # the reader gives the raw bytes
-    elif kind in _QUANTISED:
-        a = gguf.quants.dequantize(t.data, t.tensor_type)
+    elif kind == "F64":
+        a = np.asarray(t.data, np.float32)
     else:
-        raise SourceError(f"{path}: tensor {t.name} is {kind}; supported: F32, F16, BF16, "
-                          f"{', '.join(_QUANTISED)} (requantise with llama-quantize)")
+        try:
+            a = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        except NotImplementedError:
+            raise SourceError(
+                f"{path}: tensor {t.name} is {kind}, which gguf {_version('gguf')} cannot "
+                "dequantise; upgrade gguf (pip install -U gguf) or requantise the file to a type "
+                "it reads (llama-quantize --allow-requantize IN OUT Q8_0)") from None
     if a.size != int(np.prod(shape)):
         raise SourceError(f"{path}: tensor {t.name} is truncated ({a.size} of {shape} values)")
     return a.reshape(shape)
