@@ -112,5 +112,6 @@ def base_config() -> ConfigDict:
     c.distributed = ConfigDict({"mode": "auto", "coordinator": "", "num_processes": 0,
                                 "process_id": -1, "timeout_s": 300, "heartbeat_timeout_s": 100})
     c.sampling = ConfigDict({"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0})
-    c.io = ConfigDict({"input": "", "output": "", "echo_prompt": False})
+    # overwrite: a finished io.output is regenerated (else the run says it is done and exits 0)
+    c.io = ConfigDict({"input": "", "output": "", "echo_prompt": False, "overwrite": False})
     return c

@@ -172,6 +172,10 @@ def answer(s: Settings, loaded: tuple | None = None, tokenizer=None) -> Summary:
     lines = read_lines(s.input)
     fmt = openai_batch.file_format(lines)
     results = Results(s.output, lines, writer=jax.process_index() == 0)
+    if not s.overwrite and results.finished(*openai_batch.ids(lines, fmt)):
+        log.info(f"{s.output} already holds the results of {s.input}'s {len(lines)} requests: "
+                 "nothing to do (--config.io.overwrite=True generates them again)")
+        return Summary(requests=len(lines), already_done=len(lines))
     meta, rules, params = loaded or load_model(s)
     model_name = os.path.basename(s.checkpoint_path.rstrip("/")) if not loaded else meta.source
     mesh = rules.mesh

@@ -70,6 +70,17 @@ def file_format(lines: list[Line]) -> FileFormat:
     return fmt
 
 
+def ids(lines: list[Line], fmt: FileFormat) -> tuple[list[Any], str]:
+    """The ids the file's results carry, in order, and their key: custom_ids (None for a line
+    without one) in a Batch file, else the given ids or the line numbers."""
+    if fmt.batch:
+        out = [d.get("custom_id") if d is not None and isinstance(d.get("custom_id"), str) else None
+               for d, _ in map(decode, lines)]
+        return out, "custom_id"
+    return [line.number if d is None else d.get("id", line.number)
+            for line, (d, _) in zip(lines, map(decode, lines))], "id"
+
+
 def _check_unique(lines: list[Line], key: str) -> None:
     """Refuses a file in which two lines give the same `key` (ids compared as JSON values)."""
     where: dict[str, list[int]] = {}

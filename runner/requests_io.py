@@ -451,6 +451,25 @@ class Results:
         self._opened = False
         self._synced = -math.inf  # when the partial file was last synced (time.monotonic)
 
+    def finished(self, ids: list[Any], key: str) -> bool:
+        """Whether `<output>` already holds this input's results: one line per request, in order,
+        each under its request's `key` ("id" or "custom_id"; `ids` the input's). No partial file:
+        an interrupted rerun resumes instead. A RequestFileError where `<output>` holds something
+        else, which a run would overwrite."""
+        try:
+            if (self._objects if self.remote else self.partial.exists()) or not self.output.exists():
+                return False
+            with self.output.open("r", encoding="utf-8") as f:
+                held = [json.loads(line).get(key, None) for line in f if line.strip()]
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+            held = e
+        if held == ids:
+            return True
+        what = (f"{len(held)} results of another input (this one has {len(ids)} requests)"
+                if isinstance(held, list) else f"something that is not a results file ({held})")
+        raise RequestFileError(f"io.output={self.output} already holds {what}: choose another "
+                               "io.output, or pass --config.io.overwrite=True to replace it")
+
     def _partial_objects(self) -> list[epath.Path]:
         try:
             return sorted((p for p in self.partial.glob("*.jsonl") if p.stem.isdigit()),

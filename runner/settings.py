@@ -69,6 +69,7 @@ class Settings:
     input: str
     output: str
     echo_prompt: bool
+    overwrite: bool  # a finished output is generated again, not left as it is
     distributed: Distributed
 
 
@@ -155,6 +156,7 @@ def from_config(c: ConfigDict) -> Settings:
         input=_path(c.io.input),
         output=_path(c.io.output),
         echo_prompt=bool(c.io.echo_prompt),
+        overwrite=bool(c.io.overwrite),
         distributed=_distributed(c.distributed),
     )
 

@@ -275,6 +275,32 @@ def test_a_rerun_skips_what_is_already_done(model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("model_dir", ONE_MODEL, indirect=True)
+def test_a_finished_output_is_left_as_it_is_unless_overwrite_is_asked(model_dir, tmp_path):
+    """A rerun of a finished job says so and exits 0 without touching the results; another
+    input's results are refused in one line; io.overwrite=True generates them again."""
+    _, root = model_dir
+    rows = [{"id": f"r{i}", "prompt_token_ids": [i + 1, i + 2], "max_tokens": 3} for i in range(4)]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    run_main(root, inp, out)
+    first = out.read_text()
+    marked = "".join(json.dumps(dict(r, text="kept")) + "\n" for r in read_jsonl(out))
+    out.write_text(marked)
+    again = run_main(root, inp, out)
+    assert out.read_text() == marked
+    assert f"{out} already holds the results of {inp}'s 4 requests: nothing to do" in again.stderr
+    other = write_jsonl(tmp_path / "other.jsonl", rows[:3])
+    refused = run_main(root, other, out, check=False)
+    assert refused.returncode != 0 and out.read_text() == marked
+    assert refused.stderr.strip().splitlines()[-1] == (
+        f"podrun: error: io.output={out} already holds 4 results of another input (this one has 3 "
+        "requests): choose another io.output, or pass --config.io.overwrite=True to replace it")
+    regenerated = run_main(root, inp, out, "--config.io.overwrite=True")
+    assert out.read_text() == first
+    assert "4 requests (0 errors, 4 generated)" in regenerated.stderr
+
+
+@pytest.mark.parametrize("model_dir", ONE_MODEL, indirect=True)
 def test_a_run_whose_every_request_failed_exits_non_zero(model_dir, tmp_path):
     """The error lines are written all the same; the last line says why, in one line."""
     _, root = model_dir
