@@ -80,13 +80,25 @@ def test_greedy_batch_matches_transformers(engine, reference, prompt_ids):
         assert c.token_ids == out[0, len(p):].tolist()
 
 
-def test_embedded_default_answers_with_real_text(converted, tmp_path):
-    out = tmp_path / "answers.jsonl"
-    podrun("runner.main", "--config=configs/smollm2_cpu.py", f"--config.checkpoint.path={converted}",
-           f"--config.io.output={out}", f"--config.compilation_cache.dir={tmp_path / 'xla'}")
-    answers = {r["id"]: r for r in read_jsonl(out)}
+def test_embedded_default_answers_with_real_text(converted, reference, tmp_path):
+    """The README's first command, its prompts and a prompt of 2,048 tokens (the embedded limit),
+    whose greedy answer is transformers'."""
+    m, tok = reference
+    long_ids = tok.encode(open(os.path.join(ROOT, "tests", "data", "shakespeare.txt")).read()[:20000])[:2048]
+    assert len(long_ids) == 2048
     inputs = [json.loads(line) for line in open(os.path.join(ROOT, "configs/prompts/smollm2.jsonl"))]
+    inputs.append({"id": "long", "prompt_token_ids": long_ids, "max_tokens": 8})
+    inp, out = tmp_path / "prompts.jsonl", tmp_path / "answers.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in inputs))
+    podrun("runner.main", "--config=configs/smollm2_cpu.py", f"--config.checkpoint.path={converted}",
+           f"--config.io.input={inp}", f"--config.io.output={out}",
+           f"--config.compilation_cache.dir={tmp_path / 'xla'}")
+    answers = {r["id"]: r for r in read_jsonl(out)}
     assert list(answers) == [r["id"] for r in inputs]
+    with torch.no_grad():
+        want = m.generate(torch.tensor([long_ids]), attention_mask=torch.ones(1, 2048, dtype=torch.long),
+                          max_new_tokens=8, do_sample=False, pad_token_id=2)[0, 2048:].tolist()
+    assert answers.pop("long")["token_ids"] == want
     assert answers["capital"]["text"].startswith(" Paris")
     assert "Paris" in answers["chat-capital"]["text"] and answers["chat-capital"]["finish_reason"] == "stop"
     assert all("error" not in r and r["text"].strip() for r in answers.values())
