@@ -16,7 +16,10 @@ def base_config() -> ConfigDict:
     # that is downloaded and converted into `path` when `path` does not exist yet. `model`
     # ("family:preset") names the architecture a deployment is sized for, so its fit can be checked
     # without the checkpoint; at start the checkpoint's own metadata must agree with it.
-    c.checkpoint = ConfigDict({"path": "", "fetch": "", "model": ""})
+    # chat_template: a Jinja chat template (a file, local or gs://, or the template's text) that
+    # replaces the checkpoint's own, as vLLM's --chat-template: for example one that renders tools
+    # (configs/templates/chatml_tools.jinja for SmolLM2). "" = the checkpoint's own.
+    c.checkpoint = ConfigDict({"path": "", "fetch": "", "model": "", "chat_template": ""})
     # Mesh axis sizes; -1 fills with the remaining devices. num_cpu_devices > 0 simulates that many
     # devices when running on CPU (ignored on TPU/GPU).
     # device_memory_gib: HBM per chip, for the memory report (0 = unknown); tpu_topology: what

@@ -26,7 +26,7 @@ from runner.engine.paged_scheduler import PagedScheduler
 from runner.requests_io import AllFailedError, Parsed, Results, read_lines
 from runner.settings import Settings, SettingsError
 from runner.text.structured import Grammars
-from runner.text.tokenizer import load_tokenizer
+from runner.text.tokenizer import load_tokenizer, read_chat_template
 from runner.text.tools import call_syntax, parse_calls, tool_call
 from sharding.mesh import make_mesh
 from sharding.rules import Rules
@@ -172,6 +172,7 @@ def answer(s: Settings, loaded: tuple | None = None, tokenizer=None) -> Summary:
     lines = read_lines(s.input)
     fmt = openai_batch.file_format(lines)
     results = Results(s.output, lines, writer=jax.process_index() == 0)
+    chat_template = read_chat_template(s.chat_template)  # a mistyped path fails here, loading nothing
     if not s.overwrite and results.finished(*openai_batch.ids(lines, fmt)):
         log.info(f"{s.output} already holds the results of {s.input}'s {len(lines)} requests: "
                  "nothing to do (--config.io.overwrite=True generates them again)")
@@ -179,7 +180,7 @@ def answer(s: Settings, loaded: tuple | None = None, tokenizer=None) -> Summary:
     meta, rules, params = loaded or load_model(s)
     model_name = os.path.basename(s.checkpoint_path.rstrip("/")) if not loaded else meta.source
     mesh = rules.mesh
-    tokenizer = tokenizer if loaded else load_tokenizer(s.checkpoint_path)
+    tokenizer = tokenizer if loaded else load_tokenizer(s.checkpoint_path, chat_template)
     g = s.generation
     engine = build_engine(s, meta.model, params, rules)
     render_chat, parse_chat, chat_stops = chat_format(meta.model, tokenizer, s)

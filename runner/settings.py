@@ -57,6 +57,7 @@ class Settings:
     checkpoint_path: str
     checkpoint_fetch: str
     checkpoint_model: str
+    chat_template: str  # a template file or text in place of the checkpoint's ("": its own)
     mesh: MeshShape
     num_cpu_devices: int
     device_memory_gib: float
@@ -136,6 +137,7 @@ def from_config(c: ConfigDict) -> Settings:
         checkpoint_path=_path(c.checkpoint.path),
         checkpoint_fetch=c.checkpoint.fetch,
         checkpoint_model=c.checkpoint.model,
+        chat_template=c.checkpoint.chat_template,
         mesh=MeshShape(c.mesh.data, c.mesh.sequence, c.mesh.expert, c.mesh.model,
                        dcn=tuple(int(c.mesh.dcn[a]) for a in MESH_AXES)),
         num_cpu_devices=int(c.mesh.num_cpu_devices),

@@ -33,7 +33,7 @@ from runner.engine import Completion
 from runner.job import _result_line, chat_format
 from runner.requests_io import Line, parse_request
 from runner.text.harmony import HarmonyOptions, parse, render
-from runner.text.tokenizer import load_tokenizer
+from runner.text.tokenizer import load_tokenizer, read_chat_template
 from tests import test_harmony
 from tests.test_requests import messages as fuzz_messages
 from tests.test_requests import tools as fuzz_tools
@@ -261,13 +261,25 @@ def test_harmony_results_without_tools_are_unchanged(tok, enc, s):
 
 # --- the checkpoints' own chat templates, against transformers --------------------------------------
 
-FAMILIES = {  # template file, special tokens (then plain added tokens), tokenizer_config.json
+# SmolLM2-135M-Instruct's chat template, as its GGUF and tokenizer_config.json carry it
+SMOLLM2_TEMPLATE = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+                    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+                    "Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] "
+                    "+ '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+                    "{% endif %}")
+FAMILIES = {  # template (a file in tests/data, or the text), special tokens (then plain added tokens), tokenizer_config.json
     "qwen2.5": ("qwen2.5-instruct.jinja", ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
                 ["<tool_call>", "</tool_call>"], {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}),
     "llama3.1": ("llama-3.1-instruct.jinja", ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
                  "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"], [],
                  {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}),
+    # SmolLM2's own template renders no tools; served with checkpoint.chat_template set to the
+    # shipped ChatML template that does (the reference: transformers given the same template)
+    "smollm2+chatml_tools": (SMOLLM2_TEMPLATE, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                             ["<tool_call>", "</tool_call>"], {"eos_token": "<|im_end|>"}),
 }
+GIVEN_TEMPLATE = {"smollm2+chatml_tools": os.path.join(DATA, "..", "..", "configs", "templates",
+                                                       "chatml_tools.jinja")}
 
 
 def template_tokenizer(d, name: str, text: list[str] = ()) -> str:
@@ -281,16 +293,24 @@ def template_tokenizer(d, name: str, text: list[str] = ()) -> str:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator([*shakespeare_lines(400), *text], trainer)
     tok.add_tokens(added)
-    with open(os.path.join(DATA, template), encoding="utf-8") as f:
-        config = {**config, "chat_template": f.read(), "tokenizer_class": "PreTrainedTokenizerFast"}
+    if template.endswith(".jinja"):
+        with open(os.path.join(DATA, template), encoding="utf-8") as f:
+            template = f.read()
+    config = {**config, "chat_template": template, "tokenizer_class": "PreTrainedTokenizerFast"}
     return write_folder(d, {"tokenizer.json": tok.to_str(), "tokenizer_config.json": config})
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request, tmp_path_factory):
-    """(name, podrun's tokenizer, transformers' PreTrainedTokenizerFast) of template_tokenizer's."""
+    """(name, podrun's tokenizer, transformers' PreTrainedTokenizerFast) of template_tokenizer's,
+    both given the config's template where the family has one."""
     folder = template_tokenizer(tmp_path_factory.mktemp(request.param), request.param)
-    return request.param, load_tokenizer(folder), transformers.PreTrainedTokenizerFast.from_pretrained(folder)
+    hf = transformers.PreTrainedTokenizerFast.from_pretrained(folder)
+    given = GIVEN_TEMPLATE.get(request.param, "")
+    if given:
+        with open(given, encoding="utf-8") as f:
+            hf.chat_template = f.read()
+    return request.param, load_tokenizer(folder, read_chat_template(given)), hf
 
 
 def as_template_gets_them(messages: list[dict]) -> list[dict]:
@@ -501,6 +521,7 @@ FORCED = {  # the start of the call the template's own rendering of a call begin
     ("llama3.1", "required"): '{"name": "',
     ("llama3.1", "get_weather"): '{"name": "get_weather", "parameters":',
 }
+FORCED |= {("smollm2+chatml_tools", c): FORCED["qwen2.5", c] for c in ("required", "get_weather")}
 
 
 @pytest.mark.parametrize("choice", ["required", "get_weather"])
@@ -552,7 +573,18 @@ def test_a_function_named_like_a_mode_is_still_that_function(family, s):
     choice = {"type": "function", "function": {"name": "none"}}
     p = request(tok, s, {"messages": Q, "tools": tools, "tool_choice": choice})
     head = {"qwen2.5": '<tool_call>\n{"name": "none", "arguments":',
+            "smollm2+chatml_tools": '<tool_call>\n{"name": "none", "arguments":',
             "llama3.1": '{"name": "none", "parameters":'}[fam]
     want = hf.apply_chat_template(Q, tools=tools, add_generation_prompt=True)
     assert p.tools and list(p.prompt_ids) == [*ids_of(want),
                                               *hf.encode(head, add_special_tokens=False)]
+
+
+def test_a_chat_template_given_in_the_config_is_checked_in_one_line():
+    from runner.text.tokenizer import TokenizerError
+
+    with pytest.raises(TokenizerError, match=r"^checkpoint.chat_template=nope.jinja: no such file \(give a Jinja"):
+        read_chat_template("nope.jinja")
+    with pytest.raises(TokenizerError, match=r"^checkpoint.chat_template=\{% if %\}: the chat template does not parse"):
+        read_chat_template("{% if %}")
+    assert read_chat_template("{{ messages[0].content }}") == "{{ messages[0].content }}"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 import struct
 from collections.abc import Sequence
@@ -219,14 +220,17 @@ class _Vocabulary:
 # --- loading --------------------------------------------------------------------------------------
 
 
-def load_tokenizer(checkpoint_dir: str) -> Tokenizer | None:
-    """The checkpoint's tokenizer, or None when it carries no tokenizer.json / tokenizer.model."""
+def load_tokenizer(checkpoint_dir: str, chat_template: str = "") -> Tokenizer | None:
+    """The checkpoint's tokenizer, or None when it carries no tokenizer.json / tokenizer.model.
+    chat_template: a template's text (read_chat_template's) in place of the checkpoint's own."""
     d = epath.Path(checkpoint_dir)
     config = _read_json(d / "tokenizer_config.json")
     for k, v in _read_json(d / "special_tokens_map.json").items():
         config.setdefault(k, v)
     if (d / "chat_template.jinja").exists():  # takes priority over tokenizer_config's, as in transformers
         config["chat_template"] = _read(d / "chat_template.jinja").decode("utf-8", "replace")
+    if chat_template:
+        config["chat_template"] = chat_template
     generation_config = _read_json(d / "generation_config.json")
     if (path := d / "tokenizer.json").exists():
         try:
@@ -240,6 +244,27 @@ def load_tokenizer(checkpoint_dir: str) -> Tokenizer | None:
         except RuntimeError as e:
             raise TokenizerError(f"{path}: not a readable sentencepiece model ({_one_line(e)})") from e
     return None
+
+
+def read_chat_template(given: str) -> str:
+    """checkpoint.chat_template's template, checked to parse: the text itself where it holds
+    Jinja, else a file's ("" for none)."""
+    if not given:
+        return ""
+    if "{{" in given or "{%" in given:
+        text = given
+    else:
+        path = epath.Path(os.path.expanduser(given) if "://" not in given else given)
+        if not path.exists():
+            raise TokenizerError(f"checkpoint.chat_template={given}: no such file (give a Jinja file "
+                                 "or the template's text)")
+        text = _read(path).decode("utf-8", "replace")
+    try:
+        _compile(text)
+    except TokenizerError as e:
+        shown = given if len(given) < 80 else given[:77] + "..."
+        raise TokenizerError(f"checkpoint.chat_template={shown}: {e}") from e
+    return text
 
 
 def _read(path: epath.Path) -> bytes:
