@@ -148,7 +148,7 @@ def _parse_only(a) -> None:
     from runner import openai_batch
     from runner.job import chat_format, read_lines
     from runner.settings import from_config
-    from runner.text import harmony
+    from runner.text import o200k
     from runner.text.tokenizer import load_tokenizer
 
     c = get_config("/unused")
@@ -157,8 +157,8 @@ def _parse_only(a) -> None:
     folder = tempfile.mkdtemp(prefix="batch_io-")
     tokenizer, render, vocab = None, None, 1000
     if a.chat:
-        harmony.write_tokenizer_files(folder)
-        tokenizer, vocab = load_tokenizer(folder), harmony.VOCAB_SIZE
+        o200k.write_tokenizer_files(folder)
+        tokenizer, vocab = load_tokenizer(folder), o200k.VOCAB_SIZE
         render, _, _ = chat_format(types.SimpleNamespace(family="gptoss"), tokenizer, s)
     lines = read_lines(_write(os.path.join(folder, "in.jsonl"), a.requests, a.max_tokens, vocab, a.chat))
     fmt = openai_batch.file_format(lines)

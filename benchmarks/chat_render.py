@@ -33,7 +33,7 @@ def main() -> None:
     from runner.job import chat_format
     from runner.requests_io import Line, parse_request
     from runner.settings import from_config
-    from runner.text import harmony
+    from runner.text import o200k
     from runner.text.tokenizer import load_tokenizer
     from tests.test_tools import CONVERSATIONS, TOOLS
 
@@ -41,7 +41,7 @@ def main() -> None:
     c.generation.max_prompt_len = 8192
     s = from_config(c)
     folder = tempfile.mkdtemp()
-    harmony.write_tokenizer_files(folder)
+    o200k.write_tokenizer_files(folder)
     tok = load_tokenizer(folder)
     render, _, _ = chat_format(types.SimpleNamespace(family="gptoss"), tok, s)
     chat = CONVERSATIONS["calls_across_turns"]
@@ -49,13 +49,13 @@ def main() -> None:
              "3 tools, tool_choice required": {"messages": chat, "tools": TOOLS, "tool_choice": "required"}}
     for name, request in cases.items():
         line = Line(1, json.dumps(request))
-        p = parse_request(0, line, tok, s, harmony.VOCAB_SIZE, render)
+        p = parse_request(0, line, tok, s, o200k.VOCAB_SIZE, render)
         assert not p.error, p.error
         means = []
         for _ in range(args.rounds):
             t0 = time.perf_counter()
             for _ in range(args.reps):
-                parse_request(0, line, tok, s, harmony.VOCAB_SIZE, render)
+                parse_request(0, line, tok, s, o200k.VOCAB_SIZE, render)
             means.append((time.perf_counter() - t0) / args.reps * 1e3)
         print(f"{name}: {statistics.median(means):.3f} ms per line ({len(p.prompt_ids)} prompt tokens)")
 

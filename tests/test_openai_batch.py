@@ -589,14 +589,14 @@ def test_tool_chats_on_gptoss_render_as_openai_harmony(enc, tmp_path):
     import torch
     from openai_harmony import Role
 
-    from runner.text import harmony
+    from runner.text import o200k
     from tests.reference import tiny_hf
 
     message, call = enc.encode("<|message|>", allowed_special="all"), enc.encode("<|call|>", allowed_special="all")
-    m = bigram_writer(tiny_hf("gptoss", vocab_size=harmony.VOCAB_SIZE, num_hidden_layers=1),
+    m = bigram_writer(tiny_hf("gptoss", vocab_size=o200k.VOCAB_SIZE, num_hidden_layers=1),
                       [*message, *enc.encode("{}"), *call])
     m.save_pretrained(tmp_path / "hf")
-    harmony.write_tokenizer_files(str(tmp_path / "hf"))
+    o200k.write_tokenizer_files(str(tmp_path / "hf"))
     podrun("runner.tools.convert", f"--source={tmp_path / 'hf'}", f"--output={tmp_path / 'ck'}")
     requests = tool_lines(max_tokens=2)
     out = tmp_path / "out.jsonl"

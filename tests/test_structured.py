@@ -19,7 +19,7 @@ from models.registry import Model
 from runner.checkpoints import convert, store
 from runner.engine.engine import allowed_tokens
 from runner.requests_io import FUTURE
-from runner.text import harmony, structured
+from runner.text import harmony, o200k, structured
 from runner.text.tokenizer import load_tokenizer, tokenizer_json_from_gguf
 from sharding.mesh import MeshShape, make_mesh
 from sharding.rules import Rules
@@ -332,10 +332,10 @@ def test_sentencepiece_walks_hold(sp_model, tmp_path):
 def test_harmony_answers_in_the_final_channel(tmp_path):
     """o200k_harmony: the format holds in the final channel, after an optional analysis, and the
     completion ends on <|return|>; Harmony's own parser (runner.text.harmony) reads it back."""
-    folder = write_folder(tmp_path, {"tokenizer.json": harmony.o200k_harmony_tokenizer_json(),
-                                     "tokenizer_config.json": harmony.TOKENIZER_CONFIG})
+    folder = write_folder(tmp_path, {"tokenizer.json": o200k.o200k_harmony_tokenizer_json(),
+                                     "tokenizer_config.json": o200k.TOKENIZER_CONFIG})
     tok = load_tokenizer(folder)
-    grammars = structured.Grammars(tok, harmony.VOCAB_SIZE, [harmony.RETURN], harmony=True)
+    grammars = structured.Grammars(tok, o200k.VOCAB_SIZE, [harmony.RETURN], harmony=True)
     for fields, judge in zip(FORMATS, JUDGES):
         for seed in range(3):
             tokens, ended = walk(grammars, structured.parse_format(fields), True, seed, limit=2000)

@@ -20,7 +20,7 @@ from runner.checkpoints import store
 from runner.checkpoints.gguf_source import read_gguf
 from runner.checkpoints.hf_folder import read_hf_folder
 from runner.checkpoints.source import Source, SourceError
-from runner.text import tokenizer
+from runner.text import o200k, tokenizer
 from sharding.mesh import MeshShape, make_mesh
 from sharding.rules import Rules
 
@@ -64,14 +64,12 @@ def convert(source: str, output: str, dtype: str = "float32") -> store.Metadata:
 def random_checkpoint(spec: str, output: str, seed: int = 0) -> store.Metadata:
     """A randomly initialised checkpoint of a preset (with the o200k_harmony tokenizer when the
     model's vocabulary is that size): a real end-to-end run without downloading a model."""
-    from runner.text import harmony  # the o200k_harmony vocabulary is only built when asked for
-
     model = Model.named(spec)
     rules = Rules.make(make_mesh(MeshShape(data=1), jax.devices()[:1]))
     params = weights.init(model.declare(), jax.random.key(seed), rules, jnp.float32)
     files = {}
-    if getattr(model.config, "vocab_size", 0) == harmony.VOCAB_SIZE:
-        files = harmony.tokenizer_files()
+    if getattr(model.config, "vocab_size", 0) == o200k.VOCAB_SIZE:
+        files = o200k.tokenizer_files()
     meta = store.Metadata(model, {"files": sorted(files)}, source=f"random:{spec}:{seed}")
     _write(output, meta, params, files)
     return meta
