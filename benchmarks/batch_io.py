@@ -142,11 +142,11 @@ def main() -> None:
 
 
 def _parse_only(a) -> None:
-    import types
 
     from configs.cpu import get_config
     from runner import openai_batch
-    from runner.job import chat_format, read_lines
+    from runner.job import read_lines
+    from runner.text.chat import chat_format
     from runner.settings import from_config
     from runner.text import o200k
     from runner.text.tokenizer import load_tokenizer
@@ -159,7 +159,7 @@ def _parse_only(a) -> None:
     if a.chat:
         o200k.write_tokenizer_files(folder)
         tokenizer, vocab = load_tokenizer(folder), o200k.VOCAB_SIZE
-        render, _, _ = chat_format(types.SimpleNamespace(family="gptoss"), tokenizer, s)
+        render = chat_format("gptoss", tokenizer, s.generation.reasoning_effort)
     lines = read_lines(_write(os.path.join(folder, "in.jsonl"), a.requests, a.max_tokens, vocab, a.chat))
     fmt = openai_batch.file_format(lines)
     for _ in range(a.rounds):

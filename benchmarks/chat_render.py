@@ -17,7 +17,6 @@ import statistics
 import sys
 import tempfile
 import time
-import types
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -30,7 +29,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from configs.cpu import get_config
-    from runner.job import chat_format
+    from runner.text.chat import chat_format
     from runner.requests_io import Line, parse_request
     from runner.settings import from_config
     from runner.text import o200k
@@ -43,7 +42,7 @@ def main() -> None:
     folder = tempfile.mkdtemp()
     o200k.write_tokenizer_files(folder)
     tok = load_tokenizer(folder)
-    render, _, _ = chat_format(types.SimpleNamespace(family="gptoss"), tok, s)
+    render = chat_format("gptoss", tok, s.generation.reasoning_effort)
     chat = CONVERSATIONS["calls_across_turns"]
     cases = {"no tools": {"messages": chat}, "3 tools": {"messages": chat, "tools": TOOLS},
              "3 tools, tool_choice required": {"messages": chat, "tools": TOOLS, "tool_choice": "required"}}

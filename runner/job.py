@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -25,9 +24,10 @@ from runner.engine.paged_engine import PagedEngine
 from runner.engine.paged_scheduler import PagedScheduler
 from runner.requests_io import AllFailedError, Parsed, Results, read_lines
 from runner.settings import Settings, SettingsError
+from runner.text.chat import ChatFormat, TemplateChat, chat_format
 from runner.text.structured import Grammars
 from runner.text.tokenizer import load_tokenizer, read_chat_template
-from runner.text.tools import call_syntax, parse_calls, tool_call
+from runner.text.tools import tool_call
 from sharding.mesh import make_mesh
 from sharding.rules import Rules
 
@@ -183,19 +183,14 @@ def answer(s: Settings, loaded: tuple | None = None, tokenizer=None) -> Summary:
     tokenizer = tokenizer if loaded else load_tokenizer(s.checkpoint_path, chat_template)
     g = s.generation
     engine = build_engine(s, meta.model, params, rules)
-    render_chat, parse_chat, chat_stops = chat_format(meta.model, tokenizer, s)
-    # Harmony's own stops replace the tokenizer's guesses: a gpt-oss chat template mentions
-    # <|end|>, which closes the analysis message, not the answer.
-    eos = chat_stops or (tokenizer.eos_token_ids if tokenizer else ())
-    stop_ids = tuple(dict.fromkeys(eos + g.stop_token_ids))
+    chat = chat_format(meta.model.family, tokenizer, g.reasoning_effort)
+    stop_ids = tuple(dict.fromkeys((chat.stop_ids if chat else ()) + g.stop_token_ids))
     if jax.process_count() > 1:  # everyone has read the partial file before anyone appends to it
         multihost_utils.sync_global_devices("podrun: results read")
     results.open()
     vocab = meta.model.vocab_size
-    # Formats end on Harmony's <|return|> alone (an answer, not a tool call), else on any stop id.
-    grammars = (Grammars(tokenizer, vocab, chat_stops[:1] or stop_ids, harmony=parse_chat is not None)
-                if tokenizer else None)
-    pending = [openai_batch.parse_line(i, line, fmt, tokenizer, s, vocab, render_chat, grammars)
+    grammars = Grammars(tokenizer, vocab, chat.format_stop_ids(stop_ids), chat.grammar_start) if chat else None
+    pending = [openai_batch.parse_line(i, line, fmt, tokenizer, s, vocab, chat, grammars)
                for i, line in enumerate(lines) if i not in results.done]
     summary = Summary(requests=len(lines), already_done=len(lines) - len(pending))
     bad = [p for p in pending if p.error]
@@ -224,7 +219,7 @@ def answer(s: Settings, loaded: tuple | None = None, tokenizer=None) -> Summary:
         created = int(time.time())
         for i, samples in ended:
             p = todo[i]
-            r = _result_line(p, samples, tokenizer, s.echo_prompt, parse_chat)
+            r = _result_line(p, samples, tokenizer, s.echo_prompt, chat)
             summary.prompt_tokens += len(p.prompt_ids)
             summary.completion_tokens += r["usage"]["completion_tokens"]
             rows.append((p.index, openai_batch.result_line(p, r, model_name, created) if fmt.batch else r))
@@ -283,29 +278,13 @@ def answer(s: Settings, loaded: tuple | None = None, tokenizer=None) -> Summary:
     return summary
 
 
-def chat_format(model, tokenizer, s: Settings):
-    """(render, parse, stop ids) for chat requests: Harmony for GPT-OSS (ending on <|return|> or
-    <|call|>), else the checkpoint's own template, whose completions are read only for tool calls."""
-    if model.family != "gptoss" or tokenizer is None:
-        return None, None, ()
-    from runner.text import harmony
-
-    def render(messages: list[dict], request: dict, tools: list[dict] | None = None) -> list[int]:
-        effort = request.get("reasoning_effort", s.generation.reasoning_effort)
-        if effort not in ("low", "medium", "high"):
-            raise ValueError(f"reasoning_effort={effort!r}: use low, medium or high")
-        return harmony.render(messages, tokenizer, harmony.HarmonyOptions(reasoning_effort=effort), tools)
-
-    render.call_prefix = lambda choice: harmony.call_prefix(tokenizer, choice)
-
-    return render, lambda ids: harmony.parse(ids, tokenizer), tuple(harmony.STOP_TOKEN_IDS)
-
-
 def _result_line(p: Parsed, samples: list[Completion], tokenizer, echo: bool,
-                 parse_chat=None) -> dict:
+                 chat: ChatFormat | None = None) -> dict:
     """The results file's line for request p and its samples' completions: one sample's fields
-    at the top, several as `choices`."""
-    choices = [_choice(p, c, tokenizer, parse_chat, sample=k) for k, c in enumerate(samples)]
+    at the top, several as `choices`. `chat` reads chat completions (default: the tokenizer's
+    template)."""
+    chat = chat or (TemplateChat(tokenizer) if tokenizer is not None else None)
+    choices = [_choice(p, c, tokenizer, chat, sample=k) for k, c in enumerate(samples)]
     used = sum(len(c["token_ids"]) for c in choices)
     r = {"id": p.id, **choices[0]} if p.n == 1 else {
         "id": p.id, "choices": [{"index": k, **c} for k, c in enumerate(choices)]}
@@ -325,48 +304,30 @@ def _result_line(p: Parsed, samples: list[Completion], tokenizer, echo: bool,
     return r
 
 
-def _choice(p: Parsed, c: Completion, tokenizer, parse_chat=None, sample: int = 0) -> dict:
-    """One sample's text, tokens, finish reason (and log-probabilities when asked); with tools
-    offered, the calls it made as `tool_calls` (text: what it wrote outside them) and
-    finish_reason "tool_calls"."""
+def _choice(p: Parsed, c: Completion, tokenizer, chat: ChatFormat | None, sample: int = 0) -> dict:
+    """One sample's text, tokens, finish reason (and log-probabilities when asked); a chat's
+    completion as its format reads it: with tools offered, the calls it made as `tool_calls`
+    (text: what it wrote outside them) and finish_reason "tool_calls"."""
     # stop strings do not cut a completion under a format: the format says where it ends
     text, ids, stopped = cut_at_stop(tokenizer, c.token_ids, () if p.constraint else p.stop)
     r = {"text": text, "token_ids": ids, "finish_reason": "stop" if stopped else c.finish_reason}
     if c.incomplete_format:  # max_tokens came first: the text does not hold the whole format
         r["incomplete_format"] = True
-    calls = []  # (name, arguments, valid)
-    if p.chat and parse_chat is not None:  # Harmony: channels apart, the final one as the text
-        h = parse_chat([*p.call_prefix, *ids])
-        r.update(text=h.text, reasoning=h.reasoning)
-        if p.tools and h.calls and r["finish_reason"] == "stop":  # arguments go in tool_calls
-            calls = [(name, args, _is_json(args)) for name, args in h.calls]
-            if h.preamble:
-                r["commentary"] = h.preamble
-        elif h.commentary:
-            r["commentary"] = h.commentary
-        if h.error or not h.complete:
-            r["chat_format_error"] = h.error or "incomplete"
-            r["raw"] = h.raw
-    elif p.tools and tokenizer is not None and r["finish_reason"] == "stop":  # the template's syntax
-        syntax = call_syntax(tokenizer.chat_template_for([]))
-        head = tokenizer.decode(p.call_prefix) if p.call_prefix else ""
-        r["text"], calls = parse_calls(head + text, syntax) if syntax else (text, [])
-    if calls:  # read only from a completion that ended, not one cut off (its text stays as is)
-        r["tool_calls"] = [tool_call(name, args, f"{p.id!r}/{sample}/{k}/{ids}", valid)
-                           for k, (name, args, valid) in enumerate(calls)]
-        r["finish_reason"] = "tool_calls"
+    if p.chat and chat is not None:
+        reply = chat.reply(ids, text, p.call_prefix, p.tools, r["finish_reason"] == "stop")
+        r["text"] = reply.text
+        r.update({k: v for k, v in (("reasoning", reply.reasoning), ("commentary", reply.commentary))
+                  if v is not None})
+        if reply.error is not None:
+            r["chat_format_error"], r["raw"] = reply.error, reply.raw
+        if reply.calls:  # read only from a completion that ended, not one cut off (its text stays as is)
+            r["tool_calls"] = [tool_call(name, args, f"{p.id!r}/{sample}/{k}/{ids}", valid)
+                               for k, (name, args, valid) in enumerate(reply.calls)]
+            r["finish_reason"] = "tool_calls"
     if p.logprobs is not None:
         r["logprobs"] = {"content": [_logprob(t, x, p.logprobs, tokenizer)
                                      for t, x in zip(ids, c.logprobs)]}
     return r
-
-
-def _is_json(text: str) -> bool:
-    try:
-        json.loads(text)
-    except ValueError:
-        return False
-    return True
 
 
 def _logprob(token: int, x, k: int, tokenizer) -> dict:

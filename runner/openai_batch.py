@@ -99,7 +99,7 @@ def _check_unique(lines: list[Line], key: str) -> None:
 
 
 def parse_line(index: int, line: Line, fmt: FileFormat, tokenizer, s: Settings, vocab_size: int,
-               render_chat=None, grammars=None) -> Parsed:
+               chat=None, grammars=None) -> Parsed:
     """One line of a file of format `fmt` -> a request, or one carrying the reason it cannot be
     served (requests_io.parse_request for podrun's own lines; `grammars` compiles formats).
     Never raises."""
@@ -115,7 +115,7 @@ def parse_line(index: int, line: Line, fmt: FileFormat, tokenizer, s: Settings, 
             line=line.number)
     if not fmt.batch:
         return parse_fields(index, line.number, d, d.get("id", line.number), tokenizer, s, vocab_size,
-                            render_chat, grammars)
+                            chat, grammars)
     custom_id = d.get("custom_id")
     try:
         url, fields, renamed = request_fields(d)
@@ -126,8 +126,7 @@ def parse_line(index: int, line: Line, fmt: FileFormat, tokenizer, s: Settings, 
         return Parsed(index, custom_id if isinstance(custom_id, str) else None,
                       error=f"line {line.number}: {type(e).__name__}: {_short(str(e), 200)}",
                       code="invalid_request", line=line.number)
-    p = parse_fields(index, line.number, fields, custom_id, tokenizer, s, vocab_size, render_chat,
-                     grammars)
+    p = parse_fields(index, line.number, fields, custom_id, tokenizer, s, vocab_size, chat, grammars)
     for ours, theirs in renamed.items():  # the error names the field as the body gave it
         if p.error.startswith(ours):
             p.error = theirs + p.error[len(ours):]

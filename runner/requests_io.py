@@ -38,8 +38,9 @@ from etils import epath
 
 from runner.engine.engine import MAX_LOGPROBS  # alternatives per token the programs compute
 from runner.settings import Settings
-from runner.text import tools as chat_tools
 from runner.text import structured
+from runner.text import tools as chat_tools
+from runner.text.chat import ChatFormat, TemplateChat
 
 
 class RequestFileError(ValueError):
@@ -173,24 +174,21 @@ def decode(line: Line) -> tuple[dict | None, str]:
 
 
 def parse_request(index: int, line: Line, tokenizer, s: Settings, vocab_size: int,
-                  render_chat=None, grammars: structured.Grammars | None = None) -> Parsed:
+                  chat: ChatFormat | None = None, grammars: structured.Grammars | None = None) -> Parsed:
     """One line -> a request ready to generate, or one carrying the reason it cannot be served.
     Never raises: whatever the line holds, it gets its own result.
 
-    `render_chat(messages, request, tools) -> ids` renders chat requests (default: the
-    tokenizer's own chat template); `tools` are the function definitions the prompt offers, or
-    None. Its `call_prefix(choice: ToolChoice) -> ids`, where it has one, starts the call that
-    tool_choice "required" or a named function asks for. `grammars` compiles the request's
-    format, if it has one."""
+    `chat` renders chat requests (default: the tokenizer's own chat template); `grammars`
+    compiles the request's format, if it has one."""
     d, error = decode(line)
     if d is None:
         return Parsed(index, line.number, error=error, code="invalid_json", line=line.number)
     return parse_fields(index, line.number, d, d.get("id", line.number), tokenizer, s, vocab_size,
-                        render_chat, grammars)
+                        chat, grammars)
 
 
 def parse_fields(index: int, number: int, d: dict, rid: Any, tokenizer, s: Settings, vocab_size: int,
-                 render_chat=None, grammars: structured.Grammars | None = None) -> Parsed:
+                 chat: ChatFormat | None = None, grammars: structured.Grammars | None = None) -> Parsed:
     """A request's fields (line `number`'s, answered as `rid`) -> a request or its error."""
     g, samp = s.generation, s.sampling
     try:
@@ -216,7 +214,7 @@ def parse_fields(index: int, number: int, d: dict, rid: Any, tokenizer, s: Setti
         stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
         if not isinstance(stop, list | tuple) or not all(isinstance(x, str) and x for x in stop):
             raise ValueError(f"stop={_short(d['stop'])}: give a non-empty string or a list of them")
-        ids, offered, prefix = _prompt_ids(d, tokenizer, vocab_size, render_chat)
+        ids, offered, prefix = _prompt_ids(d, tokenizer, vocab_size, chat)
         if not ids:
             raise ValueError("the prompt is empty")
         constraint = None
@@ -290,7 +288,7 @@ def _continuation(d: dict, tokenizer, vocab_size: int) -> list[int]:
     return list(ids)
 
 
-def _prompt_ids(d: dict, tokenizer, vocab_size: int, render_chat) -> tuple[list[int], bool, list[int]]:
+def _prompt_ids(d: dict, tokenizer, vocab_size: int, chat: ChatFormat | None) -> tuple[list[int], bool, list[int]]:
     """The prompt's ids, whether it offers tools, and the start of a call it ends with."""
     given = [k for k in ("prompt", "messages", "prompt_token_ids") if k in d]
     if len(given) != 1:
@@ -317,23 +315,8 @@ def _prompt_ids(d: dict, tokenizer, vocab_size: int, render_chat) -> tuple[list[
     choice = chat_tools.check_tool_choice(d.get("tool_choice"), tools)
     if choice.mode == "none":
         tools = None  # left out of the prompt; calls in the history are still rendered
-    if render_chat is not None:
-        forced = getattr(render_chat, "call_prefix", None)
-        if forced is None and choice.mode not in ("auto", "none"):
-            raise ValueError(f"tool_choice={_short(d['tool_choice'])}: this chat format cannot start a call")
-        prefix = forced(choice) if forced is not None else []
-        return list(render_chat(msgs, d, tools)) + prefix, tools is not None, prefix
-    template = tokenizer.chat_template_for(tools)
-    syntax = chat_tools.call_syntax(template) if tools is not None else None
-    if tools is not None and syntax is None:
-        raise ValueError("tools: this checkpoint's chat template " + (
-            "does not render tools" if "tools" not in (template or "") else "asks for a tool-call syntax "
-            "podrun cannot read (it reads Qwen2.5's <tool_call> blocks and Llama 3.1's JSON calls)"))
-    ids = tokenizer.encode_chat(chat_tools.template_messages(msgs), add_generation_prompt=True, tools=tools)
-    # the template's own text up to the generation prompt, then the call's start as its own text
-    head = chat_tools.call_prefix(syntax, choice) if syntax else ""
-    prefix = tokenizer.encode(head, add_special_tokens=False) if head else []
-    return ids + prefix, tools is not None, prefix
+    ids, prefix = (chat or TemplateChat(tokenizer)).prompt(msgs, tools, choice, d)
+    return ids, tools is not None, prefix
 
 
 def is_remote(path: str) -> bool:

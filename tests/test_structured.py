@@ -20,6 +20,7 @@ from runner.checkpoints import convert, store
 from runner.engine.engine import allowed_tokens
 from runner.requests_io import FUTURE
 from runner.text import harmony, o200k, structured
+from runner.text.chat import HarmonyChat
 from runner.text.tokenizer import load_tokenizer, tokenizer_json_from_gguf
 from sharding.mesh import MeshShape, make_mesh
 from sharding.rules import Rules
@@ -335,7 +336,7 @@ def test_harmony_answers_in_the_final_channel(tmp_path):
     folder = write_folder(tmp_path, {"tokenizer.json": o200k.o200k_harmony_tokenizer_json(),
                                      "tokenizer_config.json": o200k.TOKENIZER_CONFIG})
     tok = load_tokenizer(folder)
-    grammars = structured.Grammars(tok, o200k.VOCAB_SIZE, [harmony.RETURN], harmony=True)
+    grammars = structured.Grammars(tok, o200k.VOCAB_SIZE, [harmony.RETURN], HarmonyChat.grammar_start)
     for fields, judge in zip(FORMATS, JUDGES):
         for seed in range(3):
             tokens, ended = walk(grammars, structured.parse_format(fields), True, seed, limit=2000)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import types
 
 import pytest
 import transformers
@@ -30,7 +29,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from runner.engine import Completion
-from runner.job import _result_line, chat_format
+from runner.job import _result_line
+from runner.text.chat import HarmonyChat, chat_format
 from runner.requests_io import Line, parse_request
 from runner.text.harmony import HarmonyOptions, parse, render
 from runner.text.tokenizer import load_tokenizer, read_chat_template
@@ -225,8 +225,8 @@ def test_harmony_cut_off_calls_are_what_openai_harmony_finished(tok, enc, name):
 
 def harmony_request(tok, s, request: dict):
     """A request line parsed as a GPT-OSS deployment parses it (runner.job.chat_format's Harmony)."""
-    render_chat, _, _ = chat_format(types.SimpleNamespace(family="gptoss"), tok, s)
-    return parse_request(0, Line(1, json.dumps(request)), tok, s, 201_088, render_chat)
+    return parse_request(0, Line(1, json.dumps(request)), tok, s, 201_088,
+                         chat_format("gptoss", tok, s.generation.reasoning_effort))
 
 
 def test_harmony_request_line_to_tool_calls(tok, enc, s):
@@ -236,13 +236,13 @@ def test_harmony_request_line_to_tool_calls(tok, enc, s):
     p = harmony_request(tok, s, {"id": "h", "messages": messages, "tools": TOOLS})
     assert not p.error and p.tools and list(p.prompt_ids) == harmony_reference(enc, messages, TOOLS)
     ids = enc.encode(TOOL_COMPLETIONS["preamble_then_call"], allowed_special="all")
-    r = _result_line(p, [Completion(ids, "stop")], tok, False, lambda ids: parse(ids, tok))
+    r = _result_line(p, [Completion(ids, "stop")], tok, False, HarmonyChat(tok))
     assert (r["finish_reason"], r["text"], r["commentary"]) == ("tool_calls", "", "Let me look.")
     [c] = r["tool_calls"]
     assert ChatCompletionMessageFunctionToolCall.model_validate(c).function.name == "get_weather"
     assert json.loads(c["function"]["arguments"]) == {"city": "Rome"} and c["id"].startswith("call_")
     bad = enc.encode(TOOL_COMPLETIONS["invalid_json"], allowed_special="all")
-    [c] = _result_line(p, [Completion(bad, "stop")], tok, False, lambda ids: parse(ids, tok))["tool_calls"]
+    [c] = _result_line(p, [Completion(bad, "stop")], tok, False, HarmonyChat(tok))["tool_calls"]
     assert (c["function"]["arguments"], c["invalid_arguments"]) == ('{"city": Paris', True)
 
 
@@ -255,7 +255,7 @@ def test_harmony_results_without_tools_are_unchanged(tok, enc, s):
     assert none.prompt_ids == plain.prompt_ids == tuple(harmony_reference(enc, messages, None))
     ids = enc.encode(TOOL_COMPLETIONS["call_only"], allowed_special="all")
     for p in (plain, none):
-        r = _result_line(p, [Completion(ids, "stop")], tok, False, lambda ids: parse(ids, tok))
+        r = _result_line(p, [Completion(ids, "stop")], tok, False, HarmonyChat(tok))
         assert "tool_calls" not in r and (r["finish_reason"], r["commentary"]) == ("stop", '{"city":"Oslo"}')
 
 
@@ -499,7 +499,8 @@ def test_templates_without_tools_refuse_them(s, tmp_path):
     folder = write_folder(tmp_path, {"tokenizer.json": HFTokenizer(models.BPE({"a": 0, "<s>": 1}, [])).to_str(),
                                      "tokenizer_config.json": {"chat_template": TEMPLATE, "bos_token": "<s>"}})
     error = request(load_tokenizer(folder), s, {"messages": Q, "tools": TOOLS}).error
-    assert error == "tools: this checkpoint's chat template does not render tools"
+    assert error == ("tools: this checkpoint's chat template does not render tools; give one that does in "
+                     "checkpoint.chat_template")
 
 
 @settings(max_examples=150, deadline=None, derandomize=True,
@@ -561,7 +562,7 @@ def test_harmony_tool_choice_starts_the_call(tok, enc, s, choice):
     assert list(p.prompt_ids) == [*harmony_reference(enc, messages, TOOLS), *head]
     whole = enc.encode(TOOL_COMPLETIONS["call_only"], allowed_special="all")
     assert whole[: len(head)] == head
-    r = _result_line(p, [Completion(whole[len(head):], "stop")], tok, False, lambda ids: parse(ids, tok))
+    r = _result_line(p, [Completion(whole[len(head):], "stop")], tok, False, HarmonyChat(tok))
     [c] = r["tool_calls"]
     want = harmony_calls(enc.parse_messages_from_completion_tokens(whole, Role.ASSISTANT))
     assert [(c["function"]["name"], c["function"]["arguments"])] == want and r["finish_reason"] == "tool_calls"

@@ -158,13 +158,14 @@ class Grammars:
 
     tokenizer: runner.text.tokenizer.Tokenizer; vocab_size: the model's (ids past the
     tokenizer's are never allowed); stop_ids: the ids that end a completion, allowed once the
-    format is complete; harmony: the completion is a GPT-OSS Harmony answer (module docstring)."""
+    format is complete; chat_start: the start rule over the format's `body` for a chat request
+    (its chat format's grammar_start: Harmony's channels, module docstring)."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_ids, harmony: bool = False):
+    def __init__(self, tokenizer, vocab_size: int, stop_ids, chat_start: str = "start: body\n"):
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
-        self.stop_ids, self.harmony = tuple(stop_ids), harmony
+        self.stop_ids, self.chat_start = tuple(stop_ids), chat_start
         self._ll = None
-        self._compiled: collections.OrderedDict[tuple[Format, bool], Grammar] = collections.OrderedDict()
+        self._compiled: collections.OrderedDict[tuple[Format, str], Grammar] = collections.OrderedDict()
 
     def _lltokenizer(self):
         if self._ll is None:
@@ -179,21 +180,16 @@ class Grammars:
 
     def compile(self, fmt: Format, chat: bool = False) -> Grammar:
         """The format's grammar (cached); a ValueError naming the field and the library's
-        complaint when it cannot be compiled. chat: a chat request (Harmony's channels apply)."""
+        complaint when it cannot be compiled. chat: a chat request (chat_start applies)."""
         import llguidance
 
-        key = (fmt, chat and self.harmony)
+        key = (fmt, self.chat_start if chat else "start: body\n")
         if key in self._compiled:
             self._compiled.move_to_end(key)
             return self._compiled[key]
-        body = fmt.lark()
-        if key[1]:  # Harmony: an optional analysis message, then the final channel holds the body
-            top = ('start: (<|channel|> "analysis" <|message|> /(?s:.*)/ <|end|> <|start|> '
-                   '"assistant")? <|channel|> "final" <|message|> body\n')
-        else:
-            top = "start: body\n"
-        matcher = llguidance.LLMatcher(self._lltokenizer(),
-                                       llguidance.LLMatcher.grammar_from_lark(top + body), log_level=0)
+        grammar_text = key[1] + fmt.lark()
+        matcher = llguidance.LLMatcher(self._lltokenizer(), llguidance.LLMatcher.grammar_from_lark(grammar_text),
+                                       log_level=0)
         if matcher.is_error():
             raise ValueError(f"{fmt.field}: {_first_line(matcher.get_error())}")
         grammar = self._compiled[key] = Grammar(matcher)
