@@ -24,7 +24,7 @@ import json
 import re
 from typing import Any
 
-from runner.requests_io import (BATCH, FIELDS, FUTURE, Line, Parsed, RequestError, RequestFileError, _short,
+from runner.requests_io import (BATCH, FIELDS, Line, Parsed, RequestError, RequestFileError, _short,
                                 decode, parse_fields)
 from runner.settings import Settings
 
@@ -259,7 +259,7 @@ def error_line(p: Parsed) -> dict:
 
 _NAMED = re.compile(r"(?:unknown )?(?:body )?field (['\"])(.*?)\1")
 _OPENING = re.compile(r"[a-z_]+")
-_PARAMS = frozenset((*BATCH, *FIELDS, *FUTURE, *IGNORED, "max_completion_tokens",
+_PARAMS = frozenset((*BATCH, *FIELDS, *IGNORED, "max_completion_tokens",
                      *DEFAULT_ONLY[CHAT_URL], *DEFAULT_ONLY[COMPLETIONS_URL]))
 
 

@@ -94,9 +94,7 @@ class Parsed:
     line: int = 0  # the line of the request file it was read from
 
 
-# A request line's fields. FUTURE are fields podrun does not serve yet, named as such rather than
-# as typos (none now). BATCH are an OpenAI Batch line's (runner/openai_batch.py).
-FUTURE: tuple[str, ...] = ()
+# A request line's fields; BATCH are an OpenAI Batch line's (runner/openai_batch.py).
 FIELDS = ("id", "prompt", "messages", "prompt_token_ids", "max_tokens", "temperature", "top_p",
           "top_k", "stop", "seed", "reasoning_effort", "n", "logprobs", "top_logprobs",
           "prompt_logprobs", "continuation", "tools", "tool_choice", *structured.FIELDS)
@@ -141,8 +139,6 @@ def _unknown(d: dict) -> str:
     for key in d:
         if key in FIELDS:
             continue
-        if key in FUTURE:
-            return f"field {key!r} is not supported by this version of podrun"
         if key in BATCH:
             return (f"field {key!r} belongs to OpenAI Batch lines ({', '.join(BATCH)}), and this "
                     "line is in podrun's format: give one format per file")

@@ -18,7 +18,6 @@ from models import llama, weights
 from models.registry import Model
 from runner.checkpoints import convert, store
 from runner.engine.engine import allowed_tokens
-from runner.requests_io import FUTURE
 from runner.text import harmony, o200k, structured
 from runner.text.chat import HarmonyChat
 from runner.text.tokenizer import load_tokenizer, tokenizer_json_from_gguf
@@ -171,7 +170,6 @@ def test_bad_formats_get_an_error_naming_the_problem_and_the_job_goes_on(mixed_j
     for k, (_, named) in enumerate(BAD):
         error = mixed_job[f"bad{k}"]["error"]
         assert named in error and "\n" not in error, error
-    assert "response_format" not in FUTURE
     assert all("error" not in mixed_job[i] for i in range(len(PICKED)))
 
 

@@ -186,12 +186,6 @@ def _check_call(c: Any, where: str) -> str:
     return c["id"]
 
 
-def names_of_calls(msgs: list[dict]) -> dict[str, str]:
-    """{call id: function name} over the assistant messages' tool_calls."""
-    return {c["id"]: c["function"]["name"] for m in msgs if m.get("role") == "assistant"
-            for c in m.get("tool_calls") or ()}
-
-
 def template_messages(msgs: list[dict]) -> list[dict]:
     """The messages as a chat template is given them: each call's arguments decoded into an object.
     transformers passes messages to the template as they are, and its tool-use guide gives the
