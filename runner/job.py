@@ -192,6 +192,8 @@ def answer(s: Settings, loaded: tuple | None = None, tokenizer=None) -> Summary:
     grammars = Grammars(tokenizer, vocab, chat.format_stop_ids(stop_ids), chat.grammar_start) if chat else None
     pending = [openai_batch.parse_line(i, line, fmt, tokenizer, s, vocab, chat, grammars)
                for i, line in enumerate(lines) if i not in results.done]
+    for line in lines:
+        line.release()
     summary = Summary(requests=len(lines), already_done=len(lines) - len(pending))
     bad = [p for p in pending if p.error]
     results.add([(p.index, openai_batch.error_line(p) if fmt.batch else {"id": p.id, "error": p.error})

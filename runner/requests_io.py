@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import hashlib
 import json
 import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import Any
 
 import fsspec
 from etils import epath
@@ -60,11 +61,22 @@ class AllFailedError(ValueError):
     """Every request of the file got an error result (the results file is written all the same)."""
 
 
-class Line(NamedTuple):
-    """A non-blank line of the request file."""
+@dataclasses.dataclass(eq=False)
+class Line:
+    """A non-blank line of the request file; `decoded` its JSON object, read once."""
 
     number: int  # 1-based, blank lines counted, as an editor shows it: messages and default ids
     text: str  # UTF-8; bytes that are not UTF-8 kept as lone surrogates (surrogateescape)
+
+    @functools.cached_property
+    def decoded(self) -> tuple[dict | None, str]:
+        """The line's JSON object, or None and the one-line reason it is not one."""
+        return _decode(self)
+
+    def release(self) -> None:
+        """Drops the decoded object once the line is parsed (a file's objects take far more
+        memory than its text)."""
+        self.__dict__.pop("decoded", None)
 
 
 @dataclasses.dataclass
@@ -151,7 +163,11 @@ def _unknown(d: dict) -> str:
 
 
 def decode(line: Line) -> tuple[dict | None, str]:
-    """A line's JSON object, or None and the one-line reason it is not one."""
+    """A line's JSON object, or None and the one-line reason it is not one (decoded once a line)."""
+    return line.decoded
+
+
+def _decode(line: Line) -> tuple[dict | None, str]:
     where = f"line {line.number}"
     try:
         line.text.encode("utf-8")
