@@ -21,11 +21,10 @@ import dataclasses
 import difflib
 import hashlib
 import json
-import re
 from typing import Any
 
-from runner.requests_io import (BATCH, FIELDS, Line, Parsed, RequestError, RequestFileError, _short,
-                                decode, parse_fields)
+from runner.api.errors import RequestError
+from runner.requests_io import BATCH, Line, Parsed, RequestFileError, _short, decode, parse_fields
 from runner.settings import Settings
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
@@ -121,15 +120,14 @@ def parse_line(index: int, line: Line, fmt: FileFormat, tokenizer, s: Settings, 
         url, fields, renamed = request_fields(d)
     except ValueError as e:
         return Parsed(index, custom_id if isinstance(custom_id, str) else None, error=str(e),
-                      code=getattr(e, "code", "invalid_request"), line=line.number)
+                      code=getattr(e, "code", "invalid_request"), param=getattr(e, "field", None),
+                      line=line.number)
     except Exception as e:  # whatever the line holds, its own error result and not the run's end
         return Parsed(index, custom_id if isinstance(custom_id, str) else None,
                       error=f"line {line.number}: {type(e).__name__}: {_short(str(e), 200)}",
                       code="invalid_request", line=line.number)
-    p = parse_fields(index, line.number, fields, custom_id, tokenizer, s, vocab_size, chat, grammars)
-    for ours, theirs in renamed.items():  # the error names the field as the body gave it
-        if p.error.startswith(ours):
-            p.error = theirs + p.error[len(ours):]
+    p = parse_fields(index, line.number, fields, custom_id, tokenizer, s, vocab_size, chat, grammars,
+                     names=renamed)
     p.api = OBJECTS[url]
     return p
 
@@ -139,21 +137,21 @@ def request_fields(d: dict) -> tuple[str, dict, dict[str, str]]:
     for fields it renames); a ValueError naming the field where the line is not a Batch request
     podrun serves."""
     if "custom_id" not in d:
-        raise ValueError("custom_id is missing: a Batch line has custom_id, method, url and body")
+        raise RequestError("custom_id is missing: a Batch line has custom_id, method, url and body", "custom_id")
     if not isinstance(d["custom_id"], str):
-        raise ValueError(f"custom_id={_short(d['custom_id'])} is not a string")
+        raise RequestError(f"custom_id={_short(d['custom_id'])} is not a string", "custom_id")
     for key in d:
         if key not in BATCH:
             raise RequestError(f"unknown field {_short(key)}: a Batch line has custom_id, method, url and body",
-                               "unknown_parameter")
+                               key, "unknown_parameter")
     if d.get("method") != "POST":
-        raise ValueError(f"method={_short(d.get('method'))}: Batch requests are POST")
+        raise RequestError(f"method={_short(d.get('method'))}: Batch requests are POST", "method")
     url = d.get("url")
     if not isinstance(url, str) or url not in OBJECTS:
-        raise ValueError(f"url={_short(url)} is not served: use {CHAT_URL} or {COMPLETIONS_URL}")
+        raise RequestError(f"url={_short(url)} is not served: use {CHAT_URL} or {COMPLETIONS_URL}", "url")
     body = d.get("body")
     if not isinstance(body, dict):
-        raise ValueError(f"body={_short(body)} is not a JSON object")
+        raise RequestError(f"body={_short(body)} is not a JSON object", "body")
     fields: dict[str, Any] = {}
     renamed: dict[str, str] = {}
     defaults = DEFAULT_ONLY[url]
@@ -163,33 +161,33 @@ def request_fields(d: dict) -> tuple[str, dict, dict[str, str]]:
         elif key in defaults:
             if not _is_default(value, defaults[key]):
                 if key == "stream":
-                    raise ValueError(f"stream={_short(value)}: a Batch request is answered whole; "
-                                     "leave stream out or false")
-                raise ValueError(f"{key}={_short(value)} is not supported: podrun serves only "
-                                 f"{key}={_short(defaults[key])}")
+                    raise RequestError(f"stream={_short(value)}: a Batch request is answered whole; "
+                                       "leave stream out or false", "stream")
+                raise RequestError(f"{key}={_short(value)} is not supported: podrun serves only "
+                                   f"{key}={_short(defaults[key])}", key)
         elif key not in IGNORED and key not in MAX_TOKENS[url]:
-            raise RequestError(_unknown_body_field(key, url), "unknown_parameter")
+            raise RequestError(_unknown_body_field(key, url), key, "unknown_parameter")
     given = [k for k in MAX_TOKENS[url] if body.get(k) is not None]
     if len(given) == 2 and body[given[0]] != body[given[1]]:
-        raise ValueError(f"max_completion_tokens={_short(body[given[0]])} and max_tokens="
-                         f"{_short(body[given[1]])} differ: give one of them")
+        raise RequestError(f"max_completion_tokens={_short(body[given[0]])} and max_tokens="
+                           f"{_short(body[given[1]])} differ: give one of them", "max_completion_tokens")
     if given:
         fields["max_tokens"] = body[given[0]]
         renamed["max_tokens"] = given[0]
     if url == CHAT_URL:
         if "messages" not in body:
-            raise ValueError(f"messages is missing: {CHAT_URL} answers a list of messages")
+            raise RequestError(f"messages is missing: {CHAT_URL} answers a list of messages", "messages")
         if not isinstance(body.get("logprobs"), bool | None):
-            raise ValueError(f"logprobs={_short(body['logprobs'])}: a boolean in chat completions "
-                             "(top_logprobs gives the count)")
+            raise RequestError(f"logprobs={_short(body['logprobs'])}: a boolean in chat completions "
+                               "(top_logprobs gives the count)", "logprobs")
         if isinstance(body["messages"], list):
             fields["messages"] = [_text_parts_joined(m) for m in body["messages"]]
     else:
         if "prompt" not in body:
-            raise ValueError(f"prompt is missing: {COMPLETIONS_URL} answers a prompt")
+            raise RequestError(f"prompt is missing: {COMPLETIONS_URL} answers a prompt", "prompt")
         if isinstance(body.get("logprobs"), bool):
-            raise ValueError(f"logprobs={_short(body['logprobs'])}: a count of alternatives per "
-                             "token in completions")
+            raise RequestError(f"logprobs={_short(body['logprobs'])}: a count of alternatives per "
+                               "token in completions", "logprobs")
         key, fields["prompt"] = _one_prompt(fields.pop("prompt"))
         if key != "prompt":
             fields[key] = fields.pop("prompt")
@@ -236,8 +234,8 @@ def _one_prompt(prompt: Any) -> tuple[str, Any]:
     if ids(prompt):
         return "prompt_token_ids", prompt
     if isinstance(prompt, list) and all(isinstance(x, str) or ids(x) for x in prompt):
-        raise ValueError(f"prompt holds {len(prompt)} prompts: give one per Batch request")
-    raise ValueError(f"prompt={_short(prompt)}: give a string or a list of token ids")
+        raise RequestError(f"prompt holds {len(prompt)} prompts: give one per Batch request", "prompt")
+    raise RequestError(f"prompt={_short(prompt)}: give a string or a list of token ids", "prompt")
 
 
 # --- results ----------------------------------------------------------------------------------------
@@ -254,21 +252,7 @@ def error_line(p: Parsed) -> dict:
     return {"id": f"batch_req_{key}", "custom_id": p.id,
             "response": {"status_code": 400, "request_id": f"req_{key}", "body": None},
             "error": {"object": "error", "message": p.error, "type": "BadRequestError",
-                      "param": _param(p.error), "code": p.code or "invalid_request", "line": p.line or None}}
-
-
-_NAMED = re.compile(r"(?:unknown )?(?:body )?field (['\"])(.*?)\1")
-_OPENING = re.compile(r"[a-z_]+")
-_PARAMS = frozenset((*BATCH, *FIELDS, *IGNORED, "max_completion_tokens",
-                     *DEFAULT_ONLY[CHAT_URL], *DEFAULT_ONLY[COMPLETIONS_URL]))
-
-
-def _param(message: str) -> str | None:
-    """The field an error message names first, where it opens with one."""
-    if m := _NAMED.match(message):
-        return m.group(2)
-    m = _OPENING.match(message)
-    return m.group(0) if m and m.group(0) in _PARAMS else None
+                      "param": p.param, "code": p.code or "invalid_request", "line": p.line or None}}
 
 
 def result_line(p: Parsed, r: dict, model: str, created: int) -> dict:

@@ -38,6 +38,7 @@ import fsspec
 from etils import epath
 
 from runner.engine.engine import MAX_LOGPROBS  # alternatives per token the programs compute
+from runner.api.errors import RequestError
 from runner.settings import Settings
 from runner.text import structured
 from runner.text import tools as chat_tools
@@ -46,15 +47,6 @@ from runner.text.chat import ChatFormat, TemplateChat
 
 class RequestFileError(ValueError):
     """The request file as a whole cannot be used (missing, unreadable, or a stale partial file)."""
-
-
-class RequestError(ValueError):
-    """Why one request cannot be served, with a code in OpenAI's words for what kind of fault it is
-    (a Batch error line carries it; podrun's own lines carry the message alone)."""
-
-    def __init__(self, message: str, code: str = "invalid_request"):
-        super().__init__(message)
-        self.code = code
 
 
 class AllFailedError(ValueError):
@@ -103,6 +95,7 @@ class Parsed:
     api: str = ""  # an OpenAI Batch line's object (chat.completion, text_completion); "": podrun's
     constraint: Any = None  # the compiled format the completion follows (structured.Grammar)
     code: str = ""  # with an error: its kind (RequestError.code)
+    param: str | None = None  # with an error: the field it is about (RequestError.field)
     line: int = 0  # the line of the request file it was read from
 
 
@@ -117,23 +110,25 @@ MAX_N = 128  # samples per request
 
 
 def _number(d: dict, key: str, default: Any, kind: type, lo: float | None = None,
-            hi: float | None = None, above: bool = False) -> Any:
+            hi: float | None = None, above: bool = False, name: str = "") -> Any:
     """d[key] as a `kind` in [lo, hi] (lo excluded when `above`), default when absent or null; a
-    ValueError naming the field, the value and the range."""
+    RequestError naming the field (`name`, as the line gave it; key by default), the value and
+    the range."""
+    name = name or key
     if key not in d or d[key] is None:
         return default
     v = d[key]
     noun = "an integer" if kind is int else "a number"
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (
             kind is int and not (isinstance(v, int) or (math.isfinite(v) and v == int(v)))):
-        raise ValueError(f"{key}={_short(v)} is not {noun}")
+        raise RequestError(f"{name}={_short(v)} is not {noun}", name)
     if hi is not None:
         bounds = f"{noun} above {lo} and at most {hi}" if above else f"{noun} from {lo} to {hi}"
     else:
         bounds = f"{noun} {'above' if above else 'at least'} {lo}"
     if not (math.isfinite(v) and (lo is None or v > lo or (v == lo and not above))
             and (hi is None or v <= hi)):
-        raise ValueError(f"{key}={_short(v)} is out of range: give {bounds}")
+        raise RequestError(f"{name}={_short(v)} is out of range: give {bounds}", name)
     return kind(v)
 
 
@@ -146,20 +141,20 @@ def _short(v: Any, limit: int = 40) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _unknown(d: dict) -> str:
-    """The error for fields that are not request fields ('' when there are none)."""
+def _check_known(d: dict) -> None:
+    """A RequestError for the first field that is not a request field."""
     for key in d:
         if key in FIELDS:
             continue
         if key in BATCH:
-            return (f"field {key!r} belongs to OpenAI Batch lines ({', '.join(BATCH)}), and this "
-                    "line is in podrun's format: give one format per file")
+            raise RequestError(f"field {key!r} belongs to OpenAI Batch lines ({', '.join(BATCH)}), and "
+                               "this line is in podrun's format: give one format per file", key,
+                               "unknown_parameter")
         near = difflib.get_close_matches(key, FIELDS, n=1)
         name = key if len(key) <= 40 else key[:37] + "..."
-        if near:
-            return f"unknown field {name!r}: did you mean {near[0]!r}?"
-        return f"unknown field {name!r}: request fields are {', '.join(FIELDS)}"
-    return ""
+        raise RequestError(f"unknown field {name!r}: " + (f"did you mean {near[0]!r}?" if near else
+                                                            f"request fields are {', '.join(FIELDS)}"),
+                           key, "unknown_parameter")
 
 
 def decode(line: Line) -> tuple[dict | None, str]:
@@ -200,24 +195,26 @@ def parse_request(index: int, line: Line, tokenizer, s: Settings, vocab_size: in
 
 
 def parse_fields(index: int, number: int, d: dict, rid: Any, tokenizer, s: Settings, vocab_size: int,
-                 chat: ChatFormat | None = None, grammars: structured.Grammars | None = None) -> Parsed:
-    """A request's fields (line `number`'s, answered as `rid`) -> a request or its error."""
+                 chat: ChatFormat | None = None, grammars: structured.Grammars | None = None,
+                 names: dict[str, str] | None = None) -> Parsed:
+    """A request's fields (line `number`'s, answered as `rid`) -> a request or its error.
+    names: {field: what the line called it} where the line's format names a field otherwise
+    (an OpenAI chat's max_completion_tokens): errors name the field as the line gave it."""
     g, samp = s.generation, s.sampling
+    max_tokens_name = (names or {}).get("max_tokens", "max_tokens")
     try:
-        if unknown := _unknown(d):
-            raise RequestError(unknown, "unknown_parameter")
+        _check_known(d)
         n = _number(d, "n", 1, int, 1, MAX_N)
         logprobs, prompt_logprobs = _logprobs(d)
         scoring = prompt_logprobs is not None or d.get("continuation") is not None
         max_tokens = _number(d, "max_tokens", 0 if "continuation" in d else g.max_new_tokens, int,
-                             0)
+                             0, name=max_tokens_name)
         if max_tokens == 0 and not scoring:
-            raise ValueError("max_tokens=0 generates nothing: ask for prompt_logprobs or give a "
-                             "continuation to score")
+            raise RequestError(f"{max_tokens_name}=0 generates nothing: ask for prompt_logprobs or give "
+                               "a continuation to score", max_tokens_name)
         if max_tokens > g.max_new_tokens:
-            raise ValueError(
-                f"max_tokens={max_tokens} exceeds generation.max_new_tokens={g.max_new_tokens}"
-            )
+            raise RequestError(f"{max_tokens_name}={max_tokens} exceeds generation.max_new_tokens="
+                               f"{g.max_new_tokens}", max_tokens_name)
         temperature = _number(d, "temperature", samp.temperature, float, 0)
         top_p = _number(d, "top_p", samp.top_p, float, 0, 1, above=True)
         top_k = _number(d, "top_k", samp.top_k, int, 0, INT32_MAX)
@@ -225,29 +222,32 @@ def parse_fields(index: int, number: int, d: dict, rid: Any, tokenizer, s: Setti
         stop = d.get("stop")
         stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
         if not isinstance(stop, list | tuple) or not all(isinstance(x, str) and x for x in stop):
-            raise ValueError(f"stop={_short(d['stop'])}: give a non-empty string or a list of them")
-        ids, offered, prefix = _prompt_ids(d, tokenizer, vocab_size, chat)
+            raise RequestError(f"stop={_short(d['stop'])}: give a non-empty string or a list of them", "stop")
+        ids, offered, prefix = _prompt_ids(d, tokenizer, vocab_size, chat, (names or {}).get(
+            "prompt_token_ids", "prompt_token_ids"))
         if not ids:
-            raise ValueError("the prompt is empty")
+            raise RequestError("the prompt is empty")
         constraint = None
-        if (fmt := structured.parse_format(d)) is not None:
+        if (fmt := _about(structured.FIELDS, structured.parse_format, d)) is not None:
             if offered:  # a call is the model's own syntax; a format would forbid it
-                raise ValueError(f"{fmt.field}: a format and tools do not go together; give one")
+                raise RequestError(f"{fmt.field}: a format and tools do not go together; give one", fmt.field)
             if grammars is None:
-                raise ValueError(f"{fmt.field}: this checkpoint has no tokenizer, which a format needs")
+                raise RequestError(f"{fmt.field}: this checkpoint has no tokenizer, which a format needs",
+                                   fmt.field)
             if scoring:
-                raise ValueError(f"{fmt.field}: a format applies to generated text, not to scoring")
-            constraint = grammars.compile(fmt, chat="messages" in d)
+                raise RequestError(f"{fmt.field}: a format applies to generated text, not to scoring", fmt.field)
+            constraint = _about(fmt.field, grammars.compile, fmt, chat="messages" in d)
         continuation = _continuation(d, tokenizer, vocab_size)
         ids = list(ids) + continuation
         if len(ids) > g.max_prompt_len:
             raise RequestError(f"the prompt has {len(ids)} tokens, more than generation.max_prompt_len="
-                               f"{g.max_prompt_len}", "context_length_exceeded")
+                               f"{g.max_prompt_len}", code="context_length_exceeded")
     except Exception as e:  # whatever the line holds, its own error result and not the run's end
         message = str(e) if isinstance(e, ValueError | TypeError) else f"{type(e).__name__}: {e}"
         message = " ".join(message.split())  # one line, whatever the library wrote
         return Parsed(index, rid, error=message if len(message) <= 400 else message[:397] + "...",
-                      code=getattr(e, "code", "invalid_request"), line=number)
+                      code=getattr(e, "code", "invalid_request"), param=getattr(e, "field", None),
+                      line=number)
     # A request's random stream is its own seed's, wherever it stands in the file and whatever
     # runs beside it; without one, sampling.seed's mixed with the request's line number.
     row_seed = (seed if "seed" in d and d["seed"] is not None
@@ -259,6 +259,19 @@ def parse_fields(index: int, number: int, d: dict, rid: Any, tokenizer, s: Setti
                   constraint=constraint, line=number)
 
 
+def _about(field: str | tuple[str, ...], f, *args, **kwargs):
+    """f(*args, **kwargs), its ValueErrors made RequestErrors about `field` (the first of several
+    given that the request holds) where they do not name their own."""
+    try:
+        return f(*args, **kwargs)
+    except RequestError:
+        raise
+    except ValueError as e:
+        if isinstance(field, tuple):
+            field = next((k for k in field if k in args[0]), None)
+        raise RequestError(str(e), field) from e
+
+
 def _logprobs(d: dict) -> tuple[int | None, int | None]:
     """(alternatives per generated token, per prompt token), None where not asked. `logprobs` is
     a count (as in OpenAI's completions), or true with `top_logprobs` the count (as in its chat
@@ -268,10 +281,10 @@ def _logprobs(d: dict) -> tuple[int | None, int | None]:
         top = _number(d, "top_logprobs", 0, int, 0, MAX_LOGPROBS)
         generated = top if given else None
         if not given and d.get("top_logprobs") is not None:
-            raise ValueError("top_logprobs needs logprobs: true")
+            raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
     else:
         if d.get("top_logprobs") is not None:
-            raise ValueError("top_logprobs goes with logprobs: true; or give logprobs as a count")
+            raise RequestError("top_logprobs goes with logprobs: true; or give logprobs as a count", "top_logprobs")
         generated = _number(d, "logprobs", None, int, 0, MAX_LOGPROBS)
     prompt = _number(d, "prompt_logprobs", None, int, 0, MAX_LOGPROBS)
     return generated, prompt
@@ -285,49 +298,51 @@ def _continuation(d: dict, tokenizer, vocab_size: int) -> list[int]:
         return []
     if isinstance(c, str):
         if tokenizer is None:
-            raise ValueError("this checkpoint has no tokenizer; give the continuation as ids")
+            raise RequestError("this checkpoint has no tokenizer; give the continuation as ids", "continuation")
         ids = tokenizer.encode(c, add_special_tokens=False) if c else []
     elif isinstance(c, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in c):
         ids = c
         outside = next((k for k, i in enumerate(ids) if not 0 <= i < vocab_size), None)
         if outside is not None:
-            raise ValueError(f"continuation[{outside}]={_short(ids[outside])} is outside the "
-                             f"vocabulary of {vocab_size} ids")
+            raise RequestError(f"continuation[{outside}]={_short(ids[outside])} is outside the "
+                               f"vocabulary of {vocab_size} ids", "continuation")
     else:
-        raise ValueError(f"continuation={_short(c)}: give a string or a list of token ids")
+        raise RequestError(f"continuation={_short(c)}: give a string or a list of token ids", "continuation")
     if not ids:
-        raise ValueError(f"continuation={_short(c)} tokenises to no tokens")
+        raise RequestError(f"continuation={_short(c)} tokenises to no tokens", "continuation")
     return list(ids)
 
 
-def _prompt_ids(d: dict, tokenizer, vocab_size: int, chat: ChatFormat | None) -> tuple[list[int], bool, list[int]]:
-    """The prompt's ids, whether it offers tools, and the start of a call it ends with."""
+def _prompt_ids(d: dict, tokenizer, vocab_size: int, chat: ChatFormat | None,
+                ids_name: str = "prompt_token_ids") -> tuple[list[int], bool, list[int]]:
+    """The prompt's ids, whether it offers tools, and the start of a call it ends with (ids_name:
+    what the line called prompt_token_ids)."""
     given = [k for k in ("prompt", "messages", "prompt_token_ids") if k in d]
     if len(given) != 1:
-        raise ValueError(f"give exactly one of prompt, messages, prompt_token_ids (got {given or 'none'})")
+        raise RequestError(f"give exactly one of prompt, messages, prompt_token_ids (got {given or 'none'})")
     if "messages" not in d and (d.get("tools") is not None or d.get("tool_choice") is not None):
-        raise ValueError("tools and tool_choice go with messages")
+        raise RequestError("tools and tool_choice go with messages", "tools" if "tools" in d else "tool_choice")
     if "prompt_token_ids" in d:
         ids = d["prompt_token_ids"]
         if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-            raise ValueError("prompt_token_ids must be a list of integers")
+            raise RequestError(f"{ids_name} must be a list of integers", ids_name)
         outside = next((k for k, i in enumerate(ids) if not 0 <= i < vocab_size), None)
         if outside is not None:
-            raise ValueError(f"prompt_token_ids[{outside}]={_short(ids[outside])} is outside the "
-                             f"vocabulary of {vocab_size} ids (0 to {vocab_size - 1})")
+            raise RequestError(f"{ids_name}[{outside}]={_short(ids[outside])} is outside the "
+                               f"vocabulary of {vocab_size} ids (0 to {vocab_size - 1})", ids_name)
         return ids, False, []
     if tokenizer is None:
-        raise ValueError("this checkpoint has no tokenizer; send prompt_token_ids instead of text")
+        raise RequestError("this checkpoint has no tokenizer; send prompt_token_ids instead of text")
     if "prompt" in d:
         if not isinstance(d["prompt"], str):
-            raise ValueError("prompt must be a string")
+            raise RequestError("prompt must be a string", "prompt")
         return (tokenizer.encode(d["prompt"]) if d["prompt"] else []), False, []
-    msgs = chat_tools.check_messages(d["messages"])
-    tools = chat_tools.check_tools(d["tools"]) if d.get("tools") is not None else None
-    choice = chat_tools.check_tool_choice(d.get("tool_choice"), tools)
+    msgs = _about("messages", chat_tools.check_messages, d["messages"])
+    tools = _about("tools", chat_tools.check_tools, d["tools"]) if d.get("tools") is not None else None
+    choice = _about("tool_choice", chat_tools.check_tool_choice, d.get("tool_choice"), tools)
     if choice.mode == "none":
         tools = None  # left out of the prompt; calls in the history are still rendered
-    ids, prefix = (chat or TemplateChat(tokenizer)).prompt(msgs, tools, choice, d)
+    ids, prefix = _about("messages", (chat or TemplateChat(tokenizer)).prompt, msgs, tools, choice, d)
     return ids, tools is not None, prefix
 
 

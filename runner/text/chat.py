@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from runner.api.errors import RequestError
 from runner.text import harmony
 from runner.text import tools as chat_tools
 
@@ -69,10 +70,10 @@ class TemplateChat(ChatFormat):
         template = tok.chat_template_for(tools)
         syntax = chat_tools.call_syntax(template) if tools is not None else None
         if tools is not None and syntax is None:
-            raise ValueError("tools: this checkpoint's chat template " + (
+            raise RequestError("tools: this checkpoint's chat template " + (
                 "does not render tools" if "tools" not in (template or "") else "asks for a tool-call "
                 "syntax podrun cannot read (it reads Qwen2.5's <tool_call> blocks and Llama 3.1's JSON "
-                "calls)") + "; give one that does in checkpoint.chat_template")
+                "calls)") + "; give one that does in checkpoint.chat_template", "tools")
         ids = tok.encode_chat(chat_tools.template_messages(messages), add_generation_prompt=True, tools=tools)
         # the template's own text up to the generation prompt, then the call's start as its own text
         head = chat_tools.call_prefix(syntax, choice) if syntax else ""
@@ -108,7 +109,7 @@ class HarmonyChat(ChatFormat):
     def prompt(self, messages, tools, choice, request):
         effort = request.get("reasoning_effort", self.reasoning_effort)
         if effort not in ("low", "medium", "high"):
-            raise ValueError(f"reasoning_effort={effort!r}: use low, medium or high")
+            raise RequestError(f"reasoning_effort={effort!r}: use low, medium or high", "reasoning_effort")
         ids = harmony.render(messages, self.tokenizer, harmony.HarmonyOptions(reasoning_effort=effort), tools)
         prefix = harmony.call_prefix(self.tokenizer, choice)
         return list(ids) + prefix, prefix

@@ -1,0 +1,1 @@
+"""The wire formats: requests in, results out (podrun's own lines and OpenAI Batch files)."""

@@ -1,0 +1,13 @@
+"""A request that cannot be served, as a value: its message, the field it is about and its kind."""
+
+from __future__ import annotations
+
+
+class RequestError(ValueError):
+    """Why one request cannot be served: the message, the request field it is about (as the line
+    names it; None for the request as a whole) and a code in OpenAI's words for the kind of fault.
+    A Batch error line carries all three; podrun's own lines the message."""
+
+    def __init__(self, message: str, field: str | None = None, code: str = "invalid_request"):
+        super().__init__(message)
+        self.field, self.code = field, code
