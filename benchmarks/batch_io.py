@@ -14,7 +14,7 @@ time is the file's alone: the job's wall time (runner.job.answer) and, inside it
 in the I/O path: reading the file, the format check and duplicate custom_ids, parsing each line,
 building each result (podrun's, then the Batch line), appending the partial file and writing the
 final one. `--parse_only`: no model, no job; the microseconds a line that parsing the file's lines
-takes (runner.openai_batch.parse_line, with the job's Harmony rendering for --chat), per round.
+takes (runner.api.batch.parse_line, with the job's Harmony rendering for --chat), per round.
 """
 
 from __future__ import annotations
@@ -51,17 +51,19 @@ def _timed(name: str, fn, into: collections.Counter = SPENT):
 
 def _instrument() -> None:
     """Timers around every step of the I/O path, where runner.job calls it."""
-    from runner import job, openai_batch, requests_io
+    from runner import job
+    from runner.api import batch as openai_batch
+    from runner.api import responses, results
 
     job.read_lines = _timed("read the file", job.read_lines)
     openai_batch.file_format = _timed("format, duplicate custom_ids", openai_batch.file_format)
     openai_batch.parse_line = _timed("parse lines", openai_batch.parse_line)
-    job._result_line = _timed("podrun result dicts", job._result_line)
+    responses.result_line = _timed("podrun result dicts", responses.result_line)
     openai_batch.result_line = _timed("Batch result lines", openai_batch.result_line)
     openai_batch.error_line = _timed("Batch result lines", openai_batch.error_line)
     for method in ("__init__", "open", "add", "write_final"):
         name = "append the partial file" if method == "add" else "partial file read, final file written"
-        setattr(requests_io.Results, method, _timed(name, getattr(requests_io.Results, method)))
+        setattr(results.Results, method, _timed(name, getattr(results.Results, method)))
 
 
 WORDS = "to be or not that is the question whether tis nobler in mind suffer slings arrows".split()
@@ -144,8 +146,8 @@ def main() -> None:
 def _parse_only(a) -> None:
 
     from configs.cpu import get_config
-    from runner import openai_batch
-    from runner.job import read_lines
+    from runner.api import batch as openai_batch
+    from runner.api.requests import read_lines
     from runner.text.chat import chat_format
     from runner.settings import from_config
     from runner.text import o200k

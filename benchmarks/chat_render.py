@@ -1,4 +1,4 @@
-"""Host time to read one chat request line into prompt ids (runner.requests_io.parse_request), with
+"""Host time to read one chat request line into prompt ids (runner.api.requests.parse_request), with
 and without tools, in the Harmony format on o200k_harmony (GPT-OSS's), as runner.job reads them.
 
     python benchmarks/chat_render.py [--reps=300] [--rounds=5]
@@ -30,7 +30,7 @@ def main() -> None:
 
     from configs.cpu import get_config
     from runner.text.chat import chat_format
-    from runner.requests_io import Line, parse_request
+    from runner.api.requests import Line, parse_request
     from runner.settings import from_config
     from runner.text import o200k
     from runner.text.tokenizer import load_tokenizer

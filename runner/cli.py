@@ -11,6 +11,8 @@ import time
 
 import jax
 
+from runner.api.results import check_bucket, is_remote
+
 
 def setup_devices(s) -> None:
     """Before the backend starts: simulated CPU devices, the persistent compilation cache, and
@@ -31,8 +33,6 @@ def setup_devices(s) -> None:
         jax.distributed.initialize(**timeouts)
     cache_dir = s.compilation_cache_dir
     if cache_dir:
-        from runner.requests_io import check_bucket, is_remote
-
         check_bucket(cache_dir, "compilation_cache.dir")  # jax would create a missing bucket
         os.makedirs(cache_dir, exist_ok=True) if not is_remote(cache_dir) else None
         jax.config.update("jax_compilation_cache_dir", cache_dir)

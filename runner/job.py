@@ -17,17 +17,19 @@ from tqdm import tqdm
 
 from models.paged import PagedCache
 from models.weights import check_divisible
-from runner import log, openai_batch
+from runner import log
+from runner.api import batch, responses
+from runner.api.errors import AllFailedError
+from runner.api.requests import read_lines
+from runner.api.results import Results
 from runner.checkpoints import convert, embedded, store
 from runner.engine import Completion, Engine, Request, Scheduler, Stats, hugepages
 from runner.engine.paged_engine import PagedEngine
 from runner.engine.paged_scheduler import PagedScheduler
-from runner.requests_io import AllFailedError, Parsed, Results, read_lines
 from runner.settings import Settings, SettingsError
-from runner.text.chat import ChatFormat, TemplateChat, chat_format
+from runner.text.chat import chat_format
 from runner.text.structured import Grammars
 from runner.text.tokenizer import load_tokenizer, read_chat_template
-from runner.text.tools import tool_call
 from sharding.mesh import make_mesh
 from sharding.rules import Rules
 
@@ -108,21 +110,6 @@ def ensure_checkpoint(s: Settings) -> None:
     embedded.fetch_model(s.checkpoint_fetch, s.checkpoint_path)
 
 
-def cut_at_stop(tokenizer, ids: list[int], stops: tuple[str, ...]) -> tuple[str, list[int], bool]:
-    """Decoded text, cut before the first stop string (ids cut after the token completing it)."""
-    if tokenizer is None:
-        return "", ids, False
-    text = tokenizer.decode(ids)
-    hits = [text.find(st) for st in stops if st in text]
-    if not hits:
-        return text, ids, False
-    for k in range(1, len(ids) + 1):
-        if any(st in tokenizer.decode(ids[:k]) for st in stops):
-            ids = ids[:k]
-            break
-    return text[: min(hits)], ids, True
-
-
 def load_model(s: Settings) -> tuple[store.Metadata, Rules, Any]:
     """The checkpoint (an embedded model fetched and converted first), checked against the
     deployment and its mesh, then restored straight into its shards: (metadata, rules, params)."""
@@ -170,10 +157,10 @@ def answer(s: Settings, loaded: tuple | None = None, tokenizer=None) -> Summary:
     without one its requests give prompt_token_ids."""
     # a bad request file or output path fails before the checkpoint is touched
     lines = read_lines(s.input)
-    fmt = openai_batch.file_format(lines)
+    fmt = batch.file_format(lines)
     results = Results(s.output, lines, writer=jax.process_index() == 0)
     chat_template = read_chat_template(s.chat_template)  # a mistyped path fails here, loading nothing
-    if not s.overwrite and results.finished(*openai_batch.ids(lines, fmt)):
+    if not s.overwrite and results.finished(*batch.ids(lines, fmt)):
         log.info(f"{s.output} already holds the results of {s.input}'s {len(lines)} requests: "
                  "nothing to do (--config.io.overwrite=True generates them again)")
         return Summary(requests=len(lines), already_done=len(lines))
@@ -190,13 +177,13 @@ def answer(s: Settings, loaded: tuple | None = None, tokenizer=None) -> Summary:
     results.open()
     vocab = meta.model.vocab_size
     grammars = Grammars(tokenizer, vocab, chat.format_stop_ids(stop_ids), chat.grammar_start) if chat else None
-    pending = [openai_batch.parse_line(i, line, fmt, tokenizer, s, vocab, chat, grammars)
+    pending = [batch.parse_line(i, line, fmt, tokenizer, s, vocab, chat, grammars)
                for i, line in enumerate(lines) if i not in results.done]
     for line in lines:
         line.release()
     summary = Summary(requests=len(lines), already_done=len(lines) - len(pending))
     bad = [p for p in pending if p.error]
-    results.add([(p.index, openai_batch.error_line(p) if fmt.batch else {"id": p.id, "error": p.error})
+    results.add([(p.index, (batch if fmt.batch else responses).error_line(p))
                  for p in bad])
     summary.errors = len(bad)
     todo = [p for p in pending if not p.error]  # in file order: the scheduler takes them so
@@ -221,10 +208,10 @@ def answer(s: Settings, loaded: tuple | None = None, tokenizer=None) -> Summary:
         created = int(time.time())
         for i, samples in ended:
             p = todo[i]
-            r = _result_line(p, samples, tokenizer, s.echo_prompt, chat)
+            r = responses.result_line(p, samples, tokenizer, s.echo_prompt, chat)
             summary.prompt_tokens += len(p.prompt_ids)
             summary.completion_tokens += r["usage"]["completion_tokens"]
-            rows.append((p.index, openai_batch.result_line(p, r, model_name, created) if fmt.batch else r))
+            rows.append((p.index, batch.result_line(p, r, model_name, created) if fmt.batch else r))
             for c in samples:
                 summary.ttft_s.append(c.ttft_s)
                 summary.latency_s.append(c.ttft_s + c.decode_s)
@@ -273,71 +260,8 @@ def answer(s: Settings, loaded: tuple | None = None, tokenizer=None) -> Summary:
     if jax.process_count() > 1:  # the results file is whole before any process reports success
         multihost_utils.sync_global_devices("podrun: results written")
     log.info(f"{summary.line()} -> {s.output}")
-    errors = [openai_batch.error_message(r) for r in results.done.values()]
+    errors = [batch.error_message(r) for r in results.done.values()]
     if lines and len(results.done) == len(lines) and all(errors):
         raise AllFailedError(f"every one of the {len(lines)} requests failed; line "
-                             f"{lines[0].number}: {openai_batch.error_message(results.done[0])}")
+                             f"{lines[0].number}: {batch.error_message(results.done[0])}")
     return summary
-
-
-def _result_line(p: Parsed, samples: list[Completion], tokenizer, echo: bool,
-                 chat: ChatFormat | None = None) -> dict:
-    """The results file's line for request p and its samples' completions: one sample's fields
-    at the top, several as `choices`. `chat` reads chat completions (default: the tokenizer's
-    template)."""
-    chat = chat or (TemplateChat(tokenizer) if tokenizer is not None else None)
-    choices = [_choice(p, c, tokenizer, chat, sample=k) for k, c in enumerate(samples)]
-    used = sum(len(c["token_ids"]) for c in choices)
-    r = {"id": p.id, **choices[0]} if p.n == 1 else {
-        "id": p.id, "choices": [{"index": k, **c} for k, c in enumerate(choices)]}
-    r["usage"] = {"prompt_tokens": len(p.prompt_ids), "completion_tokens": used}
-    scores = samples[0].prompt_logprobs
-    if p.prompt_logprobs is not None:  # the first prompt token has nothing before it
-        r["prompt_logprobs"] = [None] + [_logprob(t, x, p.prompt_logprobs, tokenizer)
-                                         for t, x in zip(p.prompt_ids[1:], scores)]
-    if p.continuation:  # lm-eval-harness' loglikelihood: its sum, and whether greedy decoding
-        tail = scores[len(scores) - p.continuation:]  # would have produced it
-        ids = p.prompt_ids[len(p.prompt_ids) - p.continuation:]
-        r["continuation"] = {"logprob": float(sum(float(x.logprob) for x in tail)),
-                             "is_greedy": all(int(x.top_ids[0]) == t for x, t in zip(tail, ids)),
-                             "token_ids": list(ids)}
-    if echo:
-        r["prompt_token_ids"] = list(p.prompt_ids)
-    return r
-
-
-def _choice(p: Parsed, c: Completion, tokenizer, chat: ChatFormat | None, sample: int = 0) -> dict:
-    """One sample's text, tokens, finish reason (and log-probabilities when asked); a chat's
-    completion as its format reads it: with tools offered, the calls it made as `tool_calls`
-    (text: what it wrote outside them) and finish_reason "tool_calls"."""
-    # stop strings do not cut a completion under a format: the format says where it ends
-    text, ids, stopped = cut_at_stop(tokenizer, c.token_ids, () if p.constraint else p.stop)
-    r = {"text": text, "token_ids": ids, "finish_reason": "stop" if stopped else c.finish_reason}
-    if c.incomplete_format:  # max_tokens came first: the text does not hold the whole format
-        r["incomplete_format"] = True
-    if p.chat and chat is not None:
-        reply = chat.reply(ids, text, p.call_prefix, p.tools, r["finish_reason"] == "stop")
-        r["text"] = reply.text
-        r.update({k: v for k, v in (("reasoning", reply.reasoning), ("commentary", reply.commentary))
-                  if v is not None})
-        if reply.error is not None:
-            r["chat_format_error"], r["raw"] = reply.error, reply.raw
-        if reply.calls:  # read only from a completion that ended, not one cut off (its text stays as is)
-            r["tool_calls"] = [tool_call(name, args, f"{p.id!r}/{sample}/{k}/{ids}", valid)
-                               for k, (name, args, valid) in enumerate(reply.calls)]
-            r["finish_reason"] = "tool_calls"
-    if p.logprobs is not None:
-        r["logprobs"] = {"content": [_logprob(t, x, p.logprobs, tokenizer)
-                                     for t, x in zip(ids, c.logprobs)]}
-    return r
-
-
-def _logprob(token: int, x, k: int, tokenizer) -> dict:
-    """Token `token`'s log-probability and the k most likely in its place (x: its
-    TokenLogprobs), as OpenAI's chat completions give them, with the ids."""
-    def text(i: int) -> str | None:
-        return tokenizer.decode([i], skip_special_tokens=False) if tokenizer else None
-
-    return {"id": int(token), "token": text(int(token)), "logprob": float(x.logprob),
-            "top_logprobs": [{"id": int(i), "token": text(int(i)), "logprob": float(lp)}
-                             for i, lp in zip(x.top_ids[:k], x.top_logprobs[:k])]}

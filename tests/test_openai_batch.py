@@ -20,11 +20,12 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion
 from scipy.special import log_softmax
 
-from runner import openai_batch
+from runner.api import batch as openai_batch
 from runner.engine.engine import MAX_LOGPROBS, Completion as Sample, TokenLogprobs
-from runner.job import _result_line
-from runner.openai_batch import FileFormat, file_format, parse_line
-from runner.requests_io import Line, Parsed, RequestFileError, parse_request
+from runner.api.responses import result_line as _result_line
+from runner.api.batch import FileFormat, file_format, parse_line
+from runner.api.errors import RequestFileError
+from runner.api.requests import Line, Parsed, parse_request
 from runner.text.tokenizer import load_tokenizer
 from tests.reference import VOCAB, hf_greedy, hf_logits, tiny_hf
 from tests.test_end_to_end import ROOT, podrun, read_jsonl, write_jsonl

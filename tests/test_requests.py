@@ -10,8 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runner.requests_io import (FIELDS, INT32_MAX, Line, RequestFileError, Results, parse_request,
-                                read_lines)
+from runner.api.errors import RequestFileError
+from runner.api.requests import FIELDS, INT32_MAX, Line, parse_request, read_lines
+from runner.api.results import Results
 from runner.text.structured import Grammars
 from runner.text.tokenizer import load_tokenizer
 from tests import test_tokenizer

@@ -29,9 +29,9 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from runner.engine import Completion
-from runner.job import _result_line
+from runner.api.responses import result_line as _result_line
 from runner.text.chat import HarmonyChat, chat_format
-from runner.requests_io import Line, parse_request
+from runner.api.requests import Line, parse_request
 from runner.text.harmony import HarmonyOptions, parse, render
 from runner.text.tokenizer import load_tokenizer, read_chat_template
 from tests import test_harmony

@@ -1,4 +1,5 @@
-"""A request that cannot be served, as a value: its message, the field it is about and its kind."""
+"""What cannot be served: a request (a value: its message, the field it is about and its kind), or a
+request file as a whole."""
 
 from __future__ import annotations
 
@@ -11,3 +12,11 @@ class RequestError(ValueError):
     def __init__(self, message: str, field: str | None = None, code: str = "invalid_request"):
         super().__init__(message)
         self.field, self.code = field, code
+
+
+class RequestFileError(ValueError):
+    """The request file as a whole cannot be used (missing, unreadable, or a stale partial file)."""
+
+
+class AllFailedError(ValueError):
+    """Every request of the file got an error result (the results file is written all the same)."""

@@ -20,6 +20,7 @@ from etils import epath
 
 from models.registry import Model
 from models.weights import Weight, is_weight
+from runner.api.results import check_bucket
 from sharding.rules import Rules
 
 FORMAT = 1
@@ -70,8 +71,6 @@ def save(directory: str, meta: Metadata, params: Any, files: dict[str, bytes] | 
                 f"{directory}: weight {name} has shape {tuple(flat[name].shape)}, model declares {w.shape}"
             )
     if "://" in directory:  # object stores have no directories; a missing bucket is an error
-        from runner.requests_io import check_bucket
-
         check_bucket(directory, "checkpoint", CheckpointError)
     else:
         out.mkdir(parents=True, exist_ok=True)

@@ -1,24 +1,13 @@
-"""Requests in (OpenAI-style JSONL), results out, and a partial file so no finished work is lost.
+"""Requests in: podrun's request lines read into requests the engine runs, or the error each one
+gets.
 
 A request line: {"id": ..., "prompt": "..."} | {"id": ..., "messages": [{"role", "content"}]} |
 {"id": ..., "prompt_token_ids": [...]}, with optional max_tokens, temperature, top_p, top_k, stop,
 seed, n, logprobs (top_logprobs), prompt_logprobs, continuation, for chats tools and tool_choice
 (runner/text/tools.py), and a format (response_format, guided_json, guided_regex, guided_choice:
-runner/text/structured.py). A result line: {"id", "text", "token_ids", "finish_reason", "usage":
-{"prompt_tokens", "completion_tokens"}} (+ "logprobs", "prompt_logprobs", "continuation",
-"prompt_token_ids" when asked, "tool_calls" when the model called a tool), with n > 1 {"id",
-"choices": [{"index", "text", ...}], "usage"}, or {"id", "error"}.
-
-Results are appended to `<output>.partial` as each batch completes (whole lines, flushed: a killed
-process loses none; synced to disk at most every SYNC_EVERY_S, so a machine that goes down loses
-at most that much work, which a rerun redoes); a rerun with the same input and output skips what
-is already there. When every request is done the
-results are written to `<output>` in input order, in one atomic rename.
-
-Object stores (gs://) cannot append or rename: there `<output>.partial/` is a prefix holding
-`000000.jsonl` (the header line) and one object per finished batch (`000001.jsonl`, ...), each
-appearing whole or not at all; `<output>` is written in one upload (atomic as well), then the batch
-objects are deleted, the header last.
+runner/text/structured.py). OpenAI Batch lines (batch.py) become such requests. Each line is
+decoded once; a line that cannot be served becomes an error value (errors.RequestError) naming
+its field, never an exception that ends the run.
 """
 
 from __future__ import annotations
@@ -26,31 +15,19 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-import hashlib
 import json
 import math
-import os
-import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import fsspec
 from etils import epath
 
+from runner.api.errors import RequestError, RequestFileError
+from runner.api.results import check_bucket
 from runner.engine.engine import MAX_LOGPROBS  # alternatives per token the programs compute
-from runner.api.errors import RequestError
 from runner.settings import Settings
 from runner.text import structured
 from runner.text import tools as chat_tools
 from runner.text.chat import ChatFormat, TemplateChat
-
-
-class RequestFileError(ValueError):
-    """The request file as a whole cannot be used (missing, unreadable, or a stale partial file)."""
-
-
-class AllFailedError(ValueError):
-    """Every request of the file got an error result (the results file is written all the same)."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -99,13 +76,12 @@ class Parsed:
     line: int = 0  # the line of the request file it was read from
 
 
-# A request line's fields; BATCH are an OpenAI Batch line's (runner/openai_batch.py).
+# A request line's fields; BATCH are an OpenAI Batch line's (batch.py).
 FIELDS = ("id", "prompt", "messages", "prompt_token_ids", "max_tokens", "temperature", "top_p",
           "top_k", "stop", "seed", "reasoning_effort", "n", "logprobs", "top_logprobs",
           "prompt_logprobs", "continuation", "tools", "tool_choice", *structured.FIELDS)
 BATCH = ("custom_id", "method", "url", "body")
 INT32_MAX = 2**31 - 1
-SYNC_EVERY_S = 1.0  # fsync costs up to tens of ms on a busy disk: once per batch would cost more
 MAX_N = 128  # samples per request
 
 
@@ -346,29 +322,6 @@ def _prompt_ids(d: dict, tokenizer, vocab_size: int, chat: ChatFormat | None,
     return ids, tools is not None, prefix
 
 
-def is_remote(path: str) -> bool:
-    """An object store (gs://, ...): no directories, no append, no rename."""
-    return "://" in path
-
-
-def check_bucket(path: str, what: str, error: type[Exception] = RequestFileError) -> None:
-    """A missing bucket fails here, in one line, rather than being created (as gcsfs's mkdir would)."""
-    if not is_remote(path):
-        return
-    scheme, rest = path.split("://", 1)
-    name = rest.split("/", 1)[0]
-    bucket = f"{scheme}://{name}"
-    try:
-        if scheme == "gs":  # listing needs object access only (objectViewer), not buckets.get
-            fsspec.filesystem("gs").call("GET", "b/{}/o", name, maxResults=1, json_out=True)
-        elif not epath.Path(bucket).exists():
-            raise FileNotFoundError(bucket)
-    except FileNotFoundError:
-        raise error(f"{what}={path}: bucket {bucket} does not exist") from None
-    except Exception as e:  # auth or network: gcsfs raises several kinds
-        raise error(f"{what}={path}: cannot reach {bucket} ({type(e).__name__}: {e})") from e
-
-
 def read_lines(path: str) -> list[Line]:
     """The file's non-blank lines. Lines end at \\n alone (a \\r before it is dropped): JSON text
     may hold U+2028 and other characters that str.splitlines would break at. A line that is not
@@ -391,174 +344,3 @@ def read_lines(path: str) -> list[Line]:
     if not out:
         raise RequestFileError(f"io.input={path} holds no requests (every line is blank)")
     return out
-
-
-def _dumps(row: dict) -> str:
-    """One JSON line, UTF-8 as written; with \\u escapes where a string holds lone surrogates
-    (an id sent as "\\ud800"), which UTF-8 cannot carry."""
-    text = json.dumps(row, ensure_ascii=False)
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        text = json.dumps(row)
-    return text + "\n"
-
-
-def _check_writable(output: str) -> None:
-    """That `output` can be made where it is asked for: the folder above it a folder (or one that
-    can be created) that may be written, and `output` itself not a folder. Checked before any
-    model loads, so a mistyped path costs nothing."""
-    path = os.path.abspath(os.path.expanduser(output))
-    if os.path.isdir(path):
-        raise RequestFileError(f"io.output={output} is a folder; name a file in it")
-    parent = os.path.dirname(path)
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise RequestFileError(f"io.output={output}: {parent} is a file, not a folder")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise RequestFileError(f"io.output={output}: {parent} is not writable")
-
-
-class Results:
-    """Appends finished results to `<output>.partial`; `write_final` writes `<output>` in input order.
-
-    Every process reads what is already done; only the writer (process 0) writes, after `open`.
-    """
-
-    def __init__(self, output: str, input_lines: list[Line], writer: bool = True):
-        if not output:
-            raise RequestFileError("io.output is empty: pass --config.io.output=<results.jsonl>")
-        check_bucket(output, "io.output")
-        self.output = epath.Path(output)
-        self.partial = epath.Path(output + ".partial")
-        self.remote = is_remote(output)
-        if writer and not self.remote:
-            _check_writable(output)
-        text = "\n".join(line.text for line in input_lines)
-        self.digest = hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()
-        self.done: dict[int, dict] = {}
-        self._lines: dict[int, str] = {}  # this run's results as encoded for the partial file
-        self._objects = self._partial_objects() if self.remote else []
-        lines = self._read_partial()
-        if lines:
-            try:
-                header = json.loads(lines[0])
-            except json.JSONDecodeError:  # a header cut short by a crash
-                header = {}
-            if header.get("input_sha256") != self.digest:
-                raise RequestFileError(
-                    f"{self.partial} belongs to a different input file; delete it or choose another io.output"
-                )
-            for line in lines[1:]:
-                try:  # a line cut short by a crash is simply redone
-                    r = json.loads(line)
-                    self.done[r.pop("_index")] = r
-                except (json.JSONDecodeError, KeyError):
-                    continue
-        self.writer = writer
-        self._f = None
-        self._opened = False
-        self._synced = -math.inf  # when the partial file was last synced (time.monotonic)
-
-    def finished(self, ids: list[Any], key: str) -> bool:
-        """Whether `<output>` already holds this input's results: one line per request, in order,
-        each under its request's `key` ("id" or "custom_id"; `ids` the input's). No partial file:
-        an interrupted rerun resumes instead. A RequestFileError where `<output>` holds something
-        else, which a run would overwrite."""
-        try:
-            if (self._objects if self.remote else self.partial.exists()) or not self.output.exists():
-                return False
-            with self.output.open("r", encoding="utf-8") as f:
-                held = [json.loads(line).get(key, None) for line in f if line.strip()]
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
-            held = e
-        if held == ids:
-            return True
-        what = (f"{len(held)} results of another input (this one has {len(ids)} requests)"
-                if isinstance(held, list) else f"something that is not a results file ({held})")
-        raise RequestFileError(f"io.output={self.output} already holds {what}: choose another "
-                               "io.output, or pass --config.io.overwrite=True to replace it")
-
-    def _partial_objects(self) -> list[epath.Path]:
-        try:
-            return sorted((p for p in self.partial.glob("*.jsonl") if p.stem.isdigit()),
-                          key=lambda p: int(p.stem))
-        except OSError as e:
-            raise RequestFileError(f"{self.partial}: cannot list it ({type(e).__name__}: {e})") from e
-
-    def _read_partial(self) -> list[str]:
-        """The partial results as lines, the header first ([] when there are none)."""
-        try:
-            if not self.remote:
-                if not self.partial.exists():
-                    return []
-                return [x for x in self.partial.read_text(encoding="utf-8").split("\n") if x]
-            if self._objects and self._objects[0].name != "000000.jsonl":
-                return ["{}"]  # batches without their header: not ours to reuse
-            with ThreadPoolExecutor(16) as pool:  # one request per object: overlap them
-                texts = list(pool.map(lambda p: p.read_text(encoding="utf-8"), self._objects))
-            return [line for text in texts for line in text.split("\n") if line]
-        except (OSError, UnicodeDecodeError) as e:
-            raise RequestFileError(f"{self.partial}: cannot read it ({type(e).__name__}: {e})") from e
-
-    def open(self) -> None:
-        if not self.writer:
-            return
-        try:
-            if self.remote:  # no directories to make; one object per batch, the header first
-                fresh = not self._objects
-            else:
-                self.output.parent.mkdir(parents=True, exist_ok=True)
-                fresh = not self.partial.exists()
-                self._f = self.partial.open("a", encoding="utf-8")
-            self._opened = True
-            if fresh:
-                self._append(_dumps({"input_sha256": self.digest}))
-        except OSError as e:
-            raise RequestFileError(f"io.output={self.output}: cannot write next to it ({e})") from e
-
-    def _append(self, text: str) -> None:
-        if not self._opened:
-            return
-        if self.remote:
-            n = int(self._objects[-1].stem) + 1 if self._objects else 0
-            obj = self.partial / f"{n:06d}.jsonl"
-            obj.write_text(text, encoding="utf-8")  # one upload: the object exists whole or not at all
-            self._objects.append(obj)
-            return
-        self._f.write(text)
-        self._f.flush()
-        if hasattr(self._f, "fileno") and time.monotonic() - self._synced >= SYNC_EVERY_S:
-            os.fsync(self._f.fileno())
-            self._synced = time.monotonic()
-
-    def add(self, index_and_results: list[tuple[int, dict]]) -> None:
-        if index_and_results:  # each result encoded once: its partial line is its final line indexed
-            lines = [(i, _dumps(r)) for i, r in index_and_results]
-            self._append("".join(f'{{"_index": {i}, {t[1:]}' if t != "{}\n" else f'{{"_index": {i}}}\n'
-                                 for i, t in lines))
-            self._lines.update(lines)
-        self.done.update(index_and_results)
-
-    def write_final(self, total: int) -> None:
-        """`<output>` whole, in input order, in place of `<output>.partial` (a RuntimeError where
-        one of the `total` requests has no result)."""
-        if not self._opened:
-            return
-        if self._f is not None:
-            self._f.close()
-        missing = [i for i in range(total) if i not in self.done]
-        if missing:
-            raise RuntimeError(f"{len(missing)} requests have no result (first: line {missing[0] + 1})")
-        text = "".join(self._lines.get(i) or _dumps(self.done[i]) for i in range(total))
-        if self.remote:  # one upload is atomic; the header goes last, so a crash here loses nothing
-            self.output.write_text(text, encoding="utf-8")
-            with ThreadPoolExecutor(16) as pool:
-                list(pool.map(lambda p: p.unlink(), self._objects[1:]))
-            self._objects[0].unlink()
-            return
-        tmp = epath.Path(str(self.output) + ".tmp")
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(self.output)
-        self.partial.unlink()

@@ -2,7 +2,7 @@
 
 A request line: {"custom_id": str, "method": "POST", "url": "/v1/chat/completions" |
 "/v1/completions", "body": {...}}; its body becomes a podrun request (`request_fields`), which
-podrun's own parser then checks. A result line: {"id": "batch_req_...", "custom_id", "response":
+podrun's own parser (requests.py) then checks. A result line: {"id": "batch_req_...", "custom_id", "response":
 {"status_code": 200, "request_id": "req_...", "body": <chat.completion | text_completion>},
 "error": null}, or for a request that cannot be served {..., "response": {"status_code": 400,
 "request_id", "body": null}, "error": {"object": "error", "message", "type": "BadRequestError",
@@ -11,7 +11,7 @@ podrun's own parser then checks. A result line: {"id": "batch_req_...", "custom_
 
 The format is the file's: its first JSON object decides, and a line of the other format gets an
 error naming both lines. One results file then has one format, and a rerun resumes it exactly as
-podrun's own (requests_io.Results: keyed by line index and the input's hash; custom_ids are unique,
+podrun's own (results.Results: keyed by line index and the input's hash; custom_ids are unique,
 so the index stands for the custom_id). Ids are hashes of the custom_id, so a rerun gives the same.
 """
 
@@ -23,8 +23,8 @@ import hashlib
 import json
 from typing import Any
 
-from runner.api.errors import RequestError
-from runner.requests_io import BATCH, Line, Parsed, RequestFileError, _short, decode, parse_fields
+from runner.api.errors import RequestError, RequestFileError
+from runner.api.requests import BATCH, Line, Parsed, _short, decode, parse_fields
 from runner.settings import Settings
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
@@ -100,7 +100,7 @@ def _check_unique(lines: list[Line], key: str) -> None:
 def parse_line(index: int, line: Line, fmt: FileFormat, tokenizer, s: Settings, vocab_size: int,
                chat=None, grammars=None) -> Parsed:
     """One line of a file of format `fmt` -> a request, or one carrying the reason it cannot be
-    served (requests_io.parse_request for podrun's own lines; `grammars` compiles formats).
+    served (requests.parse_request for podrun's own lines; `grammars` compiles formats).
     Never raises."""
     d, error = decode(line)
     if d is None:
