@@ -64,6 +64,15 @@ class Summary:
             out.update({f"engine_{k}": v for k, v in dataclasses.asdict(self.stats).items()})
         return out
 
+    def count(self, p, r: dict, samples: list[Completion]) -> None:
+        """Request p answered with result line r from its samples."""
+        self.generated += 1
+        self.prompt_tokens += len(p.prompt_ids)
+        self.completion_tokens += r["usage"]["completion_tokens"]
+        for c in samples:
+            self.ttft_s.append(c.ttft_s)
+            self.latency_s.append(c.ttft_s + c.decode_s)
+
     def line(self) -> str:
         tps = self.completion_tokens / self.generate_s if self.generate_s else 0.0
         done = f"{self.already_done} already done, " if self.already_done else ""
@@ -192,16 +201,7 @@ def answer(s: Settings, loaded: tuple | None = None, tokenizer=None) -> Summary:
     log.info(f"{len(lines)} requests: {summary.already_done} already done, {len(bad)} invalid, "
              f"{len(todo)} to generate on mesh {dict(mesh.shape)} in {engine.batch_size} rows{pool}")
 
-    bar = tqdm(total=len(todo), unit="req", file=sys.stderr, desc="podrun",
-               disable=jax.process_index() != 0)
-
-    @contextlib.contextmanager
-    def compiling(what: str):  # a program's first call: XLA compiles it, or the cache has it
-        bar.set_postfix_str(f"compiling {what}")
-        yield
-        bar.set_postfix_str("")
-
-    engine.announce = compiling
+    bar = _progress_bar(engine, len(todo))
 
     def done(ended: list[tuple[int, list[Completion]]]) -> None:  # a call's finished requests
         rows = []
@@ -209,14 +209,9 @@ def answer(s: Settings, loaded: tuple | None = None, tokenizer=None) -> Summary:
         for i, samples in ended:
             p = todo[i]
             r = responses.result_line(p, samples, tokenizer, s.echo_prompt, chat)
-            summary.prompt_tokens += len(p.prompt_ids)
-            summary.completion_tokens += r["usage"]["completion_tokens"]
+            summary.count(p, r, samples)
             rows.append((p.index, batch.result_line(p, r, model_name, created) if fmt.batch else r))
-            for c in samples:
-                summary.ttft_s.append(c.ttft_s)
-                summary.latency_s.append(c.ttft_s + c.decode_s)
         results.add(rows)
-        summary.generated += len(rows)
         bar.update(len(rows))
 
     def stop_check(i: int, ids: list[int]) -> bool:
@@ -224,24 +219,49 @@ def answer(s: Settings, loaded: tuple | None = None, tokenizer=None) -> Summary:
         return bool(stops) and tokenizer is not None and any(st in tokenizer.decode(ids) for st in stops)
 
     t0 = time.perf_counter()
-    requests = [Request(p.prompt_ids, p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed,
-                        logprobs=p.logprobs is not None,
-                        prompt_logprobs=p.prompt_logprobs is not None or p.continuation > 0,
-                        prompt_logprobs_from=(1 if p.prompt_logprobs is not None
-                                              else len(p.prompt_ids) - p.continuation), n=p.n,
-                        constraint=p.constraint)
-                for p in todo]
-    if isinstance(engine, PagedEngine):
-        scheduler = PagedScheduler(engine, requests, stop_ids, stop_check, s.generation.longest_first)
-    else:
-        scheduler = Scheduler(engine, requests, stop_ids, stop_check)
-    stats = scheduler.run(done)
-    if engine.huge_pages[1]:
-        log.info(f"weights and KV cache: {engine.huge_pages[0] / 2**20:.0f} of "
-                 f"{engine.huge_pages[1] / 2**20:.0f} MiB on 2 MiB pages")
+    stats = scheduler(engine, [p.request() for p in todo], stop_ids, stop_check, g.longest_first).run(done)
     summary.generate_s = time.perf_counter() - t0
     summary.utilisation, summary.stats = stats.utilisation, stats
     bar.close()
+    _log_stats(engine, stats)
+    results.write_final(len(lines))
+    if jax.process_count() > 1:  # the results file is whole before any process reports success
+        multihost_utils.sync_global_devices("podrun: results written")
+    log.info(f"{summary.line()} -> {s.output}")
+    errors = [batch.error_message(r) for r in results.done.values()]
+    if lines and len(results.done) == len(lines) and all(errors):
+        raise AllFailedError(f"every one of the {len(lines)} requests failed; line "
+                             f"{lines[0].number}: {batch.error_message(results.done[0])}")
+    return summary
+
+
+def _progress_bar(engine, total: int) -> tqdm:
+    """Requests answered, on process 0's stderr; a program's first call shows "compiling NAME"
+    while XLA compiles it or the cache gives it."""
+    bar = tqdm(total=total, unit="req", file=sys.stderr, desc="podrun", disable=jax.process_index() != 0)
+
+    @contextlib.contextmanager
+    def compiling(what: str):
+        bar.set_postfix_str(f"compiling {what}")
+        yield
+        bar.set_postfix_str("")
+
+    engine.announce = compiling
+    return bar
+
+
+def scheduler(engine, requests: list[Request], stop_ids, stop_check, longest_first: bool):
+    """The scheduler of the engine's kind: rows that reserve their longest, or pages."""
+    if isinstance(engine, PagedEngine):
+        return PagedScheduler(engine, requests, stop_ids, stop_check, longest_first)
+    return Scheduler(engine, requests, stop_ids, stop_check)
+
+
+def _log_stats(engine, stats: Stats) -> None:
+    """What the engine did, for the log: prefills, decode calls, pages, programs."""
+    if engine.huge_pages[1]:
+        log.info(f"weights and KV cache: {engine.huge_pages[0] / 2**20:.0f} of "
+                 f"{engine.huge_pages[1] / 2**20:.0f} MiB on 2 MiB pages")
     if stats.inserts:
         shared = stats.prompt_tokens - stats.prompt_tokens_computed
         log.info(f"{stats.inserts} prefills of {stats.prompt_slots} prompt slots in "
@@ -256,12 +276,3 @@ def answer(s: Settings, loaded: tuple | None = None, tokenizer=None) -> Summary:
                  f"rows live: {stats.rows_peak} peak, {stats.rows_mean:.1f} mean of {stats.rows}; "
                  f"{stats.preemptions} preemptions; {stats.programs} programs, whose "
                  f"compilation the calls waited for {stats.compile_wait_s:.1f} s")
-    results.write_final(len(lines))
-    if jax.process_count() > 1:  # the results file is whole before any process reports success
-        multihost_utils.sync_global_devices("podrun: results written")
-    log.info(f"{summary.line()} -> {s.output}")
-    errors = [batch.error_message(r) for r in results.done.values()]
-    if lines and len(results.done) == len(lines) and all(errors):
-        raise AllFailedError(f"every one of the {len(lines)} requests failed; line "
-                             f"{lines[0].number}: {batch.error_message(results.done[0])}")
-    return summary

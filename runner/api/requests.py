@@ -23,6 +23,7 @@ from etils import epath
 
 from runner.api.errors import RequestError, RequestFileError
 from runner.api.results import check_bucket
+from runner.engine import Request
 from runner.engine.engine import MAX_LOGPROBS  # alternatives per token the programs compute
 from runner.settings import Settings
 from runner.text import structured
@@ -74,6 +75,15 @@ class Parsed:
     code: str = ""  # with an error: its kind (RequestError.code)
     param: str | None = None  # with an error: the field it is about (RequestError.field)
     line: int = 0  # the line of the request file it was read from
+
+    def request(self) -> Request:
+        """What the engine runs for it."""
+        return Request(self.prompt_ids, self.max_tokens, self.temperature, self.top_k, self.top_p, self.seed,
+                       logprobs=self.logprobs is not None,
+                       prompt_logprobs=self.prompt_logprobs is not None or self.continuation > 0,
+                       prompt_logprobs_from=(1 if self.prompt_logprobs is not None
+                                             else len(self.prompt_ids) - self.continuation),
+                       n=self.n, constraint=self.constraint)
 
 
 # A request line's fields; BATCH are an OpenAI Batch line's (batch.py).
