@@ -32,6 +32,7 @@ from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from runner.cli import parse_flags, setup_devices  # noqa: E402
+from runner.engine import generate  # noqa: E402
 from runner.job import load_model  # noqa: E402
 from runner.settings import from_config  # noqa: E402
 from runner.tools import bench  # noqa: E402
@@ -66,8 +67,8 @@ def main(argv: list[str]) -> None:
             requests = bench.greedy_requests(prompts[:B], n, s)
     tokens = {}
     for on, engine in engines.items():  # compiles, and the tokens to compare
-        engine.generate(requests, stop_ids=())
-        tokens[on] = [c.token_ids for c in engine.generate(requests, stop_ids=())]
+        generate(engine, requests, stop_ids=())
+        tokens[on] = [c.token_ids for c in generate(engine, requests, stop_ids=())]
     first = [dataclasses.replace(r, max_tokens=1) for r in requests]
     prefill = {False: [], True: []}
     step = {False: [], True: []}
@@ -78,9 +79,9 @@ def main(argv: list[str]) -> None:
             gbps.append(probe() if probe else 0.0)
             for on in ((False, True) if i % 2 == 0 else (True, False)):
                 t0 = time.perf_counter()
-                engines[on].generate(first, stop_ids=())
+                generate(engines[on], first, stop_ids=())
                 prefill[on].append(time.perf_counter() - t0)
-                done = engines[on].generate(requests, stop_ids=())
+                done = generate(engines[on], requests, stop_ids=())
                 step[on].append(done[0].decode_s / (n - 1))
 
     def paired(x: dict, rounds: list[int]) -> str:

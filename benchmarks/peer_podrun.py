@@ -35,7 +35,7 @@ from ml_collections import config_flags  # noqa: E402
 
 from runner.checkpoints import convert  # noqa: E402
 from runner.cli import parse_flags, setup_devices  # noqa: E402
-from runner.engine import Request  # noqa: E402
+from runner.engine import Request, generate  # noqa: E402
 from runner.job import load_model  # noqa: E402
 from runner.settings import from_config  # noqa: E402
 from runner.tools import bench  # noqa: E402
@@ -70,7 +70,7 @@ def main(argv: list[str]) -> None:
             gc.collect()
             engines[len(prompts)] = bench.make_engine(s, model, params, rules, len(prompts),
                                                       (bc.PROMPT_LEN,), bc.NEW_TOKENS)
-        out = engines[len(prompts)].generate([Request(tuple(p), n) for p in prompts], stop_ids=())
+        out = generate(engines[len(prompts)], [Request(tuple(p), n) for p in prompts], stop_ids=())
         return [c.token_ids for c in out]
 
     quant = "" if s.policy.quantize == "none" else f"-{s.policy.quantize}"

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from models.policy import Policy
-from runner.engine import Engine, Request
+from runner.engine import Engine, Request, generate
 from runner.engine.engine import sample
 from tests.conftest import rules_for
 from tests.reference import VOCAB, hf_greedy, tiny_hf, to_podrun
@@ -49,7 +49,7 @@ def test_greedy_batches_match_transformers(llama, prompts, references, mesh_name
     engine = make_engine(llama, mesh_name, Policy(donate_cache=donate), batch_size=3)
     got = []
     for i in range(0, len(prompts), engine.batch_size):
-        got += engine.generate([Request(p, STEPS) for p in prompts[i : i + engine.batch_size]])
+        got += generate(engine, [Request(p, STEPS) for p in prompts[i : i + engine.batch_size]])
     for c, ref in zip(got, references):
         assert c.token_ids == ref
         assert c.finish_reason == "length"
@@ -60,27 +60,27 @@ def test_prefill_a_few_rows_at_a_time_matches_transformers(llama, prompts, refer
                                                              batch, rows):
     engine = make_engine(llama, mesh_name, batch_size=batch, prefill_rows=rows)
     assert engine.batch_size // engine.prefill_rows > 1  # really in several groups
-    got = engine.generate([Request(p, STEPS) for p in prompts[:batch]])
+    got = generate(engine, [Request(p, STEPS) for p in prompts[:batch]])
     assert [c.token_ids for c in got] == references[:batch]
 
 
 def test_stop_ids_end_a_row_and_finished_rows_produce_nothing(llama, prompts, references):
     engine = make_engine(llama, "data8")
     stop = references[1][6]  # row 1 stops at its 7th token (or earlier if that id came sooner)
-    got = engine.generate([Request(p, STEPS) for p in prompts[:4]], stop_ids=[stop])
+    got = generate(engine, [Request(p, STEPS) for p in prompts[:4]], stop_ids=[stop])
     for c, ref in zip(got, references):
         if stop in ref:
             cut = ref.index(stop) + 1
             assert c.token_ids == ref[:cut] and c.finish_reason == "stop"
         else:
             assert c.token_ids == ref and c.finish_reason == "length"
-    short = engine.generate([Request(prompts[0], 5), Request(prompts[1], 9)])
+    short = generate(engine, [Request(prompts[0], 5), Request(prompts[1], 9)])
     assert [c.token_ids for c in short] == [references[0][:5], references[1][:9]]
 
 
 def test_host_stop_check_ends_a_row(llama, prompts, references):
     engine = make_engine(llama, "data8")
-    got = engine.generate([Request(prompts[0], STEPS)], stop_check=lambda b, ids: len(ids) >= 3)
+    got = generate(engine, [Request(prompts[0], STEPS)], stop_check=lambda b, ids: len(ids) >= 3)
     assert got[0].token_ids[:3] == references[0][:3] and got[0].finish_reason == "stop"
     assert len(got[0].token_ids) <= 3 + engine.steps
 
@@ -96,7 +96,7 @@ def test_rows_decode_only_the_calls_they_need(llama, prompts, references):
     lengths = (5, 17, 9)
     for stop_ids in ((), (VOCAB + 1,)):
         calls.clear()
-        got = engine.generate([Request(p, n) for p, n in zip(prompts, lengths)], stop_ids=stop_ids)
+        got = generate(engine, [Request(p, n) for p, n in zip(prompts, lengths)], stop_ids=stop_ids)
         assert [c.token_ids for c in got] == [ref[:n] for ref, n in zip(references, lengths)]
         assert len(calls) == 2
 
@@ -113,7 +113,7 @@ def test_requests_inserted_mid_run_match_transformers(llama, prompts, references
     calls = []
     decode = engine._decode
     engine._decode = lambda *a, **k: calls.append(1) or decode(*a, **k)
-    got = engine.generate([Request(prompts[i], n) for i, n in zip(order, lengths)])
+    got = generate(engine, [Request(prompts[i], n) for i, n in zip(order, lengths)])
     assert [c.token_ids for c in got] == [references[i][:n] for i, n in zip(order, lengths)]
     assert all(c.finish_reason == "length" for c in got)
     static = sum(-(-(max(lengths[i : i + 2]) - 1) // engine.steps) for i in range(0, 10, 2))
@@ -133,7 +133,7 @@ def test_the_last_requests_gathered_into_fewer_rows_match_transformers(llama, pr
     order = [0, 1, 2, 3, 4, 3, 2, 1, 0, 4, 1, 3]
     lengths = [3, 30, 1, 12, 25, 7, 20, 4, 16, 9, 32, 2]
     sampled = Request(prompts[2], 24, temperature=1.0, seed=9)
-    alone = make_engine(llama, mesh_name, batch_size=2).generate([sampled])[0].token_ids
+    alone = generate(make_engine(llama, mesh_name, batch_size=2), [sampled])[0].token_ids
     rows = []
     decode = engine._decode
     engine._decode = lambda w, cache, state, *a, **k: rows.append(state.done.shape[0]) or decode(
@@ -149,7 +149,7 @@ def test_the_last_requests_gathered_into_fewer_rows_match_transformers(llama, pr
     assert stats.row_steps == engine.steps * sum(rows)
     assert engine.rows < 8
     rows.clear()
-    again = engine.generate([Request(p, 5) for p in prompts] * 2)  # a whole batch again
+    again = generate(engine, [Request(p, 5) for p in prompts] * 2)  # a whole batch again
     assert rows[0] == 8 and [c.token_ids for c in again] == [r[:5] for r in references] * 2
 
 
@@ -158,12 +158,12 @@ def test_a_seeded_request_samples_the_same_tokens_wherever_it_runs(llama, prompt
     mid-run; another seed draws others."""
     engine = make_engine(llama, "1dev", batch_size=2)
     target = Request(prompts[1], 20, temperature=1.0, top_p=0.95, seed=42)
-    alone = engine.generate([target])[0].token_ids
+    alone = generate(engine, [target])[0].token_ids
     others = [Request(p, n, temperature=0.8, seed=i) for i, (p, n) in
               enumerate(zip(prompts, (6, 11, 3, 17, 9)))]
-    mixed = engine.generate(others[:3] + [target] + others[3:])
+    mixed = generate(engine, others[:3] + [target] + others[3:])
     assert mixed[3].token_ids == alone
-    assert engine.generate([dataclasses.replace(target, seed=43)])[0].token_ids != alone
+    assert generate(engine, [dataclasses.replace(target, seed=43)])[0].token_ids != alone
 
 
 def test_one_compilation_per_insert_shape_and_one_decode_step(llama, prompts):
@@ -177,10 +177,10 @@ def test_one_compilation_per_insert_shape_and_one_decode_step(llama, prompts):
     insert = engine._insert
     engine._insert = lambda w, c, s, p, *a, **k: shapes.add(p.tokens.shape) or insert(w, c, s, p, *a, **k)
     requests = [Request(p, n) for p, n in zip(prompts, (12, 3, 12, 5, 9))]
-    engine.generate(requests)
+    generate(engine, requests)
     first_pass = len(compiles)
     compiles.clear()
-    engine.generate(requests)
+    generate(engine, requests)
     assert insert._cache_size() == len(shapes) >= 3 and {p for _, p in shapes} == {16, 32, 48}
     assert engine._decode._cache_size() == 1
     assert first_pass >= 4 and compiles == []
@@ -191,7 +191,7 @@ def test_same_seed_same_output_and_seeds_differ(llama, prompts):
 
     def run(seed):
         reqs = [Request(p, 16, temperature=1.0, top_p=0.95, seed=seed + i) for i, p in enumerate(prompts[:3])]
-        return [c.token_ids for c in engine.generate(reqs)]
+        return [c.token_ids for c in generate(engine, reqs)]
 
     assert run(7) == run(7)
     assert run(7) != run(8)
@@ -199,7 +199,7 @@ def test_same_seed_same_output_and_seeds_differ(llama, prompts):
 
 def test_top_k_one_is_greedy(llama, prompts, references):
     engine = make_engine(llama, "data8")
-    got = engine.generate([Request(p, STEPS, temperature=0.9, top_k=1, seed=5) for p in prompts[:4]])
+    got = generate(engine, [Request(p, STEPS, temperature=0.9, top_k=1, seed=5) for p in prompts[:4]])
     assert [c.token_ids for c in got] == references[:4]
 
 
@@ -282,14 +282,14 @@ def test_n_samples_share_one_prefill_and_are_independent_draws(llama):
     one = Scheduler(engine, [Request(prompt, 3, temperature=1.0, seed=5, n=8)]).run(ended.extend)
     assert (one.prompt_tokens_computed, one.prompt_tokens) == (len(prompt), 8 * len(prompt))
     assert len(ended[0][1]) == 8 and len({tuple(c.token_ids) for c in ended[0][1]}) > 1
-    assert ended[0][1][0].token_ids == engine.generate([Request(prompt, 3, 1.0, seed=5)])[0].token_ids
+    assert ended[0][1][0].token_ids == generate(engine, [Request(prompt, 3, 1.0, seed=5)])[0].token_ids
 
     small = make_engine(llama, "1dev", batch_size=4)
     turns = Scheduler(small, [Request(prompt, 2, temperature=1.0, n=11)]).run(lambda e: None)
     assert (turns.inserts, turns.prompt_tokens_computed) == (3, 3 * len(prompt))
 
     requests = [Request(prompt, 1, temperature=1.0, seed=s, n=8) for s in range(96)]
-    draws = np.array([[c.token_ids[0] for c in cs] for cs in engine.generate(requests)])  # [96, 8]
+    draws = np.array([[c.token_ids[0] for c in cs] for cs in generate(engine, requests)])  # [96, 8]
     z = hf_logits(llama, [prompt])[0, -1].astype(np.float64)
     p = np.exp(z - z.max())
     p /= p.sum()
@@ -429,11 +429,11 @@ def test_greedy_tokens_through_the_unembedding_screen_match_transformers(kind, p
     assert all("podrun_greedy_screened" in f.as_text() for f in lowered.values()), list(lowered)
     rows = prompts[:3]
     want = [hf_greedy(m, p, STEPS) for p in rows]
-    assert [c.token_ids for c in engine.generate([Request(p, STEPS) for p in rows])] == want
-    mixed = engine.generate([Request(rows[0], STEPS), Request(rows[1], STEPS, temperature=1.0, seed=2),
+    assert [c.token_ids for c in generate(engine, [Request(p, STEPS) for p in rows])] == want
+    mixed = generate(engine, [Request(rows[0], STEPS), Request(rows[1], STEPS, temperature=1.0, seed=2),
                              Request(rows[2], STEPS)])
     assert mixed[0].token_ids == want[0] and mixed[2].token_ids == want[2]
     grouped = make_engine(m, "1dev", batch_size=3, prefill_rows=1)  # prefill a row at a time
-    assert [c.token_ids for c in grouped.generate([Request(p, STEPS) for p in rows])] == want
+    assert [c.token_ids for c in generate(grouped, [Request(p, STEPS) for p in rows])] == want
     assert make_engine(m, "1dev", Policy(greedy_screen=False), batch_size=3).greedy_screen is None
     assert make_engine(m, "data8", batch_size=8).greedy_screen is None

@@ -9,7 +9,7 @@ import transformers
 
 from models.decoder import Mode, Output
 from models.policy import Policy
-from runner.engine import Engine, Request
+from runner.engine import Engine, Request, generate
 from tests.conftest import MOE_MESHES, rules_for
 from tests.reference import VOCAB, hf_greedy, hf_logits, tiny_hf, to_podrun
 from tests.test_models import full_forward
@@ -112,7 +112,7 @@ def test_greedy_generation_matches_transformers(gptoss, mesh_name, batch, rows):
     rng = np.random.RandomState(4)
     prompts = [tuple(int(t) for t in rng.randint(0, VOCAB, n)) for n in (3, 20, 11, 30, 7, 25)]
     lengths = (32, 9, 20, 32, 14, 26)
-    got = engine.generate([Request(p, n) for p, n in zip(prompts, lengths)])
+    got = generate(engine, [Request(p, n) for p, n in zip(prompts, lengths)])
     for c, p, n in zip(got, prompts, lengths):
         assert c.token_ids == hf_greedy(gptoss, p, 32)[:n]
 

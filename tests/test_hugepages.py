@@ -8,7 +8,7 @@ import jax
 import numpy as np
 
 from models.policy import Policy
-from runner.engine import Engine, Request, hugepages
+from runner.engine import Engine, Request, generate, hugepages
 from tests.conftest import rules_for
 from tests.reference import VOCAB, hf_greedy, tiny_hf, to_podrun
 
@@ -68,7 +68,7 @@ def test_an_engine_generates_the_same_on_huge_pages():
         model, params = to_podrun(m, rules)
         engine = Engine(model, params, rules, Policy(huge_pages=on), batch_size=1, max_prompt_len=16,
                         max_new_tokens=10)
-        assert engine.generate([Request(prompt, 10)])[0].token_ids == want
+        assert generate(engine, [Request(prompt, 10)])[0].token_ids == want
         if not on:
             assert engine.huge_pages == (0, 0)
         else:

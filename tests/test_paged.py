@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from models.policy import Policy
-from runner.engine import Request
+from runner.engine import Request, scheduler
 from runner.engine.pages import HOLE, PagePool, Table, digests
 from runner.engine.paged_engine import PagedEngine, chunk_buckets
 from runner.engine.paged_scheduler import PagedScheduler
@@ -227,8 +227,8 @@ def test_sampled_tokens_logprobs_and_prompt_scores_are_the_unpaged_engines(llama
     reqs.append(Request(prompts[3][:30] + prompts[1][:5], 0, prompt_logprobs=True, prompt_logprobs_from=30))
     rules = rules_for("1dev")
     model, params = to_podrun(llama, rules)
-    unpaged = Engine(model, params, rules, Policy(), batch_size=4, max_prompt_len=48,
-                     max_new_tokens=STEPS, steps_per_dispatch=4).generate(reqs)
+    unpaged = scheduler.generate(Engine(model, params, rules, Policy(), batch_size=4, max_prompt_len=48,
+                                        max_new_tokens=STEPS, steps_per_dispatch=4), reqs)
     got, stats = generate(paged(llama, "1dev", pages=18), reqs)
     assert stats.preemptions > 0
     flat = lambda out: [c for x in out for c in (x if isinstance(x, list) else [x])]

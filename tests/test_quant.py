@@ -384,7 +384,7 @@ def test_chunked_perplexity_refuses_sliding_window_models():
 def test_int8_gptoss_decodes_one_row_as_transformers_on_dequantized_weights():
     """Batch 1: decode gathers each token's experts (the path for few assignments) from int8
     weights; greedy tokens equal transformers' on the same weights dequantised."""
-    from runner.engine import Engine, Request
+    from runner.engine import Engine, Request, generate
     from tests.reference import hf_greedy
 
     rules = rules_for("1dev")
@@ -395,6 +395,6 @@ def test_int8_gptoss_decodes_one_row_as_transformers_on_dequantized_weights():
     engine = Engine(model, params, rules, policy, batch_size=1,
                     max_prompt_len=16, max_new_tokens=16)
     prompt = tuple(int(t) for t in np.random.RandomState(9).randint(0, VOCAB, 11))
-    got = engine.generate([Request(prompt, 16)])[0].token_ids
+    got = generate(engine, [Request(prompt, 16)])[0].token_ids
     assert got == hf_greedy(ref, prompt, 16)
     assert got != hf_greedy(m, prompt, 16)  # the int8 weights change the tokens

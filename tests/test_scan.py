@@ -7,7 +7,7 @@ import pytest
 from models import scan
 from models.decoder import Mode
 from models.policy import Policy
-from runner.engine import Engine, Request
+from runner.engine import Engine, Request, generate
 from tests.conftest import rules_for
 from tests.reference import VOCAB, hf_greedy, hf_logits, tiny_hf, to_podrun
 
@@ -48,7 +48,7 @@ def test_scanned_generation_matches_transformers(kind, overrides, mesh, rows, fu
     rng = np.random.RandomState(4)
     prompts = [tuple(int(t) for t in rng.randint(0, VOCAB, n)) for n in (3, 20, 11, 30)]
     lengths = (24, 7, 24, 15)  # rows free at different times: the later prompts enter mid-run
-    got = engine.generate([Request(p, n) for p, n in zip(prompts, lengths)])
+    got = generate(engine, [Request(p, n) for p, n in zip(prompts, lengths)])
     for c, p, n in zip(got, prompts, lengths):
         assert c.token_ids == hf_greedy(m, p, 24)[:n]
 

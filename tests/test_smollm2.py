@@ -12,7 +12,7 @@ from models.decoder import Mode
 from models.policy import Policy
 from runner.checkpoints import store
 from runner.checkpoints.convert import convert
-from runner.engine import Engine, Request
+from runner.engine import Engine, Request, generate
 from runner.text.tokenizer import load_tokenizer
 from sharding.mesh import MeshShape, make_mesh
 from sharding.rules import Rules
@@ -73,7 +73,7 @@ def test_logits_match_transformers(engine, reference, prompt_ids):
 
 def test_greedy_batch_matches_transformers(engine, reference, prompt_ids):
     m, _ = reference
-    got = engine.generate([Request(tuple(p), STEPS) for p in prompt_ids])
+    got = generate(engine, [Request(tuple(p), STEPS) for p in prompt_ids])
     for c, p in zip(got, prompt_ids):
         out = m.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                          max_new_tokens=STEPS, do_sample=False, pad_token_id=2)

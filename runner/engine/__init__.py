@@ -3,6 +3,6 @@
 arrays onto huge pages (hugepages.py)."""
 
 from runner.engine.engine import Completion, Engine, Request
-from runner.engine.scheduler import Scheduler, Stats
+from runner.engine.scheduler import Scheduler, Stats, generate
 
-__all__ = ["Completion", "Engine", "Request", "Scheduler", "Stats"]
+__all__ = ["Completion", "Engine", "Request", "Scheduler", "Stats", "generate"]

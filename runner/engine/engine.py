@@ -631,20 +631,3 @@ class Engine:
             self.cache = self._new_cache(self.batch_size, self.cache_len)
             self.state = self._idle()
             self.rows = self.batch_size
-
-    def generate(self, requests: Sequence[Request], stop_ids: Sequence[int] = (),
-                 stop_check: Callable[[int, list[int]], bool] | None = None) -> list:
-        """Generates for any number of requests, `batch_size` rows at a time, each row refilled as
-        its request ends (runner/engine/scheduler.py), in the order of `requests`: a Completion
-        per request, or for a request of n > 1 samples a list of n. `stop_check(i, tokens)` lets
-        the caller end request i on the host (stop strings); stop_ids end a row on device."""
-        from runner.engine.scheduler import Scheduler
-
-        out: list = [None] * len(requests)
-
-        def done(ended: list[tuple[int, list[Completion]]]) -> None:
-            for i, samples in ended:
-                out[i] = samples[0] if requests[i].n == 1 else samples
-
-        Scheduler(self, requests, stop_ids, stop_check).run(done)
-        return out

@@ -282,3 +282,20 @@ def finished(x: _Live, request: Request, stop_ids: tuple[int, ...],
                       logprobs=x.logprobs, prompt_logprobs=x.prompt_logprobs,
                       incomplete_format=x.walk is not None and (
                           x.broken or reason == "length" and not x.walk.complete))
+
+
+def generate(engine: Engine, requests: Sequence[Request], stop_ids: Sequence[int] = (),
+             stop_check: Callable[[int, list[int]], bool] | None = None) -> list:
+    """Generates for any number of requests, `engine.batch_size` rows at a time, each row refilled
+    as its request ends, in the order of `requests`: a Completion per request, or for a request of
+    n > 1 samples a list of n. `stop_check(i, tokens)` lets the caller end request i on the host
+    (stop strings); stop_ids end a row on device."""
+    out: list = [None] * len(requests)
+
+    def done(ended: list[tuple[int, list[Completion]]]) -> None:
+        for i, samples in ended:
+            out[i] = samples[0] if requests[i].n == 1 else samples
+
+    Scheduler(engine, requests, stop_ids, stop_check).run(done)
+    return out
+

@@ -66,7 +66,7 @@ from models.registry import Model
 from models.weights import check_divisible, is_lookup_table, is_weight
 from runner.checkpoints import store
 from runner.cli import parse_flags, read_config, setup_devices
-from runner.engine import Completion, Engine, Request, hugepages
+from runner.engine import Completion, Engine, Request, generate, hugepages
 from runner.job import load_model
 from runner.settings import Settings, from_config
 from sharding.mesh import make_mesh
@@ -358,7 +358,7 @@ def greedy_requests(prompts: np.ndarray, new_tokens: int, s: Settings) -> list[R
 
 def _timed(engine: Engine, requests: list[Request], n: int) -> tuple[float, list[Completion]]:
     t0 = time.perf_counter()
-    out = engine.generate([dataclasses.replace(r, max_tokens=n) for r in requests], stop_ids=())
+    out = generate(engine, [dataclasses.replace(r, max_tokens=n) for r in requests], stop_ids=())
     seconds = time.perf_counter() - t0
     got = sum(len(c.token_ids) for c in out)
     if got != len(requests) * n:

@@ -1,0 +1,92 @@
+"""The code's import arrows point one way: no module of podrun's is imported back, directly or
+through others, by a module it imports (function-local imports counted too)."""
+
+import ast
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = ("runner", "models", "sharding", "configs", "benchmarks")
+
+
+def modules() -> dict[str, str]:
+    out = {}
+    for package in PACKAGES:
+        for folder, _, files in os.walk(os.path.join(ROOT, package)):
+            for f in files:
+                if f.endswith(".py"):
+                    path = os.path.join(folder, f)
+                    name = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".").removesuffix(".__init__")
+                    out[name] = path
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the podrun modules it imports anywhere in its text (a package's own __init__,
+    which Python imports on the way to a submodule, left out)."""
+    mods = modules()
+
+    def resolve(name: str) -> str | None:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for name, path in mods.items():
+        deps = set()
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                deps.update(resolve(a.name) for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                deps.update(resolve(f"{node.module}.{a.name}") for a in node.names)
+        graph[name] = {d for d in deps if d and d != name and not name.startswith(d + ".")}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_module_is_imported_back_by_what_it_imports():
+    graph = import_graph()
+    assert "runner.api.requests" in graph and "runner.text.chat" in graph["runner.api.requests"]
+    assert cycles(graph) == []
+
+
+def test_models_and_sharding_never_import_the_runner():
+    graph = import_graph()
+    assert not [(m, d) for m, deps in graph.items() if m.startswith(("models", "sharding"))
+                for d in deps if d.startswith("runner")]
