@@ -1,7 +1,7 @@
 // A batch-1 decode step's float32 projections in C++, without XLA: SmolLM2's shapes (30 layers of
 // q, k, v, o, gate, up, down) chained with gaps between them (4 us, 13 us after v, where XLA runs
 // the operations between products), W in [K, N] (matmul_f32) against W in panels (matmul_panels),
-// and in panels with q/k/v and gate/up fused (precision.fuse_projections: 13 us after qkv),
+// and in panels with q/k/v and gate/up fused (programs.fuse_projections: 13 us after qkv),
 // beside a plain two-thread read of the same bytes; alternated round by round in one process, the
 // rounds sorted by that read into fast (above --split GB/s) and slow ones.
 //

@@ -13,7 +13,7 @@ little is skipped and says so), in this order, the targets' figures first (--ste
               tokens/s over the generation less the calls' waits for compilation (the programs
               compile on a thread while the first calls run; vLLM's figure excludes compilation)
   attention_kernel  cuDNN's prefill attention against XLA's on the GPU, both timed at 4,096 tokens
-              (if it fails, every later step runs with precision.cudnn_prefill=False)
+              (if it fails, every later step runs with kernels.cudnn_prefill=False)
   decode_kernel  the Pallas (Triton) decode attention against XLA's on the GPU, both timed on one
               layer at batch 1 and 64 over 256 slots and over a job's cache (batch 128, 2,048
               slots, rows of 16 to 1,536 tokens); if it fails, no later step uses it
@@ -24,7 +24,7 @@ little is skipped and says so), in this order, the targets' figures first (--ste
               generate at batch 1, then at 64, on the same shapes (a process each)
   prefill     the same bench, one prompt of 1,024 and of 4,096 tokens
   decode_pallas  batch 64 and 256 as decode, with the Pallas decode attention
-  fused       batch 1 as decode, with q/k/v and gate/up fused (precision.fuse_projections)
+  fused       batch 1 as decode, with q/k/v and gate/up fused (programs.fuse_projections)
   scan_dsf    batch 1 with the layers scanned and XLA's dynamic-slice fusion on: whether XLA:GPU
               then reads each layer's weights in place rather than through a copy
   job         python -m runner.tools.bench --requests: 1,000 requests of varied prompt and completion
@@ -32,7 +32,7 @@ little is skipped and says so), in this order, the targets' figures first (--ste
               scanned (about 15 programs, each compiled in seconds rather than 15-20 s unrolled),
               its decode attention in the Pallas kernel where decode_kernel found that faster
   gptoss      GPT-OSS-20B (configs/gptoss_h100.py), batch 1 and 64 as decode
-  prefill_xla the prefills again with XLA's attention (precision.cudnn_prefill=False)
+  prefill_xla the prefills again with XLA's attention (kernels.cudnn_prefill=False)
 DIR receives three files: gpu_check.json (every step's command, records and, when it failed, the
 end of its log; the targets), gpu_check.log (the steps' logs) and gpu_check.md, the table printed
 last, which docs/benchmarks/gpu-h100.md records.
@@ -374,19 +374,19 @@ def main() -> None:
     steps.run("preflight", [sys.executable, "-c", probe], 1)
     tiny, _ = bench(cfg, work, "tiny", ["--config.checkpoint.model=llama:tiny", "--batch_sizes=1",
                                         "--prompt_len=16", "--new_tokens=4", "--reps=1",
-                                        "--config.precision.cudnn_prefill=False"], True)
+                                        "--config.kernels.cudnn_prefill=False"], True)
     steps.run("tiny", tiny, 1)
     if steps.results["preflight"]["rc"] or steps.results["tiny"]["rc"]:  # nothing else would run
         with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
             json.dump({"steps": steps.results}, f, indent=1)
         sys.exit("gpu_check: error: no GPU, or podrun fails on it; see gpu_check.json")
-    over = ["--config.checkpoint.model=llama:tiny", "--config.precision.scan_layers=True"] if small else []
+    over = ["--config.checkpoint.model=llama:tiny", "--config.programs.scan_layers=True"] if small else []
     for check in ("attention", "decode"):  # a kernel that fails here is left out of every later step
         path = os.path.join(work, f"{check}_kernel.json")
         steps.run(f"{check}_kernel", [sys.executable, __file__, f"--kernel_check={check}",
                                       f"--out={path}"], 1, path)
     if steps.results["attention_kernel"]["rc"] != 0:  # cuDNN's kernel failed here: XLA's attention
-        over.append("--config.precision.cudnn_prefill=False")
+        over.append("--config.kernels.cudnn_prefill=False")
     pallas = steps.results["decode_kernel"]["rc"] == 0
     batches = "1,2,4" if small else "1,64,256"
     prompt, n = (PROMPT // 8, 16) if small else (PROMPT, NEW)
@@ -426,7 +426,7 @@ def main() -> None:
     length = 16 if small else 256
     job("throughput", length, length, f"--config.generation.batch_size={8 if small else 256}",
         "--config.generation.page_size=16", f"--config.generation.kv_cache_gib={0 if small else 40}",
-        "--config.precision.scan_layers=False", uniform=True)
+        "--config.programs.scan_layers=False", uniform=True)
     decode("decode", batches)
     if not small and "peer" in chosen:  # a process per batch size: in one, the recompile for
         # batch 64 outlasted the budget (2026-11-26), where batch 1 compiled in 50 s
@@ -442,27 +442,27 @@ def main() -> None:
     # layers scanned with XLA's dynamic-slice fusion, which may read each layer's weights in place
     # rather than through a copy (scanned, programs compile in seconds)
     if pallas:
-        decode("decode_pallas", batches.split(",", 1)[1], "--config.precision.pallas_attention=True")
-    decode("fused", "1", "--config.precision.fuse_projections=True")
+        decode("decode_pallas", batches.split(",", 1)[1], "--config.kernels.pallas_attention=True")
+    decode("fused", "1", "--config.programs.fuse_projections=True")
     dsf = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_dynamic_slice_fusion=true"
-    decode("scan_dsf", "1", "--config.precision.scan_layers=True", env=dict(os.environ, XLA_FLAGS=dsf))
+    decode("scan_dsf", "1", "--config.programs.scan_layers=True", env=dict(os.environ, XLA_FLAGS=dsf))
 
     # the job's decode attention in the kernel where it read a job's cache faster than XLA's
     # and the whole decode step ran with it
     faster = pallas and steps.results["decode_kernel"]["records"]["faster"]
-    job_attention = [f"--config.precision.pallas_attention="
+    job_attention = [f"--config.kernels.pallas_attention="
                      f"{faster and steps.results.get('decode_pallas', {}).get('rc', 0) == 0}"]
     job("job", *((64, 32) if small else (1024, 512)),
         f"--config.generation.batch_size={8 if small else 128}", "--config.generation.prefill_rows=8",
         f"--config.generation.prefill_buckets={(32, 64) if small else (256, 1024)}",
-        "--config.precision.scan_layers=True", *job_attention)
+        "--config.programs.scan_layers=True", *job_attention)
 
     # GPT-OSS-20B (configs/gptoss_h100.py; the tiny GPT-OSS with --small)
-    gptoss = (["--config.checkpoint.model=gptoss:tiny", "--config.precision.scan_layers=True"]
+    gptoss = (["--config.checkpoint.model=gptoss:tiny", "--config.programs.scan_layers=True"]
               if small else [])
     decode("gptoss", batches.rsplit(",", 1)[0], *gptoss, config="configs/gptoss_h100.py")
-    if "--config.precision.cudnn_prefill=False" not in over:
-        prefills("prefill_xla", "--config.precision.cudnn_prefill=False")
+    if "--config.kernels.cudnn_prefill=False" not in over:
+        prefills("prefill_xla", "--config.kernels.cudnn_prefill=False")
 
     shutil.rmtree(work)
     summary, table = summarise(steps.results)

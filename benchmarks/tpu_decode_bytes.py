@@ -2,7 +2,7 @@
 against the floor a step must read (the declared weights and KV cache per chip, runner.tools.memory).
 
     JAX_PLATFORMS=cpu python benchmarks/tpu_decode_bytes.py configs/gptoss_v5e.py \
-        [precision.pallas_attention=True ...]
+        [kernels.pallas_attention=True ...]
 
 Compiles the decode step alone, one step per call (no loop), for the config's mesh.tpu_topology
 (libtpu needed, as for runner.tools.compile), and prints temporaries, bytes accessed and their ratio to
@@ -63,7 +63,7 @@ def main(path: str, *overrides: str) -> None:
         c.generation.steps_per_dispatch = 1
     s = from_config(c)
     if s.policy.scan_layers:  # XLA's cost analysis counts a loop's body once, not once per trip
-        sys.exit("tpu_decode_bytes: precision.scan_layers=True puts the layers in a loop whose body "
+        sys.exit("tpu_decode_bytes: programs.scan_layers=True puts the layers in a loop whose body "
                  "the cost analysis counts once; measure the unrolled program")
     topo = topologies.get_topology_desc(platform="tpu", topology_name=s.tpu_topology)
     model = Model.named(s.checkpoint_model)

@@ -42,24 +42,19 @@ def base_config() -> ConfigDict:
         # per output channel) | int4 (groups of 32 with a float16 scale and minimum, as GGUF's
         # Q4_1; the embedding, unembedding and GPT-OSS's experts stay int8).
         "quantize": "none",
+    })
+    # Which kernels run, resolved once per mesh by models/backend.py (none of them changes results).
+    c.kernels = ConfigDict({
         # podrun's own CPU kernels (models/kernels): the int8 and int4 products, attention (decode
         # steps and prompts) and (on one device) the float32 projections of a decode step of up to
         # 8 rows, built with g++ on first use (without a compiler: a warning, and XLA). False leaves
         # all of it to XLA (same results; slower, much slower for int8 and int4).
-        "kernels": True,
+        "enabled": True,
         # TPU and NVIDIA GPUs: decode attention in the Pallas kernel (off: XLA's attention). On TPU
         # XLA's avoids a copy of each layer's cache per step that the kernel still causes (see
         # models/policy.Policy); on a GPU the kernel reads each row's cache only up to its last
         # filled slot (models/kernels/gpu.py), where XLA's reads all of it.
         "pallas_attention": False,
-        # q/k/v as one matrix product and gate/up as another (models/fused.py): the checkpoint's
-        # separate weights are fused once after restore. Same results either way; off because it
-        # measured slower: XLA:CPU runs separate products side by side on its two cores, and
-        # GPT-OSS-20B's decode on v5e accesses more bytes per step fused (AOT cost analysis).
-        "fuse_projections": False,
-        # One loop over the layers (stacked weights and cache, models/scan.py) instead of
-        # unrolling them: compile time stops growing with depth; see the bench for the speed.
-        "scan_layers": False,
         # TPU: prefill attention in a Pallas flash kernel (models/kernels/tpu.py), which never
         # holds a prompt's [T, T] scores in HBM, where XLA's attention keeps them as temporaries.
         # Checked in interpret mode and compiled AOT for v5e.
@@ -68,12 +63,9 @@ def base_config() -> ConfigDict:
         # likewise keeps the [T, T] scores out of GPU memory; XLA's attention where there are
         # sinks (GPT-OSS).
         "cudnn_prefill": False,
-        # The KV cache donated to each device call and updated in place (False: copied per call).
-        "donate_cache": True,
-        # CPU, Linux: the engine's weights and KV cache moved onto transparent huge pages (2 MiB,
-        # madvise MADV_COLLAPSE), fewer TLB misses as a decode step streams them
-        # (runner/engine/hugepages.py).
-        "huge_pages": True,
+        # TPU: GPT-OSS's experts, when many tokens are routed (prefill), as ragged groups of a
+        # Pallas grouped matmul (JAX's megablox gmm) instead of buckets padded to a capacity.
+        "pallas_moe": False,
         # CPU, one device, float32 unembedding: greedy tokens from an int8 copy of it with error
         # bounds, and the few rows those cannot rule out in float32 (models/kernels/cpu.py,
         # greedy_screened): the same tokens, a quarter of the unembedding's bytes per step.
@@ -81,9 +73,23 @@ def base_config() -> ConfigDict:
         # CPU, one device, float32: the projections held in column panels of 64 (models/panels.py),
         # which the product kernel reads as one stream a thread, in decode steps and prefills.
         "panel_weights": True,
-        # TPU: GPT-OSS's experts, when many tokens are routed (prefill), as ragged groups of a
-        # Pallas grouped matmul (JAX's megablox gmm) instead of buckets padded to a capacity.
-        "pallas_moe": False,
+    })
+    # How the device programs are built and hold their memory.
+    c.programs = ConfigDict({
+        # One loop over the layers (stacked weights and cache, models/scan.py) instead of
+        # unrolling them: compile time stops growing with depth; see the bench for the speed.
+        "scan_layers": False,
+        # q/k/v as one matrix product and gate/up as another (models/fused.py): the checkpoint's
+        # separate weights are fused once after restore. Same results either way; off because it
+        # measured slower: XLA:CPU runs separate products side by side on its two cores, and
+        # GPT-OSS-20B's decode on v5e accesses more bytes per step fused (AOT cost analysis).
+        "fuse_projections": False,
+        # The KV cache donated to each device call and updated in place (False: copied per call).
+        "donate_cache": True,
+        # CPU, Linux: the engine's weights and KV cache moved onto transparent huge pages (2 MiB,
+        # madvise MADV_COLLAPSE), fewer TLB misses as a decode step streams them
+        # (runner/engine/hugepages.py).
+        "huge_pages": True,
     })
     c.generation = ConfigDict({
         "batch_size": 8,

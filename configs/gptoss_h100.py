@@ -10,9 +10,9 @@ the HF checkpoint once (the MXFP4 experts become bfloat16):
 Fit (python -m runner.tools.memory --config=configs/gptoss_h100.py): 39 GiB of weights and 3 GiB of
 KV cache for 64 rows of 1,024 prompt + 1,024 new tokens (half the layers keep a 128-token
 window), 53% of the card before activations. The experts run as XLA's dense products over
-buckets of routed tokens; the Pallas grouped matmul (precision.pallas_moe) is a TPU kernel.
+buckets of routed tokens; the Pallas grouped matmul (kernels.pallas_moe) is a TPU kernel.
 Prefill attention stays XLA's (cuDNN's flash kernel has no sinks); decode attention is XLA's too
-unless precision.pallas_attention (the Triton kernel takes sinks and windows). The layers are
+unless kernels.pallas_attention (the Triton kernel takes sinks and windows). The layers are
 unrolled, as configs/llama3_h100.py explains. Not yet measured on a GPU: benchmarks/gpu_check.py's
 gptoss step.
 """

@@ -14,11 +14,11 @@ here: models/backend.py chooses the kernels once per mesh, and XLA compiles the 
 Fit (python -m runner.tools.memory --config=configs/llama3_h100.py): 15.0 GiB of weights and 32 GiB of
 KV cache for 128 rows of 1,024 prompt + 1,024 new tokens, 59% of the card before activations.
 Prefill takes 8 prompts at a time, and its attention runs in cuDNN's flash kernel, which keeps
-the [T, T] scores out of memory. The layers are unrolled: scanned (precision.scan_layers),
+the [T, T] scores out of memory. The layers are unrolled: scanned (programs.scan_layers),
 XLA:GPU's decode step ran 2.4x slower, as if it copied each layer's weights out of the stack.
 Each program then takes 15-22 s to compile; the compilation cache keeps them for the next run.
 Decode attention is XLA's, which reads every slot of every row's cache on each step;
---config.precision.pallas_attention=True reads each row only up to its last token, in a Pallas
+--config.kernels.pallas_attention=True reads each row only up to its last token, in a Pallas
 (Triton) kernel not yet measured on a GPU (benchmarks/gpu_check.py's decode_kernel step).
 On an H100: batch-1 decode 6.46 ms a step, 99% of the measured bandwidth
 (docs/benchmarks/gpu-h100.md, benchmarks/gpu_check.py).
@@ -33,7 +33,8 @@ def get_config(arg: str = ""):
     c.checkpoint.model = "llama:llama3.1-8b"
     c.mesh.update(data=1, model=1, num_cpu_devices=0, device_memory_gib=80.0)
     c.precision.update(params="bfloat16", activations="bfloat16", kv_cache="bfloat16",
-                       matmul="default", cudnn_prefill=True)
+                       matmul="default")
+    c.kernels.cudnn_prefill = True
     c.generation.update(batch_size=128, max_prompt_len=1024, max_new_tokens=1024, prefill_rows=8,
                         prefill_buckets=(128, 256, 512, 1024))
     return c

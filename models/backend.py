@@ -21,14 +21,14 @@ from sharding.rules import Rules
 class Backend:
     platform: str = "cpu"  # cpu | gpu | tpu: where the mesh's devices are
 
-    # CPU, with precision.kernels and a C++ compiler (without one: a warning, and XLA):
+    # CPU, with kernels.enabled and a C++ compiler (without one: a warning, and XLA):
     product_kernel: bool = False  # float32 products and rms_norm of a decode step's rows: one device
     quant_kernels: bool = False  # the int8 and int4 products
     attention_kernel: bool = False  # attention of a decode step's few queries, or of a prompt
     panels: bool = False  # float32 projections held in column panels (models/panels.py)
     greedy_screen: bool = False  # greedy tokens through an int8 screen of a float32 unembedding
     huge_pages: bool = False  # weights and KV cache on 2 MiB pages (runner/engine/hugepages.py)
-    # A decode step's attention in Pallas (precision.pallas_attention): "tpu" (Mosaic) or "gpu"
+    # A decode step's attention in Pallas (kernels.pallas_attention): "tpu" (Mosaic) or "gpu"
     # (Triton), or "" (XLA's attention)
     pallas_decode: str = ""
     # TPU:

@@ -1,4 +1,4 @@
-"""Fused projections (precision.fuse_projections): one matrix product where several read one input.
+"""Fused projections (programs.fuse_projections): one matrix product where several read one input.
 
     q, k, v     wqkv [D, K, J, H], J = G + 2: for each kv head, its G query heads, then its key and
                 its value. Sharding the kv heads keeps every group whole, and leaves each shard the

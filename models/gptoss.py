@@ -266,7 +266,7 @@ def _experts_dense(x, expert, weight, w, scales, c, policy):
 
 
 def experts_ragged(x, expert, weight, w, scales, c, interpret=False):
-    """Many assignments on TPU (precision.pallas_moe): sorted by expert, each expert's rows one
+    """Many assignments on TPU (kernels.pallas_moe): sorted by expert, each expert's rows one
     ragged group of a Pallas grouped matmul (JAX's megablox gmm), so no assignment waits in a
     bucket padded to a capacity. x [M, D]; expert, weight [M, k], expert = E where the expert
     lives on another shard (those rows are sorted last, left out of every group, and zeroed)."""

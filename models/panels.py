@@ -1,5 +1,5 @@
 """Float32 projections packed in column panels for podrun's CPU product kernel
-(precision.panel_weights; one CPU device, float32 weights and activations, no quantisation).
+(kernels.panel_weights; one CPU device, float32 weights and activations, no quantisation).
 
 A projection W, as a plain matrix [C, O] (its contracted dimensions C, its output ones O), is held
 as panels [ceil(O / 64), C, 64]: the 64 columns p*64 .. p*64+63 of every row, one panel after
@@ -40,7 +40,7 @@ class PanelWeight:
 
 
 def takes_panels(w: Weight) -> bool:
-    """Whether precision.panel_weights packs w: every projection but the vocabulary's tables and
+    """Whether kernels.panel_weights packs w: every projection but the vocabulary's tables and
     GPT-OSS's experts."""
     return quant.quantizable(w) and "experts" not in w.axes and "vocab" not in w.axes
 

@@ -9,7 +9,7 @@ held, so a tied embedding is quantised once for both the lookup and the unembedd
 
 Activations, norms, biases and the KV cache stay in their own precision. On CPU the product runs in
 the int8 kernel (in a shard_map over the rules' mesh, psum over a sharded contraction); elsewhere, or
-with precision.kernels off, XLA's dot takes the int8 values converted and the scales multiply its
+with kernels.enabled off, XLA's dot takes the int8 values converted and the scales multiply its
 output (GPT-OSS's experts likewise, in models/gptoss.py).
 
 int4 (Q4Weight) holds [*out, C], the contracted dimensions flattened into C, in groups of

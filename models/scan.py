@@ -1,4 +1,4 @@
-"""Scan over layers (precision.scan_layers): the layers' weights stacked, one loop body compiled.
+"""Scan over layers (programs.scan_layers): the layers' weights stacked, one loop body compiled.
 
 Unrolled, XLA compiles every layer's ops separately; scanned, it compiles one period of layers
 once and loops over it, so compile time no longer grows with depth. The layers must repeat with a

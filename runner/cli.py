@@ -107,6 +107,13 @@ def parse_flags(argv: list[str]) -> list[str]:
         sys.exit(f"podrun: error: {' '.join(message.split())}")
 
 
+# Keys that left `precision` for the sections that say what they hold.
+MOVED = {"precision.kernels": "kernels.enabled", **{f"precision.{k}": f"kernels.{k}" for k in (
+    "pallas_attention", "pallas_prefill", "cudnn_prefill", "pallas_moe", "greedy_screen", "panel_weights")},
+    **{f"precision.{k}": f"programs.{k}" for k in ("scan_layers", "fuse_projections", "donate_cache",
+                                                     "huge_pages")}}
+
+
 def unknown_override(argv: list[str], detail: str) -> str:
     """One line naming the --config.* override whose field does not exist, from ml_collections'
     message ("'foo'", or "'batch_sizee' Did you mean "batch_size" ...")."""
@@ -120,6 +127,8 @@ def unknown_override(argv: list[str], detail: str) -> str:
         if flag.startswith("--config.") and name in flag.removeprefix("--config.").split("."):
             path = flag.removeprefix("--config.")
             where = path[: path.index(name) + len(name)]
+            if where in MOVED:
+                return f"{flag}: {where} is now {MOVED[where]}"
             did = f"; did you mean {hint.group(1)!r}?" if hint else ""
             return (f"{flag}: the config has no field {where!r}{did} (configs/base.py lists "
                     "the fields)")

@@ -150,7 +150,7 @@ def build_engine(s: Settings, model, params, rules: Rules, allocate: bool = True
     if g.page_size % fold:
         raise SettingsError(f"generation.page_size={g.page_size} must be a multiple of {fold} with "
                             f"the TPU kernels, whose pools hold {fold} slots of head_dim {head_dim} "
-                            "in a row of 128 lanes (or precision.kernels=False)")
+                            "in a row of 128 lanes (or kernels.enabled=False)")
     try:
         return PagedEngine(model, params, rules, s.policy, g.batch_size, g.max_prompt_len,
                            g.max_new_tokens, g.page_size, int(g.kv_cache_gib * 2**30),

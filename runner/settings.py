@@ -107,9 +107,9 @@ def from_config(c: ConfigDict) -> Settings:
         raise SettingsError(f"generation.page_size={gen.page_size} must be 0 (unpaged) or more, "
                             f"kv_cache_gib={gen.kv_cache_gib} 0 or more, chunk_tokens="
                             f"{gen.chunk_tokens} at least 1")
-    if gen.page_size and c.precision.scan_layers:
+    if gen.page_size and c.programs.scan_layers:
         raise SettingsError("generation.page_size > 0 (the paged engine) runs unrolled layers: "
-                            "set precision.scan_layers=False")
+                            "set programs.scan_layers=False")
     if gen.prefill_rows < 0:
         raise SettingsError(f"generation.prefill_rows={gen.prefill_rows} must be 0 (the whole batch) or more")
     if gen.reasoning_effort not in ("low", "medium", "high"):
@@ -120,7 +120,7 @@ def from_config(c: ConfigDict) -> Settings:
             f"sampling temperature={samp.temperature}, top_p={samp.top_p}, top_k={samp.top_k}: "
             "need temperature >= 0, 0 < top_p <= 1, top_k >= 0"
         )
-    p = c.precision
+    p, k, prog = c.precision, c.kernels, c.programs
     for field in ("params", "activations"):
         if p[field] not in ("float32", "bfloat16", "float16"):
             raise SettingsError(f"precision.{field}={p[field]!r}: use float32, bfloat16 or float16")
@@ -146,13 +146,12 @@ def from_config(c: ConfigDict) -> Settings:
         rules={k: tuple(a.strip() for a in v.split(",") if a.strip()) for k, v in c.rules.items()},
         compilation_cache_dir=_path(c.compilation_cache.dir),
         policy=Policy(params=p.params, activations=p.activations, kv_cache=p.kv_cache,
-                      matmul=p.matmul, quantize=p.quantize, kernels=bool(p.kernels),
-                      pallas_attention=bool(p.pallas_attention),
-                      fuse_projections=bool(p.fuse_projections), scan_layers=bool(p.scan_layers),
-                      pallas_prefill=bool(p.pallas_prefill), cudnn_prefill=bool(p.cudnn_prefill),
-                      pallas_moe=bool(p.pallas_moe),
-                      donate_cache=bool(p.donate_cache), huge_pages=bool(p.huge_pages),
-                      greedy_screen=bool(p.greedy_screen), panel_weights=bool(p.panel_weights)),
+                      matmul=p.matmul, quantize=p.quantize, kernels=bool(k.enabled),
+                      pallas_attention=bool(k.pallas_attention), pallas_prefill=bool(k.pallas_prefill),
+                      cudnn_prefill=bool(k.cudnn_prefill), pallas_moe=bool(k.pallas_moe),
+                      greedy_screen=bool(k.greedy_screen), panel_weights=bool(k.panel_weights),
+                      fuse_projections=bool(prog.fuse_projections), scan_layers=bool(prog.scan_layers),
+                      donate_cache=bool(prog.donate_cache), huge_pages=bool(prog.huge_pages)),
         generation=gen,
         sampling=samp,
         input=_path(c.io.input),

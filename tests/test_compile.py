@@ -25,7 +25,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:Error reading persistent compila
 
 def tiny_tpu_settings(scan_layers: bool = False, **generation):
     c = base_config()
-    c.precision.scan_layers = scan_layers
+    c.programs.scan_layers = scan_layers
     c.checkpoint.update(path="/unused", model="gptoss:tiny")
     c.mesh.update(data=1, expert=2, model=2, num_cpu_devices=0, device_memory_gib=16.0,
                   tpu_topology="v5e:2x2")
@@ -225,7 +225,7 @@ def test_every_shipped_tpu_config_compiles_and_fits(path):
 @pytest.mark.parametrize("kernels,kv_cache", [(True, "bfloat16"), (False, "bfloat16"),
                                                (True, "int8"), (False, "int8")])
 def test_decode_attention_compiles_as_the_pallas_kernel_for_tpu(kernels, kv_cache):
-    """With precision.pallas_attention the decode step's attention is the Pallas kernel (a Mosaic
+    """With kernels.pallas_attention the decode step's attention is the Pallas kernel (a Mosaic
     custom call in the program compiled for v5e), over a bf16 or an int8 cache; without, XLA's
     (the prefill kernel is off here, so that no program has any other custom call)."""
     from runner.tools.compile import compile_deployment
@@ -346,7 +346,7 @@ def test_the_programs_a_request_compiles_when_it_asks_compile_for_a_v5e_topology
 @pytest.mark.parametrize("scan", [False, pytest.param(True, marks=pytest.mark.slow)],
                          ids=["unrolled", "scanned"])
 def test_prefill_attention_compiles_as_the_pallas_flash_kernel_for_tpu(scan):
-    """With precision.pallas_prefill every prefill program's attention is the Pallas flash kernel
+    """With kernels.pallas_prefill every prefill program's attention is the Pallas flash kernel
     (a Mosaic custom call in the program compiled for v5e), and decode keeps XLA's attention."""
     from runner.tools.compile import compile_deployment
 
@@ -361,7 +361,7 @@ def test_prefill_attention_compiles_as_the_pallas_flash_kernel_for_tpu(scan):
 
 
 def test_without_donation_the_decode_step_writes_a_new_cache():
-    """precision.donate_cache=False: no output of the decode program reuses an input buffer, and
+    """programs.donate_cache=False: no output of the decode program reuses an input buffer, and
     the program never needs less memory; donated (the default), the cache is aliased. How much
     more the copy costs is the compiler's to decide (up to a whole cache)."""
     from runner.tools.compile import compile_deployment
@@ -406,7 +406,7 @@ def test_pinning_the_lookup_tables_keeps_their_values_and_shards(monkeypatch):
 
 
 def test_the_experts_compile_as_the_pallas_grouped_matmul_for_tpu():
-    """With precision.pallas_moe (the attention kernels off) the programs that route many tokens
+    """With kernels.pallas_moe (the attention kernels off) the programs that route many tokens
     (prefill; decode at batch 4 x 2 experts over 2 local experts) run the experts in megablox's
     grouped matmul, a Mosaic custom call, in the program compiled for v5e."""
     from runner.tools.compile import compile_deployment

@@ -54,8 +54,8 @@ def run_main(root, input_path, output, *overrides, check=True):
 # runner.main) one device, and data x model alone.
 @pytest.mark.parametrize("mesh", [pytest.param((), marks=pytest.mark.slow),
                                   ("--config.mesh.data=2", "--config.mesh.expert=2", "--config.mesh.model=2",
-                                   "--config.precision.scan_layers=true",
-                                   "--config.precision.fuse_projections=true"),
+                                   "--config.programs.scan_layers=true",
+                                   "--config.programs.fuse_projections=true"),
                                   pytest.param(("--config.mesh.data=2", "--config.mesh.model=4"),
                                                marks=pytest.mark.slow)])
 def test_greedy_generation_matches_transformers(model_dir, mesh, tmp_path):
@@ -331,6 +331,10 @@ def test_bad_setups_fail_in_one_line_and_write_nothing(kind, tmp_path_factory, t
         "--config.generation.batchsize: the config has no field 'generation.batchsize'; did you mean "
         "'batch_size'?": ("--config.generation.batchsize=2",),
         "--config.foo.bar: the config has no field 'foo'": ("--config.foo.bar=1",),
+        "--config.precision.scan_layers: precision.scan_layers is now programs.scan_layers": (
+            "--config.precision.scan_layers=true",),
+        f"checkpoint.chat_template={tmp_path}/none.jinja: no such file": (
+            f"--config.checkpoint.chat_template={tmp_path}/none.jinja",),
         f"io.output={tmp_path}/in.jsonl/out.jsonl: {tmp_path}/in.jsonl is a file, not a folder": (
             f"--config.io.output={tmp_path}/in.jsonl/out.jsonl",),
         f"io.output={tmp_path} is a folder": (f"--config.io.output={tmp_path}",),

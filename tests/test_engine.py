@@ -420,7 +420,7 @@ def test_greedy_tokens_through_the_unembedding_screen_match_transformers(kind, p
     """On one CPU device greedy tokens come through the int8 screen of the unembedding (Llama's
     lm_head [D, V], Qwen2's and GPT-2's tied embedding [V, D], GPT-OSS's lm_head [V, D]): the
     tokens are transformers' greedy ones (prefilled all at once or a row at a time), and a sampled
-    row beside greedy ones changes none of theirs. precision.greedy_screen=False, or several
+    row beside greedy ones changes none of theirs. kernels.greedy_screen=False, or several
     devices, make no screen."""
     m = tiny_hf(kind, seed=5)
     engine = make_engine(m, "1dev", batch_size=3)

@@ -88,7 +88,7 @@ def test_a_gpu_mesh_runs_its_kernels_and_nothing_cpu_or_tpu_only(tripwires, spec
                                                                   pallas):
     """Every switch of the CPU and TPU kernels on, as a config could leave them: on a GPU mesh a
     prefill's attention goes to cuDNN (except with GPT-OSS's sinks), a decode step's to the Triton
-    kernel with precision.pallas_attention (sinks, windows and an int8 cache included) and to XLA
+    kernel with kernels.pallas_attention (sinks, windows and an int8 cache included) and to XLA
     without, the products to XLA (quantised ones too)."""
     rules = gpu_rules()
     model = Model.named(spec)
@@ -162,8 +162,8 @@ def test_the_device_check_runs_its_steps_on_a_tiny_model(tmp_path):
                  "gptoss"):
         assert steps[name]["rc"] == 0, (name, steps[name].get("log_tail"))
     assert "decode_pallas" not in steps
-    assert "--config.precision.cudnn_prefill=False" in steps["decode"]["command"]
-    assert "--config.precision.pallas_attention=False" in steps["job"]["command"]
+    assert "--config.kernels.cudnn_prefill=False" in steps["decode"]["command"]
+    assert "--config.kernels.pallas_attention=False" in steps["job"]["command"]
     assert sorted(r["batch_size"] for r in steps["decode"]["records"]) == [1, 2, 4]
     assert sorted(r["batch_size"] for r in steps["gptoss"]["records"]) == [1, 2]
     assert steps["job"]["records"]["requests"] == 40 == steps["job"]["workload"]["requests"]
@@ -177,7 +177,7 @@ def test_the_device_check_runs_its_steps_on_a_tiny_model(tmp_path):
 @pytest.mark.parametrize("kind", ["llama", "gptoss"])
 @pytest.mark.parametrize("mesh", ["1dev", "data2_model4"])
 def test_decode_through_the_triton_kernel_matches_transformers(monkeypatch, kind, mesh):
-    """A GPU backend's decode step (precision.pallas_attention) on CPU devices, the Triton kernel
+    """A GPU backend's decode step (kernels.pallas_attention) on CPU devices, the Triton kernel
     run by Pallas' interpreter inside the model's shard_map: a ragged, left-padded batch prefilled,
     then decoded token by token; every step's logits against transformers' over the unpadded
     sequence. GPT-OSS brings sinks and windowed layers (rings of 8 slots, passed by the decode)."""
@@ -223,7 +223,7 @@ def test_decode_through_the_triton_kernel_matches_transformers(monkeypatch, kind
 @pytest.mark.parametrize("spec,kernels", [("llama:llama3.1-8b", 1), ("gptoss:20b", 2)])
 def test_the_h100_decode_step_lowers_for_cuda_with_the_triton_kernel(monkeypatch, spec, kernels):
     """The H100 deployments' decode step at full size (abstract weights: nothing allocated), a GPU
-    backend with precision.pallas_attention, lowered for CUDA on this CPU: every layer's attention
+    backend with kernels.pallas_attention, lowered for CUDA on this CPU: every layer's attention
     is a call of the Triton kernel (one kernel for Llama's layers, GPT-OSS's windowed and full
     layers one each), with the cache donated. What XLA:GPU then compiles needs the GPU
     (benchmarks/gpu_check.py). The mesh is one CPU device's, as lowering wants a real device."""

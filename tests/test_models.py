@@ -36,7 +36,7 @@ def test_logits_match_transformers(kind, fuse, mesh_rules):
 
 @pytest.mark.parametrize("kind", ["llama", "gptoss"])
 def test_panels_hold_the_projections_on_one_cpu_device(kind):
-    """precision.panel_weights: on one CPU device every projection but the vocabulary's tables and
+    """kernels.panel_weights: on one CPU device every projection but the vocabulary's tables and
     GPT-OSS's experts is packed, each panel numpy's 64 columns of the weight as [C, O] (zero
     columns past O), as abstract_params declares them; on a mesh of several devices, or with
     panel_weights off, nothing is."""

@@ -1,4 +1,4 @@
-"""Scan over layers (precision.scan_layers): stacked weights and caches, against transformers."""
+"""Scan over layers (programs.scan_layers): stacked weights and caches, against transformers."""
 
 import jax
 import numpy as np

@@ -74,7 +74,7 @@ def _compiler() -> str:
         raise KernelBuildError(
             f"podrun's CPU kernels need a C++ compiler to build {sources}, "
             f"and {cxx!r} is not on PATH; install g++ (apt-get install g++) or set CXX, or run with "
-            "--config.precision.kernels=False (much slower int8 through XLA)")
+            "--config.kernels.enabled=False (much slower int8 through XLA)")
     return found
 
 

@@ -387,7 +387,7 @@ ffi::Error MatmulF32(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
 
 // --- W in column panels: [P, K, kPanel], panel p holding columns [p kPanel, (p + 1) kPanel) -----
 //
-// precision.panel_weights packs a float32 projection W[K, N] so (models/panels.py, zero columns
+// kernels.panel_weights packs a float32 projection W[K, N] so (models/panels.py, zero columns
 // past N): each panel is contiguous and a thread reads its share of the panels (and of their
 // rows of k) front to back, one stream of memory, as a plain read does, holding the panel's
 // kPanel sums of each row of x in registers over k. Read in [K, N] instead, a row of x keeps

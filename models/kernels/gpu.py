@@ -1,8 +1,8 @@
 """NVIDIA GPU kernels:
 - flash_prefill: a prompt's attention over its own keys in cuDNN's fused attention
-  (jax.nn.dot_product_attention), with precision.cudnn_prefill;
+  (jax.nn.dot_product_attention), with kernels.cudnn_prefill;
 - decode_attention: a decode step's attention over the KV cache in Pallas (Triton), with
-  precision.pallas_attention, the counterpart of the TPU kernel (models/kernels/tpu.py).
+  kernels.pallas_attention, the counterpart of the TPU kernel (models/kernels/tpu.py).
 
 flash_prefill keeps a prompt's [T, T] scores out of GPU memory: XLA's attention writes them
 (32 heads x 4,096^2 float32 = 2 GiB a layer for a 4,096-token prompt) and reads them back in each

@@ -1,5 +1,5 @@
-"""Pallas TPU kernels: decode_attention with precision.pallas_attention (off by default),
-flash_prefill with precision.pallas_prefill (on by default). Checked on CPU in interpret mode
+"""Pallas TPU kernels: decode_attention with kernels.pallas_attention (off by default),
+flash_prefill with kernels.pallas_prefill (on by default). Checked on CPU in interpret mode
 against numpy (tests/test_kernels.py) and compiled for TPU v5e ahead of time (tests/test_compile.py,
 python -m runner.tools.compile).
 

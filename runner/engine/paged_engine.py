@@ -102,7 +102,7 @@ class PagedEngine:
         of the kv heads), or `pages`: the full-attention layers' pages per group; neither gives
         every row room for its longest request, as an unpaged cache would."""
         if policy.scan_layers:
-            raise ValueError("the paged engine runs unrolled layers: precision.scan_layers=False")
+            raise ValueError("the paged engine runs unrolled layers: programs.scan_layers=False")
         self.groups = G = rules.shards("batch")
         self.batch_size = B = -(-batch_size // G) * G
         self.rows_per_group = R = B // G

@@ -27,7 +27,7 @@ Measured (medians over --reps, after a warm-up that compiles every timed shape):
 Roofline of one decode step: bytes_per_step = weights a token must read (all of them, except that
 an embedding table only contributes the B rows gathered unless it is tied as the unembedding, a
 mixture of experts only min(B*k, E) of its E experts, and an unembedding read through the greedy
-screen (precision.greedy_screen) only the screen's int8 bytes) + the filled part of the KV cache
+screen (kernels.greedy_screen) only the screen's int8 bytes) + the filled part of the KV cache
 (mean over the decode), against a large array's read bandwidth measured in this process before
 each timed repetition and after the last (the bandwidth of a machine like this one drifts by a
 half within minutes) -> MBU: each repetition's decode against the mean of the two measurements
