@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import re
+from datetime import date, datetime, time
 
 import jax
 import jax.numpy as jnp
@@ -50,16 +51,59 @@ def request(i: int, case: dict, **kw) -> dict:
     return r
 
 
-def holds(case: dict, text: str) -> bool:
-    """The independent judge: jsonschema, a full match, membership. The match is the `regex`
-    package's, Python's re on a current Unicode: a guided_regex's \\d is any decimal digit, and
-    this Python's re knows only Unicode 14's (a random model finds the newer ones)."""
-    if case["kind"] == "json_schema":
-        try:
-            jsonschema.validate(json.loads(text), case["schema"])
-        except (ValueError, jsonschema.ValidationError):
-            return False
+# RFC 3339's full-date, full-time and date-time, the shapes datetime's parsers are held to below
+RFC3339 = {"date": r"\d{4}-\d\d-\d\d", "time": r"\d\d:\d\d:\d\d(\.\d+)?([zZ]|[+-]\d\d:\d\d)"}
+RFC3339["date-time"] = RFC3339["date"] + "[tT]" + RFC3339["time"]
+PARSERS = {"date": date.fromisoformat, "time": time.fromisoformat, "date-time": datetime.fromisoformat}
+
+
+def real(value, fmt: str) -> bool:
+    """A string format's reference: jsonschema's Draft 2020-12 format checker (its bare
+    FormatChecker() reads `time` as Draft 3's), and for date, time and date-time also the RFC
+    3339 shape with datetime's calendar and clock (no year 0, no February 29 out of leap years,
+    no second 60): jsonschema checks date-time and time only where rfc3339-validator is
+    installed, which no requirement pins."""
+    if not jsonschema.Draft202012Validator.FORMAT_CHECKER.conforms(value, fmt):
+        return False
+    if fmt not in PARSERS or not isinstance(value, str):
         return True
+    if not re.fullmatch(RFC3339[fmt], value, re.ASCII):
+        return False
+    try:
+        PARSERS[fmt](value.upper().replace("Z", "+00:00"))
+    except ValueError:
+        return False
+    return True
+
+
+CHECKER = jsonschema.FormatChecker(())
+CHECKER.checkers = {fmt: (lambda v, fmt=fmt: real(v, fmt), ())
+                    for fmt in jsonschema.Draft202012Validator.FORMAT_CHECKER.checkers}
+
+
+def unique_members(pairs: list) -> dict:
+    names = [k for k, _ in pairs]
+    if len(set(names)) < len(names):
+        raise ValueError(f"a member name repeats: {names}")
+    return dict(pairs)
+
+
+def valid(schema: dict, text: str) -> bool:
+    """JSON whose objects' member names are unique, valid under the schema (Draft 2020-12) with
+    its string formats checked (`real`)."""
+    try:
+        value = json.loads(text, object_pairs_hook=unique_members)
+    except ValueError:
+        return False
+    return jsonschema.Draft202012Validator(schema, format_checker=CHECKER).is_valid(value)
+
+
+def holds(case: dict, text: str) -> bool:
+    """The independent judge: jsonschema (`valid`), a full match, membership. The match is the
+    `regex` package's, Python's re on a current Unicode: a guided_regex's \\d is any decimal
+    digit, and this Python's re knows only Unicode 14's (a random model finds the newer ones)."""
+    if case["kind"] == "json_schema":
+        return valid(case["schema"], text)
     if case["kind"] == "regex":
         return regex.fullmatch(case["regex"], text) is not None
     return text in case["choices"]
@@ -260,6 +304,10 @@ def test_masked_rows_take_only_allowed_tokens_and_leave_their_neighbours_alone(s
 # --- every tokenizer: random walks through the formats' masks -----------------------------------
 
 
+def allowed(mask: np.ndarray, token: int) -> bool:
+    return bool(mask.view(np.uint32)[token // 32] >> np.uint32(token % 32) & 1)
+
+
 def walk(grammars: structured.Grammars, fmt: structured.Format, chat: bool, seed: int,
          limit: int = 300) -> tuple[list[int], bool]:
     """Tokens drawn uniformly from each step's mask until a stop id: (tokens, ended)."""
@@ -272,7 +320,7 @@ def walk(grammars: structured.Grammars, fmt: structured.Format, chat: bool, seed
         ids = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))
         assert len(ids) and ids.max() < grammars.vocab_size
         # a random walk favours long strings: prefer the stop id where it is allowed
-        stops = [i for i in ids if i in grammars.stop_ids]
+        stops = [i for i in grammars.stop_ids if allowed(mask, i)]
         t = int(stops[0] if stops and rng.random() < 0.5 else rng.choice(ids))
         assert m.take(t)
         tokens.append(t)
@@ -328,13 +376,19 @@ def test_sentencepiece_walks_hold(sp_model, tmp_path):
     assert_walks_hold(tok, tok.vocab_size, tok.eos_token_ids)
 
 
-def test_harmony_answers_in_the_final_channel(tmp_path):
+@pytest.fixture(scope="module")
+def harmony_grammars(tmp_path_factory) -> structured.Grammars:
+    folder = write_folder(tmp_path_factory.mktemp("o200k-harmony"),
+                          {"tokenizer.json": o200k.o200k_harmony_tokenizer_json(),
+                           "tokenizer_config.json": o200k.TOKENIZER_CONFIG})
+    tok = load_tokenizer(folder)
+    return structured.Grammars(tok, o200k.VOCAB_SIZE, [harmony.RETURN], HarmonyChat.grammar_start)
+
+
+def test_harmony_answers_in_the_final_channel(harmony_grammars):
     """o200k_harmony: the format holds in the final channel, after an optional analysis, and the
     completion ends on <|return|>; Harmony's own parser (runner.text.harmony) reads it back."""
-    folder = write_folder(tmp_path, {"tokenizer.json": o200k.o200k_harmony_tokenizer_json(),
-                                     "tokenizer_config.json": o200k.TOKENIZER_CONFIG})
-    tok = load_tokenizer(folder)
-    grammars = structured.Grammars(tok, o200k.VOCAB_SIZE, [harmony.RETURN], HarmonyChat.grammar_start)
+    grammars, tok = harmony_grammars, harmony_grammars.tokenizer
     for fields, judge in zip(FORMATS, JUDGES):
         for seed in range(3):
             tokens, ended = walk(grammars, structured.parse_format(fields), True, seed, limit=2000)
