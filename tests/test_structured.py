@@ -3,6 +3,8 @@ jsonschema, re.fullmatch and membership; on a random model (noise unless held), 
 SmolLM2, and on every kind of tokenizer podrun loads."""
 
 import dataclasses
+import functools
+import itertools
 import json
 import os
 import re
@@ -161,8 +163,16 @@ BAD = [
     ({"guided_json": "{not json"}, "guided_json"),
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "at most one"),
+    ({"guided_json": {"type": "array", "uniqueItems": True}}, "uniqueItems"),
 ]
 PICKED = cases("json_schema")[:10] + cases("regex")[:5] + cases("choice")[:5]
+DIGIT = {"type": "integer", "minimum": 0, "maximum": 9}
+# Schemas where llguidance alone is looser than jsonschema: string formats, uniqueItems false.
+DATED = {"type": "object", "properties": {"day": {"type": "string", "format": "date"},
+                                          "at": {"type": "string", "format": "date-time", "maxLength": 25},
+                                          "t": {"type": "string", "format": "time", "maxLength": 12}},
+         "required": ["day", "at", "t"], "additionalProperties": False}
+DIGITS = {"type": "array", "items": DIGIT, "uniqueItems": False, "minItems": 2, "maxItems": 4}
 LONG = {"type": "object", "properties": {"s": {"type": "string", "minLength": 40}}, "required": ["s"]}
 
 
@@ -445,3 +455,101 @@ def test_gptoss_chats_answer_in_the_final_channel(tmp_path_factory, tmp_path):
     assert check_all(got, picked) > 0
     for r in got.values():
         assert r.get("incomplete_format") or "chat_format_error" not in r, r
+
+
+# --- what jsonschema checks and llguidance alone leaves to chance: walks by hand ----------------
+
+
+@pytest.fixture(scope="module")
+def smollm2_grammars(smollm2_gguf, tmp_path_factory) -> structured.Grammars:
+    text, config = tokenizer_json_from_gguf(smollm2_gguf)
+    tok = load_tokenizer(write_folder(tmp_path_factory.mktemp("smollm2-tokenizer"),
+                                      {"tokenizer.json": text, "tokenizer_config.json": config}))
+    return structured.Grammars(tok, 49152, tok.eos_token_ids)
+
+
+@functools.cache
+def token_ids(grammars: structured.Grammars) -> dict[bytes, list[int]]:
+    """The ids of each ordinary token's bytes (llguidance's view of the vocabulary)."""
+    ll, ids = grammars._lltokenizer(), {}
+    for i in range(grammars.vocab_size):
+        if not ll.is_special_token(i):
+            ids.setdefault(ll.decode_bytes([i]), []).append(i)
+    return ids
+
+
+def accepts(grammars: structured.Grammars, fields: dict, text: str, chat: bool = False,
+            before: list[int] = ()) -> bool:
+    """Whether the format's walk can spell the text after the tokens before, in some
+    tokenization (llguidance allows some only in long tokens, a key's closing quote with its
+    colon), each token allowed by its step's mask, and then allows a stop id. A depth-first
+    search; a position no tokenization could go on from is not tried again (the walk's state is
+    its text's)."""
+    grammar = grammars.compile(structured.parse_format(fields), chat)
+    ids, data, failed = token_ids(grammars), text.encode(), set()
+    longest = max(map(len, ids))
+    mask = np.zeros((grammars.vocab_size + 31) // 32, np.int32)
+
+    def spell(tokens: list[int], at: int) -> bool:
+        m = grammar.start()
+        for t in tokens:
+            m.mask(mask)
+            assert allowed(mask, t) and m.take(t)
+        m.mask(mask)
+        if at == len(data):
+            return any(allowed(mask, t) for t in grammars.stop_ids)
+        steps = [(t, n) for n in range(min(longest, len(data) - at), 0, -1)
+                 for t in ids.get(data[at:at + n], ()) if allowed(mask, t)]
+        for t, n in steps:
+            if at + n not in failed and spell(tokens + [t], at + n):
+                return True
+        failed.add(at)
+        return False
+
+    return spell(list(before), 0)
+
+
+def json_schema(schema: dict) -> dict:
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
+
+
+def assert_walks_valid(grammars, schema: dict, seeds=range(20), limit: int = 300) -> None:
+    """Every seeded random walk through the schema's masks ends, and its text is `valid`."""
+    for seed in seeds:
+        tokens, ended = walk(grammars, structured.parse_format(json_schema(schema)), False, seed, limit)
+        text = grammars.tokenizer.decode(tokens[:-1])
+        assert ended, text
+        assert valid(schema, text), text
+
+
+DAYS = ["2023-02-28", "2023-02-29", "2024-02-29", "1900-02-29", "2000-02-29", "2100-02-29",
+        "0004-02-29", "0000-01-01", "0001-01-01", "2023-04-30", "2023-04-31", "2023-12-31", "2023-13-01"]
+TIMES = ["23:59:59Z", "23:59:60Z", "00:00:00.5+23:59", "24:00:00Z", "12:30:00", "12:30:00z"]
+
+
+@pytest.mark.parametrize("fmt", ["date", "date-time", "time"])
+def test_dates_and_times_are_the_real_ones(smollm2_grammars, fmt):
+    """A formatted string's walk takes exactly the strings the reference (`real`) accepts:
+    February 29 of leap years only, no year 0, no second 60; and a pattern beside the format
+    holds too."""
+    stamps = [d + "T" + t for d, t in zip(DAYS, itertools.cycle(TIMES[:3]))] + ["2024-02-29t01:02:03z"]
+    values = {"date": DAYS, "time": TIMES, "date-time": stamps}[fmt]
+    schema = {"type": "string", "format": fmt}
+    got = {v: accepts(smollm2_grammars, json_schema(schema), json.dumps(v)) for v in values}
+    assert got == {v: real(v, fmt) for v in values}
+    assert any(got.values()) and not all(got.values())
+    schema["pattern"] = "^20"
+    assert {v: accepts(smollm2_grammars, json_schema(schema), json.dumps(v)) for v in values} == {
+        v: real(v, fmt) and v.startswith("20") for v in values}
+
+
+def test_formatted_strings_hold_on_random_walks(smollm2_grammars):
+    assert_walks_valid(smollm2_grammars, DATED, range(30))
+
+
+def test_unique_items_false_is_accepted_and_true_refused_in_one_line(smollm2_grammars):
+    assert_walks_valid(smollm2_grammars, DIGITS)
+    assert accepts(smollm2_grammars, json_schema(DIGITS), "[1,1]")
+    unique = structured.parse_format(json_schema({"type": "array", "uniqueItems": True}))
+    with pytest.raises(ValueError, match=r"^response_format\.json_schema\.schema: .*uniqueItems[^\n]*$"):
+        smollm2_grammars.compile(unique)

@@ -46,6 +46,7 @@ class Format:
             schema = json.loads(self.spec) if self.kind == "json_schema" else {"type": "object"}
             if not isinstance(schema, dict):
                 raise ValueError(f"{self.field}: a JSON schema is an object, not {_kind_of(schema)}")
+            schema = _strict(schema, self.field)
             # the request's own x-guidance options apply first, the whitespace rule over them
             schema = {**schema, "x-guidance": {**schema.get("x-guidance", {}), **_JSON_OPTIONS}}
             return "body: %json " + json.dumps(schema, ensure_ascii=False)
@@ -116,6 +117,63 @@ def parse_format(d: dict) -> Format | None:
 def _short(v: Any, limit: int = 60) -> str:
     text = json.dumps(v, ensure_ascii=False) if not isinstance(v, str) else repr(v)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# --- the schema llguidance compiles: the request's, held to what jsonschema checks ---------------
+
+# String formats whose llguidance regex is looser than jsonschema's FormatChecker (Feb 29 in any
+# year, year 0000, second 60), as the exact regex: real dates of years 0001-9999 (leap years
+# divisible by 4, not by 100 unless by 400), RFC 3339 times without leap seconds.
+_YEAR = r"(?:[0-9]{3}[1-9]|[0-9]{2}[1-9][0-9]|[0-9][1-9][0-9]{2}|[1-9][0-9]{3})"
+_LEAP = r"(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
+_MONTH_DAY = (r"(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
+              r"|02-(?:0[1-9]|1[0-9]|2[0-8]))")
+_DATE = rf"(?:{_YEAR}-{_MONTH_DAY}|{_LEAP}-02-29)"
+_TIME = (r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]+)?"
+         r"(?:[zZ]|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])")
+FORMAT_PATTERNS = {"date": f"^{_DATE}$", "time": f"^{_TIME}$", "date-time": f"^{_DATE}[tT]{_TIME}$"}
+
+# Keywords whose value is a subschema, a list of them, or a map of names to them; not `not` and
+# `if`, where a narrower subschema would widen the whole (llguidance refuses both).
+_ONE = ("additionalProperties", "items", "additionalItems", "contains", "then", "else",
+        "propertyNames", "unevaluatedProperties", "unevaluatedItems")
+_LIST = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
+
+
+def _nodes(node: Any, path: tuple = ()):
+    """(path from the root, schema) of every schema object in node, node first."""
+    if not isinstance(node, dict):
+        return
+    yield path, node
+    for k, v in node.items():
+        if k in _MAP and isinstance(v, dict):
+            for name, sub in v.items():
+                yield from _nodes(sub, (*path, k, name))
+        elif k in _LIST and isinstance(v, list):
+            for i, sub in enumerate(v):
+                yield from _nodes(sub, (*path, k, i))
+        elif k in _ONE:
+            yield from _nodes(v, (*path, k))
+
+
+def _strict(schema: dict, field: str) -> dict:
+    """The schema as llguidance is given it (changed in place), narrower than the request's where
+    needed so that every completion validates under the request's schema with jsonschema's
+    format checker, and no wider:
+
+    - `format` date, time and date-time become their exact `pattern` (FORMAT_PATTERNS);
+    - `uniqueItems: false`, which asks nothing, is dropped."""
+    for path, node in list(_nodes(schema)):
+        if node.get("uniqueItems") is False:
+            del node["uniqueItems"]
+        if isinstance(fmt := node.get("format"), str) and fmt in FORMAT_PATTERNS:
+            del node["format"]
+            if "pattern" in node:  # both hold: the format's pattern as a member of an allOf
+                node["allOf"] = [*(node.get("allOf") or []), {"pattern": FORMAT_PATTERNS[fmt]}]
+            else:
+                node["pattern"] = FORMAT_PATTERNS[fmt]
+    return schema
 
 
 class Matcher:
