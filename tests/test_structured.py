@@ -164,15 +164,21 @@ BAD = [
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "at most one"),
     ({"guided_json": {"type": "array", "uniqueItems": True}}, "uniqueItems"),
+    ({"guided_json": {"type": "object", "properties": {"a": {}}, "minProperties": 2}}, "minProperties 2"),
 ]
 PICKED = cases("json_schema")[:10] + cases("regex")[:5] + cases("choice")[:5]
 DIGIT = {"type": "integer", "minimum": 0, "maximum": 9}
-# Schemas where llguidance alone is looser than jsonschema: string formats, uniqueItems false.
+# Schemas where llguidance alone is looser than jsonschema: string formats, objects without
+# additionalProperties, uniqueItems false, minProperties beside listed keys.
 DATED = {"type": "object", "properties": {"day": {"type": "string", "format": "date"},
                                           "at": {"type": "string", "format": "date-time", "maxLength": 25},
                                           "t": {"type": "string", "format": "time", "maxLength": 12}},
-         "required": ["day", "at", "t"], "additionalProperties": False}
+         "required": ["day", "at", "t"]}
 DIGITS = {"type": "array", "items": DIGIT, "uniqueItems": False, "minItems": 2, "maxItems": 4}
+COUNTED = {"type": "object", "properties": {"a": DIGIT, "b": {"type": "boolean"}, "c": {"type": "null"}},
+           "minProperties": 2}
+NESTED = {"type": "object", "properties": {"p": {"type": "object", "properties": {"q": {"type": "boolean"}},
+                                                 "required": ["q"]}}, "required": ["p"]}
 LONG = {"type": "object", "properties": {"s": {"type": "string", "minLength": 40}}, "required": ["s"]}
 
 
@@ -553,3 +559,73 @@ def test_unique_items_false_is_accepted_and_true_refused_in_one_line(smollm2_gra
     unique = structured.parse_format(json_schema({"type": "array", "uniqueItems": True}))
     with pytest.raises(ValueError, match=r"^response_format\.json_schema\.schema: .*uniqueItems[^\n]*$"):
         smollm2_grammars.compile(unique)
+
+
+def possible(schema: dict) -> bool:
+    """The reference for a closed object's property count: some set of its properties, the
+    required ones among them, has a size within its bounds."""
+    props, required = schema["properties"], set(schema.get("required", ()))
+    return any(required <= set(keys) and schema.get("minProperties", 0) <= len(keys)
+               <= schema.get("maxProperties", len(props))
+               for n in range(len(props) + 1) for keys in itertools.combinations(props, n))
+
+
+def test_property_counts_beside_listed_keys(smollm2_grammars):
+    """minProperties and maxProperties of an object whose keys are all listed: compiled where
+    some object can meet them (its walks then valid), refused in one line naming the field and
+    the bound where none can."""
+    props = {"a": DIGIT, "b": {"type": "boolean"}, "c": {"type": "null"}}
+    bounds = [{}, {"minProperties": 0}, {"minProperties": 1}, {"minProperties": 2},
+              {"minProperties": 3}, {"minProperties": 4}, {"maxProperties": 0}, {"maxProperties": 1},
+              {"maxProperties": 2}, {"maxProperties": 3}, {"minProperties": 2, "maxProperties": 2},
+              {"minProperties": 2, "maxProperties": 1}]
+    for required, closed, bound in itertools.product([[], ["a"], ["a", "b"]], [True, False], bounds):
+        schema = {"type": "object", "properties": props, "required": required, **bound}
+        if closed:
+            schema["additionalProperties"] = False
+        fields = json_schema(schema)
+        if possible(schema):
+            assert_walks_valid(smollm2_grammars, schema, range(4))
+        else:
+            with pytest.raises(ValueError, match=r"^response_format\.json_schema\.schema: "
+                                                 r"(min|max)Properties \d[^\n]*$"):
+                smollm2_grammars.compile(structured.parse_format(fields))
+    nested = {"type": "object", "properties": {
+        "x": {"type": "object", "properties": props, "required": ["a"], "maxProperties": 0}}}
+    with pytest.raises(ValueError, match=r"guided_json: maxProperties 0 at /properties/x "):
+        smollm2_grammars.compile(structured.parse_format({"guided_json": nested}))
+
+
+CLOSED = {"type": "object", "required": ["a", "p"], "additionalProperties": False, "properties": {
+    "a": DIGIT,
+    "p": {"type": "object", "properties": {"q": {"type": "boolean"}}, "additionalProperties": False},
+    "l": {"type": "array", "items": {"$ref": "#/$defs/item"}}}, "$defs": {
+    "item": {"type": "object", "properties": {"n": DIGIT}, "required": ["n"], "additionalProperties": False}}}
+
+
+def test_objects_with_listed_properties_are_closed(smollm2_grammars):
+    """An object schema with properties and no additionalProperties takes no other keys, at
+    every depth ($defs, items), under response_format and guided_json alike: the walk takes a
+    text exactly where jsonschema finds it valid under the same schema written closed."""
+    schema = json.loads(json.dumps(CLOSED))
+    for node in (schema, schema["properties"]["p"], schema["$defs"]["item"]):
+        del node["additionalProperties"]
+    texts = ['{"a":1,"p":{"q":true}}', '{"a":1,"p":{"q":true},"l":[{"n":2}]}', '{"a":1,"p":{"q":true},"z":1}',
+             '{"a":1,"p":{"q":true,"z":1}}', '{"a":1,"p":{},"l":[{"n":2,"z":3}]}']
+    for fields in (json_schema(schema), {"guided_json": schema}):
+        got = {t: accepts(smollm2_grammars, fields, t) for t in texts}
+        assert got == {t: valid(CLOSED, t) for t in texts}
+        assert any(got.values()) and not all(got.values())
+    assert_walks_valid(smollm2_grammars, NESTED)
+    assert_walks_valid(smollm2_grammars, COUNTED)
+
+
+def test_composed_objects_are_closed_to_the_names_their_parts_list(smollm2_grammars):
+    """allOf members, a $ref beside properties: the object takes the names all of them list
+    and no other; each part alone would refuse the others' names."""
+    a, b = {"type": "object", "properties": {"a": DIGIT}}, {"type": "object", "properties": {"b": DIGIT}}
+    written_closed = {"type": "object", "properties": {"a": DIGIT, "b": DIGIT}, "additionalProperties": False}
+    texts = ['{"a":1,"b":2}', '{"a":1}', '{"b":2}', '{"a":1,"c":3}', '{"c":3}']
+    for schema in ({"allOf": [a, b]}, {"$defs": {"a": a}, "$ref": "#/$defs/a", "properties": {"b": DIGIT}}):
+        got = {t: accepts(smollm2_grammars, json_schema(schema), t) for t in texts}
+        assert got == {t: valid(written_closed, t) for t in texts}

@@ -19,6 +19,7 @@ import collections
 import dataclasses
 import json
 import re
+import urllib.parse
 from typing import Any
 
 import numpy as np
@@ -139,6 +140,8 @@ _ONE = ("additionalProperties", "items", "additionalItems", "contains", "then", 
         "propertyNames", "unevaluatedProperties", "unevaluatedItems")
 _LIST = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 _MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
+_KEYS = ("properties", "patternProperties", "additionalProperties")  # what admits an object's keys
+_APPLICATORS = ("allOf", "anyOf", "oneOf", "$ref", "not", "if", "dependentSchemas", "dependencies")
 
 
 def _nodes(node: Any, path: tuple = ()):
@@ -157,13 +160,115 @@ def _nodes(node: Any, path: tuple = ()):
             yield from _nodes(v, (*path, k))
 
 
+def _resolve(root: dict, ref: Any) -> tuple[tuple, Any] | None:
+    """(path, schema) of a local $ref ("#" or "#/a/b"), None for any other."""
+    if not isinstance(ref, str) or ref != "#" and not ref.startswith("#/"):
+        return None
+    path, node = (), root
+    for part in ref.split("/")[1:]:
+        part = urllib.parse.unquote(part).replace("~1", "/").replace("~0", "~")
+        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            part = int(part)
+        elif not isinstance(node, dict) or part not in node:
+            return None
+        path, node = (*path, part), node[part]
+    return path, node
+
+
+def _parts(root: dict, node: dict) -> list:
+    """The schemas that meet node's own keywords where it applies: its allOf, anyOf and oneOf
+    members and its $ref's target."""
+    found = [m for k in ("allOf", "anyOf", "oneOf") if isinstance(node.get(k), list) for m in node[k]]
+    return found + [(_resolve(root, node.get("$ref")) or ((), None))[1]]
+
+
+def _listed(root: dict, node: Any, seen: tuple = ()) -> list[str] | None:
+    """The names node and its parts list (properties, required), or None where one of them
+    admits other keys too (patternProperties, additionalProperties other than false)."""
+    if not isinstance(node, dict) or id(node) in seen:
+        return []
+    if "patternProperties" in node or node.get("additionalProperties", False) is not False:
+        return None
+    names = list(node["properties"]) if isinstance(node.get("properties"), dict) else []
+    names += _required(node)
+    for part in _parts(root, node):
+        more = _listed(root, part, (*seen, id(node)))
+        if more is None:
+            return None
+        names += more
+    return list(dict.fromkeys(names))
+
+
+def _composed(root: dict) -> tuple[set[tuple], list[tuple[tuple, dict]]]:
+    """Where an object's keys add up from several schemas: (the paths of every schema that
+    takes part, (path, schema) of each where they meet). They meet where more than one of a
+    schema's own keywords, allOf members, $ref, anyOf and oneOf admits keys; none of them may
+    be closed alone, as it would refuse the keys the others admit."""
+    def adds_keys(node, seen=()) -> bool:
+        if not isinstance(node, dict) or id(node) in seen:
+            return False
+        seen = (*seen, id(node))
+        return any(k in node for k in _KEYS) or any(adds_keys(m, seen) for m in _parts(root, node))
+
+    taking_part: set[tuple] = set()
+
+    def mark(path, node):
+        if path in taking_part or not isinstance(node, dict):
+            return
+        taking_part.add(path)
+        for k in ("allOf", "anyOf", "oneOf"):
+            for i, m in enumerate(node.get(k) if isinstance(node.get(k), list) else ()):
+                mark((*path, k, i), m)
+        if (target := _resolve(root, node.get("$ref"))) is not None:
+            mark(*target)
+
+    meeting = []
+    for path, node in _nodes(root):
+        own = any(k in node for k in _KEYS)
+        allof = node["allOf"] if isinstance(node.get("allOf"), list) else []
+        either = [any(map(adds_keys, node[k])) for k in ("anyOf", "oneOf")
+                  if isinstance(node.get(k), list)]
+        if own + sum(map(adds_keys, allof)) + adds_keys(_parts(root, node)[-1]) + sum(either) > 1:
+            meeting.append((path, node))
+            mark(path, node)
+    return taking_part, meeting
+
+
+def _required(node: dict) -> list[str]:
+    required = node.get("required")
+    return [k for k in required if isinstance(k, str)] if isinstance(required, list) else []
+
+
+def _close(node: dict, names: list[str]) -> None:
+    """additionalProperties: false, with every name listed in properties (any value where the
+    schema gives none), so that each of them stays possible."""
+    props = node.setdefault("properties", {})
+    for k in names:
+        props.setdefault(k, True)
+    node["additionalProperties"] = False
+
+
+# what has a say on an object's keys beyond its properties
+_OPEN = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
 def _strict(schema: dict, field: str) -> dict:
     """The schema as llguidance is given it (changed in place), narrower than the request's where
     needed so that every completion validates under the request's schema with jsonschema's
     format checker, and no wider:
 
+    - an object schema with `properties` and no say on other keys (additionalProperties,
+      patternProperties) is closed, as OpenAI's strict mode does; where schemas meet in an
+      intersection (`_composed`), the one where they meet is closed to the names they all list
+      (and left open where one of them admits other keys);
     - `format` date, time and date-time become their exact `pattern` (FORMAT_PATTERNS);
-    - `uniqueItems: false`, which asks nothing, is dropped."""
+    - `uniqueItems: false`, which asks nothing, is dropped;
+    - a closed object's `minProperties` and `maxProperties` become a `required` list and a set
+      of properties (`_count_properties`)."""
+    taking_part, meeting = _composed(schema)
+    for path, node in meeting:
+        if not any(k in node for k in _OPEN) and (names := _listed(schema, node)) is not None:
+            _close(node, names)
     for path, node in list(_nodes(schema)):
         if node.get("uniqueItems") is False:
             del node["uniqueItems"]
@@ -173,7 +278,52 @@ def _strict(schema: dict, field: str) -> dict:
                 node["allOf"] = [*(node.get("allOf") or []), {"pattern": FORMAT_PATTERNS[fmt]}]
             else:
                 node["pattern"] = FORMAT_PATTERNS[fmt]
+        if not isinstance(node.get("properties"), dict) or path in taking_part:
+            continue
+        if not any(k in node for k in _OPEN):
+            _close(node, _required(node))
+        if (node.get("additionalProperties") is False and "patternProperties" not in node
+                and not any(k in node for k in _APPLICATORS)):
+            _count_properties(node, path, field)
     return schema
+
+
+def _count_properties(node: dict, path: tuple, field: str) -> None:
+    """A closed object's minProperties and maxProperties (llguidance bounds only the keys beyond
+    `properties`), as what they leave possible: a bound its required and listed properties
+    already keep is dropped; a lower one above them makes the first optional properties (in the
+    schema's order) required, an upper one below them drops the last optional ones; one that no
+    object can meet is a ValueError."""
+    lo, hi = node.get("minProperties"), node.get("maxProperties")
+    props, required = node["properties"], node.get("required", [])
+    if lo is None and hi is None or not isinstance(required, list) or not all(
+            isinstance(k, str) and k in props for k in required) or not all(
+            v is None or type(v) is int and v >= 0 for v in (lo, hi)):
+        return  # llguidance's own checks and messages
+    required = list(dict.fromkeys(required))
+    where = " at /" + "/".join(map(str, path)) if path else ""
+    if lo is not None and lo > len(props):
+        raise ValueError(f"{field}: minProperties {lo}{where} is more than the object's "
+                         f"{_properties(len(props))}")
+    if hi is not None and hi < len(required):
+        raise ValueError(f"{field}: maxProperties {hi}{where} is less than the object's "
+                         f"{_properties(len(required))} required")
+    if lo is not None and hi is not None and lo > hi:
+        raise ValueError(f"{field}: minProperties {lo}{where} is more than maxProperties {hi}")
+    optional = [k for k in props if k not in required]
+    if lo is not None and lo > len(required):
+        required, optional = required + optional[: lo - len(required)], optional[lo - len(required):]
+    if hi is not None:
+        for k in optional[max(hi - len(required), 0):]:
+            del props[k]
+    node.pop("minProperties", None)
+    node.pop("maxProperties", None)
+    if required:
+        node["required"] = required
+
+
+def _properties(n: int) -> str:
+    return f"{n} propert{'y' if n == 1 else 'ies'}"
 
 
 class Matcher:
