@@ -168,17 +168,22 @@ BAD = [
 ]
 PICKED = cases("json_schema")[:10] + cases("regex")[:5] + cases("choice")[:5]
 DIGIT = {"type": "integer", "minimum": 0, "maximum": 9}
-# Schemas where llguidance alone is looser than jsonschema: string formats, objects without
-# additionalProperties, uniqueItems false, minProperties beside listed keys.
+# Schemas where llguidance alone is looser than jsonschema: string formats, keys not fixed,
+# objects without additionalProperties, uniqueItems false, minProperties beside listed keys.
 DATED = {"type": "object", "properties": {"day": {"type": "string", "format": "date"},
                                           "at": {"type": "string", "format": "date-time", "maxLength": 25},
                                           "t": {"type": "string", "format": "time", "maxLength": 12}},
          "required": ["day", "at", "t"]}
+LETTERS = {"type": "object", "patternProperties": {"^[a-e]$": DIGIT}, "additionalProperties": False,
+           "minProperties": 3}
+PAIRS = {"type": "object", "patternProperties": {"^[a-c]{1,2}$": {"type": "boolean"}},
+         "additionalProperties": False, "minProperties": 2, "maxProperties": 5}
 DIGITS = {"type": "array", "items": DIGIT, "uniqueItems": False, "minItems": 2, "maxItems": 4}
 COUNTED = {"type": "object", "properties": {"a": DIGIT, "b": {"type": "boolean"}, "c": {"type": "null"}},
            "minProperties": 2}
 NESTED = {"type": "object", "properties": {"p": {"type": "object", "properties": {"q": {"type": "boolean"}},
                                                  "required": ["q"]}}, "required": ["p"]}
+STRICT = [{"kind": "json_schema", "schema": s} for s in (DATED, LETTERS, PAIRS, DIGITS, COUNTED, NESTED)]
 LONG = {"type": "object", "properties": {"s": {"type": "string", "minLength": 40}}, "required": ["s"]}
 
 
@@ -187,6 +192,7 @@ def mixed_job(random_checkpoint, tmp_path_factory) -> dict:
     """One job on the random model: a few held-out formats of each kind, a free request, a
     format that max_tokens cuts, any JSON object, greedy under a choice, and bad formats."""
     rows = [request(i, c) for i, c in enumerate(PICKED)]
+    rows += [request(i, c) for i, c in enumerate(STRICT, 100)]
     rows += [{"id": "free", "prompt": "Answer:", "max_tokens": 20, "temperature": 1.0, "seed": 1},
              {"id": "short", "prompt": "x", "max_tokens": 4, "response_format":
               {"type": "json_schema", "json_schema": {"name": "s", "schema": LONG}}},
@@ -215,6 +221,20 @@ def test_a_hundred_formats_hold_on_a_random_model(random_checkpoint, tmp_path, k
     assert len(picked) == 100
     got = answer(random_checkpoint, [request(i, c) for i, c in enumerate(picked)], tmp_path)
     assert check_all(got, picked) == 100
+
+
+def test_completions_validate_under_jsonschema_with_formats_and_unique_names(mixed_job):
+    """Dates that exist, member names that do not repeat, no keys beyond those listed,
+    uniqueItems false and minProperties beside listed keys accepted: every completion holds
+    under jsonschema with its format checker (`holds`)."""
+    assert check_all(mixed_job, STRICT, 100) == len(STRICT)
+
+
+@pytest.mark.slow
+def test_many_completions_validate_under_jsonschema(random_checkpoint, tmp_path):
+    picked = STRICT * 8
+    got = answer(random_checkpoint, [request(i, c) for i, c in enumerate(picked)], tmp_path)
+    assert check_all(got, picked) == len(picked)
 
 
 def test_a_format_cut_by_max_tokens_is_flagged_incomplete(mixed_job):
@@ -551,6 +571,46 @@ def test_dates_and_times_are_the_real_ones(smollm2_grammars, fmt):
 
 def test_formatted_strings_hold_on_random_walks(smollm2_grammars):
     assert_walks_valid(smollm2_grammars, DATED, range(30))
+
+
+def test_member_names_are_unique_in_each_object(smollm2_grammars):
+    """Where keys are not fixed, a key may not close with a name its object has (escapes read
+    as JSON reads them, nested objects with their own names), and the walk does not enter a key
+    that could only end so: a `,` is not allowed once every name the pattern allows is taken."""
+    letters = {"type": "object", "patternProperties": {"^[a-c]$": DIGIT}, "additionalProperties": False}
+    assert accepts(smollm2_grammars, json_schema(letters), '{"a":7,"b":4}')
+    assert not accepts(smollm2_grammars, json_schema(letters), '{"a":7,"a":4}')
+    assert accepts(smollm2_grammars, json_schema(letters), '{"a":7,"b":4,"c":0}')
+    assert not accepts(smollm2_grammars, json_schema(letters), '{"a":7,"b":4,"c":0,')
+    assert not accepts(smollm2_grammars, json_schema(letters), '{"a":7,"b":4,"c')  # it could only end "c"
+    anything = {"response_format": {"type": "json_object"}}
+    assert accepts(smollm2_grammars, anything, '{"a":{"a":1,"b":[{"a":2}]},"b":"a"}')
+    assert not accepts(smollm2_grammars, anything, '{"a":{"x":1,"x":2}}')
+    assert not accepts(smollm2_grammars, anything, '{"a\\"b":1,"a\\"b":2}')
+    assert accepts(smollm2_grammars, anything, '{"a\\"b":1,"a":2,"b":3}')
+    assert not accepts(smollm2_grammars, anything, '{"\\n":1,"\\n":2}')
+    for schema in (LETTERS, PAIRS, letters):
+        assert_walks_valid(smollm2_grammars, schema)
+    ended = 0
+    for seed in range(10):  # any JSON object: the walks that end within the limit (strings run long)
+        tokens, done = walk(smollm2_grammars, structured.parse_format(anything), False, seed, 400)
+        if done:
+            value = json.loads(smollm2_grammars.tokenizer.decode(tokens[:-1]), object_pairs_hook=unique_members)
+            ended += isinstance(value, dict)
+    assert ended
+
+
+def test_harmony_reads_names_in_the_final_message_only(harmony_grammars):
+    """A repeated name in the analysis is free text; in the final message it is refused."""
+    grammars, tok = harmony_grammars, harmony_grammars.tokenizer
+    analysis = [harmony.CHANNEL, *tok.encode("analysis", False), harmony.MESSAGE,
+                *tok.encode('{"a":1,"a":2}', False), harmony.END, harmony.START,
+                *tok.encode("assistant", False)]
+    final = [harmony.CHANNEL, *tok.encode("final", False), harmony.MESSAGE]
+    anything = {"response_format": {"type": "json_object"}}
+    assert accepts(grammars, anything, '{"a":1,"b":2}', True, analysis + final)
+    assert not accepts(grammars, anything, '{"a":1,"a":2}', True, analysis + final)
+    assert not accepts(grammars, anything, '{"a":1,"a":2}', True, final)
 
 
 def test_unique_items_false_is_accepted_and_true_refused_in_one_line(smollm2_grammars):
