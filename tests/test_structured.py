@@ -3,9 +3,12 @@ jsonschema, re.fullmatch and membership; on a random model (noise unless held), 
 SmolLM2, and on every kind of tokenizer podrun loads."""
 
 import dataclasses
+import functools
+import itertools
 import json
 import os
 import re
+from datetime import date, datetime, time
 
 import jax
 import jax.numpy as jnp
@@ -50,16 +53,59 @@ def request(i: int, case: dict, **kw) -> dict:
     return r
 
 
-def holds(case: dict, text: str) -> bool:
-    """The independent judge: jsonschema, a full match, membership. The match is the `regex`
-    package's, Python's re on a current Unicode: a guided_regex's \\d is any decimal digit, and
-    this Python's re knows only Unicode 14's (a random model finds the newer ones)."""
-    if case["kind"] == "json_schema":
-        try:
-            jsonschema.validate(json.loads(text), case["schema"])
-        except (ValueError, jsonschema.ValidationError):
-            return False
+# RFC 3339's full-date, full-time and date-time, the shapes datetime's parsers are held to below
+RFC3339 = {"date": r"\d{4}-\d\d-\d\d", "time": r"\d\d:\d\d:\d\d(\.\d+)?([zZ]|[+-]\d\d:\d\d)"}
+RFC3339["date-time"] = RFC3339["date"] + "[tT]" + RFC3339["time"]
+PARSERS = {"date": date.fromisoformat, "time": time.fromisoformat, "date-time": datetime.fromisoformat}
+
+
+def real(value, fmt: str) -> bool:
+    """A string format's reference: jsonschema's Draft 2020-12 format checker (its bare
+    FormatChecker() reads `time` as Draft 3's), and for date, time and date-time also the RFC
+    3339 shape with datetime's calendar and clock (no year 0, no February 29 out of leap years,
+    no second 60): jsonschema checks date-time and time only where rfc3339-validator is
+    installed, which no requirement pins."""
+    if not jsonschema.Draft202012Validator.FORMAT_CHECKER.conforms(value, fmt):
+        return False
+    if fmt not in PARSERS or not isinstance(value, str):
         return True
+    if not re.fullmatch(RFC3339[fmt], value, re.ASCII):
+        return False
+    try:
+        PARSERS[fmt](value.upper().replace("Z", "+00:00"))
+    except ValueError:
+        return False
+    return True
+
+
+CHECKER = jsonschema.FormatChecker(())
+CHECKER.checkers = {fmt: (lambda v, fmt=fmt: real(v, fmt), ())
+                    for fmt in jsonschema.Draft202012Validator.FORMAT_CHECKER.checkers}
+
+
+def unique_members(pairs: list) -> dict:
+    names = [k for k, _ in pairs]
+    if len(set(names)) < len(names):
+        raise ValueError(f"a member name repeats: {names}")
+    return dict(pairs)
+
+
+def valid(schema: dict, text: str) -> bool:
+    """JSON whose objects' member names are unique, valid under the schema (Draft 2020-12) with
+    its string formats checked (`real`)."""
+    try:
+        value = json.loads(text, object_pairs_hook=unique_members)
+    except ValueError:
+        return False
+    return jsonschema.Draft202012Validator(schema, format_checker=CHECKER).is_valid(value)
+
+
+def holds(case: dict, text: str) -> bool:
+    """The independent judge: jsonschema (`valid`), a full match, membership. The match is the
+    `regex` package's, Python's re on a current Unicode: a guided_regex's \\d is any decimal
+    digit, and this Python's re knows only Unicode 14's (a random model finds the newer ones)."""
+    if case["kind"] == "json_schema":
+        return valid(case["schema"], text)
     if case["kind"] == "regex":
         return regex.fullmatch(case["regex"], text) is not None
     return text in case["choices"]
@@ -117,8 +163,27 @@ BAD = [
     ({"guided_json": "{not json"}, "guided_json"),
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "at most one"),
+    ({"guided_json": {"type": "array", "uniqueItems": True}}, "uniqueItems"),
+    ({"guided_json": {"type": "object", "properties": {"a": {}}, "minProperties": 2}}, "minProperties 2"),
 ]
 PICKED = cases("json_schema")[:10] + cases("regex")[:5] + cases("choice")[:5]
+DIGIT = {"type": "integer", "minimum": 0, "maximum": 9}
+# Schemas where llguidance alone is looser than jsonschema: string formats, keys not fixed,
+# objects without additionalProperties, uniqueItems false, minProperties beside listed keys.
+DATED = {"type": "object", "properties": {"day": {"type": "string", "format": "date"},
+                                          "at": {"type": "string", "format": "date-time", "maxLength": 25},
+                                          "t": {"type": "string", "format": "time", "maxLength": 12}},
+         "required": ["day", "at", "t"]}
+LETTERS = {"type": "object", "patternProperties": {"^[a-e]$": DIGIT}, "additionalProperties": False,
+           "minProperties": 3}
+PAIRS = {"type": "object", "patternProperties": {"^[a-c]{1,2}$": {"type": "boolean"}},
+         "additionalProperties": False, "minProperties": 2, "maxProperties": 5}
+DIGITS = {"type": "array", "items": DIGIT, "uniqueItems": False, "minItems": 2, "maxItems": 4}
+COUNTED = {"type": "object", "properties": {"a": DIGIT, "b": {"type": "boolean"}, "c": {"type": "null"}},
+           "minProperties": 2}
+NESTED = {"type": "object", "properties": {"p": {"type": "object", "properties": {"q": {"type": "boolean"}},
+                                                 "required": ["q"]}}, "required": ["p"]}
+STRICT = [{"kind": "json_schema", "schema": s} for s in (DATED, LETTERS, PAIRS, DIGITS, COUNTED, NESTED)]
 LONG = {"type": "object", "properties": {"s": {"type": "string", "minLength": 40}}, "required": ["s"]}
 
 
@@ -127,6 +192,7 @@ def mixed_job(random_checkpoint, tmp_path_factory) -> dict:
     """One job on the random model: a few held-out formats of each kind, a free request, a
     format that max_tokens cuts, any JSON object, greedy under a choice, and bad formats."""
     rows = [request(i, c) for i, c in enumerate(PICKED)]
+    rows += [request(i, c) for i, c in enumerate(STRICT, 100)]
     rows += [{"id": "free", "prompt": "Answer:", "max_tokens": 20, "temperature": 1.0, "seed": 1},
              {"id": "short", "prompt": "x", "max_tokens": 4, "response_format":
               {"type": "json_schema", "json_schema": {"name": "s", "schema": LONG}}},
@@ -155,6 +221,20 @@ def test_a_hundred_formats_hold_on_a_random_model(random_checkpoint, tmp_path, k
     assert len(picked) == 100
     got = answer(random_checkpoint, [request(i, c) for i, c in enumerate(picked)], tmp_path)
     assert check_all(got, picked) == 100
+
+
+def test_completions_validate_under_jsonschema_with_formats_and_unique_names(mixed_job):
+    """Dates that exist, member names that do not repeat, no keys beyond those listed,
+    uniqueItems false and minProperties beside listed keys accepted: every completion holds
+    under jsonschema with its format checker (`holds`)."""
+    assert check_all(mixed_job, STRICT, 100) == len(STRICT)
+
+
+@pytest.mark.slow
+def test_many_completions_validate_under_jsonschema(random_checkpoint, tmp_path):
+    picked = STRICT * 8
+    got = answer(random_checkpoint, [request(i, c) for i, c in enumerate(picked)], tmp_path)
+    assert check_all(got, picked) == len(picked)
 
 
 def test_a_format_cut_by_max_tokens_is_flagged_incomplete(mixed_job):
@@ -260,6 +340,10 @@ def test_masked_rows_take_only_allowed_tokens_and_leave_their_neighbours_alone(s
 # --- every tokenizer: random walks through the formats' masks -----------------------------------
 
 
+def allowed(mask: np.ndarray, token: int) -> bool:
+    return bool(mask.view(np.uint32)[token // 32] >> np.uint32(token % 32) & 1)
+
+
 def walk(grammars: structured.Grammars, fmt: structured.Format, chat: bool, seed: int,
          limit: int = 300) -> tuple[list[int], bool]:
     """Tokens drawn uniformly from each step's mask until a stop id: (tokens, ended)."""
@@ -272,7 +356,7 @@ def walk(grammars: structured.Grammars, fmt: structured.Format, chat: bool, seed
         ids = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))
         assert len(ids) and ids.max() < grammars.vocab_size
         # a random walk favours long strings: prefer the stop id where it is allowed
-        stops = [i for i in ids if i in grammars.stop_ids]
+        stops = [i for i in grammars.stop_ids if allowed(mask, i)]
         t = int(stops[0] if stops and rng.random() < 0.5 else rng.choice(ids))
         assert m.take(t)
         tokens.append(t)
@@ -328,13 +412,19 @@ def test_sentencepiece_walks_hold(sp_model, tmp_path):
     assert_walks_hold(tok, tok.vocab_size, tok.eos_token_ids)
 
 
-def test_harmony_answers_in_the_final_channel(tmp_path):
+@pytest.fixture(scope="module")
+def harmony_grammars(tmp_path_factory) -> structured.Grammars:
+    folder = write_folder(tmp_path_factory.mktemp("o200k-harmony"),
+                          {"tokenizer.json": o200k.o200k_harmony_tokenizer_json(),
+                           "tokenizer_config.json": o200k.TOKENIZER_CONFIG})
+    tok = load_tokenizer(folder)
+    return structured.Grammars(tok, o200k.VOCAB_SIZE, [harmony.RETURN], HarmonyChat.grammar_start)
+
+
+def test_harmony_answers_in_the_final_channel(harmony_grammars):
     """o200k_harmony: the format holds in the final channel, after an optional analysis, and the
     completion ends on <|return|>; Harmony's own parser (runner.text.harmony) reads it back."""
-    folder = write_folder(tmp_path, {"tokenizer.json": o200k.o200k_harmony_tokenizer_json(),
-                                     "tokenizer_config.json": o200k.TOKENIZER_CONFIG})
-    tok = load_tokenizer(folder)
-    grammars = structured.Grammars(tok, o200k.VOCAB_SIZE, [harmony.RETURN], HarmonyChat.grammar_start)
+    grammars, tok = harmony_grammars, harmony_grammars.tokenizer
     for fields, judge in zip(FORMATS, JUDGES):
         for seed in range(3):
             tokens, ended = walk(grammars, structured.parse_format(fields), True, seed, limit=2000)
@@ -391,3 +481,211 @@ def test_gptoss_chats_answer_in_the_final_channel(tmp_path_factory, tmp_path):
     assert check_all(got, picked) > 0
     for r in got.values():
         assert r.get("incomplete_format") or "chat_format_error" not in r, r
+
+
+# --- what jsonschema checks and llguidance alone leaves to chance: walks by hand ----------------
+
+
+@pytest.fixture(scope="module")
+def smollm2_grammars(smollm2_gguf, tmp_path_factory) -> structured.Grammars:
+    text, config = tokenizer_json_from_gguf(smollm2_gguf)
+    tok = load_tokenizer(write_folder(tmp_path_factory.mktemp("smollm2-tokenizer"),
+                                      {"tokenizer.json": text, "tokenizer_config.json": config}))
+    return structured.Grammars(tok, 49152, tok.eos_token_ids)
+
+
+@functools.cache
+def token_ids(grammars: structured.Grammars) -> dict[bytes, list[int]]:
+    """The ids of each ordinary token's bytes (llguidance's view of the vocabulary)."""
+    ll, ids = grammars._lltokenizer(), {}
+    for i in range(grammars.vocab_size):
+        if not ll.is_special_token(i):
+            ids.setdefault(ll.decode_bytes([i]), []).append(i)
+    return ids
+
+
+def accepts(grammars: structured.Grammars, fields: dict, text: str, chat: bool = False,
+            before: list[int] = ()) -> bool:
+    """Whether the format's walk can spell the text after the tokens before, in some
+    tokenization (llguidance allows some only in long tokens, a key's closing quote with its
+    colon), each token allowed by its step's mask, and then allows a stop id. A depth-first
+    search; a position no tokenization could go on from is not tried again (the walk's state is
+    its text's)."""
+    grammar = grammars.compile(structured.parse_format(fields), chat)
+    ids, data, failed = token_ids(grammars), text.encode(), set()
+    longest = max(map(len, ids))
+    mask = np.zeros((grammars.vocab_size + 31) // 32, np.int32)
+
+    def spell(tokens: list[int], at: int) -> bool:
+        m = grammar.start()
+        for t in tokens:
+            m.mask(mask)
+            assert allowed(mask, t) and m.take(t)
+        m.mask(mask)
+        if at == len(data):
+            return any(allowed(mask, t) for t in grammars.stop_ids)
+        steps = [(t, n) for n in range(min(longest, len(data) - at), 0, -1)
+                 for t in ids.get(data[at:at + n], ()) if allowed(mask, t)]
+        for t, n in steps:
+            if at + n not in failed and spell(tokens + [t], at + n):
+                return True
+        failed.add(at)
+        return False
+
+    return spell(list(before), 0)
+
+
+def json_schema(schema: dict) -> dict:
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
+
+
+def assert_walks_valid(grammars, schema: dict, seeds=range(20), limit: int = 300) -> None:
+    """Every seeded random walk through the schema's masks ends, and its text is `valid`."""
+    for seed in seeds:
+        tokens, ended = walk(grammars, structured.parse_format(json_schema(schema)), False, seed, limit)
+        text = grammars.tokenizer.decode(tokens[:-1])
+        assert ended, text
+        assert valid(schema, text), text
+
+
+DAYS = ["2023-02-28", "2023-02-29", "2024-02-29", "1900-02-29", "2000-02-29", "2100-02-29",
+        "0004-02-29", "0000-01-01", "0001-01-01", "2023-04-30", "2023-04-31", "2023-12-31", "2023-13-01"]
+TIMES = ["23:59:59Z", "23:59:60Z", "00:00:00.5+23:59", "24:00:00Z", "12:30:00", "12:30:00z"]
+
+
+@pytest.mark.parametrize("fmt", ["date", "date-time", "time"])
+def test_dates_and_times_are_the_real_ones(smollm2_grammars, fmt):
+    """A formatted string's walk takes exactly the strings the reference (`real`) accepts:
+    February 29 of leap years only, no year 0, no second 60; and a pattern beside the format
+    holds too."""
+    stamps = [d + "T" + t for d, t in zip(DAYS, itertools.cycle(TIMES[:3]))] + ["2024-02-29t01:02:03z"]
+    values = {"date": DAYS, "time": TIMES, "date-time": stamps}[fmt]
+    schema = {"type": "string", "format": fmt}
+    got = {v: accepts(smollm2_grammars, json_schema(schema), json.dumps(v)) for v in values}
+    assert got == {v: real(v, fmt) for v in values}
+    assert any(got.values()) and not all(got.values())
+    schema["pattern"] = "^20"
+    assert {v: accepts(smollm2_grammars, json_schema(schema), json.dumps(v)) for v in values} == {
+        v: real(v, fmt) and v.startswith("20") for v in values}
+
+
+def test_formatted_strings_hold_on_random_walks(smollm2_grammars):
+    assert_walks_valid(smollm2_grammars, DATED, range(30))
+
+
+def test_member_names_are_unique_in_each_object(smollm2_grammars):
+    """Where keys are not fixed, a key may not close with a name its object has (escapes read
+    as JSON reads them, nested objects with their own names), and the walk does not enter a key
+    that could only end so: a `,` is not allowed once every name the pattern allows is taken."""
+    letters = {"type": "object", "patternProperties": {"^[a-c]$": DIGIT}, "additionalProperties": False}
+    assert accepts(smollm2_grammars, json_schema(letters), '{"a":7,"b":4}')
+    assert not accepts(smollm2_grammars, json_schema(letters), '{"a":7,"a":4}')
+    assert accepts(smollm2_grammars, json_schema(letters), '{"a":7,"b":4,"c":0}')
+    assert not accepts(smollm2_grammars, json_schema(letters), '{"a":7,"b":4,"c":0,')
+    assert not accepts(smollm2_grammars, json_schema(letters), '{"a":7,"b":4,"c')  # it could only end "c"
+    anything = {"response_format": {"type": "json_object"}}
+    assert accepts(smollm2_grammars, anything, '{"a":{"a":1,"b":[{"a":2}]},"b":"a"}')
+    assert not accepts(smollm2_grammars, anything, '{"a":{"x":1,"x":2}}')
+    assert not accepts(smollm2_grammars, anything, '{"a\\"b":1,"a\\"b":2}')
+    assert accepts(smollm2_grammars, anything, '{"a\\"b":1,"a":2,"b":3}')
+    assert not accepts(smollm2_grammars, anything, '{"\\n":1,"\\n":2}')
+    for schema in (LETTERS, PAIRS, letters):
+        assert_walks_valid(smollm2_grammars, schema)
+    ended = 0
+    for seed in range(10):  # any JSON object: the walks that end within the limit (strings run long)
+        tokens, done = walk(smollm2_grammars, structured.parse_format(anything), False, seed, 400)
+        if done:
+            value = json.loads(smollm2_grammars.tokenizer.decode(tokens[:-1]), object_pairs_hook=unique_members)
+            ended += isinstance(value, dict)
+    assert ended
+
+
+def test_harmony_reads_names_in_the_final_message_only(harmony_grammars):
+    """A repeated name in the analysis is free text; in the final message it is refused."""
+    grammars, tok = harmony_grammars, harmony_grammars.tokenizer
+    analysis = [harmony.CHANNEL, *tok.encode("analysis", False), harmony.MESSAGE,
+                *tok.encode('{"a":1,"a":2}', False), harmony.END, harmony.START,
+                *tok.encode("assistant", False)]
+    final = [harmony.CHANNEL, *tok.encode("final", False), harmony.MESSAGE]
+    anything = {"response_format": {"type": "json_object"}}
+    assert accepts(grammars, anything, '{"a":1,"b":2}', True, analysis + final)
+    assert not accepts(grammars, anything, '{"a":1,"a":2}', True, analysis + final)
+    assert not accepts(grammars, anything, '{"a":1,"a":2}', True, final)
+
+
+def test_unique_items_false_is_accepted_and_true_refused_in_one_line(smollm2_grammars):
+    assert_walks_valid(smollm2_grammars, DIGITS)
+    assert accepts(smollm2_grammars, json_schema(DIGITS), "[1,1]")
+    unique = structured.parse_format(json_schema({"type": "array", "uniqueItems": True}))
+    with pytest.raises(ValueError, match=r"^response_format\.json_schema\.schema: .*uniqueItems[^\n]*$"):
+        smollm2_grammars.compile(unique)
+
+
+def possible(schema: dict) -> bool:
+    """The reference for a closed object's property count: some set of its properties, the
+    required ones among them, has a size within its bounds."""
+    props, required = schema["properties"], set(schema.get("required", ()))
+    return any(required <= set(keys) and schema.get("minProperties", 0) <= len(keys)
+               <= schema.get("maxProperties", len(props))
+               for n in range(len(props) + 1) for keys in itertools.combinations(props, n))
+
+
+def test_property_counts_beside_listed_keys(smollm2_grammars):
+    """minProperties and maxProperties of an object whose keys are all listed: compiled where
+    some object can meet them (its walks then valid), refused in one line naming the field and
+    the bound where none can."""
+    props = {"a": DIGIT, "b": {"type": "boolean"}, "c": {"type": "null"}}
+    bounds = [{}, {"minProperties": 0}, {"minProperties": 1}, {"minProperties": 2},
+              {"minProperties": 3}, {"minProperties": 4}, {"maxProperties": 0}, {"maxProperties": 1},
+              {"maxProperties": 2}, {"maxProperties": 3}, {"minProperties": 2, "maxProperties": 2},
+              {"minProperties": 2, "maxProperties": 1}]
+    for required, closed, bound in itertools.product([[], ["a"], ["a", "b"]], [True, False], bounds):
+        schema = {"type": "object", "properties": props, "required": required, **bound}
+        if closed:
+            schema["additionalProperties"] = False
+        fields = json_schema(schema)
+        if possible(schema):
+            assert_walks_valid(smollm2_grammars, schema, range(4))
+        else:
+            with pytest.raises(ValueError, match=r"^response_format\.json_schema\.schema: "
+                                                 r"(min|max)Properties \d[^\n]*$"):
+                smollm2_grammars.compile(structured.parse_format(fields))
+    nested = {"type": "object", "properties": {
+        "x": {"type": "object", "properties": props, "required": ["a"], "maxProperties": 0}}}
+    with pytest.raises(ValueError, match=r"guided_json: maxProperties 0 at /properties/x "):
+        smollm2_grammars.compile(structured.parse_format({"guided_json": nested}))
+
+
+CLOSED = {"type": "object", "required": ["a", "p"], "additionalProperties": False, "properties": {
+    "a": DIGIT,
+    "p": {"type": "object", "properties": {"q": {"type": "boolean"}}, "additionalProperties": False},
+    "l": {"type": "array", "items": {"$ref": "#/$defs/item"}}}, "$defs": {
+    "item": {"type": "object", "properties": {"n": DIGIT}, "required": ["n"], "additionalProperties": False}}}
+
+
+def test_objects_with_listed_properties_are_closed(smollm2_grammars):
+    """An object schema with properties and no additionalProperties takes no other keys, at
+    every depth ($defs, items), under response_format and guided_json alike: the walk takes a
+    text exactly where jsonschema finds it valid under the same schema written closed."""
+    schema = json.loads(json.dumps(CLOSED))
+    for node in (schema, schema["properties"]["p"], schema["$defs"]["item"]):
+        del node["additionalProperties"]
+    texts = ['{"a":1,"p":{"q":true}}', '{"a":1,"p":{"q":true},"l":[{"n":2}]}', '{"a":1,"p":{"q":true},"z":1}',
+             '{"a":1,"p":{"q":true,"z":1}}', '{"a":1,"p":{},"l":[{"n":2,"z":3}]}']
+    for fields in (json_schema(schema), {"guided_json": schema}):
+        got = {t: accepts(smollm2_grammars, fields, t) for t in texts}
+        assert got == {t: valid(CLOSED, t) for t in texts}
+        assert any(got.values()) and not all(got.values())
+    assert_walks_valid(smollm2_grammars, NESTED)
+    assert_walks_valid(smollm2_grammars, COUNTED)
+
+
+def test_composed_objects_are_closed_to_the_names_their_parts_list(smollm2_grammars):
+    """allOf members, a $ref beside properties: the object takes the names all of them list
+    and no other; each part alone would refuse the others' names."""
+    a, b = {"type": "object", "properties": {"a": DIGIT}}, {"type": "object", "properties": {"b": DIGIT}}
+    written_closed = {"type": "object", "properties": {"a": DIGIT, "b": DIGIT}, "additionalProperties": False}
+    texts = ['{"a":1,"b":2}', '{"a":1}', '{"b":2}', '{"a":1,"c":3}', '{"c":3}']
+    for schema in ({"allOf": [a, b]}, {"$defs": {"a": a}, "$ref": "#/$defs/a", "properties": {"b": DIGIT}}):
+        got = {t: accepts(smollm2_grammars, json_schema(schema), t) for t in texts}
+        assert got == {t: valid(written_closed, t) for t in texts}
