@@ -357,10 +357,6 @@ class Matcher:
     def complete(self) -> bool:
         return self._m.is_accepting()
 
-    @property
-    def error(self) -> str:
-        return self._m.get_error()
-
 
 class _Vocab:
     """A tokenizer's tokens as bytes, for `_Names`: each id's bytes (a special token's are its
