@@ -170,6 +170,10 @@ def answer(s: Settings, loaded: tuple | None = None, tokenizer=None) -> Summary:
     results = Results(s.output, lines, writer=jax.process_index() == 0)
     chat_template = read_chat_template(s.chat_template)  # a mistyped path fails here, loading nothing
     if not s.overwrite and results.finished(*batch.ids(lines, fmt)):
+        if results.failed:  # as the run that wrote it ended: every request failed
+            raise AllFailedError(f"every one of the {len(lines)} requests failed (in {s.output}, an earlier "
+                                 f"run's); line {lines[0].number}: {results.failed}; fix the cause and "
+                                 "pass --config.io.overwrite=True to generate them again")
         log.info(f"{s.output} already holds the results of {s.input}'s {len(lines)} requests: "
                  "nothing to do (--config.io.overwrite=True generates them again)")
         return Summary(requests=len(lines), already_done=len(lines))

@@ -312,6 +312,13 @@ def test_a_run_whose_every_request_failed_exits_non_zero(model_dir, tmp_path):
         "podrun: error: every one of the 3 requests failed; line 1: "
         f"max_tokens={STEPS + 1} exceeds generation.max_new_tokens={STEPS}")
     assert [r["id"] for r in read_jsonl(out)] == [0, 1, 2]
+    # a rerun finds them finished, and fails as that run did, until the cause is fixed
+    again = run_main(root, write_jsonl(tmp_path / "in.jsonl", rows), out, check=False)
+    assert again.returncode != 0 and "restoring" not in again.stderr
+    assert again.stderr.strip().splitlines()[-1] == (
+        f"podrun: error: every one of the 3 requests failed (in {out}, an earlier run's); line 1: "
+        f"max_tokens={STEPS + 1} exceeds generation.max_new_tokens={STEPS}; fix the cause and pass "
+        "--config.io.overwrite=True to generate them again")
 
 
 @pytest.mark.parametrize("kind", ["llama"])

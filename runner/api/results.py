@@ -118,6 +118,7 @@ class Results:
                 except (json.JSONDecodeError, KeyError):
                     continue
         self.writer = writer
+        self.failed = ""  # finished(): the first error of an output whose every line is one
         self._f = None
         self._opened = False
         self._synced = -math.inf  # when the partial file was last synced (time.monotonic)
@@ -126,15 +127,24 @@ class Results:
         """Whether `<output>` already holds this input's results: one line per request, in order,
         each under its request's `key` ("id" or "custom_id"; `ids` the input's). No partial file:
         an interrupted rerun resumes instead. A RequestFileError where `<output>` holds something
-        else, which a run would overwrite."""
+        else, which a run would overwrite. When every held line is an error, `failed` is the
+        first one's message."""
+        held: list | Exception = []
+        errors = []  # each held line's error message ("" for an answer)
         try:
             if (self._objects if self.remote else self.partial.exists()) or not self.output.exists():
                 return False
             with self.output.open("r", encoding="utf-8") as f:
-                held = [json.loads(line).get(key, None) for line in f if line.strip()]
+                for line in f:
+                    if line.strip():
+                        r = json.loads(line)
+                        e = r.get("error")
+                        held.append(r.get(key, None))
+                        errors.append((e.get("message") if isinstance(e, dict) else e) or "")
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
             held = e
         if held == ids:
+            self.failed = errors[0] if errors and all(errors) else ""
             return True
         what = (f"{len(held)} results of another input (this one has {len(ids)} requests)"
                 if isinstance(held, list) else f"something that is not a results file ({held})")
