@@ -21,7 +21,7 @@ from runner import log
 from runner.api import batch, responses
 from runner.api.errors import AllFailedError
 from runner.api.requests import read_lines
-from runner.api.results import Results
+from runner.api.results import Results, error_message
 from runner.checkpoints import convert, embedded, store
 from runner.engine import Completion, Engine, Request, Scheduler, Stats, hugepages
 from runner.engine.paged_engine import PagedEngine
@@ -232,10 +232,10 @@ def answer(s: Settings, loaded: tuple | None = None, tokenizer=None) -> Summary:
     if jax.process_count() > 1:  # the results file is whole before any process reports success
         multihost_utils.sync_global_devices("podrun: results written")
     log.info(f"{summary.line()} -> {s.output}")
-    errors = [batch.error_message(r) for r in results.done.values()]
+    errors = [error_message(r) for r in results.done.values()]
     if lines and len(results.done) == len(lines) and all(errors):
         raise AllFailedError(f"every one of the {len(lines)} requests failed; line "
-                             f"{lines[0].number}: {batch.error_message(results.done[0])}")
+                             f"{lines[0].number}: {error_message(results.done[0])}")
     return summary
 
 

@@ -23,8 +23,8 @@ import hashlib
 import json
 from typing import Any
 
-from runner.api.errors import RequestError, RequestFileError
-from runner.api.requests import BATCH, Line, Parsed, _short, decode, parse_fields
+from runner.api.errors import RequestError, RequestFileError, quote
+from runner.api.requests import BATCH, Line, Parsed, decode, parse_fields
 from runner.settings import Settings
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
@@ -89,7 +89,7 @@ def _check_unique(lines: list[Line], key: str) -> None:
             where.setdefault(json.dumps(d[key], sort_keys=True), []).append(line.number)
     repeated = [(c, ns) for c, ns in where.items() if len(ns) > 1]
     if repeated:
-        shown = "; ".join(f"{_short(json.loads(c))} on lines {', '.join(map(str, ns[:10]))}"
+        shown = "; ".join(f"{quote(json.loads(c))} on lines {', '.join(map(str, ns[:10]))}"
                           for c, ns in repeated[:5])
         more = f"; and {len(repeated) - 5} more" if len(repeated) > 5 else ""
         what = "Batch request" if key == "custom_id" else "request"
@@ -124,7 +124,7 @@ def parse_line(index: int, line: Line, fmt: FileFormat, tokenizer, s: Settings, 
                       line=line.number)
     except Exception as e:  # whatever the line holds, its own error result and not the run's end
         return Parsed(index, custom_id if isinstance(custom_id, str) else None,
-                      error=f"line {line.number}: {type(e).__name__}: {_short(str(e), 200)}",
+                      error=f"line {line.number}: {type(e).__name__}: {quote(str(e), 200)}",
                       code="invalid_request", line=line.number)
     p = parse_fields(index, line.number, fields, custom_id, tokenizer, s, vocab_size, chat, grammars,
                      names=renamed)
@@ -139,19 +139,19 @@ def request_fields(d: dict) -> tuple[str, dict, dict[str, str]]:
     if "custom_id" not in d:
         raise RequestError("custom_id is missing: a Batch line has custom_id, method, url and body", "custom_id")
     if not isinstance(d["custom_id"], str):
-        raise RequestError(f"custom_id={_short(d['custom_id'])} is not a string", "custom_id")
+        raise RequestError(f"custom_id={quote(d['custom_id'])} is not a string", "custom_id")
     for key in d:
         if key not in BATCH:
-            raise RequestError(f"unknown field {_short(key)}: a Batch line has custom_id, method, url and body",
+            raise RequestError(f"unknown field {quote(key)}: a Batch line has custom_id, method, url and body",
                                key, "unknown_parameter")
     if d.get("method") != "POST":
-        raise RequestError(f"method={_short(d.get('method'))}: Batch requests are POST", "method")
+        raise RequestError(f"method={quote(d.get('method'))}: Batch requests are POST", "method")
     url = d.get("url")
     if not isinstance(url, str) or url not in OBJECTS:
-        raise RequestError(f"url={_short(url)} is not served: use {CHAT_URL} or {COMPLETIONS_URL}", "url")
+        raise RequestError(f"url={quote(url)} is not served: use {CHAT_URL} or {COMPLETIONS_URL}", "url")
     body = d.get("body")
     if not isinstance(body, dict):
-        raise RequestError(f"body={_short(body)} is not a JSON object", "body")
+        raise RequestError(f"body={quote(body)} is not a JSON object", "body")
     fields: dict[str, Any] = {}
     renamed: dict[str, str] = {}
     defaults = DEFAULT_ONLY[url]
@@ -161,16 +161,16 @@ def request_fields(d: dict) -> tuple[str, dict, dict[str, str]]:
         elif key in defaults:
             if not _is_default(value, defaults[key]):
                 if key == "stream":
-                    raise RequestError(f"stream={_short(value)}: a Batch request is answered whole; "
+                    raise RequestError(f"stream={quote(value)}: a Batch request is answered whole; "
                                        "leave stream out or false", "stream")
-                raise RequestError(f"{key}={_short(value)} is not supported: podrun serves only "
-                                   f"{key}={_short(defaults[key])}", key)
+                raise RequestError(f"{key}={quote(value)} is not supported: podrun serves only "
+                                   f"{key}={quote(defaults[key])}", key)
         elif key not in IGNORED and key not in MAX_TOKENS[url]:
             raise RequestError(_unknown_body_field(key, url), key, "unknown_parameter")
     given = [k for k in MAX_TOKENS[url] if body.get(k) is not None]
     if len(given) == 2 and body[given[0]] != body[given[1]]:
-        raise RequestError(f"max_completion_tokens={_short(body[given[0]])} and max_tokens="
-                           f"{_short(body[given[1]])} differ: give one of them", "max_completion_tokens")
+        raise RequestError(f"max_completion_tokens={quote(body[given[0]])} and max_tokens="
+                           f"{quote(body[given[1]])} differ: give one of them", "max_completion_tokens")
     if given:
         fields["max_tokens"] = body[given[0]]
         renamed["max_tokens"] = given[0]
@@ -178,7 +178,7 @@ def request_fields(d: dict) -> tuple[str, dict, dict[str, str]]:
         if "messages" not in body:
             raise RequestError(f"messages is missing: {CHAT_URL} answers a list of messages", "messages")
         if not isinstance(body.get("logprobs"), bool | None):
-            raise RequestError(f"logprobs={_short(body['logprobs'])}: a boolean in chat completions "
+            raise RequestError(f"logprobs={quote(body['logprobs'])}: a boolean in chat completions "
                                "(top_logprobs gives the count)", "logprobs")
         if isinstance(body["messages"], list):
             fields["messages"] = [_text_parts_joined(m) for m in body["messages"]]
@@ -186,7 +186,7 @@ def request_fields(d: dict) -> tuple[str, dict, dict[str, str]]:
         if "prompt" not in body:
             raise RequestError(f"prompt is missing: {COMPLETIONS_URL} answers a prompt", "prompt")
         if isinstance(body.get("logprobs"), bool):
-            raise RequestError(f"logprobs={_short(body['logprobs'])}: a count of alternatives per "
+            raise RequestError(f"logprobs={quote(body['logprobs'])}: a count of alternatives per "
                                "token in completions", "logprobs")
         key, fields["prompt"] = _one_prompt(fields.pop("prompt"))
         if key != "prompt":
@@ -203,10 +203,10 @@ def _is_default(value: Any, default: Any) -> bool:
 def _unknown_body_field(key: str, url: str) -> str:
     other = COMPLETIONS_URL if url == CHAT_URL else CHAT_URL
     if key in PASSED[other] or key in MAX_TOKENS[other] or key in DEFAULT_ONLY[other]:
-        return f"body field {_short(key)} belongs to {other}, not {url}"
+        return f"body field {quote(key)} belongs to {other}, not {url}"
     known = [*PASSED[url], *MAX_TOKENS[url], *DEFAULT_ONLY[url], *IGNORED]
     near = difflib.get_close_matches(key, known, n=1)
-    return f"unknown body field {_short(key)} for {url}" + (f": did you mean {near[0]!r}?" if near else "")
+    return f"unknown body field {quote(key)} for {url}" + (f": did you mean {near[0]!r}?" if near else "")
 
 
 def _text_parts_joined(message: Any) -> Any:
@@ -235,7 +235,7 @@ def _one_prompt(prompt: Any) -> tuple[str, Any]:
         return "prompt_token_ids", prompt
     if isinstance(prompt, list) and all(isinstance(x, str) or ids(x) for x in prompt):
         raise RequestError(f"prompt holds {len(prompt)} prompts: give one per Batch request", "prompt")
-    raise RequestError(f"prompt={_short(prompt)}: give a string or a list of token ids", "prompt")
+    raise RequestError(f"prompt={quote(prompt)}: give a string or a list of token ids", "prompt")
 
 
 # --- results ----------------------------------------------------------------------------------------
@@ -312,9 +312,3 @@ def _text_choice(c: dict) -> dict:
                                      for x in c["logprobs"]["content"]],
                     "text_offset": offsets}
     return {"index": c["index"], "text": c["text"], "logprobs": logprobs, "finish_reason": c["finish_reason"]}
-
-
-def error_message(r: dict) -> str | None:
-    """A result line's error message, in either format (None for an answer)."""
-    e = r.get("error")
-    return e["message"] if isinstance(e, dict) else e

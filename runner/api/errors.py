@@ -3,6 +3,9 @@ request file as a whole."""
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 
 class RequestError(ValueError):
     """Why one request cannot be served: the message, the request field it is about (as the line
@@ -20,3 +23,13 @@ class RequestFileError(ValueError):
 
 class AllFailedError(ValueError):
     """Every request of the file got an error result (the results file is written all the same)."""
+
+
+def quote(v: Any, limit: int = 40) -> str:
+    """v as JSON (request values are JSON), cut to `limit` characters: errors quote what was sent
+    without echoing megabytes."""
+    try:
+        text = json.dumps(v, ensure_ascii=False, default=repr)
+    except ValueError:  # a circular value
+        text = repr(v)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

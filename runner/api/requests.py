@@ -21,7 +21,7 @@ from typing import Any
 
 from etils import epath
 
-from runner.api.errors import RequestError, RequestFileError
+from runner.api.errors import RequestError, RequestFileError, quote
 from runner.api.results import check_bucket
 from runner.engine import Request
 from runner.engine.engine import MAX_LOGPROBS  # alternatives per token the programs compute
@@ -107,24 +107,15 @@ def _number(d: dict, key: str, default: Any, kind: type, lo: float | None = None
     noun = "an integer" if kind is int else "a number"
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (
             kind is int and not (isinstance(v, int) or (math.isfinite(v) and v == int(v)))):
-        raise RequestError(f"{name}={_short(v)} is not {noun}", name)
+        raise RequestError(f"{name}={quote(v)} is not {noun}", name)
     if hi is not None:
         bounds = f"{noun} above {lo} and at most {hi}" if above else f"{noun} from {lo} to {hi}"
     else:
         bounds = f"{noun} {'above' if above else 'at least'} {lo}"
     if not (math.isfinite(v) and (lo is None or v > lo or (v == lo and not above))
             and (hi is None or v <= hi)):
-        raise RequestError(f"{name}={_short(v)} is out of range: give {bounds}", name)
+        raise RequestError(f"{name}={quote(v)} is out of range: give {bounds}", name)
     return kind(v)
-
-
-def _short(v: Any, limit: int = 40) -> str:
-    """v as JSON, cut to `limit` characters: errors quote what was sent without echoing megabytes."""
-    try:
-        text = json.dumps(v, ensure_ascii=False)
-    except (TypeError, ValueError):
-        text = repr(v)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _check_known(d: dict) -> None:
@@ -208,7 +199,7 @@ def parse_fields(index: int, number: int, d: dict, rid: Any, tokenizer, s: Setti
         stop = d.get("stop")
         stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
         if not isinstance(stop, list | tuple) or not all(isinstance(x, str) and x for x in stop):
-            raise RequestError(f"stop={_short(d['stop'])}: give a non-empty string or a list of them", "stop")
+            raise RequestError(f"stop={quote(d['stop'])}: give a non-empty string or a list of them", "stop")
         ids, offered, prefix = _prompt_ids(d, tokenizer, vocab_size, chat, (names or {}).get(
             "prompt_token_ids", "prompt_token_ids"))
         if not ids:
@@ -290,12 +281,12 @@ def _continuation(d: dict, tokenizer, vocab_size: int) -> list[int]:
         ids = c
         outside = next((k for k, i in enumerate(ids) if not 0 <= i < vocab_size), None)
         if outside is not None:
-            raise RequestError(f"continuation[{outside}]={_short(ids[outside])} is outside the "
+            raise RequestError(f"continuation[{outside}]={quote(ids[outside])} is outside the "
                                f"vocabulary of {vocab_size} ids", "continuation")
     else:
-        raise RequestError(f"continuation={_short(c)}: give a string or a list of token ids", "continuation")
+        raise RequestError(f"continuation={quote(c)}: give a string or a list of token ids", "continuation")
     if not ids:
-        raise RequestError(f"continuation={_short(c)} tokenises to no tokens", "continuation")
+        raise RequestError(f"continuation={quote(c)} tokenises to no tokens", "continuation")
     return list(ids)
 
 
@@ -314,7 +305,7 @@ def _prompt_ids(d: dict, tokenizer, vocab_size: int, chat: ChatFormat | None,
             raise RequestError(f"{ids_name} must be a list of integers", ids_name)
         outside = next((k for k, i in enumerate(ids) if not 0 <= i < vocab_size), None)
         if outside is not None:
-            raise RequestError(f"{ids_name}[{outside}]={_short(ids[outside])} is outside the "
+            raise RequestError(f"{ids_name}[{outside}]={quote(ids[outside])} is outside the "
                                f"vocabulary of {vocab_size} ids (0 to {vocab_size - 1})", ids_name)
         return ids, False, []
     if tokenizer is None:

@@ -54,6 +54,12 @@ def check_bucket(path: str, what: str, error: type[Exception] = RequestFileError
         raise error(f"{what}={path}: cannot reach {bucket} ({type(e).__name__}: {e})") from e
 
 
+def error_message(r: dict) -> str | None:
+    """A result line's error message, in either format (None for an answer)."""
+    e = r.get("error")
+    return e["message"] if isinstance(e, dict) else e
+
+
 def _dumps(row: dict) -> str:
     """One JSON line, UTF-8 as written; with \\u escapes where a string holds lone surrogates
     (an id sent as "\\ud800"), which UTF-8 cannot carry."""
@@ -138,10 +144,9 @@ class Results:
                 for line in f:
                     if line.strip():
                         r = json.loads(line)
-                        e = r.get("error")
                         held.append(r.get(key, None))
-                        errors.append((e.get("message") if isinstance(e, dict) else e) or "")
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+                        errors.append(error_message(r) or "")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError, KeyError, TypeError) as e:
             held = e
         if held == ids:
             self.failed = errors[0] if errors and all(errors) else ""

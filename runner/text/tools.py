@@ -26,6 +26,8 @@ from typing import Any, NamedTuple
 
 import jsonschema
 
+from runner.api.errors import quote
+
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 TOOL_CHOICES = ("auto", "none", "required")
 
@@ -35,17 +37,11 @@ class ToolChoice(NamedTuple):
     name: str = ""  # the function to call, for mode function
 
 
-def _short(v: Any, limit: int = 40) -> str:
-    """v as JSON (request values are JSON), cut to `limit` characters: errors quote what was sent."""
-    text = json.dumps(v, ensure_ascii=False, default=repr)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def check_tools(tools: Any) -> list[dict]:
     """The request's `tools`, checked: a list of OpenAI function definitions, each `parameters` a
     JSON schema (Draft 2020-12's meta-schema), names unique. Raises ValueError naming the field."""
     if not isinstance(tools, list):
-        raise ValueError(f"tools={_short(tools)}: give a list of function definitions")
+        raise ValueError(f"tools={quote(tools)}: give a list of function definitions")
     names = set()
     for k, t in enumerate(tools):
         where = f"tools[{k}]"
@@ -55,9 +51,9 @@ def check_tools(tools: Any) -> list[dict]:
         f = t["function"]
         name = f.get("name")
         if not isinstance(name, str) or not _NAME.fullmatch(name):
-            raise ValueError(f"{where}.function.name={_short(name)}: 1 to 64 letters, digits, _ or -")
+            raise ValueError(f"{where}.function.name={quote(name)}: 1 to 64 letters, digits, _ or -")
         if name in names:
-            raise ValueError(f"{where}.function.name={_short(name)} is defined twice")
+            raise ValueError(f"{where}.function.name={quote(name)} is defined twice")
         names.add(name)
         if f.get("description") is not None and not isinstance(f["description"], str):
             raise ValueError(f"{where}.function.description must be a string")
@@ -96,15 +92,15 @@ def check_tool_choice(choice: Any, tools: list[dict] | None) -> ToolChoice:
     if isinstance(choice, dict):
         f = choice.get("function")
         if not (choice.get("type") == "function" and isinstance(f, dict) and isinstance(f.get("name"), str)):
-            raise ValueError(f'tool_choice={_short(choice)}: give "auto", "none", "required" or '
+            raise ValueError(f'tool_choice={quote(choice)}: give "auto", "none", "required" or '
                              '{"type": "function", "function": {"name": ...}}')
         if f["name"] not in {t["function"]["name"] for t in tools or ()}:
-            raise ValueError(f"tool_choice.function.name={_short(f['name'])} is not one of the tools")
+            raise ValueError(f"tool_choice.function.name={quote(f['name'])} is not one of the tools")
         return ToolChoice("function", f["name"])
     if choice not in TOOL_CHOICES:
-        raise ValueError(f'tool_choice={_short(choice)}: use "auto", "none", "required" or a function')
+        raise ValueError(f'tool_choice={quote(choice)}: use "auto", "none", "required" or a function')
     if choice != "none" and not tools:
-        raise ValueError(f"tool_choice={_short(choice)} needs tools")
+        raise ValueError(f"tool_choice={quote(choice)} needs tools")
     return ToolChoice(choice)
 
 
@@ -136,7 +132,7 @@ def check_messages(msgs: Any) -> list[dict]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ValueError(f"{where} must be an object {{role: str, content: str}}")
         if m["role"] not in ROLES:  # a template would render any name, and the model read it as text
-            raise ValueError(f"{where}.role={_short(m['role'])} is not a chat role: give one of "
+            raise ValueError(f"{where}.role={quote(m['role'])} is not a chat role: give one of "
                              f"{', '.join(ROLES)}")
         content = m.get("content")
         if m["role"] == "assistant" and m.get("tool_calls") is not None:
@@ -155,10 +151,10 @@ def check_messages(msgs: Any) -> list[dict]:
             if not isinstance(cid, str):
                 raise ValueError(f"{where}.tool_call_id must be a string: the id of the call it answers")
             if cid not in calls:
-                raise ValueError(f"{where}.tool_call_id={_short(cid)} matches no tool call of an earlier "
+                raise ValueError(f"{where}.tool_call_id={quote(cid)} matches no tool call of an earlier "
                                  "assistant message")
             if m.get("name") is not None and m["name"] != calls[cid]:
-                raise ValueError(f"{where}.name={_short(m['name'])} is not the function of call {cid!r} "
+                raise ValueError(f"{where}.name={quote(m['name'])} is not the function of call {cid!r} "
                                  f"({calls[cid]!r})")
     return msgs
 
@@ -167,14 +163,14 @@ def _check_call(c: Any, where: str) -> str:
     if not isinstance(c, dict) or not isinstance(c.get("function"), dict):
         raise ValueError(f'{where}: give {{"id", "type": "function", "function": {{"name", "arguments"}}}}')
     if c.get("type", "function") != "function":
-        raise ValueError(f"{where}.type={_short(c['type'])}: only function calls are supported")
+        raise ValueError(f"{where}.type={quote(c['type'])}: only function calls are supported")
     if not isinstance(c.get("id"), str) or not c["id"]:
         raise ValueError(f"{where}.id must be a non-empty string")
     name, args = c["function"].get("name"), c["function"].get("arguments")
     if not isinstance(name, str) or not name:
         raise ValueError(f"{where}.function.name must be a non-empty string")
     if not isinstance(args, str):
-        raise ValueError(f"{where}.function.arguments={_short(args)} is not a JSON string (OpenAI "
+        raise ValueError(f"{where}.function.arguments={quote(args)} is not a JSON string (OpenAI "
                          "sends the arguments object encoded as a string)")
     try:
         decoded = json.loads(args)
@@ -182,7 +178,7 @@ def _check_call(c: Any, where: str) -> str:
         raise ValueError(f"{where}.function.arguments is not valid JSON: {e.msg} "
                          f"(column {e.colno})") from None
     if not isinstance(decoded, dict):
-        raise ValueError(f"{where}.function.arguments={_short(args)} is not a JSON object")
+        raise ValueError(f"{where}.function.arguments={quote(args)} is not a JSON object")
     return c["id"]
 
 
