@@ -41,7 +41,7 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Ar
     else:
         new_pos = jax.lax.dynamic_slice_in_dim(cache.pos, column, T, axis=1)  # [B, T]
     if mode is Mode.PREFILL:
-        if kernel := _flash_prefill(policy, kw.get("sinks")):
+        if kernel := policy.backend.prompt_attention(kw.get("sinks")):
             out = sharded.prompt_attention(kernel, q, k, v, positions, new_pos, rules, **kw)
             return out, cache.write(layer, k, v, column, rules)
         B, _, K, H = k.shape
@@ -55,43 +55,13 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Ar
         overwritten = (jnp.arange(S) - first) % S < T  # slots [column, column + T) (mod S on a ring)
         cached = (cache.k[layer], cache.v[layer], jnp.where(overwritten, -1, k_pos),
                   cache.k_scale[layer], cache.v_scale[layer])
-    if _attention_kernel_applies(q, k, v, cached, policy):
-        out = sharded.cache_attention(q, k, v, positions, new_pos, cached, rules,
-                                      policy.backend, **kw)
+    if kernel := policy.backend.cache_attention(q, k, v, cached[0], cached[3]):
+        out = sharded.cache_attention(kernel, q, k, v, positions, new_pos, cached, rules, **kw)
         return out, cache.write(layer, k, v, column, rules)
     new = (jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), new_pos, None, None)  # [B, K, T, H]
     blocks = [cached, new] if cached[0].shape[2] else [new]
     out = attention(q, positions, blocks, policy, **kw)
     return out, cache.write(layer, k, v, column, rules)
-
-
-def _attention_kernel_applies(q: jax.Array, k: jax.Array, v: jax.Array, cached: tuple,
-                              policy: Policy) -> bool:
-    """Whether the backend's attention kernel takes this call: on CPU float32 queries, up to 128
-    over the cache (a decode step's, the rest of a prompt after a shared prefix) or a whole
-    prompt's over no cache, over a float32 or int8 cache; on TPU (Pallas) one query per row over
-    the cache, in any precision."""
-    kc, k_scale, S = cached[0], cached[3], cached[0].shape[2]
-    if policy.backend.attention_kernel:
-        cache_ok = kc.dtype == jnp.float32 or (kc.dtype == jnp.int8 and k_scale is not None)
-        return ((q.shape[1] <= 128 or S == 0) and cache_ok
-                and all(a.dtype == jnp.float32 for a in (q, k, v)))
-    return policy.backend.pallas_decode and q.shape[1] == 1 and S > 0
-
-
-def _flash_prefill(policy: Policy, sinks: jax.Array | None):
-    """The backend's flash kernel for a prompt's attention over its own keys, or None for XLA's
-    attention: Pallas on TPU (models/kernels/tpu.py), cuDNN's on NVIDIA GPUs, which takes no
-    sinks (models/kernels/gpu.py). Either keeps a prompt's [T, T] scores out of HBM."""
-    if policy.backend.flash_prefill == "pallas":
-        from models.kernels import tpu
-
-        return tpu.flash_prefill
-    if policy.backend.flash_prefill == "cudnn" and sinks is None:
-        from models.kernels import gpu
-
-        return gpu.flash_prefill
-    return None
 
 
 def attention(

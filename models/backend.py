@@ -1,20 +1,29 @@
 """The kernels a mesh runs, chosen once per mesh: podrun's C++ kernels on CPU (models/kernels/cpu.py),
 the Pallas kernels on TPU (models/kernels/tpu.py), cuDNN's prefill attention and a Pallas (Triton)
-decode attention on NVIDIA GPUs (models/kernels/gpu.py), and XLA for everything else. The models
-and the engine ask their policy's Backend (models/policy.Policy.on); none of them tests the
-platform.
+decode attention on NVIDIA GPUs (models/kernels/gpu.py), and XLA for everything else.
 
-What a Backend says holds for every call on its mesh. A kernel may still decline a call whose
-operands it does not take (a dtype, a row count, a query count); those checks stay
-with the call.
+`Backend.resolve` reads the config's switches (kernels.*) once per mesh. The models and the engine
+then ask their policy's Backend for the kernel of an operation (`cache_attention`,
+`paged_attention`, `matmul_f32`, ...): it hands back the function to call, or None where XLA's
+path runs. None of them imports a kernel module or tests the platform. A kernel that declines
+some calls (a dtype, a row count, a query count) says so here, where it is chosen: the caller
+passes the operands it has.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
 
 from sharding.rules import Rules
+
+# A decode step's rows, at most, that podrun's CPU product kernel takes: XLA:CPU's dot runs a
+# decode step's small products on one thread, where the kernel splits each over threads that spin
+# between products; a prefill's many rows (the kernel reads W once per 8 rows) go faster in XLA.
+PRODUCT_KERNEL_ROWS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +35,7 @@ class Backend:
     quant_kernels: bool = False  # the int8 and int4 products
     attention_kernel: bool = False  # attention of a decode step's few queries, or of a prompt
     panels: bool = False  # float32 projections held in column panels (models/panels.py)
-    greedy_screen: bool = False  # greedy tokens through an int8 screen of a float32 unembedding
+    int8_screen: bool = False  # greedy tokens through an int8 screen of a float32 unembedding
     huge_pages: bool = False  # weights and KV cache on 2 MiB pages (runner/engine/hugepages.py)
     # A decode step's attention in Pallas (kernels.pallas_attention): "tpu" (Mosaic) or "gpu"
     # (Triton), or "" (XLA's attention)
@@ -48,7 +57,7 @@ class Backend:
 
     @classmethod
     def resolve(cls, policy: Any, rules: Rules) -> Backend:
-        """The backend of `policy`'s kernel switches (precision.*) on `rules`' mesh."""
+        """The backend of `policy`'s kernel switches (kernels.*) on `rules`' mesh."""
         platform = rules.platform
         unsplit_cache = rules.shards("cache_seq") == 1  # the attention kernels take whole rows
         pallas_decode = policy.kernels and policy.pallas_attention and unsplit_cache
@@ -61,7 +70,7 @@ class Backend:
             return cls(platform, product_kernel=alone, quant_kernels=on,
                        attention_kernel=on and unsplit_cache,
                        panels=alone and policy.panel_weights and f32 and policy.quantize == "none",
-                       greedy_screen=alone and policy.greedy_screen and policy.dtype.name == "float32",
+                       int8_screen=alone and policy.greedy_screen and policy.dtype.name == "float32",
                        huge_pages=policy.huge_pages, step_tokens=16)
         if platform == "tpu":
             return cls(platform, pallas_decode="tpu" if pallas_decode else "",
@@ -77,3 +86,122 @@ class Backend:
         cache is read (attention) and then written in place, and without it XLA:CPU copies the
         whole cache on every step."""
         return {"xla_cpu_copy_insertion_use_region_analysis": True} if self.platform == "cpu" else None
+
+    # --- the kernel of each operation, or None for XLA's ------------------------------------------
+
+    def matmul_f32(self, rows: int, x: jax.Array, w: jax.Array) -> Callable | None:
+        """A projection's product, x [rows, C] by w (models/kernels/cpu.matmul_f32): float32, up
+        to PRODUCT_KERNEL_ROWS rows, on one CPU device."""
+        if self.product_kernel and rows <= PRODUCT_KERNEL_ROWS and x.dtype == w.dtype == jnp.float32:
+            from models.kernels import cpu
+            return cpu.matmul_f32
+        return None
+
+    def rms_norm(self, rows: int, x: jax.Array, w: jax.Array) -> Callable | None:
+        """rms_norm in one call (models/kernels/cpu.rms_norm), where XLA:CPU runs four small
+        operations with gaps between them: for the rows matmul_f32 takes."""
+        if self.matmul_f32(rows, x, w) is None:
+            return None
+        from models.kernels import cpu
+        return cpu.rms_norm
+
+    def greedy_screen(self, w: jax.Array, rows: int) -> Callable | None:
+        """What builds an unembedding w's int8 screen (models/kernels/cpu.greedy_screen), through
+        which greedy tokens come without every logit: a float32 w, up to PRODUCT_KERNEL_ROWS rows,
+        one CPU device. Its tokens come from `screened_greedy`."""
+        if self.int8_screen and isinstance(w, jax.Array) and w.dtype == jnp.float32 \
+                and rows <= PRODUCT_KERNEL_ROWS:
+            from models.kernels import cpu
+            return cpu.greedy_screen
+        return None
+
+    def screened_greedy(self) -> Callable:
+        """The greedy tokens of hidden states through a screen greedy_screen built."""
+        from models.kernels import cpu
+        return cpu.greedy_screened
+
+    def int_matmul(self, int4: bool) -> Callable | None:
+        """The product of activations by int8 (or int4) weights stored output dimensions first
+        (models/kernels/cpu.matmul_nk_s8, matmul_nk_s4)."""
+        if not self.quant_kernels:
+            return None
+        from models.kernels import cpu
+        return cpu.matmul_nk_s4 if int4 else cpu.matmul_nk_s8
+
+    def cache_attention(self, q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Array,
+                        k_scale: jax.Array | None) -> Callable | None:
+        """Attention of q [B, T, N, H] over a row's cache [B, K, S, H] and the new k, v
+        [B, T, K, H], as models/kernels/cpu.decode_attention takes them. On CPU: float32
+        queries, up to 128 of them over the cache (a decode step's, the rest of a prompt after a
+        shared prefix) or a whole prompt over none, over a float32 or int8 cache. Pallas (Mosaic
+        on TPU, Triton on GPU; kernels.pallas_attention): one query per row over the cache, in
+        any precision."""
+        S = k_cache.shape[2]
+        if self.attention_kernel:
+            cache_ok = k_cache.dtype == jnp.float32 or (k_cache.dtype == jnp.int8 and k_scale is not None)
+            if (q.shape[1] <= 128 or S == 0) and cache_ok and q.dtype == k.dtype == v.dtype == jnp.float32:
+                from models.kernels import cpu
+                return cpu.decode_attention
+            return None
+        if self.pallas_decode and q.shape[1] == 1 and S > 0:
+            if self.pallas_decode == "tpu":
+                from models.kernels import tpu as kernels
+            else:
+                from models.kernels import gpu as kernels
+            return _new_keys_by_head(kernels.decode_attention)
+        return None
+
+    def prompt_attention(self, sinks: jax.Array | None) -> Callable | None:
+        """A flash kernel for a prompt's attention over its own keys, which keeps the [T, T]
+        scores out of HBM: Pallas' on TPU, cuDNN's on NVIDIA GPUs (which takes no sinks)."""
+        if self.flash_prefill == "pallas":
+            from models.kernels import tpu
+            return tpu.flash_prefill
+        if self.flash_prefill == "cudnn" and sinks is None:
+            from models.kernels import gpu
+            return gpu.flash_prefill
+        return None
+
+    def paged_attention(self, q: jax.Array, pool: jax.Array, scale: jax.Array | None
+                        ) -> Callable | None:
+        """A ragged step's queries [T, N, H] over a pool of pages through page tables, as
+        models/kernels/cpu.paged_attention takes them: on CPU float32 queries over a float32 or
+        int8 pool; on TPU (folded pools) any pool but an int8 one."""
+        if self.attention_kernel and q.dtype == jnp.float32 and pool.dtype in (jnp.float32, jnp.int8):
+            from models.kernels import cpu
+            return cpu.paged_attention
+        if self.pallas_paged and scale is None:
+            from models.kernels import tpu
+            return tpu.ragged_paged_attention
+        return None
+
+    def write_pages(self, pool_dtype: Any) -> Callable | None:
+        """A step's new keys written into their pages in place (TPU, folded pools, not int8)."""
+        if self.pallas_paged and jnp.dtype(pool_dtype) != jnp.int8:
+            from models.kernels import tpu
+            return tpu.write_pages
+        return None
+
+    def page_fold(self, pool_dtype: Any, head_dim: int) -> int:
+        """Slots a row of a pool holds side by side: folded for the TPU kernels (1 elsewhere)."""
+        if self.write_pages(pool_dtype) is None:
+            return 1
+        from models.kernels import tpu
+        return tpu.fold(head_dim)
+
+    def grouped_matmul(self) -> Callable | None:
+        """GPT-OSS's experts over many tokens as ragged groups of a Pallas grouped matmul
+        (JAX's megablox gmm; TPU, kernels.pallas_moe)."""
+        if not self.ragged_experts:
+            return None
+        from jax.experimental.pallas.ops.tpu.megablox import gmm
+        return gmm
+
+
+def _new_keys_by_head(kernel: Callable) -> Callable:
+    """A Pallas decode kernel, which takes this step's keys [B, K, 1, H], called with them as the
+    projections give them, [B, 1, K, H]."""
+    def call(q, k_cache, v_cache, k_pos, k_new, v_new, *rest):
+        return kernel(q, k_cache, v_cache, k_pos, jnp.swapaxes(k_new, 1, 2),
+                      jnp.swapaxes(v_new, 1, 2), *rest)
+    return call

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from functools import partial
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -265,13 +265,12 @@ def _experts_dense(x, expert, weight, w, scales, c, policy):
                       preferred_element_type=jnp.float32).astype(y.dtype)
 
 
-def experts_ragged(x, expert, weight, w, scales, c, interpret=False):
+def experts_ragged(x, expert, weight, w, scales, c, gmm):
     """Many assignments on TPU (kernels.pallas_moe): sorted by expert, each expert's rows one
-    ragged group of a Pallas grouped matmul (JAX's megablox gmm), so no assignment waits in a
-    bucket padded to a capacity. x [M, D]; expert, weight [M, k], expert = E where the expert
-    lives on another shard (those rows are sorted last, left out of every group, and zeroed)."""
-    from jax.experimental.pallas.ops.tpu.megablox import gmm
-
+    ragged group of the backend's grouped matmul `gmm` (Backend.grouped_matmul: JAX's megablox
+    gmm), so no assignment waits in a bucket padded to a capacity. x [M, D]; expert, weight
+    [M, k], expert = E where the expert lives on another shard (those rows are sorted last, left
+    out of every group, and zeroed)."""
     M, D = x.shape
     w = _converted(w, x.dtype)
     E = w["w_down"].shape[0]
@@ -284,8 +283,7 @@ def experts_ragged(x, expert, weight, w, scales, c, interpret=False):
 
     def product(rows, weights):  # rows [A, K], weights [E, N, K] -> [A, N]
         rows = jnp.zeros((padded, rows.shape[1]), rows.dtype).at[:A].set(rows)
-        out = gmm(rows, weights, sizes, preferred_element_type=jnp.float32, transpose_rhs=True,
-                  interpret=interpret)
+        out = gmm(rows, weights, sizes, preferred_element_type=jnp.float32, transpose_rhs=True)
         return jnp.where(mine, out[:A], 0.0)  # rows outside every group are never written
 
     wg = w["w_gate_up"]  # [E, 2, F, D]
@@ -298,7 +296,7 @@ def experts_ragged(x, expert, weight, w, scales, c, interpret=False):
 
 
 def _moe_shard(x, expert, weight, w, *, c: Config, policy: Policy, expert_axes, model_axes,
-               ragged: bool = False):
+               gmm: Callable | None = None):
     """One device's share: its tokens x [B, T, D] through its experts and its slice of F. int8
     experts (QWeight, stored as declared: [*out, D] and [*out, F]) enter the products as converted
     int8, which XLA folds into the products' operands, and their scales multiply the outputs;
@@ -322,8 +320,9 @@ def _moe_shard(x, expert, weight, w, *, c: Config, policy: Policy, expert_axes, 
     if 4 * local.size <= E:
         y = _experts_gathered(x, jnp.where(mine.reshape(local.shape), local, 0), weight, w, scales,
                               c, policy)
-    elif ragged:
-        y = experts_ragged(x, jnp.where(mine.reshape(local.shape), local, E), weight, w, scales, c)
+    elif gmm is not None:
+        y = experts_ragged(x, jnp.where(mine.reshape(local.shape), local, E), weight, w, scales, c,
+                           gmm)
     else:
         local = jnp.where(mine.reshape(local.shape), local, E)
         counts = jnp.bincount(local.reshape(-1), length=E + 1)[:E]
@@ -353,7 +352,7 @@ def moe_block(p: dict, x: jax.Array, c: Config, rules: Rules, policy: Policy) ->
         expert_axes = tuple(a for a in rules.axes("experts") if rules.mesh.shape[a] > 1)
         model_axes = tuple(a for a in rules.axes("mlp") if rules.mesh.shape[a] > 1)
         fn = partial(_moe_shard, c=c, policy=policy, expert_axes=expert_axes, model_axes=model_axes,
-                     ragged=policy.backend.ragged_experts)
+                     gmm=policy.backend.grouped_matmul())
         y = jax.shard_map(
             fn, mesh=rules.mesh, check_vma=False,
             in_specs=(act, route, route, specs),

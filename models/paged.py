@@ -64,11 +64,8 @@ class PagedCache(NamedTuple):
 
     @staticmethod
     def fold(policy: Policy, dtype: Any, head_dim: int) -> int:
-        """Slots a row of a pool holds: side by side for the TPU kernels (int8 pools are XLA's)."""
-        if policy.backend.pallas_paged and jnp.dtype(dtype) != jnp.int8:
-            from models.kernels import tpu
-            return tpu.fold(head_dim)
-        return 1
+        """Slots a row of a pool holds: side by side for the TPU kernels (Backend.page_fold)."""
+        return policy.backend.page_fold(dtype, head_dim)
 
     @staticmethod
     def shardings(rules: Rules, num_layers: int, quantized: bool) -> PagedCache:
@@ -142,15 +139,15 @@ class PagedCache(NamedTuple):
     def write(self, layer: int, k: jax.Array, v: jax.Array, column: Any, rules: Rules,
               window: int | None = None, policy: Policy | None = None) -> PagedCache:
         """Writes one layer's new k, v [G, T, K, H] into their slots (the layer's window picks
-        its pool's tables): in the TPU kernel (policy's Backend.pallas_paged), else a scatter."""
+        its pool's tables): in the backend's kernel (Backend.write_pages), else a scatter."""
         with jax.named_scope("cache_write"):
             pool = self.k[layer]
             S = pool.shape[3] * pool.shape[4] // k.shape[-1]
             slots = self.slots(self.tables_for(window), pool.shape[1], S)
             ks, vs, kss, vss = list(self.k), list(self.v), list(self.k_scale), list(self.v_scale)
-            if policy is not None and policy.backend.pallas_paged and kss[layer] is None:
-                ks[layer] = _tpu_write(pool, k, slots, rules)
-                vs[layer] = _tpu_write(vs[layer], v, slots, rules)
+            if policy is not None and (kernel := policy.backend.write_pages(pool.dtype)):
+                ks[layer] = _write_kernel(kernel, pool, k, slots, rules)
+                vs[layer] = _write_kernel(kernel, vs[layer], v, slots, rules)
                 return self._replace(k=ks, v=vs)
             for store, scales, new in ((ks, kss, k), (vs, vss, v)):
                 if scales[layer] is not None:  # int8: one scale per slot and head
@@ -182,10 +179,8 @@ def paged_attention(q: jax.Array, cache: PagedCache, layer: int, rules: Rules, p
     already written), in the backend's kernel or in XLA."""
     kc, vc = cache.k[layer], cache.v[layer]
     ks, vs = cache.k_scale[layer], cache.v_scale[layer]
-    if policy.backend.attention_kernel and q.dtype == jnp.float32 and kc.dtype in (jnp.float32, jnp.int8):
-        return _cpu_kernel(q, kc, vc, ks, vs, cache, rules, window, sinks, scale)
-    if policy.backend.pallas_paged and ks is None:
-        return _tpu_kernel(q, kc, vc, cache, rules, window, sinks, scale)
+    if kernel := policy.backend.paged_attention(q, kc, ks):
+        return _kernel(kernel, q, kc, vc, ks, vs, cache, rules, window, sinks, scale)
     return _xla(q, kc, vc, ks, vs, cache, policy, window, sinks, scale)
 
 
@@ -267,19 +262,16 @@ def _blocked(q, q_pos, tables, kc, vc, ks, vs, policy: Policy, window, sinks, sc
     return jnp.moveaxis(out, 4, 2).reshape(G, Q, T, K * Gq, H).astype(q.dtype)
 
 
-def _cpu_kernel(q, kc, vc, ks, vs, cache: PagedCache, rules: Rules, window, sinks, scale):
-    """podrun's CPU kernel per group (and kv-head shard) under shard_map."""
-    from models.kernels import cpu
-
+def _kernel(kernel, q, kc, vc, ks, vs, cache: PagedCache, rules: Rules, window, sinks, scale):
+    """The backend's paged attention `kernel` per group (and kv-head shard) under shard_map."""
     has_sinks = sinks is not None
     sinks = jnp.zeros(q.shape[2:3], jnp.float32) if sinks is None else sinks
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     scales = () if ks is None else (ks, vs)
 
     def local(q, kc, vc, tables, rows, positions, sinks, *scales):  # one group each
-        return cpu.paged_attention(q[0], kc[0], vc[0], tables[0], rows[0], positions[0],
-                                   sinks if has_sinks else None, window, scale,
-                                   *(s[0] for s in scales))[None]
+        return kernel(q[0], kc[0], vc[0], tables[0], rows[0], positions[0],
+                      sinks if has_sinks else None, window, scale, *(s[0] for s in scales))[None]
 
     args = (q, kc, vc, cache.tables_for(window), cache.rows, cache.positions, sinks, *scales)
     if rules.mesh.size == 1:
@@ -298,44 +290,13 @@ def _group_specs(rules: Rules, pool: jax.Array) -> tuple[Any, Any]:
     return spec[0], spec[2]
 
 
-def _tpu_write(pool: jax.Array, new: jax.Array, slots: jax.Array, rules: Rules) -> jax.Array:
-    """models/kernels/tpu.write_pages per group (and kv-head shard) under shard_map."""
-    from models.kernels import tpu
-
-    local = lambda pool, new, slots: tpu.write_pages(pool[0], new[0], slots[0])[None]
+def _write_kernel(kernel, pool: jax.Array, new: jax.Array, slots: jax.Array, rules: Rules
+                  ) -> jax.Array:
+    """The backend's page-writing `kernel` per group (and kv-head shard) under shard_map."""
+    local = lambda pool, new, slots: kernel(pool[0], new[0], slots[0])[None]
     if rules.mesh.size == 1:
         return local(pool, new, slots)
     b, kv = _group_specs(rules, pool)
     pool_spec = Spec(b, None, kv, None, None)
     return jax.shard_map(local, mesh=rules.mesh, out_specs=pool_spec, check_vma=False,
                          in_specs=(pool_spec, Spec(b, None, kv, None), Spec(b, None)))(pool, new, slots)
-
-
-def _tpu_kernel(q, kc, vc, cache: PagedCache, rules: Rules, window, sinks, scale):
-    """models/kernels/tpu.paged_attention per group (and kv-head shard) under shard_map: the
-    first R queries one per sequence, the rest (a chunk) of sequence rows[:, R], as `_xla`."""
-    from models.kernels import tpu
-
-    has_sinks = sinks is not None
-    sinks = jnp.zeros(q.shape[2:3], jnp.float32) if sinks is None else sinks
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    R = cache.tables_for(window).shape[1]
-
-    def local(q, kc, vc, tables, rows, positions, sinks):  # one group each
-        q, kc, vc, tables, rows, positions = (x[0] for x in (q, kc, vc, tables, rows, positions))
-        run = lambda q, table, pos: tpu.paged_attention(q, kc, vc, table, pos,
-                                                        sinks if has_sinks else None, window, scale)
-        out = run(q[:R, None], tables, positions[:R, None])[:, 0]  # [R, N, H]
-        if q.shape[0] > R:  # the chunk, of one sequence
-            chunk = run(q[None, R:], tables[rows[R]][None], positions[None, R:])[0]
-            out = jnp.concatenate([out, chunk], axis=0)
-        return out[None]
-
-    args = (q, kc, vc, cache.tables_for(window), cache.rows, cache.positions, sinks)
-    if rules.mesh.size == 1:
-        return local(*args)
-    b, kv = _group_specs(rules, kc)
-    specs = (Spec(b, None, kv, None), Spec(b, None, kv, None, None), Spec(b, None, kv, None, None),
-             Spec(b, None, None), Spec(b, None), Spec(b, None), Spec(kv))
-    return jax.shard_map(local, mesh=rules.mesh, out_specs=specs[0], check_vma=False,
-                         in_specs=specs)(*args)

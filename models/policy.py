@@ -20,7 +20,7 @@ from sharding.rules import Rules
 class Policy:
     """Precision policy: what weights, activations and the KV cache are held in, matmul precision,
     quantisation and the programs' shape (fused, scanned, donated); the kernel switches of the
-    config (precision.*), which only `Backend.resolve` reads; and, once `on` a mesh, the backend
+    config (kernels.*), which only `Backend.resolve` reads; and, once `on` a mesh, the backend
     that those switches give there, which every kernel choice asks."""
 
     params: str = "float32"
@@ -83,8 +83,7 @@ class Policy:
         """
         if isinstance(operands[-1], (quant.QWeight, quant.Q4Weight)):  # stored output dims first
             x, w = operands
-            return quant.matmul(x, w, len(w.contract_axes), self.precision,
-                                self.backend.quant_kernels)
+            return quant.matmul(x, w, len(w.contract_axes), self.precision, self.backend)
         if isinstance(operands[-1], panels.PanelWeight):
             x, w = operands
             plan = _projection(spec, x.ndim, w.ndim)
@@ -104,10 +103,8 @@ class Policy:
                 out = w.shape[: w.ndim - n_contract]
                 w2, dims = w.reshape(math.prod(out), C), ((x.ndim - n_contract,), (1,))
             rows = math.prod(free)
-            if self._product_kernel_applies(rows, x, w):
-                from models.kernels import cpu
-
-                y = cpu.matmul_f32(x.reshape(rows, C), w2, w_nk=not weight_first)
+            if kernel := self.backend.matmul_f32(rows, x, w):
+                y = kernel(x.reshape(rows, C), w2, w_nk=not weight_first)
             else:
                 y = jax.lax.dot_general(x.reshape(*free, C), w2, (dims, ((), ())),
                                         precision=self.precision)
@@ -115,26 +112,10 @@ class Policy:
         return jnp.einsum(spec, *operands, precision=self.precision)
 
     def rms_norm(self, x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-        """rms_norm, in one call of podrun's CPU kernel for a decode step's rows on one CPU
-        device (float32; models/kernels/cpu.rms_norm), where XLA:CPU runs it as four small
-        operations with gaps between them."""
-        if self._product_kernel_applies(math.prod(x.shape[:-1]), x, weight):
-            from models.kernels import cpu
-
-            return cpu.rms_norm(x, weight, eps)
+        """rms_norm, in the backend's kernel where it has one for these rows."""
+        if kernel := self.backend.rms_norm(math.prod(x.shape[:-1]), x, weight):
+            return kernel(x, weight, eps)
         return rms_norm(x, weight, eps)
-
-    def _product_kernel_applies(self, rows: int, x: jax.Array, w: jax.Array) -> bool:
-        """podrun's float32 product kernel (models/kernels/cpu.matmul_f32) for a decode step's
-        projections, where the backend has it: up to PRODUCT_KERNEL_ROWS rows. XLA:CPU's dot runs
-        a decode step's small products on one thread; the kernel splits each product over threads
-        that spin between products. A prefill's many rows (the kernel reads W once per 8 rows)
-        go faster through XLA's dot."""
-        return (self.backend.product_kernel and rows <= PRODUCT_KERNEL_ROWS
-                and x.dtype == jnp.float32 and w.dtype == jnp.float32)
-
-
-PRODUCT_KERNEL_ROWS = 8
 
 
 @functools.cache

@@ -262,14 +262,15 @@ def _dequantized_dot(x: jax.Array, q: jax.Array, *scales: jax.Array) -> jax.Arra
                                precision=jax.lax.Precision.HIGHEST)
 
 
-def matmul(x: jax.Array, w: QWeight | Q4Weight, n_contract: int, precision: Any, kernels: bool
+def matmul(x: jax.Array, w: QWeight | Q4Weight, n_contract: int, precision: Any, backend: Any
            ) -> jax.Array:
-    """x [*free, *contract] . w -> [*free, *out], in float32 (x's dtype for the XLA path);
-    `kernels`: in podrun's CPU kernels (the backend's quant_kernels), else XLA's dot."""
+    """x [*free, *contract] . w -> [*free, *out], in float32 (x's dtype for the XLA path): in
+    the backend's kernel (Backend.int_matmul) where it has one, else XLA's dot."""
     free, out = x.shape[: x.ndim - n_contract], tuple(w.q.shape[: len(w.out_axes)])
     C, O = math.prod(x.shape[x.ndim - n_contract:]), math.prod(out)
     int4 = isinstance(w, Q4Weight)
-    if not kernels:
+    kernel = backend.int_matmul(int4)
+    if kernel is None:
         if int4:  # dequantised for the dot (XLA has no product over packed nibbles)
             q = dequantize_int4(w.q, w.d, w.m, x.dtype).reshape(O, C)
             return jax.lax.dot_general(x.reshape(*free, C), q, (((len(free),), (1,)), ((), ())),
@@ -281,8 +282,6 @@ def matmul(x: jax.Array, w: QWeight | Q4Weight, n_contract: int, precision: Any,
         y = jax.lax.dot_general(x.reshape(*free, C), q, (((len(free),), (1,)), ((), ())),
                                 precision=precision, preferred_element_type=jnp.float32)
         return (y * w.scale.reshape(O)).astype(x.dtype).reshape(*free, *out)
-    from models.kernels import cpu
-
     rules = w.rules
     free_axes = ("batch", "seq")[: len(free)] if len(free) <= 2 else (None,) * len(free)
     x_spec = rules.spec(*free_axes, *w.contract_axes, shape=x.shape)
@@ -303,10 +302,9 @@ def matmul(x: jax.Array, w: QWeight | Q4Weight, n_contract: int, precision: Any,
         if rows >= (XLA_ROWS_INT4 if int4 else XLA_ROWS_INT8):
             y = _dequantized_dot(x2, q.reshape(n, -1), *(s.reshape(n, -1) for s in scales))
         elif int4:
-            d, m = (s.reshape(n, -1) for s in scales)
-            y = cpu.matmul_nk_s4(x2, q.reshape(n, -1), d, m)
+            y = kernel(x2, q.reshape(n, -1), *(s.reshape(n, -1) for s in scales))
         else:
-            y = cpu.matmul_nk_s8(x2, q.reshape(n, -1), scales[0].reshape(-1))
+            y = kernel(x2, q.reshape(n, -1), scales[0].reshape(-1))
         y = y.reshape(*lf, *lo)
         return jax.lax.psum(y, reduce_axes) if reduce_axes else y
 

@@ -90,3 +90,16 @@ def test_models_and_sharding_never_import_the_runner():
     graph = import_graph()
     assert not [(m, d) for m, deps in graph.items() if m.startswith(("models", "sharding"))
                 for d in deps if d.startswith("runner")]
+
+
+def test_kernels_are_chosen_by_the_backend_alone():
+    """No model or engine module imports a platform's kernels: they ask the Backend
+    (models/backend.py), which imports them. models/panels.py is the CPU kernel's weight format,
+    and the tools measure the kernels themselves."""
+    graph = import_graph()
+    platform_kernels = {"models.kernels.cpu", "models.kernels.tpu", "models.kernels.gpu"}
+    allowed = {"models.backend", "models.panels", *platform_kernels}
+    importers = {m for m, deps in graph.items() if deps & platform_kernels
+                 and m.startswith(("models", "runner", "sharding")) and not m.startswith("runner.tools")}
+    assert "models.backend" in importers
+    assert importers <= allowed, sorted(importers - allowed)

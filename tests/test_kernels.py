@@ -598,6 +598,8 @@ def test_ragged_experts_match_numpy_in_interpret_mode(int8):
     shard (expert id E), D and F not multiples of 128, int8 weights with per-output scales."""
     from types import SimpleNamespace
 
+    from jax.experimental.pallas.ops.tpu.megablox import gmm
+
     from models import gptoss
 
     rng = np.random.default_rng(11 + int8)
@@ -618,7 +620,7 @@ def test_ragged_experts_match_numpy_in_interpret_mode(int8):
     w = {"w_gate_up": jnp.asarray(wgu, jnp.float32), "w_down": jnp.asarray(wd, jnp.float32),
          "b_gate_up": jnp.asarray(bgu), "b_down": jnp.asarray(bd)}
     got = gptoss.experts_ragged(jnp.asarray(x), jnp.asarray(expert), jnp.asarray(weight), w, scales,
-                                c, interpret=True)
+                                c, functools.partial(gmm, interpret=True))
 
     want = np.zeros((M, D))
     for m in range(M):

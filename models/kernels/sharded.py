@@ -9,19 +9,19 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as Spec
 
-from models.backend import Backend
 from sharding.rules import Rules
 
 
-def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
-                    new_pos: jax.Array, cached: tuple, rules: Rules, backend: Backend, *,
+def cache_attention(kernel, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
+                    new_pos: jax.Array, cached: tuple, rules: Rules, *,
                     window: int | None = None, sinks: jax.Array | None = None,
                     scale: float | None = None) -> jax.Array:
-    """Attention (as models/attention.attention) over the cached block and the new keys in the
-    backend's kernel: on CPU through XLA's FFI (XLA:CPU spends tens of microseconds on each of a
-    decode step's small attention products, and takes a prompt's attention through transposes and
-    masked [T, T] scores), on TPU and NVIDIA GPUs in Pallas (the cache read once per kv head,
-    flash-decoding style; on GPUs only up to each row's last filled slot)."""
+    """Attention (as models/attention.attention) over the cached block and the new keys k, v
+    [B, T, K, H] in the backend's `kernel` (Backend.cache_attention): on CPU through XLA's FFI
+    (XLA:CPU spends tens of microseconds on each of a decode step's small attention products, and
+    takes a prompt's attention through transposes and masked [T, T] scores), on TPU and NVIDIA
+    GPUs in Pallas (the cache read once per kv head, flash-decoding style; on GPUs only up to
+    each row's last filled slot)."""
 
     kc, vc, k_pos, k_scale, v_scale = cached
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -29,16 +29,6 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
     sinks = jnp.zeros(q.shape[2:3], jnp.float32) if sinks is None else sinks
     b, kv = rules.spec("cache_batch", "cache_kv_heads", None, None, shape=kc.shape)[:2]
     heads, cache, rows = Spec(b, None, kv, None), Spec(b, kv, None, None), Spec(b, None)
-    if backend.attention_kernel:  # CPU: the new keys [B, T, K, H] as they are
-        from models.kernels import cpu
-
-        kernel, new = cpu.decode_attention, heads
-    else:  # Pallas, Mosaic's on TPU or Triton's on GPU: [B, K, T, H]
-        from models.kernels import gpu, tpu
-
-        kernel = {"tpu": tpu, "gpu": gpu}[backend.pallas_decode].decode_attention
-        new, k, v = cache, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
-
     scales = () if k_scale is None else (k_scale, v_scale)  # an int8 cache's, [B, K, S]
 
     def local(q, kc, vc, k_pos, kn, vn, new_pos, q_pos, sinks, *scales):
@@ -48,7 +38,7 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
     args = (q, kc, vc, k_pos, k, v, new_pos, q_pos, sinks, *scales)
     if rules.mesh.size == 1:
         return local(*args)
-    specs = (heads, cache, cache, rows, new, new, rows, rows, Spec(kv),
+    specs = (heads, cache, cache, rows, heads, heads, rows, rows, Spec(kv),
              *[Spec(b, kv, None)] * len(scales))
     if kc.shape[2] == 0:  # a prompt over no cache (CPU; new keys [B, T, K, H]): each shard makes
         # the empty block itself, as jaxlib 0.11's Shardy crashes compiling a shard_map with an
@@ -59,7 +49,7 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
             return _with_cache(q, none, none, jnp.zeros((B, 0), k_pos.dtype), kn, vn, new_pos,
                                q_pos, sinks)
 
-        args, specs = (q, k, v, new_pos, q_pos, sinks), (heads, new, new, rows, rows, Spec(kv))
+        args, specs = (q, k, v, new_pos, q_pos, sinks), (heads, heads, heads, rows, rows, Spec(kv))
     return jax.shard_map(local, mesh=rules.mesh, out_specs=heads, check_vma=False,
                          in_specs=specs)(*args)
 

@@ -448,6 +448,22 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, tables: 
     return jnp.transpose(out.reshape(Q, K, T, G, H), (0, 2, 1, 3, 4)).reshape(Q, T, N, H)
 
 
+def ragged_paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, tables: jax.Array,
+                           rows: jax.Array, q_pos: jax.Array, sinks: jax.Array | None,
+                           window: int | None, scale: float) -> jax.Array:
+    """A ragged step's queries q [T, N, H] (as cpu.paged_attention takes them) in paged_attention:
+    the first R = len(tables) one per sequence (decode rows), the rest a chunk of sequence
+    rows[R], each over its sequence's pages -> [T, N, H]."""
+    R = tables.shape[0]
+    out = paged_attention(q[:R, None], k_pool, v_pool, tables, q_pos[:R, None], sinks, window,
+                          scale)[:, 0]  # [R, N, H]
+    if q.shape[0] == R:
+        return out
+    chunk = paged_attention(q[None, R:], k_pool, v_pool, tables[rows[R]][None], q_pos[None, R:],
+                            sinks, window, scale)[0]
+    return jnp.concatenate([out, chunk], axis=0)
+
+
 def _write_kernel(slots_ref, leader_ref, new_ref, pool_in, pool_out, buf, sem, *, size: int,
                   f: int):
     del pool_in  # aliased to pool_out

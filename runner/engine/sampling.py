@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 
 from models.decoder import Output
-from models.policy import PRODUCT_KERNEL_ROWS
 
 # The most alternatives a token's log-probabilities list; the programs always compute this many,
 # so no request's `logprobs` recompiles anything.
@@ -231,10 +230,8 @@ def next_tokens(model, rules, policy, weights, out, output, seeds, counts, tempe
     if output is Output.LAST_LOGITS:
         logits = out if masks is None else allowed_tokens(masks, out)
         return sample(logits, seeds, counts, temperature, top_k, top_p)
-    from models.kernels import cpu
-
     u = model.unembedding(params)
-    greedy = cpu.greedy_screened(out, u.w, screen, w_nk=u.vocab_first)
+    greedy = policy.backend.screened_greedy()(out, u.w, screen, w_nk=u.vocab_first)
     logits = lambda: u.logits(out[:, None], rules, policy)[:, 0]
     if masks is not None:
         unmasked = logits
@@ -247,16 +244,11 @@ def next_tokens(model, rules, policy, weights, out, output, seeds, counts, tempe
 
 
 def greedy_screen(model, params, policy, rows: int):
-    """The unembedding's int8 screen (models/kernels/cpu.greedy_screen) where greedy tokens can
-    come through it: the backend's greedy_screen, a float32 unembedding and a batch of up to
-    PRODUCT_KERNEL_ROWS rows; else None."""
+    """The unembedding's int8 screen where the backend builds one for `rows` rows
+    (Backend.greedy_screen), else None."""
     u = model.unembedding(params)
-    if not (policy.backend.greedy_screen and isinstance(u.w, jax.Array)
-            and u.w.dtype == jnp.float32 and rows <= PRODUCT_KERNEL_ROWS):
-        return None
-    from models.kernels import cpu
-
-    return cpu.greedy_screen(u.w, w_nk=u.vocab_first)
+    build = policy.backend.greedy_screen(u.w, rows)
+    return None if build is None else build(u.w, w_nk=u.vocab_first)
 
 
 # Positions unembedded at once for a prompt's log-probabilities: bounds the logits held to rows x
