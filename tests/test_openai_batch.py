@@ -23,7 +23,7 @@ from scipy.special import log_softmax
 from runner.api import batch as openai_batch
 from runner.engine.engine import MAX_LOGPROBS, Completion as Sample, TokenLogprobs
 from runner.api import responses
-from runner.api.responses import Answer, Choice
+from runner.api.responses import Answer, Choice, Token
 from runner.api.batch import FileFormat, file_format, parse_line
 from runner.api.errors import RequestFileError
 from runner.api.requests import Line, Parsed, parse_request
@@ -329,6 +329,38 @@ def test_reasoning_and_tool_calls_reach_the_message(tok, s):
     assert (x.finish_reason, x.message.content, x.message.tool_calls) == ("length", "Paris is sunny.", None)
     assert x.message.model_extra == {"commentary": "(checking)", "chat_format_error": "cut off in a message header",
                                      "raw": "<|channel|>x"}
+
+
+def test_batch_lines_are_written_from_an_answer_alone(tok, s):
+    """Answers made by hand, n = 2 with log-probabilities: a chat.completion and a
+    text_completion of the openai package's types; a token without text (no tokenizer) is
+    `token_id:<id>`, a log-probability of -inf is OpenAI's -9999.0, and io.echo_prompt's ids
+    go in the body."""
+    top = (Token(3, "é", -0.5), Token(4, None, -1.0))
+    tokens = (Token(3, "é", -0.5, top), Token(4, None, float("-inf"), top[::-1]))
+    a = Answer("x", (Choice("é!", (3, 4), "length", logprobs=tokens), Choice("", (), "stop", logprobs=())),
+               5, prompt_token_ids=(1, 2, 3, 4, 5))
+    chat = parsed(tok, s, batch_line(CHAT, custom_id="x"))
+    body = check_envelope(openai_batch.result_line(chat, a, "m", 7), "x")
+    c = ChatCompletion.model_validate(body)
+    assert (c.object, c.model, c.created, [x.index for x in c.choices]) == ("chat.completion", "m", 7, [0, 1])
+    assert [x.message.content for x in c.choices] == ["é!", ""]
+    assert [x.finish_reason for x in c.choices] == ["length", "stop"]
+    content = c.choices[0].logprobs.content
+    assert [(t.token, t.logprob, t.bytes) for t in content] == [("é", -0.5, [0xC3, 0xA9]),
+                                                                ("token_id:4", -9999.0, None)]
+    assert [[(t.token, t.logprob) for t in x.top_logprobs] for x in content] == [
+        [("é", -0.5), ("token_id:4", -1.0)], [("token_id:4", -1.0), ("é", -0.5)]]
+    assert c.choices[1].logprobs.content == []
+    assert (c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.total_tokens) == (5, 2, 7)
+    assert body["prompt_token_ids"] == [1, 2, 3, 4, 5]
+    text = parsed(tok, s, batch_line({"prompt": "x"}, url=TEXT_URL, custom_id="x"))
+    body = check_envelope(openai_batch.result_line(text, a, "m", 7), "x")
+    x = Completion.model_validate(body).choices[0]
+    assert (body["object"], x.text, x.finish_reason) == ("text_completion", "é!", "length")
+    assert x.logprobs.tokens == ["é", "token_id:4"] and x.logprobs.token_logprobs == [-0.5, -9999.0]
+    assert x.logprobs.text_offset == [0, 1]
+    assert x.logprobs.top_logprobs == [{"é": -0.5, "token_id:4": -1.0}, {"token_id:4": -1.0, "é": -0.5}]
 
 
 def test_completion_results_are_text_completions_with_legacy_logprobs(tok, s):
