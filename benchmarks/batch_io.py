@@ -12,9 +12,10 @@ that parsing includes rendering Harmony and the results its channel parsing.
 A small job compiles the programs first, and the model's loading is left out, so the measured
 time is the file's alone: the job's wall time (runner.job.answer) and, inside it, the time spent
 in the I/O path: reading the file, the format check and duplicate custom_ids, parsing each line,
-building each result (podrun's, then the Batch line), appending the partial file and writing the
-final one. `--parse_only`: no model, no job; the microseconds a line that parsing the file's lines
-takes (runner.api.batch.parse_line, with the job's Harmony rendering for --chat), per round.
+reading each request's completions into its answer, writing that as its Batch line, appending the
+partial file and writing the final one. `--parse_only`: no model, no job; the microseconds a line
+that parsing the file's lines takes (runner.api.batch.parse_line, with the job's Harmony rendering
+for --chat), per round.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def _instrument() -> None:
     job.read_lines = _timed("read the file", job.read_lines)
     openai_batch.file_format = _timed("format, duplicate custom_ids", openai_batch.file_format)
     openai_batch.parse_line = _timed("parse lines", openai_batch.parse_line)
-    responses.result_line = _timed("podrun result dicts", responses.result_line)
+    responses.build_answer = _timed("answers (decoded, chat format read)", responses.build_answer)
     openai_batch.result_line = _timed("Batch result lines", openai_batch.result_line)
     openai_batch.error_line = _timed("Batch result lines", openai_batch.error_line)
     for method in ("__init__", "open", "add", "write_final"):

@@ -8,7 +8,7 @@ import math
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 from etils import epath
@@ -64,11 +64,11 @@ class Summary:
             out.update({f"engine_{k}": v for k, v in dataclasses.asdict(self.stats).items()})
         return out
 
-    def count(self, p, r: dict, samples: list[Completion]) -> None:
-        """Request p answered with result line r from its samples."""
+    def count(self, a: responses.Answer, samples: list[Completion]) -> None:
+        """A request answered with a from its samples."""
         self.generated += 1
-        self.prompt_tokens += len(p.prompt_ids)
-        self.completion_tokens += r["usage"]["completion_tokens"]
+        self.prompt_tokens += a.prompt_tokens
+        self.completion_tokens += a.completion_tokens
         for c in samples:
             self.ttft_s.append(c.ttft_s)
             self.latency_s.append(c.ttft_s + c.decode_s)
@@ -196,8 +196,8 @@ def answer(s: Settings, loaded: tuple | None = None, tokenizer=None) -> Summary:
         line.release()
     summary = Summary(requests=len(lines), already_done=len(lines) - len(pending))
     bad = [p for p in pending if p.error]
-    results.add([(p.index, (batch if fmt.batch else responses).error_line(p))
-                 for p in bad])
+    error_line, result_line = _writers(fmt, model_name)
+    results.add([(p.index, error_line(p)) for p in bad])
     summary.errors = len(bad)
     todo = [p for p in pending if not p.error]  # in file order: the scheduler takes them so
     pool = (f" and a pool of {engine.pages * engine.groups} pages of {engine.page_size} tokens"
@@ -209,12 +209,11 @@ def answer(s: Settings, loaded: tuple | None = None, tokenizer=None) -> Summary:
 
     def done(ended: list[tuple[int, list[Completion]]]) -> None:  # a call's finished requests
         rows = []
-        created = int(time.time())
         for i, samples in ended:
             p = todo[i]
-            r = responses.result_line(p, samples, tokenizer, s.echo_prompt, chat)
-            summary.count(p, r, samples)
-            rows.append((p.index, batch.result_line(p, r, model_name, created) if fmt.batch else r))
+            a = responses.build_answer(p, samples, tokenizer, s.echo_prompt, chat)
+            summary.count(a, samples)
+            rows.append((p.index, result_line(p, a)))
         results.add(rows)
         bar.update(len(rows))
 
@@ -237,6 +236,14 @@ def answer(s: Settings, loaded: tuple | None = None, tokenizer=None) -> Summary:
         raise AllFailedError(f"every one of the {len(lines)} requests failed; line "
                              f"{lines[0].number}: {error_message(results.done[0])}")
     return summary
+
+
+def _writers(fmt: batch.FileFormat, model_name: str) -> tuple[Callable, Callable]:
+    """The file's format's writers: (the line of a request that cannot be served, the line of a
+    request p and its answer a); a Batch result is `created` when written."""
+    if fmt.batch:
+        return batch.error_line, lambda p, a: batch.result_line(p, a, model_name, int(time.time()))
+    return responses.error_line, lambda p, a: responses.podrun_line(a)
 
 
 def _progress_bar(engine, total: int) -> tqdm:

@@ -22,7 +22,8 @@ from scipy.special import log_softmax
 
 from runner.api import batch as openai_batch
 from runner.engine.engine import MAX_LOGPROBS, Completion as Sample, TokenLogprobs
-from runner.api.responses import result_line as _result_line
+from runner.api import responses
+from runner.api.responses import Answer, Choice, Token
 from runner.api.batch import FileFormat, file_format, parse_line
 from runner.api.errors import RequestFileError
 from runner.api.requests import Line, Parsed, parse_request
@@ -283,8 +284,8 @@ def test_chat_results_are_chat_completions(tok, s):
     p = parsed(tok, s, batch_line(body, custom_id="q-1"))
     ids = [tok.encode("To be or not", add_special_tokens=False)[:5], tok.encode("that is", add_special_tokens=False)]
     samples = [sample(ids[0], "length", 1), sample(ids[1], "stop", 2)]
-    r = _result_line(p, samples, tok, False)
-    out = openai_batch.result_line(p, r, "smollm2", 1_800_000_000)
+    a = responses.build_answer(p, samples, tok, False)
+    out = openai_batch.result_line(p, a, "smollm2", 1_800_000_000)
     body = check_envelope(json.loads(json.dumps(out)), "q-1")
     c = ChatCompletion.model_validate(body)
     assert (c.object, c.model, c.created) == ("chat.completion", "smollm2", 1_800_000_000)
@@ -301,38 +302,72 @@ def test_chat_results_are_chat_completions(tok, s):
             assert [a.logprob for a in t.top_logprobs] == [float(v) for v in lp.top_logprobs[:3]]
     assert c.usage.prompt_tokens == len(p.prompt_ids) and c.usage.completion_tokens == len(ids[0]) + len(ids[1])
     assert c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
-    again = openai_batch.result_line(p, r, "smollm2", 1_900_000_000)  # a rerun: the same ids
+    again = openai_batch.result_line(p, a, "smollm2", 1_900_000_000)  # a rerun: the same ids
     assert (again["id"], again["response"]["request_id"], again["response"]["body"]["id"]) == (
         out["id"], out["response"]["request_id"], out["response"]["body"]["id"])
-    other = openai_batch.result_line(parsed(tok, s, batch_line(CHAT, custom_id="q-2")), r, "smollm2", 0)
+    other = openai_batch.result_line(parsed(tok, s, batch_line(CHAT, custom_id="q-2")), a, "smollm2", 0)
     assert len({other["id"], out["id"]}) == 2
 
 
 def test_reasoning_and_tool_calls_reach_the_message(tok, s):
-    """podrun's Harmony fields (`reasoning`) and tool calls (`tool_calls`, as its chat parsing
-    gives them) become the message's reasoning_content and tool_calls, and the finish reason
-    `tool_calls`."""
+    """An answer's Harmony fields (`reasoning`) and tool calls become the message's
+    reasoning_content and tool_calls; commentary and a broken format's error stay in the message
+    under podrun's names. The answer is made by hand: the Batch line is written from it alone."""
     p = parsed(tok, s, batch_line(CHAT, custom_id="t"))
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
-    r = {"id": "t", "text": "", "token_ids": [5, 6], "finish_reason": "stop", "reasoning": "Look it up.",
-         "tool_calls": [call], "usage": {"prompt_tokens": 9, "completion_tokens": 2}}
-    c = ChatCompletion.model_validate(check_envelope(openai_batch.result_line(p, r, "m", 0), "t"))
-    x = c.choices[0]
+    a = Answer("t", (Choice("", (5, 6), "tool_calls", reasoning="Look it up.", tool_calls=(call,)),), 9)
+    body = check_envelope(openai_batch.result_line(p, a, "m", 0), "t")
+    x = ChatCompletion.model_validate(body).choices[0]
     assert x.finish_reason == "tool_calls" and x.message.content is None and x.logprobs is None
     assert x.message.tool_calls[0].function.name == "get_weather"
     assert json.loads(x.message.tool_calls[0].function.arguments) == {"city": "Paris"}
     assert x.message.model_extra["reasoning_content"] == "Look it up."
-    r = dict(r, text="Paris is sunny.", tool_calls=None, finish_reason="length", commentary="(checking)")
-    x = ChatCompletion.model_validate(check_envelope(openai_batch.result_line(p, r, "m", 0), "t")).choices[0]
+    assert body["usage"] == {"prompt_tokens": 9, "completion_tokens": 2, "total_tokens": 11}
+    a = Answer("t", (Choice("Paris is sunny.", (7,), "length", commentary="(checking)",
+                            chat_format_error="cut off in a message header", raw="<|channel|>x"),), 3)
+    x = ChatCompletion.model_validate(check_envelope(openai_batch.result_line(p, a, "m", 0), "t")).choices[0]
     assert (x.finish_reason, x.message.content, x.message.tool_calls) == ("length", "Paris is sunny.", None)
-    assert x.message.model_extra["commentary"] == "(checking)"
+    assert x.message.model_extra == {"commentary": "(checking)", "chat_format_error": "cut off in a message header",
+                                     "raw": "<|channel|>x"}
+
+
+def test_batch_lines_are_written_from_an_answer_alone(tok, s):
+    """Answers made by hand, n = 2 with log-probabilities: a chat.completion and a
+    text_completion of the openai package's types; a token without text (no tokenizer) is
+    `token_id:<id>`, a log-probability of -inf is OpenAI's -9999.0, and io.echo_prompt's ids
+    go in the body."""
+    top = (Token(3, "é", -0.5), Token(4, None, -1.0))
+    tokens = (Token(3, "é", -0.5, top), Token(4, None, float("-inf"), top[::-1]))
+    a = Answer("x", (Choice("é!", (3, 4), "length", logprobs=tokens), Choice("", (), "stop", logprobs=())),
+               5, prompt_token_ids=(1, 2, 3, 4, 5))
+    chat = parsed(tok, s, batch_line(CHAT, custom_id="x"))
+    body = check_envelope(openai_batch.result_line(chat, a, "m", 7), "x")
+    c = ChatCompletion.model_validate(body)
+    assert (c.object, c.model, c.created, [x.index for x in c.choices]) == ("chat.completion", "m", 7, [0, 1])
+    assert [x.message.content for x in c.choices] == ["é!", ""]
+    assert [x.finish_reason for x in c.choices] == ["length", "stop"]
+    content = c.choices[0].logprobs.content
+    assert [(t.token, t.logprob, t.bytes) for t in content] == [("é", -0.5, [0xC3, 0xA9]),
+                                                                ("token_id:4", -9999.0, None)]
+    assert [[(t.token, t.logprob) for t in x.top_logprobs] for x in content] == [
+        [("é", -0.5), ("token_id:4", -1.0)], [("token_id:4", -1.0), ("é", -0.5)]]
+    assert c.choices[1].logprobs.content == []
+    assert (c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.total_tokens) == (5, 2, 7)
+    assert body["prompt_token_ids"] == [1, 2, 3, 4, 5]
+    text = parsed(tok, s, batch_line({"prompt": "x"}, url=TEXT_URL, custom_id="x"))
+    body = check_envelope(openai_batch.result_line(text, a, "m", 7), "x")
+    x = Completion.model_validate(body).choices[0]
+    assert (body["object"], x.text, x.finish_reason) == ("text_completion", "é!", "length")
+    assert x.logprobs.tokens == ["é", "token_id:4"] and x.logprobs.token_logprobs == [-0.5, -9999.0]
+    assert x.logprobs.text_offset == [0, 1]
+    assert x.logprobs.top_logprobs == [{"é": -0.5, "token_id:4": -1.0}, {"token_id:4": -1.0, "é": -0.5}]
 
 
 def test_completion_results_are_text_completions_with_legacy_logprobs(tok, s):
     p = parsed(tok, s, batch_line({"prompt": "To be", "logprobs": 2, "max_tokens": 6}, url=TEXT_URL, custom_id="x"))
     ids = tok.encode(" or not to be", add_special_tokens=False)[:6]
     sm = sample(ids, "length", 3)
-    out = openai_batch.result_line(p, _result_line(p, [sm], tok, False), "m", 5)
+    out = openai_batch.result_line(p, responses.build_answer(p, [sm], tok, False), "m", 5)
     c = Completion.model_validate(check_envelope(out, "x"))
     assert c.object == "text_completion" and c.usage.total_tokens == len(p.prompt_ids) + len(ids)
     (x,) = c.choices

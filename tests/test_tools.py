@@ -29,7 +29,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from runner.engine import Completion
-from runner.api.responses import result_line as _result_line
+from runner.api import responses
 from runner.text.chat import HarmonyChat, chat_format
 from runner.api.requests import Line, parse_request
 from runner.text.harmony import HarmonyOptions, parse, render
@@ -38,6 +38,12 @@ from tests import test_harmony
 from tests.test_requests import messages as fuzz_messages
 from tests.test_requests import tools as fuzz_tools
 from tests.test_tokenizer import ids_of, shakespeare_lines, write_folder
+
+
+def _result_line(p, samples, tok, echo, chat=None) -> dict:
+    """podrun's result line of request p and its samples, as runner.job writes it."""
+    return responses.podrun_line(responses.build_answer(p, samples, tok, echo, chat))
+
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 # o200k_harmony: podrun's tokenizer (tok) and openai-harmony's encoding (enc), over one vocabulary

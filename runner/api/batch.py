@@ -2,12 +2,13 @@
 
 A request line: {"custom_id": str, "method": "POST", "url": "/v1/chat/completions" |
 "/v1/completions", "body": {...}}; its body becomes a podrun request (`request_fields`), which
-podrun's own parser (requests.py) then checks. A result line: {"id": "batch_req_...", "custom_id", "response":
-{"status_code": 200, "request_id": "req_...", "body": <chat.completion | text_completion>},
-"error": null}, or for a request that cannot be served {..., "response": {"status_code": 400,
-"request_id", "body": null}, "error": {"object": "error", "message", "type": "BadRequestError",
-"param", "code", "line"}}: vLLM's ErrorResponse, with OpenAI's BatchError's string `code`
-(invalid_request, invalid_json, unknown_parameter, context_length_exceeded) and input `line`.
+podrun's own parser (requests.py) then checks. A result line, written from the request's answer
+(responses.Answer): {"id": "batch_req_...", "custom_id", "response": {"status_code": 200,
+"request_id": "req_...", "body": <chat.completion | text_completion>}, "error": null}, or for a
+request that cannot be served {..., "response": {"status_code": 400, "request_id", "body": null},
+"error": {"object": "error", "message", "type": "BadRequestError", "param", "code", "line"}}:
+vLLM's ErrorResponse, with OpenAI's BatchError's string `code` (invalid_request, invalid_json,
+unknown_parameter, context_length_exceeded) and input `line`.
 
 The format is the file's: its first JSON object decides, and a line of the other format gets an
 error naming both lines. One results file then has one format, and a rerun resumes it exactly as
@@ -25,6 +26,7 @@ from typing import Any
 
 from runner.api.errors import RequestError, RequestFileError, quote
 from runner.api.requests import BATCH, Line, Parsed, decode, parse_fields
+from runner.api.responses import Answer, Choice, Token
 from runner.settings import Settings
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
@@ -255,60 +257,61 @@ def error_line(p: Parsed) -> dict:
                       "param": p.param, "code": p.code or "invalid_request", "line": p.line or None}}
 
 
-def result_line(p: Parsed, r: dict, model: str, created: int) -> dict:
-    """The Batch result line of request p from podrun's result line r (job._result_line's: one
-    sample's fields at the top or `choices`; `tool_calls` where a choice called tools)."""
+def result_line(p: Parsed, a: Answer, model: str, created: int) -> dict:
+    """The Batch result line of request p from its answer a: a chat.completion or a
+    text_completion, as p's url asked."""
     key = _key(p)
     chat = p.api == OBJECTS[CHAT_URL]
-    samples = r["choices"] if "choices" in r else [{"index": 0, **r}]
-    usage = dict(r["usage"], total_tokens=r["usage"]["prompt_tokens"] + r["usage"]["completion_tokens"])
+    usage = {"prompt_tokens": a.prompt_tokens, "completion_tokens": a.completion_tokens,
+             "total_tokens": a.prompt_tokens + a.completion_tokens}
     body = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{key}", "object": p.api, "created": created,
-            "model": model, "choices": [(_chat_choice if chat else _text_choice)(c) for c in samples],
+            "model": model, "choices": [(_chat_choice if chat else _text_choice)(k, c)
+                                        for k, c in enumerate(a.choices)],
             "usage": usage}
-    if "prompt_token_ids" in r:  # io.echo_prompt, where vLLM puts it
-        body["prompt_token_ids"] = r["prompt_token_ids"]
+    if a.prompt_token_ids is not None:  # io.echo_prompt, where vLLM puts it
+        body["prompt_token_ids"] = list(a.prompt_token_ids)
     return {"id": f"batch_req_{key}", "custom_id": p.id,
             "response": {"status_code": 200, "request_id": f"req_{key}", "body": body}, "error": None}
 
 
-def _chat_choice(c: dict) -> dict:
-    calls = c.get("tool_calls")
-    message = {"role": "assistant", "content": c["text"] if c["text"] or not calls else None}
-    if c.get("reasoning"):
-        message["reasoning_content"] = c["reasoning"]
+def _chat_choice(index: int, c: Choice) -> dict:
+    calls = list(c.tool_calls)
+    message = {"role": "assistant", "content": c.text if c.text or not calls else None}
+    if c.reasoning:
+        message["reasoning_content"] = c.reasoning
     if calls:
         message["tool_calls"] = calls
-    for extra in ("commentary", "chat_format_error", "raw"):  # Harmony's, with no OpenAI field
-        if extra in c:
-            message[extra] = c[extra]
-    finish = "tool_calls" if calls and c["finish_reason"] != "length" else c["finish_reason"]
+    # Harmony's commentary and a broken format: fields OpenAI's message does not have
+    if c.commentary is not None:
+        message["commentary"] = c.commentary
+    if c.chat_format_error is not None:
+        message["chat_format_error"], message["raw"] = c.chat_format_error, c.raw
     logprobs = None
-    if "logprobs" in c:
-        logprobs = {"content": [dict(_token(x), top_logprobs=[_token(t) for t in x["top_logprobs"]])
-                                for x in c["logprobs"]["content"]]}
-    return {"index": c["index"], "message": message, "logprobs": logprobs, "finish_reason": finish}
+    if c.logprobs is not None:
+        logprobs = {"content": [dict(_token(x), top_logprobs=[_token(t) for t in x.top])
+                                for x in c.logprobs]}
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": c.finish_reason}
 
 
-def _token(x: dict) -> dict:
-    """{token, logprob, bytes} in OpenAI's shape from podrun's {id, token, logprob}; a token with no
-    text (no tokenizer) is named `token_id:<id>`, as vLLM names it."""
-    token = x["token"]
-    return {"token": f"token_id:{x['id']}" if token is None else token,
-            "logprob": max(x["logprob"], MIN_LOGPROB),
-            "bytes": None if token is None else list(token.encode("utf-8", "replace"))}
+def _token(x: Token) -> dict:
+    """{token, logprob, bytes} in OpenAI's shape; a token with no text (no tokenizer) is named
+    `token_id:<id>`, as vLLM names it."""
+    return {"token": f"token_id:{x.id}" if x.text is None else x.text,
+            "logprob": max(x.logprob, MIN_LOGPROB),
+            "bytes": None if x.text is None else list(x.text.encode("utf-8", "replace"))}
 
 
-def _text_choice(c: dict) -> dict:
+def _text_choice(index: int, c: Choice) -> dict:
     logprobs = None
-    if "logprobs" in c:  # the completions API's columns: offsets into the text, alternatives by text
-        entries = [_token(x) for x in c["logprobs"]["content"]]
+    if c.logprobs is not None:  # the completions API's columns: offsets into the text, alternatives by text
+        entries = [_token(x) for x in c.logprobs]
         offsets, at = [], 0
         for e in entries:
             offsets.append(at)
             at += len(e["token"])
         logprobs = {"tokens": [e["token"] for e in entries],
                     "token_logprobs": [e["logprob"] for e in entries],
-                    "top_logprobs": [{t["token"]: t["logprob"] for t in map(_token, x["top_logprobs"])}
-                                     for x in c["logprobs"]["content"]],
+                    "top_logprobs": [{t["token"]: t["logprob"] for t in map(_token, x.top)}
+                                     for x in c.logprobs],
                     "text_offset": offsets}
-    return {"index": c["index"], "text": c["text"], "logprobs": logprobs, "finish_reason": c["finish_reason"]}
+    return {"index": index, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason}
