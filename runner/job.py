@@ -159,11 +159,11 @@ def build_engine(s: Settings, model, params, rules: Rules, allocate: bool = True
         raise SettingsError(f"generation.kv_cache_gib={g.kv_cache_gib}: {e}") from e
 
 
-def answer(s: Settings, loaded: tuple | None = None, tokenizer=None) -> Summary:
+def answer(s: Settings, loaded: tuple | None = None) -> Summary:
     """The job: answers the request file s.input into the results file s.output; what it did.
-    `loaded`: (metadata, rules, params) of a model already on the devices, in place of
-    checkpoint.path's (runner.tools.bench --random_weights); its tokenizer is `tokenizer`, and
-    without one its requests give prompt_token_ids."""
+    `loaded`: (metadata, rules, params) of a model already on the devices (load_model's, or
+    runner.tools.bench's random weights), in place of checkpoint.path's; without a tokenizer,
+    its requests give prompt_token_ids."""
     # a bad request file or output path fails before the checkpoint is touched
     lines = read_lines(s.input)
     fmt = batch.file_format(lines)
@@ -180,7 +180,7 @@ def answer(s: Settings, loaded: tuple | None = None, tokenizer=None) -> Summary:
     meta, rules, params = loaded or load_model(s)
     model_name = os.path.basename(s.checkpoint_path.rstrip("/")) if not loaded else meta.source
     mesh = rules.mesh
-    tokenizer = tokenizer if loaded else load_tokenizer(s.checkpoint_path, chat_template)
+    tokenizer = None if loaded else load_tokenizer(s.checkpoint_path, chat_template)
     g = s.generation
     engine = build_engine(s, meta.model, params, rules)
     chat = chat_format(meta.model.family, tokenizer, g.reasoning_effort)
