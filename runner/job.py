@@ -241,6 +241,8 @@ def _merge_when_complete(s: Settings) -> None:
 def _generate(s: Settings, lines: list, fmt, results: Results, chat_template, loaded, tokenizer,
               header=None) -> Summary:
     """`lines` answered into `results` (`header()`: the line its final file starts with)."""
+    if header:  # a part: its partial file records this attempt before the model loads (--status)
+        _open(results)
     meta, rules, params = loaded or load_model(s)
     model_name = os.path.basename(s.checkpoint_path.rstrip("/")) if not loaded else meta.source
     mesh = rules.mesh
@@ -249,9 +251,8 @@ def _generate(s: Settings, lines: list, fmt, results: Results, chat_template, lo
     engine = build_engine(s, meta.model, params, rules)
     chat = chat_format(meta.model.family, tokenizer, g.reasoning_effort)
     stop_ids = tuple(dict.fromkeys((chat.stop_ids if chat else ()) + g.stop_token_ids))
-    if jax.process_count() > 1:  # everyone has read the partial file before anyone appends to it
-        multihost_utils.sync_global_devices("podrun: results read")
-    results.open()
+    if not header:
+        _open(results)
     vocab = meta.model.vocab_size
     grammars = Grammars(tokenizer, vocab, chat.format_stop_ids(stop_ids), chat.grammar_start) if chat else None
     pending = [batch.parse_line(i, line, fmt, tokenizer, s, vocab, chat, grammars)
@@ -301,6 +302,13 @@ def _generate(s: Settings, lines: list, fmt, results: Results, chat_template, lo
         raise AllFailedError(f"every one of the {len(lines)} requests failed; line "
                              f"{lines[0].number}: {error_message(results.done[0])}")
     return summary
+
+
+def _open(results: Results) -> None:
+    """The partial file opened for appending, once every process has read it."""
+    if jax.process_count() > 1:  # everyone has read the partial file before anyone appends to it
+        multihost_utils.sync_global_devices("podrun: results read")
+    results.open()
 
 
 def _progress_bar(engine, total: int) -> tqdm:

@@ -266,7 +266,7 @@ def _copy(path: str, index: int, lines: list[int], requests, fmt: FileFormat, ou
                 raise fault(f"holds {k - lines[0]} results for its {lines[1] - lines[0]} lines (cut short)")
             line = next(requests)
             try:
-                held = json.loads(raw).get(key)
+                held = _result_id(raw, key)
             except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
                 raise fault(f"result {k - lines[0] + 1} is not a JSON object ({e})") from None
             want = line_id(line, fmt)
@@ -277,6 +277,24 @@ def _copy(path: str, index: int, lines: list[int], requests, fmt: FileFormat, ou
             line.release()
         if f.readline().strip():
             raise fault(f"holds more than its {lines[1] - lines[0]} results")
+
+
+_DECODER = json.JSONDecoder()
+
+
+def _result_id(raw: bytes, key: str) -> Any:
+    """The id result line `raw` carries under `key`, read where podrun writes it, at the line's
+    start: {"id": <id>, ...} in podrun's format, {"id": "batch_req_...", "custom_id": <id>, ...}
+    in a Batch file's (a result's token ids and text, most of its bytes, are not parsed); a line
+    that starts otherwise is parsed whole."""
+    text = raw.decode("utf-8")
+    if text.startswith('{"id": '):
+        value, end = _DECODER.raw_decode(text, 7)
+        if key == "id":
+            return value
+        if text.startswith(', "custom_id": ', end):
+            return _DECODER.raw_decode(text, end + 15)[0]
+    return json.loads(text).get(key)
 
 
 class _replacing:
