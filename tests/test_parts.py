@@ -188,13 +188,16 @@ def test_the_merge_lists_the_missing_parts(job):
     with pytest.raises(RequestFileError, match=r"^2 of 8 parts are not done: part\(s\) 3, 7 \(part 3 writes "
                                                r".*res.jsonl.part-00003-of-00008.jsonl\)$"):
         parts.merge(path, output, 8, CONFIG)
+    with pytest.raises(RequestFileError, match=r"^5 of 5 parts are not done: part\(s\) 0, 1, 2, 3, 4 .*; the part "
+                                               r"files there were cut into 8$"):
+        parts.merge(path, output, 5, CONFIG)  # another io.parts than the runs had
     assert not os.path.exists(output)
 
 
 def test_the_merge_refuses_a_part_of_another_input_or_config(job, tmp_path):
     path, output = job
     answer_parts(path, output, 4)
-    other = write_jsonl(tmp_path / "other.jsonl", [{"id": "x", "prompt": "y"}] * 1 + [{"id": f"z{i}"} for i in range(29)])
+    other = write_jsonl(tmp_path / "other.jsonl", [{"id": f"z{i}", "prompt": "y"} for i in range(30)])
     answer_parts(other, output, 4, only={2})
     named = parts.part_path(output, 2, 4)
     with pytest.raises(RequestFileError, match=rf"^{named} was written for another input file \(its input_sha256"):
@@ -394,7 +397,8 @@ def test_replicas_killed_at_random_and_retried_write_the_single_runs_file(model,
 
     def start(kind: str, index: int) -> list[subprocess.Popen]:
         pod = dict(env, JOB_COMPLETION_INDEX=str(index))
-        base = [sys.executable, "-m", "runner.main", *run_args(model, inp, out, "--config.io.parts=16"), *REPLICAS[kind]]
+        base = [sys.executable, "-m", "runner.main", *run_args(model, inp, out, "--config.io.parts=16"),
+                *REPLICAS[kind]]
         port = free_port()
         many = ["--config.distributed.coordinator=127.0.0.1:{port}", "--config.distributed.num_processes=2",
                 "--config.distributed.process_id={pid}"] if kind == "two_processes" else []

@@ -25,8 +25,8 @@ import dataclasses
 import itertools
 import json
 import os
+import re
 import socket
-import tempfile
 import time
 import uuid
 from typing import Any
@@ -180,13 +180,22 @@ def check(path: str, header: dict, expected: dict) -> None:
 
 def missing(output: str, parts: int) -> list[int]:
     """The parts whose files are not there yet (one listing of the output's folder)."""
+    there = _listing(output)
+    return [i for i in range(parts) if part_path(os.path.basename(output), i, parts) not in there]
+
+
+def other_counts(output: str, parts: int) -> list[int]:
+    """The counts of parts other than `parts` that part files beside `output` were cut into."""
+    pattern = re.compile(re.escape(os.path.basename(output)) + r"\.part-\d{5,}-of-(\d{5,})\.jsonl")
+    return sorted({int(m[1]) for name in _listing(output) if (m := pattern.fullmatch(name))} - {parts})
+
+
+def _listing(output: str) -> set[str]:
     folder = epath.Path(output).parent
-    names = {part_path(os.path.basename(output), i, parts): i for i in range(parts)}
     try:
-        there = {p.name for p in folder.iterdir()} if folder.exists() else set()
+        return {p.name for p in folder.iterdir()} if folder.exists() else set()
     except OSError as e:
         raise RequestFileError(f"io.output={output}: cannot list {folder} ({type(e).__name__}: {e})") from e
-    return [i for name, i in names.items() if name not in there]
 
 
 def indexes(xs: list[int], most: int = 20) -> str:
@@ -213,6 +222,8 @@ def _scan(input: str) -> tuple[str, int, FileFormat | None]:
 
 @dataclasses.dataclass
 class Merged:
+    """What the merged file holds, from the parts' headers."""
+
     requests: int = 0
     errors: int = 0
     prompt_tokens: int = 0
@@ -226,8 +237,10 @@ def merge(input: str, output: str, parts: int, config: dict) -> Merged:
     at all (a temporary beside it, renamed, or in an object store copied into place). A
     RequestFileError naming the first fault, leaving `output` as it was."""
     if gone := missing(output, parts):
+        others = other_counts(output, parts) if len(gone) == parts else []
+        hint = f"; the part files there were cut into {' or '.join(map(str, others))}" if others else ""
         raise RequestFileError(f"{len(gone)} of {parts} parts are not done: part(s) {indexes(gone)} (part "
-                               f"{gone[0]} writes {part_path(output, gone[0], parts)})")
+                               f"{gone[0]} writes {part_path(output, gone[0], parts)}){hint}")
     paths = [part_path(output, i, parts) for i in range(parts)]
     headers = [read_header(p) for p in paths]
     digest, total, fmt = _scan(input)
@@ -255,6 +268,7 @@ def merge(input: str, output: str, parts: int, config: dict) -> Merged:
 def _copy(path: str, index: int, lines: list[int], requests, fmt: FileFormat, out) -> None:
     """Part `index`'s results into `out`, each checked against the next request line."""
     key = id_key(fmt)
+
     def fault(what: str) -> RequestFileError:
         return RequestFileError(f"{path} {what}: delete it and run part {index} again")
 
@@ -270,7 +284,8 @@ def _copy(path: str, index: int, lines: list[int], requests, fmt: FileFormat, ou
             except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
                 raise fault(f"result {k - lines[0] + 1} is not a JSON object ({e})") from None
             want = line_id(line, fmt)
-            if held != want and json.dumps(held) != json.dumps(want):
+            # the same JSON value (a NaN id is not equal to itself; 1 is equal to true)
+            if type(held) is not type(want) or (held != want and json.dumps(held) != json.dumps(want)):
                 raise fault(f"result {k - lines[0] + 1} has {key} {json.dumps(held)[:40]} where input line "
                             f"{line.number} has {json.dumps(want)[:40]}")
             out.write(raw)
@@ -307,13 +322,9 @@ class _replacing:
         self.remote = is_remote(output)
 
     def __enter__(self):
-        if self.remote:
-            self.tmp = f"{self.output}.merging-{uuid.uuid4().hex[:12]}"
-        else:
-            folder = os.path.dirname(os.path.abspath(self.output))
-            os.makedirs(folder, exist_ok=True)
-            fd, self.tmp = tempfile.mkstemp(dir=folder, prefix=os.path.basename(self.output) + ".merging-")
-            os.close(fd)
+        if not self.remote:
+            os.makedirs(os.path.dirname(os.path.abspath(self.output)), exist_ok=True)
+        self.tmp = f"{self.output}.merging-{uuid.uuid4().hex[:12]}"  # another merge's is another
         self.f = epath.Path(self.tmp).open("wb")
         return self.f
 

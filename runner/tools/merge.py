@@ -83,6 +83,9 @@ def main(argv: list[str]) -> None:
             sys.exit("podrun merge: error: io.output is empty: pass --config.io.output=<results.jsonl>")
         if _STATUS.value:
             print(describe(s.output, parts.states(s.output, s.parts)))
+            if others := parts.other_counts(s.output, s.parts):
+                print(f"beside them: part files of {s.output} cut into {' or '.join(map(str, others))} "
+                      "parts (another --config.io.parts)")
             return
         m = parts.merge(s.input, s.output, s.parts, s.result_config)
     except USER_ERRORS as e:
