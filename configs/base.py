@@ -121,6 +121,11 @@ def base_config() -> ConfigDict:
     c.distributed = ConfigDict({"mode": "auto", "coordinator": "", "num_processes": 0,
                                 "process_id": -1, "timeout_s": 300, "heartbeat_timeout_s": 100})
     c.sampling = ConfigDict({"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0})
-    # overwrite: a finished io.output is regenerated (else the run says it is done and exits 0)
-    c.io = ConfigDict({"input": "", "output": "", "echo_prompt": False, "overwrite": False})
+    # overwrite: a finished io.output is regenerated (else the run says it is done and exits 0).
+    # parts > 1 splits the input into that many contiguous parts of about equal estimated work;
+    # a run answers part `part` (-1: the index a Kubernetes Indexed Job gives, JOB_COMPLETION_INDEX)
+    # into a file of its own beside io.output, and the run that finds every part done writes
+    # io.output (docs/parts.md).
+    c.io = ConfigDict({"input": "", "output": "", "echo_prompt": False, "overwrite": False,
+                       "parts": 1, "part": -1})
     return c

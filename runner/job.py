@@ -18,7 +18,7 @@ from tqdm import tqdm
 from models.paged import PagedCache
 from models.weights import check_divisible
 from runner import log
-from runner.api import batch, responses
+from runner.api import batch, parts, responses
 from runner.api.errors import AllFailedError
 from runner.api.requests import read_lines
 from runner.api.results import Results, error_message
@@ -160,13 +160,17 @@ def build_engine(s: Settings, model, params, rules: Rules, allocate: bool = True
 
 
 def answer(s: Settings, loaded: tuple | None = None) -> Summary:
-    """The job: answers the request file s.input into the results file s.output; what it did.
-    `loaded`: (metadata, rules, params) of a model already on the devices (load_model's, or
-    runner.tools.bench's random weights), in place of checkpoint.path's; without a tokenizer,
-    its requests give prompt_token_ids."""
+    """The job: answers the request file s.input into the results file s.output (with io.parts > 1:
+    part io.part of it into that part's file, then, once every part is done, the merge into
+    s.output); what it did. `loaded`: (metadata, rules, params) of a model already on the devices
+    (load_model's, or runner.tools.bench's random weights), in place of checkpoint.path's;
+    without a tokenizer, its requests give prompt_token_ids."""
+    began = time.time()
     # a bad request file or output path fails before the checkpoint is touched
     lines = read_lines(s.input)
     fmt = batch.file_format(lines)
+    if s.parts > 1:
+        return _answer_part(s, lines, fmt, began, loaded)
     results = Results(s.output, lines, writer=jax.process_index() == 0)
     chat_template = read_chat_template(s.chat_template)  # a mistyped path fails here, loading nothing
     if not s.overwrite and results.finished(*batch.ids(lines, fmt)):
@@ -177,6 +181,68 @@ def answer(s: Settings, loaded: tuple | None = None) -> Summary:
         log.info(f"{s.output} already holds the results of {s.input}'s {len(lines)} requests: "
                  "nothing to do (--config.io.overwrite=True generates them again)")
         return Summary(requests=len(lines), already_done=len(lines))
+    return _generate(s, lines, fmt, results, chat_template, loaded)
+
+
+def _answer_part(s: Settings, lines: list, fmt, began: float, loaded) -> Summary:
+    """Part io.part of io.parts (runner/api/parts.py): its lines answered into its own file, or
+    found done there; then the merge into io.output where this run finds every part done."""
+    if s.part < 0:
+        raise SettingsError(f"io.parts={s.parts} splits the input: give --config.io.part=<0 to "
+                            f"{s.parts - 1}>, or run it as a Kubernetes Indexed Job (JOB_COMPLETION_INDEX)")
+    writer = jax.process_index() == 0
+    if not s.overwrite and epath.Path(s.output).exists() and Results(s.output, lines, writer=False).finished(
+            *batch.ids(lines, fmt)):
+        log.info(f"{s.output} already holds the results of {s.input}'s {len(lines)} requests: nothing to do")
+        return Summary(requests=len(lines), already_done=len(lines))
+    part = parts.select(lines, fmt, s.part, s.parts, s.generation.max_new_tokens, s.output, s.result_config)
+    lines = lines[part.start:part.end]
+    what = (f"part {part.index} of {part.parts} (requests {part.start + 1}-{part.end})" if lines
+            else f"part {part.index} of {part.parts} (no requests)")
+    header = None if s.overwrite else parts.read_header(part.path)
+    if header is not None:
+        parts.check(part.path, header, part.identity())
+        log.info(f"{part.path} already holds {what}: nothing to do (--config.io.overwrite=True "
+                 "generates it again)")
+        summary = Summary(requests=len(lines), already_done=len(lines))
+    elif not lines:  # a part of nothing, where there are more parts than requests
+        results = Results(part.path, lines, writer=writer, header={"part": part.identity()})
+        results.open()
+        results.write_final(0, part.header(results, began))
+        summary = Summary()
+    else:
+        log.info(f"answering {what} into {part.path}")
+        results = Results(part.path, lines, writer=writer, header={"part": part.identity()})
+        chat_template = read_chat_template(s.chat_template)
+        try:
+            summary = _generate(s, lines, fmt, results, chat_template, loaded,
+                                header=lambda: part.header(results, began))
+        except Exception as e:  # the partial file records the failed attempt (status shows it)
+            results.failed_attempt(f"{type(e).__name__}: {e}")
+            raise
+    if writer:
+        _merge_when_complete(s)
+    return summary
+
+
+def _merge_when_complete(s: Settings) -> None:
+    """The parts merged into io.output where every one is done (by whichever run finds so: two
+    that merge at once write the same file)."""
+    if gone := parts.missing(s.output, s.parts):
+        log.info(f"{s.parts - len(gone)} of {s.parts} parts done; {s.output} waits for part(s) "
+                 f"{parts.indexes(gone)}")
+        return
+    log.info(f"all {s.parts} parts are done: merging them into {s.output}")
+    m = parts.merge(s.input, s.output, s.parts, s.result_config)
+    log.info(f"{s.output}: {m.requests} requests ({m.errors} errors), {m.prompt_tokens} prompt + "
+             f"{m.completion_tokens} completion tokens, from {s.parts} parts")
+
+
+def _generate(s: Settings, lines: list, fmt, results: Results, chat_template, loaded,
+              header=None) -> Summary:
+    """`lines` answered into `results` (`header()`: the line its final file starts with)."""
+    if header:  # a part: its partial file records this attempt before the model loads (--status)
+        _open(results)
     meta, rules, params = loaded or load_model(s)
     model_name = os.path.basename(s.checkpoint_path.rstrip("/")) if not loaded else meta.source
     mesh = rules.mesh
@@ -185,9 +251,8 @@ def answer(s: Settings, loaded: tuple | None = None) -> Summary:
     engine = build_engine(s, meta.model, params, rules)
     chat = chat_format(meta.model.family, tokenizer, g.reasoning_effort)
     stop_ids = tuple(dict.fromkeys((chat.stop_ids if chat else ()) + g.stop_token_ids))
-    if jax.process_count() > 1:  # everyone has read the partial file before anyone appends to it
-        multihost_utils.sync_global_devices("podrun: results read")
-    results.open()
+    if not header:
+        _open(results)
     vocab = meta.model.vocab_size
     grammars = Grammars(tokenizer, vocab, chat.format_stop_ids(stop_ids), chat.grammar_start) if chat else None
     pending = [batch.parse_line(i, line, fmt, tokenizer, s, vocab, chat, grammars)
@@ -227,10 +292,10 @@ def answer(s: Settings, loaded: tuple | None = None) -> Summary:
     summary.utilisation, summary.stats = stats.utilisation, stats
     bar.close()
     _log_stats(engine, stats)
-    results.write_final(len(lines))
+    results.write_final(len(lines), header() if header else None)
     if jax.process_count() > 1:  # the results file is whole before any process reports success
         multihost_utils.sync_global_devices("podrun: results written")
-    log.info(f"{summary.line()} -> {s.output}")
+    log.info(f"{summary.line()} -> {results.output}")
     errors = [error_message(r) for r in results.done.values()]
     if lines and len(results.done) == len(lines) and all(errors):
         raise AllFailedError(f"every one of the {len(lines)} requests failed; line "
@@ -244,6 +309,13 @@ def _writers(fmt: batch.FileFormat, model_name: str) -> tuple[Callable, Callable
     if fmt.batch:
         return batch.error_line, lambda p, a: batch.result_line(p, a, model_name, int(time.time()))
     return responses.error_line, lambda p, a: responses.podrun_line(a)
+
+
+def _open(results: Results) -> None:
+    """The partial file opened for appending, once every process has read it."""
+    if jax.process_count() > 1:  # everyone has read the partial file before anyone appends to it
+        multihost_utils.sync_global_devices("podrun: results read")
+    results.open()
 
 
 def _progress_bar(engine, total: int) -> tqdm:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 
 from ml_collections import ConfigDict
@@ -72,6 +73,53 @@ class Settings:
     echo_prompt: bool
     overwrite: bool  # a finished output is generated again, not left as it is
     distributed: Distributed
+    parts: int = 1  # the input split into this many parts (1: not split)
+    part: int = -1  # the part this run answers (-1: none given)
+    # The settings that change what a request's result is, as the config names them: a part's
+    # header records them, and the merge refuses a part written with others (RESULT_KEYS).
+    result_config: dict = dataclasses.field(default_factory=dict)
+
+
+# What changes a result: the model and its template, the numbers' precision, the limits and stops
+# that parsing applies, the sampling defaults, what a result line holds. Not the mesh, the batch,
+# the engine, its kernels or programs (each gives the same results), nor where files are.
+RESULT_KEYS = ("checkpoint.path", "checkpoint.chat_template", "precision.params", "precision.activations",
+               "precision.kv_cache", "precision.matmul", "precision.quantize", "generation.max_prompt_len",
+               "generation.max_new_tokens", "generation.stop", "generation.stop_token_ids",
+               "generation.reasoning_effort", "sampling.temperature", "sampling.top_k", "sampling.top_p",
+               "sampling.seed", "io.echo_prompt")
+
+
+def _result_config(c: ConfigDict) -> dict:
+    """RESULT_KEYS' values as given (a path as written, not expanded: the merge may run on another
+    machine), JSON-ready; a template's text longer than a path by its sha256."""
+    out = {}
+    for key in RESULT_KEYS:
+        section, name = key.split(".")
+        v = c[section][name]
+        v = list(v) if isinstance(v, tuple) else v
+        if key == "checkpoint.chat_template" and len(v) > 200:
+            v = "sha256:" + hashlib.sha256(v.encode("utf-8", "surrogateescape")).hexdigest()
+        out[key] = v
+    return out
+
+
+def _parts(io: ConfigDict) -> tuple[int, int]:
+    """(io.parts, the part this run answers: io.part, else JOB_COMPLETION_INDEX where parts > 1,
+    else -1), each checked."""
+    parts, part = int(io.parts), int(io.part)
+    if parts < 1:
+        raise SettingsError(f"io.parts={parts} must be at least 1 (1: the input is not split)")
+    if part < -1 or part >= parts:
+        raise SettingsError(f"io.part={part} is out of range: io.parts={parts} has parts 0 to {parts - 1}")
+    index = os.environ.get("JOB_COMPLETION_INDEX", "")
+    if part == -1 and parts > 1 and index:
+        if not index.isdigit() or int(index) >= parts:
+            raise SettingsError(f"JOB_COMPLETION_INDEX={index!r} (the index of this pod in its Indexed "
+                                f"Job) is no part of io.parts={parts}: give a Job of {parts} completions, "
+                                "or --config.io.part")
+        part = int(index)
+    return parts, part
 
 
 def _path(p: str) -> str:
@@ -133,6 +181,7 @@ def from_config(c: ConfigDict) -> Settings:
         raise SettingsError(f"precision.quantize={p.quantize!r}: use none, int8 or int4")
     if not c.checkpoint.path:
         raise SettingsError("checkpoint.path is empty: pass --config.checkpoint.path=<converted checkpoint>")
+    parts, part = _parts(c.io)
     return Settings(
         checkpoint_path=_path(c.checkpoint.path),
         checkpoint_fetch=c.checkpoint.fetch,
@@ -159,6 +208,9 @@ def from_config(c: ConfigDict) -> Settings:
         echo_prompt=bool(c.io.echo_prompt),
         overwrite=bool(c.io.overwrite),
         distributed=_distributed(c.distributed),
+        parts=parts,
+        part=part,
+        result_config=_result_config(c),
     )
 
 

@@ -60,26 +60,37 @@ def file_format(lines: list[Line]) -> FileFormat:
     """The request file's format, from its first JSON object. A file whose ids repeat (custom_ids
     in a Batch file, given ids in podrun's) is refused whole (RequestFileError naming them and
     their lines), before any model loads: results are matched to requests by id."""
-    for line in lines:
-        d, _ = decode(line)
-        if d is not None:
-            fmt = FileFormat(any(k in d for k in BATCH), line.number)
-            break
-    else:
+    fmt = next(filter(None, map(deciding, lines)), None)
+    if fmt is None:
         return FileFormat(False, lines[0].number)
     _check_unique(lines, "custom_id" if fmt.batch else "id")
     return fmt
 
 
+def deciding(line: Line) -> FileFormat | None:
+    """The format `line` decides when it is the file's first JSON object; None for a line that is
+    not one."""
+    d, _ = decode(line)
+    return None if d is None else FileFormat(any(k in d for k in BATCH), line.number)
+
+
 def ids(lines: list[Line], fmt: FileFormat) -> tuple[list[Any], str]:
     """The ids the file's results carry, in order, and their key: custom_ids (None for a line
     without one) in a Batch file, else the given ids or the line numbers."""
+    return [line_id(line, fmt) for line in lines], id_key(fmt)
+
+
+def id_key(fmt: FileFormat) -> str:
+    """The key of a result line's id: "custom_id" in a Batch file's results, else "id"."""
+    return "custom_id" if fmt.batch else "id"
+
+
+def line_id(line: Line, fmt: FileFormat) -> Any:
+    """The id the result of `line` carries (ids)."""
+    d, _ = decode(line)
     if fmt.batch:
-        out = [d.get("custom_id") if d is not None and isinstance(d.get("custom_id"), str) else None
-               for d, _ in map(decode, lines)]
-        return out, "custom_id"
-    return [line.number if d is None else d.get("id", line.number)
-            for line, (d, _) in zip(lines, map(decode, lines))], "id"
+        return d.get("custom_id") if d is not None and isinstance(d.get("custom_id"), str) else None
+    return line.number if d is None else d.get("id", line.number)
 
 
 def _check_unique(lines: list[Line], key: str) -> None:

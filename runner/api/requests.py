@@ -323,6 +323,27 @@ def _prompt_ids(d: dict, tokenizer, vocab_size: int, chat: ChatFormat | None,
     return ids, tools is not None, prefix
 
 
+def iter_lines(path: str):
+    """The file's non-blank lines as read_lines gives them, read as they come (constant memory):
+    a generator, whose errors come as it is read (RequestFileError)."""
+    if not path:
+        raise RequestFileError("io.input is empty: pass --config.io.input=<requests.jsonl>")
+    check_bucket(path, "io.input")
+    try:
+        with epath.Path(path).open("rb") as f:
+            for n, raw in enumerate(f, 1):
+                raw = raw.removesuffix(b"\n").removesuffix(b"\r")
+                text = (raw.removeprefix(b"\xef\xbb\xbf") if n == 1 else raw).decode("utf-8", "surrogateescape")
+                if text.strip():
+                    yield Line(n, text)
+    except FileNotFoundError as e:
+        raise RequestFileError(f"io.input={path}: no such file") from e
+    except IsADirectoryError as e:
+        raise RequestFileError(f"io.input={path} is a folder, not a file of requests") from e
+    except OSError as e:
+        raise RequestFileError(f"io.input={path}: cannot read it ({type(e).__name__}: {e})") from e
+
+
 def read_lines(path: str) -> list[Line]:
     """The file's non-blank lines. Lines end at \\n alone (a \\r before it is dropped): JSON text
     may hold U+2028 and other characters that str.splitlines would break at. A line that is not

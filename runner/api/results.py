@@ -19,6 +19,7 @@ import hashlib
 import json
 import math
 import os
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -71,6 +72,29 @@ def _dumps(row: dict) -> str:
     return text + "\n"
 
 
+def input_digest(texts) -> str:
+    """The sha256 of a request file's non-blank lines joined by newlines (streamed: `texts` may be
+    a generator), which the partial file's header and a part's header record."""
+    h = hashlib.sha256()
+    for k, text in enumerate(texts):
+        h.update(b"\n" if k else b"")
+        h.update(text.encode("utf-8", "surrogateescape"))
+    return h.hexdigest()
+
+
+def differences(found: dict, expected: dict, prefix: str = "") -> list[str]:
+    """What a header `found` holds that differs from `expected` (nested dicts key by key), as
+    "key=found (this run: expected)" phrases; [] where they agree."""
+    out = []
+    for key in dict.fromkeys([*expected, *found]):
+        a, b = found.get(key), expected.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += differences(a, b, f"{prefix}{key}.")
+        elif json.dumps(a, sort_keys=True) != json.dumps(b, sort_keys=True):
+            out.append(f"{prefix}{key}={json.dumps(a)} (this run: {json.dumps(b)})")
+    return out
+
+
 def _check_writable(output: str) -> None:
     """That `output` can be made where it is asked for: the folder above it a folder (or one that
     can be created) that may be written, and `output` itself not a folder. Checked before any
@@ -87,13 +111,41 @@ def _check_writable(output: str) -> None:
         raise RequestFileError(f"io.output={output}: {parent} is not writable")
 
 
+def partial_objects(partial: epath.Path) -> list[epath.Path]:
+    """An object store's partial file: its objects in order (the header's first)."""
+    try:
+        return sorted((p for p in partial.glob("*.jsonl") if p.stem.isdigit()), key=lambda p: int(p.stem))
+    except OSError as e:
+        raise RequestFileError(f"{partial}: cannot list it ({type(e).__name__}: {e})") from e
+
+
+def read_partial(partial: epath.Path, objects: list[epath.Path] | None = None) -> list[str]:
+    """A partial file's lines, the header first ([] when there is none); `objects`: its objects
+    in an object store (partial_objects), else a local file."""
+    try:
+        if objects is None:
+            if not partial.exists():
+                return []
+            return [x for x in partial.read_text(encoding="utf-8").split("\n") if x]
+        if objects and objects[0].name != "000000.jsonl":
+            return ["{}"]  # batches without their header: not ours to reuse
+        with ThreadPoolExecutor(16) as pool:  # one request per object: overlap them
+            texts = list(pool.map(lambda p: p.read_text(encoding="utf-8"), objects))
+        return [line for text in texts for line in text.split("\n") if line]
+    except (OSError, UnicodeDecodeError) as e:
+        raise RequestFileError(f"{partial}: cannot read it ({type(e).__name__}: {e})") from e
+
+
 class Results:
     """Appends finished results to `<output>.partial`; `write_final` writes `<output>` in input order.
 
     Every process reads what is already done; only the writer (process 0) writes, after `open`.
+    `header`: more for the partial file's header to record beside the input's digest (a part's
+    identity: runner/api/parts.py); a partial file whose header holds other values is refused,
+    and each `open` appends a start record, so that the partial file counts its attempts.
     """
 
-    def __init__(self, output: str, input_lines: list, writer: bool = True):
+    def __init__(self, output: str, input_lines: list, writer: bool = True, header: dict | None = None):
         if not output:
             raise RequestFileError("io.output is empty: pass --config.io.output=<results.jsonl>")
         check_bucket(output, "io.output")
@@ -102,17 +154,21 @@ class Results:
         self.remote = is_remote(output)
         if writer and not self.remote:
             _check_writable(output)
-        text = "\n".join(line.text for line in input_lines)
-        self.digest = hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()
+        self.digest = input_digest(line.text for line in input_lines)
+        self.header = json.loads(json.dumps(header or {}))  # as the partial file holds it
+        self.attempts: list[dict] = []  # the partial file's start and failure records, in order
         self.done: dict[int, dict] = {}
         self._lines: dict[int, str] = {}  # this run's results as encoded for the partial file
-        self._objects = self._partial_objects() if self.remote else []
-        lines = self._read_partial()
+        self._objects = partial_objects(self.partial) if self.remote else []
+        lines = read_partial(self.partial, self._objects if self.remote else None)
         if lines:
             try:
                 header = json.loads(lines[0])
             except json.JSONDecodeError:  # a header cut short by a crash
                 header = {}
+            if differ := differences({k: header.get(k) for k in self.header}, self.header):
+                raise RequestFileError(f"{self.partial} was written with {'; '.join(differ)}: delete "
+                                       "it, or run with the settings it was written with")
             if header.get("input_sha256") != self.digest:
                 raise RequestFileError(
                     f"{self.partial} belongs to a different input file; delete it or choose another io.output"
@@ -120,8 +176,11 @@ class Results:
             for line in lines[1:]:
                 try:  # a line cut short by a crash is simply redone
                     r = json.loads(line)
+                    if "_index" not in r and ("_start" in r or "_failed" in r):
+                        self.attempts.append(r)
+                        continue
                     self.done[r.pop("_index")] = r
-                except (json.JSONDecodeError, KeyError):
+                except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
                     continue
         self.writer = writer
         self.failed = ""  # finished(): the first error of an output whose every line is one
@@ -156,28 +215,6 @@ class Results:
         raise RequestFileError(f"io.output={self.output} already holds {what}: choose another "
                                "io.output, or pass --config.io.overwrite=True to replace it")
 
-    def _partial_objects(self) -> list[epath.Path]:
-        try:
-            return sorted((p for p in self.partial.glob("*.jsonl") if p.stem.isdigit()),
-                          key=lambda p: int(p.stem))
-        except OSError as e:
-            raise RequestFileError(f"{self.partial}: cannot list it ({type(e).__name__}: {e})") from e
-
-    def _read_partial(self) -> list[str]:
-        """The partial results as lines, the header first ([] when there are none)."""
-        try:
-            if not self.remote:
-                if not self.partial.exists():
-                    return []
-                return [x for x in self.partial.read_text(encoding="utf-8").split("\n") if x]
-            if self._objects and self._objects[0].name != "000000.jsonl":
-                return ["{}"]  # batches without their header: not ours to reuse
-            with ThreadPoolExecutor(16) as pool:  # one request per object: overlap them
-                texts = list(pool.map(lambda p: p.read_text(encoding="utf-8"), self._objects))
-            return [line for text in texts for line in text.split("\n") if line]
-        except (OSError, UnicodeDecodeError) as e:
-            raise RequestFileError(f"{self.partial}: cannot read it ({type(e).__name__}: {e})") from e
-
     def open(self) -> None:
         if not self.writer:
             return
@@ -190,7 +227,10 @@ class Results:
                 self._f = self.partial.open("a", encoding="utf-8")
             self._opened = True
             if fresh:
-                self._append(_dumps({"input_sha256": self.digest}))
+                self._append(_dumps({"input_sha256": self.digest, **self.header}))
+            if self.header:
+                self.attempts.append({"_start": {"at": round(time.time(), 3), "host": socket.gethostname()}})
+                self._append(_dumps(self.attempts[-1]))
         except OSError as e:
             raise RequestFileError(f"io.output={self.output}: cannot write next to it ({e})") from e
 
@@ -217,17 +257,27 @@ class Results:
             self._lines.update(lines)
         self.done.update(index_and_results)
 
-    def write_final(self, total: int) -> None:
+    def failed_attempt(self, error: str) -> None:
+        """Records in the partial file (with a `header`) that this attempt ended in `error`."""
+        if self.header and self._opened:
+            self.attempts.append({"_failed": {"at": round(time.time(), 3), "host": socket.gethostname(),
+                                              "error": error[:400]}})
+            self._append(_dumps(self.attempts[-1]))
+
+    def write_final(self, total: int, first: dict | None = None) -> None:
         """`<output>` whole, in input order, in place of `<output>.partial` (a RuntimeError where
-        one of the `total` requests has no result)."""
+        one of the `total` requests has no result); `first`: a line before the results (a part's
+        header)."""
         if not self._opened:
             return
+        self._opened = False  # nothing more is appended
         if self._f is not None:
             self._f.close()
         missing = [i for i in range(total) if i not in self.done]
         if missing:
             raise RuntimeError(f"{len(missing)} requests have no result (first: line {missing[0] + 1})")
         text = "".join(self._lines.get(i) or _dumps(self.done[i]) for i in range(total))
+        text = (_dumps(first) if first else "") + text
         if self.remote:  # one upload is atomic; the header goes last, so a crash here loses nothing
             self.output.write_text(text, encoding="utf-8")
             with ThreadPoolExecutor(16) as pool:
