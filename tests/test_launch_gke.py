@@ -317,6 +317,7 @@ def test_help_prints_usage_and_exits_0(genv):
     (["apply", *WHERE, "--parts=0", "--", *JOB], "--parts must be a whole number from 1 to 99999"),
     (["nodepool", *WHERE, "--slices=010"], "--slices must be a whole number from 1 to 1024, not '010'"),
     (["nodepool", *WHERE, "--type=v3-32"], "GKE's TPU node pools are v4, v5e (v5litepod), v5p and v6e"),
+    (["nodepool", *WHERE, "--type=tpu7x-8"], "tpu7x-8: GKE's TPU node pools are"),
     (["nodepool", *WHERE, "--type=v5litepod-12"], "v5litepod slices have 1, 4, 8, 16"),
     (["nodepool", *WHERE, "--type=v5litepod-16", "--topology=2x4"], "--topology=2x4 has 8 chips, and v5litepod-16 16"),
     (["nodepool", *WHERE, "--type=v4-2048"], "give its topology with --topology"),
