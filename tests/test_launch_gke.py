@@ -23,7 +23,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.test_launch import REPO, TPU_VM, TRICKY, commands, env, launch, tools, words  # noqa: F401 (fixtures)
+from tests.test_launch import REPO, TOOLS, TPU_VM, TRICKY, commands, launch, words
 
 GKE = REPO / "launch" / "gke" / "gke.sh"
 PARTS_SH = REPO / "launch" / "gke" / "parts.sh"
@@ -32,6 +32,7 @@ GKE_WHERE = ["--project=my-proj", "--location=us-west4-a"]
 JOB = ["--config=configs/gptoss_v5e.py", "--config.io.input=gs://b/requests.jsonl",
        "--config.io.output=gs://b/results.jsonl"]
 LIBTPU = "https://storage.googleapis.com/jax-releases/libtpu_releases.html"
+DISRUPTED = {"type": "DisruptionTarget", "status": "True"}  # preempted, evicted, drained
 KUBERNETES = "1.33"  # backoffLimitPerIndex and podFailurePolicy are GA from here
 SCHEMA = json.loads((REPO / "tests" / "data" / "jobset-v0.12.0-schema.json").read_text())["openAPIV3Schema"]
 
@@ -45,13 +46,24 @@ if [[ $(basename "$0") == gcloud && $1 == projects && $2 == describe ]]; then ec
 """
 
 
-@pytest.fixture
-def genv(env, tmp_path) -> dict[str, str]:
-    """The launch tests' environment, and python3 (render.py)."""
-    bin_dir = tmp_path / "python-bin"
-    bin_dir.mkdir()
+@pytest.fixture(scope="module")
+def tools(tmp_path_factory) -> Path:
+    """A bin folder with the tools the launch scripts use, python3 (render.py), and no gcloud,
+    kubectl or docker."""
+    bin_dir = tmp_path_factory.mktemp("bin")
+    for tool in TOOLS:
+        found = shutil.which(tool)
+        assert found, f"{tool} is needed by the launch scripts' tests"
+        (bin_dir / tool).symlink_to(found)
     (bin_dir / "python3").symlink_to(sys.executable)
-    return {**env, "PATH": f"{bin_dir}:{env['PATH']}", "MANIFEST_DIR": str(tmp_path / "manifests")}
+    return bin_dir
+
+
+@pytest.fixture
+def genv(tools, tmp_path) -> dict[str, str]:
+    home = tmp_path / "home"
+    home.mkdir()
+    return {"PATH": str(tools), "HOME": str(home), "TMPDIR": str(tmp_path), "MANIFEST_DIR": str(tmp_path / "manifests")}
 
 
 def fake_tools(genv: dict[str, str], tmp_path: Path) -> tuple[dict[str, str], Path]:
@@ -93,7 +105,8 @@ def strict(schema):
     if not isinstance(schema, dict):
         return schema
     out = {k: strict(v) for k, v in schema.items()}
-    if "properties" in out and "additionalProperties" not in out and not out.get("x-kubernetes-preserve-unknown-fields"):
+    listed = "properties" in out and "additionalProperties" not in out
+    if listed and not out.get("x-kubernetes-preserve-unknown-fields"):
         out["additionalProperties"] = False
     return out
 
@@ -157,9 +170,10 @@ def test_single_host_slices_run_one_indexed_job_whose_index_is_the_part(genv):
     assert jobset["spec"]["network"]["enableDNSHostnames"] is False  # no TPU_WORKER_HOSTNAMES across slices
     parts = replicated(jobset, "parts")
     spec = parts["template"]["spec"]
-    assert (parts["replicas"], spec["completionMode"], spec["completions"], spec["parallelism"]) == (1, "Indexed", 256, 16)
+    assert (parts["replicas"], spec["completionMode"], spec["completions"], spec["parallelism"]) == (
+        1, "Indexed", 256, 16)
     assert spec["backoffLimitPerIndex"] == 3
-    assert spec["podFailurePolicy"]["rules"] == [{"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]
+    assert spec["podFailurePolicy"]["rules"] == [{"action": "Ignore", "onPodConditions": [DISRUPTED]}]
     pod = spec["template"]["spec"]
     assert pod["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": "tpu-v5-lite-podslice",
                                    "cloud.google.com/gke-tpu-topology": "2x4"}
@@ -192,9 +206,10 @@ def test_multi_host_slices_run_one_jobset_each_over_every_slices_th_part(genv):
         assert rj["template"]["metadata"]["annotations"] == {
             "alpha.jobset.sigs.k8s.io/exclusive-topology": "cloud.google.com/gke-nodepool"}
         spec = rj["template"]["spec"]
-        assert (rj["replicas"], spec["completionMode"], spec["completions"], spec["parallelism"]) == (1, "Indexed", 4, 4)
+        assert (rj["replicas"], spec["completionMode"], spec["completions"], spec["parallelism"]) == (
+            1, "Indexed", 4, 4)
         assert spec["backoffLimit"] == 0
-        assert spec["podFailurePolicy"]["rules"] == [{"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]
+        assert spec["podFailurePolicy"]["rules"] == [{"action": "FailJob", "onPodConditions": [DISRUPTED]}]
         podrun = container(rj)
         assert podrun["command"] == ["bash", "launch/gke/parts.sh"] and podrun["args"] == JOB
         assert {e["name"]: e["value"] for e in podrun["env"]} == {
@@ -287,7 +302,7 @@ def test_the_job_validator_refuses_a_broken_job(change, genv):
 def test_a_bad_job_name_fails_before_kubectl(args, message, genv):
     result = gke("apply", "--dry-run", *WHERE, "--parts=256", *args, "--", *JOB, env=genv)
     assert result.returncode == 0  # a dry run renders nothing
-    render = [c for c in commands(result) if c[0] == "python3"][0]
+    render = next(c for c in commands(result) if c[0] == "python3")
     rendered = subprocess.run(render, env=genv, capture_output=True, text=True, check=False)
     assert rendered.returncode == 2 and message in rendered.stderr
     result = gke("manifest", "--image=i", "--parts=256", *args, "--", *JOB, env=genv)
@@ -479,30 +494,30 @@ def run_parts(env: dict[str, str], tmp_path: Path, parts: int, slices: int, repl
     return result, made
 
 
-def test_a_replica_answers_every_slices_th_part_with_podrun_arguments_intact(env, tmp_path):
-    result, calls = run_parts(env, tmp_path, 10, 3, 1, *TRICKY)
+def test_a_replica_answers_every_slices_th_part_with_podrun_arguments_intact(genv, tmp_path):
+    result, calls = run_parts(genv, tmp_path, 10, 3, 1, *TRICKY)
     assert result.returncode == 0, result.stderr
     assert calls == [["-m", "runner.main", *TRICKY, "--config.io.parts=10", f"--config.io.part={p}"] for p in (1, 4, 7)]
 
 
 @pytest.mark.parametrize("parts, slices", [(10, 3), (3, 5), (256, 16), (1, 1)])
-def test_the_replicas_answer_every_part_once(parts, slices, env, tmp_path):
+def test_the_replicas_answer_every_part_once(parts, slices, genv, tmp_path):
     answered = []
     for replica in range(slices):
-        result, calls = run_parts(env, tmp_path, parts, slices, replica, "--config=c.py")
+        result, calls = run_parts(genv, tmp_path, parts, slices, replica, "--config=c.py")
         assert result.returncode == 0, result.stderr
         answered += [int(c[-1].removeprefix("--config.io.part=")) for c in calls]
     assert sorted(answered) == list(range(parts))
 
 
-def test_a_replica_stops_at_a_failed_part_with_its_status(env, tmp_path):
-    result, calls = run_parts(env, tmp_path, 10, 3, 1, "--config=c.py", fail_part=4)
+def test_a_replica_stops_at_a_failed_part_with_its_status(genv, tmp_path):
+    result, calls = run_parts(genv, tmp_path, 10, 3, 1, "--config=c.py", fail_part=4)
     assert result.returncode == 3
     assert [c[-1] for c in calls] == ["--config.io.part=1", "--config.io.part=4"]
 
 
-def test_a_replica_outside_the_slices_is_refused(env, tmp_path):
-    result, calls = run_parts(env, tmp_path, 10, 3, 3, "--config=c.py")
+def test_a_replica_outside_the_slices_is_refused(genv, tmp_path):
+    result, calls = run_parts(genv, tmp_path, 10, 3, 3, "--config=c.py")
     assert result.returncode == 2 and "replica 3 is not one of 3 slices" in result.stderr
     assert calls == []
 
@@ -515,6 +530,6 @@ def test_the_dockerfile_is_hadolint_clean_and_installs_what_tpu_vms_get():
     dockerfile = REPO / "launch" / "gke" / "Dockerfile"
     result = subprocess.run([hadolint, str(dockerfile)], capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stdout
-    (run,) = re.findall(r"^RUN (pip install .*)$", dockerfile.read_text().replace("\\\n", " "), re.M)
+    (run,) = re.findall(r"^RUN (pip install .*)$", dockerfile.read_text().replace("\\\n", " "), re.MULTILINE)
     run = " ".join(words(run))
     assert run == f"pip install -r requirements.txt jax[tpu] -f {LIBTPU}"  # as launch/common.sh's setup

@@ -263,8 +263,9 @@ grant() {
     else
         number=$("${describe[@]}") || fail "could not read the number of project $PROJECT (gcloud's message is above)"
     fi
+    local pool=projects/$number/locations/global/workloadIdentityPools/$PROJECT.svc.id.goog
     cmd gcloud storage buckets add-iam-policy-binding "$bucket" "--role=roles/storage.objectUser" \
-        "--member=principal://iam.googleapis.com/projects/$number/locations/global/workloadIdentityPools/$PROJECT.svc.id.goog/subject/ns/default/sa/$SERVICE_ACCOUNT"
+        "--member=principal://iam.googleapis.com/$pool/subject/ns/default/sa/$SERVICE_ACCOUNT"
 }
 
 nodepool() {
@@ -369,7 +370,8 @@ dispatch_gke() {
     case $CMD in
         apply | manifest | merge) check_podrun_args ;;
         status) ;;
-        *) ((${#PODRUN_ARGS[@]} == 0)) || usage_error "only apply, manifest, status and merge take arguments after --" ;;
+        *) ((${#PODRUN_ARGS[@]} == 0)) || usage_error "only apply, manifest, status and merge take arguments" \
+            "after --" ;;
     esac
     whole --slices "$SLICES" 1 1024  # RestartJob's limit on a replicated Job's replicas
     whole --retries "$RETRIES" 0 999
