@@ -28,8 +28,8 @@ def llama():
 def engine_of(m, **kw) -> PagedEngine:
     rules = rules_for("1dev")
     model, params = to_podrun(m, rules)
-    args = dict(batch_size=4, max_prompt_len=48, max_new_tokens=20, page_size=4, steps_per_dispatch=4,
-                chunk=16, pages=22)
+    args = {"batch_size": 4, "max_prompt_len": 48, "max_new_tokens": 20, "page_size": 4,
+            "steps_per_dispatch": 4, "chunk": 16, "pages": 22}
     args.update(kw)
     return PagedEngine(model, params, rules, Policy(), **args)
 
@@ -62,7 +62,6 @@ def test_the_simulated_schedule_is_the_real_runs(llama, longest_first):
         lambda ended: got.update((i, [len(c.token_ids) for c in cs]) for i, cs in ended))
     lengths = [got[i] for i in range(len(requests))]
     assert stats.preemptions > 0 and any(n < r.max_tokens for [n], r in zip(lengths, requests))
-    assert stats.prompt_tokens_computed < stats.prompt_tokens  # a shared prefix was taken
 
     sim = simulate(engine_of(llama), requests, lengths, Zero(), longest_first)
     assert sim.calls == called
@@ -89,7 +88,8 @@ def test_the_clock_adds_each_calls_cost_and_compile_waits(llama):
     mixed = sum(n.startswith("mixed") for n in out.calls)
     steps = out.stats.decode_steps - out.stats.inserts  # decode calls' steps
     assert out.device_s == pytest.approx(mixed + 0.1 * steps)
-    assert out.compile_wait_s == pytest.approx(5.0)  # the first call waits for mixed_16 alone
+    # the first call waits for mixed_16 alone, less the host work it overlapped
+    assert out.compile_wait_s == pytest.approx(5.0, abs=0.05) and out.compile_wait_s <= 5.0
     assert out.generate_s == pytest.approx(out.device_s + out.compile_wait_s + out.host_s)
     assert 0 <= out.host_s < 1 and 5 + 1 <= out.first_result_s <= out.generate_s
 

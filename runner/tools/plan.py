@@ -38,7 +38,14 @@ from ml_collections import config_flags
 from runner.engine.engine import Request
 from runner.engine.paged_engine import PagedEngine, Program
 from runner.settings import Settings, from_config
-from runner.tools.simulate import Costs, Outcome, lengths_from, nearest, read_results, simulate
+from runner.tools.simulate import (
+    Costs,
+    Outcome,
+    lengths_from,
+    nearest,
+    read_results,
+    simulate,
+)
 
 if __name__ == "__main__":  # flags of this command only, so the module can be imported
     _CONFIG = config_flags.DEFINE_config_file("config", None, "deployment config file", lock_config=True)
@@ -62,6 +69,7 @@ CHIPS = {"v5e": (819, 197, 16), "v5p": (2765, 459, 95), "v6e": (1640, 918, 32),
          "h100": (3350, 989, 80)}
 CALL_OVERHEAD_S = 100e-6  # predicted: a call's dispatch, its batch's transfer and its tokens' return
 LOAD_GBPS = 2.0  # predicted: the weights read from storage at this rate (all hosts together)
+SPENT: dict[str, float] = {}  # the plan's own time, by part
 
 
 @dataclasses.dataclass
@@ -140,21 +148,22 @@ class Measured(Costs):
 
     def describe(self) -> list[str]:
         mixed = ", ".join(f"mixed_{c} {1e3 * t:.1f} ms" for c, t in sorted(self.mixed.items()))
-        return [f"measured here: a decode step {1e3 * self.a:.2f} ms + {1e6 * self.b:.3f} us per position "
-                f"its rows attend (fit over rows at {self.fills[0]} and {self.fills[1]} positions); "
-                f"{mixed} with every other row decoding, each +/- the same per position"]
+        return [(f"measured here: a decode step {1e3 * self.a:.2f} ms + {1e6 * self.b:.3f} us per "
+                 f"position its rows attend (fit over rows at {self.fills[0]} and {self.fills[1]} "
+                 f"positions); {mixed} with every other row decoding, each +/- the same per position")]
 
 
 def _probe(engine: PagedEngine, C: int, fill: int, like: Request):
     """A call's batch: every row decoding at `fill` positions, except with C > 0 the last row of
     each group, which computes a chunk of C tokens from `fill` on and samples after it."""
     b = engine.empty_batch(C)
-    G, R, S = engine.groups, engine.rows_per_group, engine.page_size
+    G, R = engine.groups, engine.rows_per_group
     per_row = engine.pages // R
     for g in range(G):
         for r in range(R):
             row = g * R + r
-            b.tables[g, r, :min(per_row, engine.max_pages)] = np.arange(r * per_row, r * per_row + min(per_row, engine.max_pages))
+            n = min(per_row, engine.max_pages)  # the row's own pages: rows never share one
+            b.tables[g, r, :n] = np.arange(r * per_row, r * per_row + n)
             b.max_tokens[row], b.count[row] = engine.max_new_tokens, 0
             b.temperature[row], b.top_k[row], b.top_p[row] = like.temperature, like.top_k, like.top_p
             b.live[row] = True
@@ -165,7 +174,6 @@ def _probe(engine: PagedEngine, C: int, fill: int, like: Request):
                 b.sample_at[g, r] = R + C - 1
             else:
                 b.tokens[g, r], b.positions[g, r] = 1, fill
-    del S
     return b
 
 
@@ -178,17 +186,21 @@ def measure(engine: PagedEngine, programs: list[Program], like: Request, fills: 
         t0 = time.perf_counter()
         engine._executable(p)
         compiles[p] = time.perf_counter() - t0
-    base = [p for p in dict.fromkeys(engine.program(p.chunk, p.steps) for p in programs)]
+    SPENT["compile"] = SPENT.get("compile", 0.0) + sum(compiles.values())
+    began = time.perf_counter()
+    base = list(dict.fromkeys(engine.program(p.chunk, p.steps) for p in programs))
     for p in base:
-        for fill in fills if not p.chunk else fills[:1]:
+        for n, fill in enumerate(fills if not p.chunk else fills[:1]):
             b = _probe(engine, p.chunk, fill, like)
-            engine.call(b, (), p.steps)
+            if n == 0:  # a program's first call does what later ones do not (buffers, pages)
+                engine.call(b, (), p.steps)
             ts = []
             for _ in range(reps):
                 t0 = time.perf_counter()
                 engine.call(b, (), p.steps)
                 ts.append(time.perf_counter() - t0)
             times[p, fill] = statistics.median(ts)
+    SPENT["timed calls"] = SPENT.get("timed calls", 0.0) + time.perf_counter() - began
     B, steps = engine.batch_size, engine.steps
     decode = engine.program(0, engine.steps)
     kv = lambda fill: B * (fill + 1 + (steps - 1) / 2)  # positions attended per step, on average
@@ -230,9 +242,9 @@ class Predicted(Costs):
 
     def describe(self) -> list[str]:
         bw, peak, _ = CHIPS[self.chip]
-        return [f"predicted for {self.chip} ({bw} GB/s HBM, {peak} TFLOP/s bf16 per chip): a step "
-                f"max((XLA's bytes + {self.kv_position_bytes / 1e3:.1f} kB per position attended) / "
-                f"bandwidth, XLA's flops / peak) + {1e6 * CALL_OVERHEAD_S:.0f} us per call"]
+        return [(f"predicted for {self.chip} ({bw} GB/s HBM, {peak} TFLOP/s bf16 per chip): a step "
+                 f"max((XLA's bytes + {self.kv_position_bytes / 1e3:.1f} kB per position attended) / "
+                 f"bandwidth, XLA's flops / peak) + {1e6 * CALL_OVERHEAD_S:.0f} us per call")]
 
 
 def chip_of(topology: str) -> str:
@@ -296,7 +308,7 @@ def plan_one(s: Settings, label: str, mode: str, loaded, job: Job | None, comple
         chips = engine.rules.mesh.size
         problems += [f"{c.name} does not fit a chip: {c.error}" for c in compiled.values() if c.error]
     if not isinstance(engine, PagedEngine):
-        raise ValueError("runner.tools.plan simulates the paged engine: set generation.page_size > 0")
+        raise ValueError("runner.tools.plan simulates the paged engine: set generation.page_size > 0")  # noqa: TRY004
     startup["engine"] = time.perf_counter() - t0
     problems += never_admitted(engine, job.requests)
     if problems:
@@ -317,7 +329,9 @@ def plan_one(s: Settings, label: str, mode: str, loaded, job: Job | None, comple
         del windowed  # the windowed layers' reads are bounded by the window: counted as full (above)
         costs = Predicted(chip_of(s.tpu_topology), compiled, full / s.generation.page_size)
         startup["load"] = f.total_weights / (LOAD_GBPS * 1e9)
+    began = time.perf_counter()
     outcome = simulate(engine, job.requests, lengths, costs, s.generation.longest_first)
+    SPENT["simulation"] = SPENT.get("simulation", 0.0) + time.perf_counter() - began
     return Plan(label, chips, outcome, startup, costs, []), job
 
 
@@ -338,8 +352,8 @@ def override(config, key: str, value: str):
 
 def report(plans: list[Plan], job: Job, assumption: str, price: float) -> str:
     first = plans[0]
-    lines = [f"{len(job.requests)} requests to generate, {sum(len(r.prompt) for r in job.requests)} "
-             f"prompt tokens; completion lengths: {assumption}"]
+    prompt = sum(len(r.prompt) for r in job.requests)
+    lines = [f"{len(job.requests)} requests to generate, {prompt} prompt tokens; completion lengths: {assumption}"]
     if job.invalid:
         lines.append(f"{len(job.invalid)} requests the job refuses (error lines, no cost): {job.invalid[0]}")
     for p in plans:
@@ -350,9 +364,9 @@ def report(plans: list[Plan], job: Job, assumption: str, price: float) -> str:
         lines += [f"{first.label}: programs", f"  {'program':<24}{'calls':>7}{'ms/call':>10}{'share':>8}"]
         for name, (n, t) in sorted(o.per_program.items(), key=lambda kv: -kv[1][1]):
             lines.append(f"  {name:<24}{n:>7}{1e3 * t / n:>10.1f}{100 * t / o.generate_s:>7.0f}%")
-        lines += [f"  {'host (scheduler)':<24}{len(o.calls):>7}{1e3 * o.host_s / max(1, len(o.calls)):>10.2f}"
-                  f"{100 * o.host_s / o.generate_s:>7.0f}%",
-                  f"  {'compile waits':<24}{'':>7}{'':>10}{100 * o.compile_wait_s / o.generate_s:>7.0f}%"]
+        host_ms = 1e3 * o.host_s / max(1, len(o.calls))
+        lines += [f"  {'host (scheduler)':<24}{len(o.calls):>7}{host_ms:>10.2f}{100 * o.host_s / o.generate_s:>7.0f}%",
+                  f"  {'compile waits':<24}{'':>17}{100 * o.compile_wait_s / o.generate_s:>7.0f}%"]
         lines += ["  " + x for x in first.costs.describe()]
         lines.append("  before the first call: " + ", ".join(f"{k} {v:.1f} s" for k, v in first.startup.items()))
         st = o.stats
@@ -369,8 +383,10 @@ def report(plans: list[Plan], job: Job, assumption: str, price: float) -> str:
 def _process_age() -> float:
     """Seconds since this process started (Linux), else 0."""
     try:
-        ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
-        uptime = float(open("/proc/uptime").read().split()[0])
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
         return max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
     except (OSError, ValueError, IndexError):
         return 0.0
@@ -404,17 +420,22 @@ def main(argv: list[str]) -> None:
         alternatives = [("config", config)]
         if _COMPARE.value:
             key, _, values = _COMPARE.value.partition("=")
+            if mode == "measure" and key.startswith(("mesh.", "checkpoint.", "precision.")):
+                raise ValueError(f"--compare={key}: measured plans share one model on this machine's "
+                                 "devices; compare meshes and precisions in predicted plans (mesh.tpu_topology)")
             alternatives += [(f"{key.split('.')[-1]}={v}", override(config, key, v))
                              for v in values.split(",") if v]
+        if mode == "predict":  # before the backend starts: CPU, libtpu for topologies only
+            import runner.tools.compile  # noqa: F401
         setup_devices(s)
         startup, loaded = {}, None
         if mode == "measure":
+            import jax
+
             from runner.job import load_model
             from runner.tools.bench import random_model
 
-            import jax
-            startup["start"] = started + 0.0
-            startup["devices"] = 0.0
+            startup["start"] = started  # this process' imports, as runner.main's
             t0 = time.perf_counter()
             jax.devices()
             startup["devices"] = time.perf_counter() - t0
@@ -431,7 +452,8 @@ def main(argv: list[str]) -> None:
     except (*USER_ERRORS, ValueError) as e:
         sys.exit(f"podrun plan: error: {e}")
     print(report(plans, job, assumption, _PRICE.value))
-    print(f"planned in {_process_age():.1f} s")
+    parts = ", ".join(f"{k} {v:.1f} s" for k, v in SPENT.items())
+    print(f"planned in {_process_age():.1f} s ({parts}; the rest: imports, load, tokenizing, engines)")
 
 
 if __name__ == "__main__":
