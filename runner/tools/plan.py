@@ -37,6 +37,7 @@ from ml_collections import config_flags
 
 from runner.engine.engine import Request
 from runner.engine.paged_engine import PagedEngine, Program
+from runner.engine.sampling import CANDIDATES
 from runner.settings import Settings, from_config
 from runner.tools.simulate import (
     Costs,
@@ -60,7 +61,7 @@ if __name__ == "__main__":  # flags of this command only, so the module can be i
     _PRICE = flags.DEFINE_float("price_per_chip_hour", 0.0, "price of one chip-hour (0: no cost)")
     _MODE = flags.DEFINE_enum("mode", "auto", ["auto", "measure", "predict"],
                               "auto: predict for a config with mesh.tpu_topology, else measure")
-    _REPS = flags.DEFINE_integer("reps", 2, "timed calls of each program and fill (the median is used)")
+    _REPS = flags.DEFINE_integer("reps", 1, "timed calls of each program and fill (the median is used)")
     _TOKENIZER = flags.DEFINE_string("tokenizer", "", "a directory with the tokenizer, when "
                                      "checkpoint.path is not on this machine")
 
@@ -94,7 +95,11 @@ def read_job(s: Settings, model, tokenizer_dir: str = "") -> Job:
     t0 = time.perf_counter()
     lines = read_lines(s.input)
     fmt = batch.file_format(lines)
-    tokenizer = load_tokenizer(os.path.expanduser(tokenizer_dir or s.checkpoint_path),
+    where = tokenizer_dir or s.checkpoint_path
+    if "://" in where and not tokenizer_dir:
+        raise ValueError(f"checkpoint.path={where} is not on this machine: give --tokenizer=DIR, a "
+                         "directory with the model's tokenizer (tokenizer.json)")
+    tokenizer = load_tokenizer(os.path.expanduser(where),
                                read_chat_template(s.chat_template))
     chat = chat_format(model.family, tokenizer, s.generation.reasoning_effort)
     stop_ids = tuple(dict.fromkeys((chat.stop_ids if chat else ()) + s.generation.stop_token_ids))
@@ -158,6 +163,10 @@ def _probe(engine: PagedEngine, C: int, fill: int, like: Request):
     each group, which computes a chunk of C tokens from `fill` on and samples after it."""
     b = engine.empty_batch(C)
     G, R = engine.groups, engine.rows_per_group
+    # A sampled row draws among the CANDIDATES largest logits, or over the whole vocabulary when
+    # its nucleus reaches past them (flat logits: what a probe's made-up tokens give, and text
+    # rarely does): a top_k below CANDIDATES keeps the probe on the first, text's usual way.
+    top_k = like.top_k if 0 < like.top_k < CANDIDATES else CANDIDATES // 2
     per_row = engine.pages // R
     for g in range(G):
         for r in range(R):
@@ -165,7 +174,7 @@ def _probe(engine: PagedEngine, C: int, fill: int, like: Request):
             n = min(per_row, engine.max_pages)  # the row's own pages: rows never share one
             b.tables[g, r, :n] = np.arange(r * per_row, r * per_row + n)
             b.max_tokens[row], b.count[row] = engine.max_new_tokens, 0
-            b.temperature[row], b.top_k[row], b.top_p[row] = like.temperature, like.top_k, like.top_p
+            b.temperature[row], b.top_k[row], b.top_p[row] = like.temperature, top_k, like.top_p
             b.live[row] = True
             if C and r == R - 1:
                 b.tokens[g, R:] = 1
@@ -188,6 +197,9 @@ def measure(engine: PagedEngine, programs: list[Program], like: Request, fills: 
         compiles[p] = time.perf_counter() - t0
     SPENT["compile"] = SPENT.get("compile", 0.0) + sum(compiles.values())
     began = time.perf_counter()
+    # The weights and pool move onto 2 MiB pages on a thread while the programs compile (CPU): a
+    # job runs its calls on them but for its first few, so the calls are timed once they are.
+    engine.huge_pages  # noqa: B018
     base = list(dict.fromkeys(engine.program(p.chunk, p.steps) for p in programs))
     for p in base:
         for n, fill in enumerate(fills if not p.chunk else fills[:1]):
@@ -222,19 +234,26 @@ class Predicted(Costs):
     """A step costs max((bytes + KV bytes read) / bandwidth, flops / peak) per chip, a call
     CALL_OVERHEAD_S more. bytes and flops: XLA's cost analysis of the AOT-compiled program per
     chip (a decode call's loop body counted once: one step); KV bytes: the positions the step's
-    rows attend x a position's keys and values on a chip."""
+    rows attend x a position's keys and values on a chip (the windowed layers' at most `window`
+    positions a row), the chunk's queries read once."""
 
     chip: str
     compiled: dict  # program name -> runner.tools.compile.Compiled
-    kv_position_bytes: float
+    kv_position_bytes: float  # the full-attention layers'
+    window_position_bytes: float = 0.0  # the windowed layers'
+    window: int = 0
+
+    def _kv(self, ctx: np.ndarray) -> float:
+        windowed = np.minimum(ctx, self.window) if self.window else ctx
+        return self.kv_position_bytes * float(ctx.sum()) + self.window_position_bytes * float(windowed.sum())
 
     def call(self, p: Program, contexts: list[np.ndarray], chunk_at: int) -> float:
         bw, peak, _ = CHIPS[self.chip]
         c = self.compiled.get(Program(p.chunk, p.steps).name) or self._nearest(p)
-        chunk_kv = p.chunk * (chunk_at + p.chunk / 2) if p.chunk else 0.0
-        step = lambda ctx, extra: max((c.bytes_accessed + self.kv_position_bytes * (float(ctx.sum()) + extra))
-                                      / (bw * 1e9), c.flops / (peak * 1e12))
-        return CALL_OVERHEAD_S + sum(step(ctx, chunk_kv if i == 0 else 0.0) for i, ctx in enumerate(contexts))
+        chunk = self._kv(np.array([chunk_at + p.chunk])) if p.chunk else 0.0  # its pages, read once
+        step = lambda ctx, extra: max((c.bytes_accessed + self._kv(ctx) + extra) / (bw * 1e9),
+                                      c.flops / (peak * 1e12))
+        return CALL_OVERHEAD_S + sum(step(ctx, chunk if i == 0 else 0.0) for i, ctx in enumerate(contexts))
 
     def _nearest(self, p: Program):
         kinds = {int(n.split("_")[1]): c for n, c in self.compiled.items() if n.startswith("mixed_")}
@@ -305,6 +324,7 @@ def plan_one(s: Settings, label: str, mode: str, loaded, job: Job | None, comple
         from runner.tools.compile import compile_deployment
 
         engine, compiled = compile_deployment(s, model)
+        SPENT["AOT compile"] = SPENT.get("AOT compile", 0.0) + time.perf_counter() - t0
         chips = engine.rules.mesh.size
         problems += [f"{c.name} does not fit a chip: {c.error}" for c in compiled.values() if c.error]
     if not isinstance(engine, PagedEngine):
@@ -326,9 +346,10 @@ def plan_one(s: Settings, label: str, mode: str, loaded, job: Job | None, comple
     else:
         from runner.tools.memory import page_bytes
         full, windowed = page_bytes(s, model, engine.rules)
-        del windowed  # the windowed layers' reads are bounded by the window: counted as full (above)
-        costs = Predicted(chip_of(s.tpu_topology), compiled, full / s.generation.page_size)
-        startup["load"] = f.total_weights / (LOAD_GBPS * 1e9)
+        S = s.generation.page_size
+        costs = Predicted(chip_of(s.tpu_topology), compiled, full / S, windowed / S, engine.window)
+        startup.pop("engine")  # this machine's AOT compile: the job's compiles are assumed cached
+        startup["load (stated: weights at 2 GB/s)"] = f.total_weights / (LOAD_GBPS * 1e9)
     began = time.perf_counter()
     outcome = simulate(engine, job.requests, lengths, costs, s.generation.longest_first)
     SPENT["simulation"] = SPENT.get("simulation", 0.0) + time.perf_counter() - began
