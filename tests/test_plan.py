@@ -158,15 +158,15 @@ def test_the_command_prints_a_table_of_alternatives(tmp_path):
 
 def test_a_predicted_step_is_the_slower_of_its_bytes_and_its_flops():
     """v5e (819 GB/s, 197 TFLOP/s): a decode step reading 819 MB of weights and 2 rows' KV
-    (1 kB a position; a windowed layer's 0.5 kB, at most 128 positions) is bound by bandwidth;
-    a mixed step of 197 TFLOP by its flops; each call 100 us more."""
+    (1 kB a position; a windowed layer's 0.5 kB, at most 128 positions) is bound by bandwidth
+    (not XLA's bytes accessed); a mixed step of 197 TFLOP by its flops; each call 100 us more."""
     from runner.engine.paged_engine import Program
     from runner.tools.compile import Compiled
     from runner.tools.plan import Predicted
 
-    compiled = {"decode_8": Compiled("decode_8", 0, 0, 0, 0, flops=1e9, bytes_accessed=819e6),
-                "mixed_64": Compiled("mixed_64", 0, 0, 0, 0, flops=197e12, bytes_accessed=1e6)}
-    costs = Predicted("v5e", compiled, 1000.0, 500.0, window=128)
+    compiled = {"decode_8": Compiled("decode_8", 0, 0, 0, 0, flops=1e9, bytes_accessed=5e9),
+                "mixed_64": Compiled("mixed_64", 0, 0, 0, 0, flops=197e12, bytes_accessed=5e9)}
+    costs = Predicted("v5e", compiled, 819e6, 1000.0, 500.0, window=128)
     ctx = np.array([100, 1000])
     kv = 1000.0 * 1100 + 500.0 * (100 + 128)
     want = 1e-4 + 2 * (819e6 + kv) / 819e9

@@ -231,14 +231,18 @@ def measure(engine: PagedEngine, programs: list[Program], like: Request, fills: 
 
 @dataclasses.dataclass
 class Predicted(Costs):
-    """A step costs max((bytes + KV bytes read) / bandwidth, flops / peak) per chip, a call
-    CALL_OVERHEAD_S more. bytes and flops: XLA's cost analysis of the AOT-compiled program per
-    chip (a decode call's loop body counted once: one step); KV bytes: the positions the step's
-    rows attend x a position's keys and values on a chip (the windowed layers' at most `window`
-    positions a row), the chunk's queries read once."""
+    """A step costs max((weights + KV bytes read) / bandwidth, flops / peak) per chip, a call
+    CALL_OVERHEAD_S more. Weights: the declared weights on the busiest chip, read once a step
+    (runner.tools.memory). KV bytes: the positions the step's rows attend x a position's keys and
+    values on a chip (the windowed layers' at most `window` positions a row), a chunk's pages read
+    once. Flops: XLA's cost analysis of the AOT-compiled program per chip (a decode call's loop
+    body counted once: one step). XLA's bytes accessed are shown beside the floor, not used: on
+    TPU they count each prefetch into VMEM as a read and a write besides the consumer's read
+    (docs/benchmarks/tpu-gptoss-v5e.md: 2.36x the floor as deployed, 1.13x without prefetches)."""
 
     chip: str
     compiled: dict  # program name -> runner.tools.compile.Compiled
+    weight_bytes: float  # per chip
     kv_position_bytes: float  # the full-attention layers'
     window_position_bytes: float = 0.0  # the windowed layers'
     window: int = 0
@@ -251,7 +255,7 @@ class Predicted(Costs):
         bw, peak, _ = CHIPS[self.chip]
         c = self.compiled.get(Program(p.chunk, p.steps).name) or self._nearest(p)
         chunk = self._kv(np.array([chunk_at + p.chunk])) if p.chunk else 0.0  # its pages, read once
-        step = lambda ctx, extra: max((c.bytes_accessed + self._kv(ctx) + extra) / (bw * 1e9),
+        step = lambda ctx, extra: max((self.weight_bytes + self._kv(ctx) + extra) / (bw * 1e9),
                                       c.flops / (peak * 1e12))
         return CALL_OVERHEAD_S + sum(step(ctx, chunk if i == 0 else 0.0) for i, ctx in enumerate(contexts))
 
@@ -261,9 +265,13 @@ class Predicted(Costs):
 
     def describe(self) -> list[str]:
         bw, peak, _ = CHIPS[self.chip]
+        xla = ", ".join(f"{n} {c.bytes_accessed / 1e9:.2f} GB {c.flops / 1e9:.0f} GFLOP"
+                        for n, c in self.compiled.items() if not c.error)
         return [(f"predicted for {self.chip} ({bw} GB/s HBM, {peak} TFLOP/s bf16 per chip): a step "
-                 f"max((XLA's bytes + {self.kv_position_bytes / 1e3:.1f} kB per position attended) / "
-                 f"bandwidth, XLA's flops / peak) + {1e6 * CALL_OVERHEAD_S:.0f} us per call")]
+                 f"max(({self.weight_bytes / 1e9:.2f} GB of weights + {self.kv_position_bytes / 1e3:.1f} kB "
+                 f"per position attended) / bandwidth, XLA's flops / peak) + {1e6 * CALL_OVERHEAD_S:.0f} us "
+                 "per call"),
+                f"XLA's cost analysis per chip (a decode call: one step; bytes not used, see docs/plan.md): {xla}"]
 
 
 def chip_of(topology: str) -> str:
@@ -347,7 +355,7 @@ def plan_one(s: Settings, label: str, mode: str, loaded, job: Job | None, comple
         from runner.tools.memory import page_bytes
         full, windowed = page_bytes(s, model, engine.rules)
         S = s.generation.page_size
-        costs = Predicted(chip_of(s.tpu_topology), compiled, full / S, windowed / S, engine.window)
+        costs = Predicted(chip_of(s.tpu_topology), compiled, f.weights, full / S, windowed / S, engine.window)
         startup.pop("engine")  # this machine's AOT compile: the job's compiles are assumed cached
         startup["load (stated: weights at 2 GB/s)"] = f.total_weights / (LOAD_GBPS * 1e9)
     began = time.perf_counter()
