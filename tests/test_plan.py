@@ -174,3 +174,24 @@ def test_a_predicted_step_is_the_slower_of_its_bytes_and_its_flops():
         1e-4 + (819e6 + kv) / 819e9 + (819e6 + kv + 1000.0 * 2 + 500.0 * 1) / 819e9)
     assert costs.call(Program(0, 8), [ctx, ctx], 0) == pytest.approx(want)
     assert costs.call(Program(16, 1), [ctx], 0) == pytest.approx(1e-4 + 1.0)  # mixed_64's, flops-bound
+
+
+def test_a_deployment_that_does_not_fit_is_reported_before_any_cost(tmp_path):
+    """Weights and pool over mesh.device_memory_gib: the plan says so, with the memory report,
+    and builds, compiles and simulates nothing."""
+    from configs.cpu import get_config
+    from runner.settings import from_config
+    from runner.tools.plan import plan_one, report
+
+    c = get_config("/no/such/checkpoint")
+    c.checkpoint.model = "llama:tiny"
+    c.mesh.update(num_cpu_devices=1, data=1, device_memory_gib=1e-6)
+    c.generation.update(page_size=4, batch_size=2, max_prompt_len=32, max_new_tokens=8)
+    path = tmp_path / "in.jsonl"
+    path.write_text(json.dumps({"id": "a", "prompt_token_ids": [1, 2, 3], "max_tokens": 4}) + "\n")
+    c.io.input = str(path)
+    p, job = plan_one(from_config(c), "config", "measure", None, None, ("max_tokens", 0, None), 1, {})
+    assert p.outcome is None and "more than" in p.problems[0] and "DOES NOT FIT" in p.problems[0]
+    assert len(job.requests) == 1 and "engine" not in p.startup
+    out = report([p], job, "max_tokens", 0.0)
+    assert "config: DOES NOT RUN" in out and "does not run" in out.splitlines()[-1]

@@ -298,7 +298,7 @@ class Plan:
 
     def row(self, price: float) -> str:
         if self.problems or self.outcome is None:
-            return f"  {self.label:<28} does not run: {self.problems[0]}"
+            return f"  {self.label:<28} does not run: {self.problems[0].splitlines()[0]}"
         o = self.outcome
         hours = self.wall_s * self.chips / 3600
         cost = f"{hours * price:>9.2f}" if price else f"{'-':>9}"
@@ -323,6 +323,8 @@ def plan_one(s: Settings, label: str, mode: str, loaded, job: Job | None, comple
     if job is None:
         job = read_job(s, model, tokenizer_dir)
     startup["tokenize"] = job.tokenize_s
+    if problems:  # before anything is allocated or compiled
+        return Plan(label, f.devices, None, startup, None, problems), job
     t0 = time.perf_counter()
     if mode == "measure":
         meta, rules, params = loaded
