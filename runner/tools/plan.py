@@ -16,8 +16,9 @@ is timed as it runs here. A program's time per call is either
   scheduler predicts compiled and called a few times at two fills of the pool; a decode step costs
   a + b x (positions its rows attend), a mixed step its chunk's measured time + b x the same; or
 - predicted (mesh.tpu_topology, compiled ahead of time by runner.tools.compile): a step costs
-  max(bytes / HBM bandwidth, flops / peak) from XLA's cost analysis of the compiled program, the
-  KV pages it reads added, plus a stated overhead per call.
+  max(bytes / HBM bandwidth, flops / peak), the bytes the floor it must read (the weights on a
+  chip and the KV pages its rows attend), the flops XLA's cost analysis of the compiled program,
+  plus a stated overhead per call.
 docs/plan.md gives the model, its blind spots and how a first real run calibrates it.
 """
 
