@@ -1,0 +1,494 @@
+"""A job's wall time, tokens/s, time to first result and chip-hours, before it is launched.
+
+    python -m runner.tools.plan --config=configs/smollm2_cpu.py --config.io.input=requests.jsonl \
+        [--completion_from=pilot_results.jsonl | --completion_tokens=60] \
+        [--compare=generation.batch_size=4,8,16] [--price_per_chip_hour=1.2]
+    python -m runner.tools.plan --config=configs/gptoss_v5e.py --config.io.input=requests.jsonl \
+        --tokenizer=DIR --compare=mesh.tpu_topology=v5e:2x4,v5e:4x4      # predicted, no TPU here
+
+The request file is read and tokenized as runner.main reads it, and the job is simulated through
+the real PagedScheduler on a stand-in engine (runner/tools/simulate.py): each sample's completion
+length is an assumption (its max_tokens by default, --completion_tokens, or a results file of an
+earlier run), each call costs its program's time, and the scheduler's own host work between calls
+is timed as it runs here. A program's time per call is either
+- measured (the config's devices are here: no mesh.tpu_topology): the engine built on the
+  checkpoint's weights (random ones of the same shapes when it is not here), every program the
+  scheduler predicts compiled and called a few times at two fills of the pool; a decode step costs
+  a + b x (positions its rows attend), a mixed step its chunk's measured time + b x the same; or
+- predicted (mesh.tpu_topology, compiled ahead of time by runner.tools.compile): a step costs
+  max(bytes / HBM bandwidth, flops / peak), the bytes the floor it must read (the weights on a
+  chip and the KV pages its rows attend), the flops XLA's cost analysis of the compiled program,
+  plus a stated overhead per call.
+docs/plan.md gives the model, its blind spots and how a first real run calibrates it.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import dataclasses
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+from absl import app, flags
+from ml_collections import config_flags
+
+from runner.engine.engine import Request
+from runner.engine.paged_engine import PagedEngine, Program
+from runner.engine.sampling import CANDIDATES
+from runner.settings import Settings, from_config
+from runner.tools.simulate import (
+    Costs,
+    Outcome,
+    lengths_from,
+    nearest,
+    read_results,
+    simulate,
+)
+
+if __name__ == "__main__":  # flags of this command only, so the module can be imported
+    _CONFIG = config_flags.DEFINE_config_file("config", None, "deployment config file", lock_config=True)
+    _COMPLETION_TOKENS = flags.DEFINE_integer(
+        "completion_tokens", 0, "assume each sample's completion is this many tokens (at most its "
+        "max_tokens); 0: its max_tokens")
+    _COMPLETION_FROM = flags.DEFINE_string(
+        "completion_from", "", "a results file of an earlier run (a pilot): each request's completion "
+        "length from it, others drawn from its lengths")
+    _COMPARE = flags.DEFINE_string("compare", "", "KEY=V1,V2,...: also plan the config with each value "
+                                   "(e.g. generation.batch_size=4,8,16 or mesh.tpu_topology=v5e:2x4,v5e:4x4)")
+    _PRICE = flags.DEFINE_float("price_per_chip_hour", 0.0, "price of one chip-hour (0: no cost)")
+    _MODE = flags.DEFINE_enum("mode", "auto", ["auto", "measure", "predict"],
+                              "auto: predict for a config with mesh.tpu_topology, else measure")
+    _REPS = flags.DEFINE_integer("reps", 1, "timed calls of each program and fill (the median is used)")
+    _TOKENIZER = flags.DEFINE_string("tokenizer", "", "a directory with the tokenizer, when "
+                                     "checkpoint.path is not on this machine")
+
+# Chips for predicted plans: (HBM GB/s, peak dense bf16 TFLOP/s, HBM GiB), from the vendors' sheets.
+CHIPS = {"v5e": (819, 197, 16), "v5p": (2765, 459, 95), "v6e": (1640, 918, 32),
+         "h100": (3350, 989, 80)}
+CALL_OVERHEAD_S = 100e-6  # predicted: a call's dispatch, its batch's transfer and its tokens' return
+LOAD_GBPS = 2.0  # predicted: the weights read from storage at this rate (all hosts together)
+SPENT: dict[str, float] = {}  # the plan's own time, by part
+
+
+@dataclasses.dataclass
+class Job:
+    """The request file as the job would see it."""
+
+    requests: list[Request]
+    ids: list
+    invalid: list[str]  # why each request the job would refuse is refused
+    stop_ids: tuple[int, ...]
+    tokenize_s: float
+
+
+def read_job(s: Settings, model, tokenizer_dir: str = "") -> Job:
+    """s.input tokenized and parsed exactly as runner.job.answer does, the errors kept apart."""
+    from runner.api import batch
+    from runner.api.requests import read_lines
+    from runner.text.chat import chat_format
+    from runner.text.structured import Grammars
+    from runner.text.tokenizer import load_tokenizer, read_chat_template
+
+    t0 = time.perf_counter()
+    lines = read_lines(s.input)
+    fmt = batch.file_format(lines)
+    where = tokenizer_dir or s.checkpoint_path
+    if "://" in where and not tokenizer_dir:
+        raise ValueError(f"checkpoint.path={where} is not on this machine: give --tokenizer=DIR, a "
+                         "directory with the model's tokenizer (tokenizer.json)")
+    tokenizer = load_tokenizer(os.path.expanduser(where),
+                               read_chat_template(s.chat_template))
+    chat = chat_format(model.family, tokenizer, s.generation.reasoning_effort)
+    stop_ids = tuple(dict.fromkeys((chat.stop_ids if chat else ()) + s.generation.stop_token_ids))
+    grammars = (Grammars(tokenizer, model.vocab_size, chat.format_stop_ids(stop_ids), chat.grammar_start)
+                if chat else None)
+    parsed = [batch.parse_line(i, line, fmt, tokenizer, s, model.vocab_size, chat, grammars)
+              for i, line in enumerate(lines)]
+    good = [p for p in parsed if not p.error]
+    invalid = [f"request {p.id!r}: {p.error}" for p in parsed if p.error]
+    return Job([p.request() for p in good], [p.id for p in good], invalid, stop_ids,
+               time.perf_counter() - t0)
+
+
+def never_admitted(engine: PagedEngine, requests: list[Request]) -> list[str]:
+    """The requests no state of the pool admits: a prompt and one token need more pages than a
+    group's pool holds (PagedScheduler._admit), or the engine refuses their lengths."""
+    out = []
+    for i, r in enumerate(requests):
+        need = -(-(len(r.prompt) + 1) // engine.page_size)
+        if need > engine.pages:
+            out.append(f"request {i}: {len(r.prompt)} prompt tokens need {need} pages, the pool holds "
+                       f"{engine.pages}")
+        elif not 0 < len(r.prompt) <= engine.max_prompt_len or r.max_tokens > engine.max_new_tokens:
+            out.append(f"request {i}: {len(r.prompt)} prompt tokens, max_tokens={r.max_tokens} exceed "
+                       f"max_prompt_len={engine.max_prompt_len} or max_new_tokens={engine.max_new_tokens}")
+    return out
+
+
+# --- measured: time per call on the devices present --------------------------------------------
+
+@dataclasses.dataclass
+class Measured(Costs):
+    """Decode: a call of n steps costs sum over its steps of (a + b x positions its live rows
+    attend). Mixed step of chunk C: mixed[C] (measured with every other row decoding at `fill`
+    positions) + b x (positions its decoding rows attend - those of the measurement)."""
+
+    a: float
+    b: float
+    mixed: dict[int, float]
+    fill_kv: int  # positions the decoding rows of a mixed measurement attended
+    compiles: dict[Program, float]
+    fills: tuple[int, int]
+
+    def call(self, p: Program, contexts: list[np.ndarray], chunk_at: int) -> float:
+        if p.chunk:
+            return max(0.0, nearest(self.mixed, p.chunk) + self.b * (float(contexts[0].sum()) - self.fill_kv))
+        return sum(self.a + self.b * float(c.sum()) for c in contexts)
+
+    def compile(self, p: Program) -> float:
+        return self.compiles.get(p, statistics.mean(self.compiles.values()) if self.compiles else 0.0)
+
+    def describe(self) -> list[str]:
+        mixed = ", ".join(f"mixed_{c} {1e3 * t:.1f} ms" for c, t in sorted(self.mixed.items()))
+        return [(f"measured here: a decode step {1e3 * self.a:.2f} ms + {1e6 * self.b:.3f} us per "
+                 f"position its rows attend (fit over rows at {self.fills[0]} and {self.fills[1]} "
+                 f"positions); {mixed} with every other row decoding, each +/- the same per position")]
+
+
+def _probe(engine: PagedEngine, C: int, fill: int, like: Request):
+    """A call's batch: every row decoding at `fill` positions, except with C > 0 the last row of
+    each group, which computes a chunk of C tokens from `fill` on and samples after it."""
+    b = engine.empty_batch(C)
+    G, R = engine.groups, engine.rows_per_group
+    # A sampled row draws among the CANDIDATES largest logits, or over the whole vocabulary when
+    # its nucleus reaches past them (flat logits: what a probe's made-up tokens give, and text
+    # rarely does): a top_k below CANDIDATES keeps the probe on the first, text's usual way.
+    top_k = like.top_k if 0 < like.top_k < CANDIDATES else CANDIDATES // 2
+    per_row = engine.pages // R
+    for g in range(G):
+        for r in range(R):
+            row = g * R + r
+            n = min(per_row, engine.max_pages)  # the row's own pages: rows never share one
+            b.tables[g, r, :n] = np.arange(r * per_row, r * per_row + n)
+            b.max_tokens[row], b.count[row] = engine.max_new_tokens, 0
+            b.temperature[row], b.top_k[row], b.top_p[row] = like.temperature, top_k, like.top_p
+            b.live[row] = True
+            if C and r == R - 1:
+                b.tokens[g, R:] = 1
+                b.positions[g, R:] = np.arange(fill, fill + C)
+                b.rows[g, R:] = r
+                b.sample_at[g, r] = R + C - 1
+            else:
+                b.tokens[g, r], b.positions[g, r] = 1, fill
+    return b
+
+
+def measure(engine: PagedEngine, programs: list[Program], like: Request, fills: tuple[int, int],
+            reps: int) -> Measured:
+    """Every program compiled (timed: the compilation, or its load from the persistent cache)
+    and called: one untimed call, then `reps` timed ones (the median), decode at both fills."""
+    compiles, times = {}, {}
+    for p in programs:
+        t0 = time.perf_counter()
+        engine._executable(p)
+        compiles[p] = time.perf_counter() - t0
+    SPENT["compile"] = SPENT.get("compile", 0.0) + sum(compiles.values())
+    began = time.perf_counter()
+    # The weights and pool move onto 2 MiB pages on a thread while the programs compile (CPU): a
+    # job runs its calls on them but for its first few, so the calls are timed once they are.
+    engine.huge_pages  # noqa: B018
+    base = list(dict.fromkeys(engine.program(p.chunk, p.steps) for p in programs))
+    for p in base:
+        for n, fill in enumerate(fills if not p.chunk else fills[:1]):
+            b = _probe(engine, p.chunk, fill, like)
+            if n == 0:  # a program's first call does what later ones do not (buffers, pages)
+                engine.call(b, (), p.steps)
+            ts = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                engine.call(b, (), p.steps)
+                ts.append(time.perf_counter() - t0)
+            times[p, fill] = statistics.median(ts)
+    SPENT["timed calls"] = SPENT.get("timed calls", 0.0) + time.perf_counter() - began
+    B, steps = engine.batch_size, engine.steps
+    decode = engine.program(0, engine.steps)
+    kv = lambda fill: B * (fill + 1 + (steps - 1) / 2)  # positions attended per step, on average
+    if (decode, fills[0]) in times:
+        per = [times[decode, f] / steps for f in fills]
+        b = max(0.0, (per[1] - per[0]) / (kv(fills[1]) - kv(fills[0])))
+        a = max(0.0, per[0] - b * kv(fills[0]))
+    else:
+        a = b = 0.0
+    R = engine.rows_per_group
+    mixed = {p.chunk: t for (p, _), t in times.items() if p.chunk}
+    return Measured(a, b, mixed, engine.groups * (R - 1) * (fills[0] + 1), compiles, fills)
+
+
+# --- predicted: time per call from XLA's cost analysis -----------------------------------------
+
+@dataclasses.dataclass
+class Predicted(Costs):
+    """A step costs max((weights + KV bytes read) / bandwidth, flops / peak) per chip, a call
+    CALL_OVERHEAD_S more. Weights: the declared weights on the busiest chip, read once a step
+    (runner.tools.memory). KV bytes: the positions the step's rows attend x a position's keys and
+    values on a chip (the windowed layers' at most `window` positions a row), a chunk's pages read
+    once. Flops: XLA's cost analysis of the AOT-compiled program per chip (a decode call's loop
+    body counted once: one step). XLA's bytes accessed are shown beside the floor, not used: on
+    TPU they count each prefetch into VMEM as a read and a write besides the consumer's read
+    (docs/benchmarks/tpu-gptoss-v5e.md: 2.36x the floor as deployed, 1.13x without prefetches)."""
+
+    chip: str
+    compiled: dict  # program name -> runner.tools.compile.Compiled
+    weight_bytes: float  # per chip
+    kv_position_bytes: float  # the full-attention layers'
+    window_position_bytes: float = 0.0  # the windowed layers'
+    window: int = 0
+
+    def _kv(self, ctx: np.ndarray) -> float:
+        windowed = np.minimum(ctx, self.window) if self.window else ctx
+        return self.kv_position_bytes * float(ctx.sum()) + self.window_position_bytes * float(windowed.sum())
+
+    def call(self, p: Program, contexts: list[np.ndarray], chunk_at: int) -> float:
+        bw, peak, _ = CHIPS[self.chip]
+        c = self.compiled.get(Program(p.chunk, p.steps).name) or self._nearest(p)
+        chunk = self._kv(np.array([chunk_at + p.chunk])) if p.chunk else 0.0  # its pages, read once
+        step = lambda ctx, extra: max((self.weight_bytes + self._kv(ctx) + extra) / (bw * 1e9),
+                                      c.flops / (peak * 1e12))
+        return CALL_OVERHEAD_S + sum(step(ctx, chunk if i == 0 else 0.0) for i, ctx in enumerate(contexts))
+
+    def _nearest(self, p: Program):
+        kinds = {int(n.split("_")[1]): c for n, c in self.compiled.items() if n.startswith("mixed_")}
+        return nearest(kinds, p.chunk)
+
+    def describe(self) -> list[str]:
+        bw, peak, _ = CHIPS[self.chip]
+        xla = ", ".join(f"{n} {c.bytes_accessed / 1e9:.2f} GB {c.flops / 1e9:.0f} GFLOP"
+                        for n, c in self.compiled.items() if not c.error)
+        return [(f"predicted for {self.chip} ({bw} GB/s HBM, {peak} TFLOP/s bf16 per chip): a step "
+                 f"max(({self.weight_bytes / 1e9:.2f} GB of weights + {self.kv_position_bytes / 1e3:.1f} kB "
+                 f"per position attended) / bandwidth, XLA's flops / peak) + {1e6 * CALL_OVERHEAD_S:.0f} us "
+                 "per call"),
+                f"XLA's cost analysis per chip (a decode call: one step; bytes not used, see docs/plan.md): {xla}"]
+
+
+def chip_of(topology: str) -> str:
+    kind = topology.split(":")[0].lower()
+    if kind not in CHIPS:
+        raise ValueError(f"no figures for chip {kind!r} ({topology}); known: {sorted(CHIPS)}")
+    return kind
+
+
+# --- one plan ---------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Plan:
+    label: str
+    chips: int
+    outcome: Outcome | None
+    startup: dict[str, float]  # the job's time before its first call, by part
+    costs: Costs | None
+    problems: list[str]
+
+    @property
+    def wall_s(self) -> float:
+        return sum(self.startup.values()) + self.outcome.generate_s
+
+    def row(self, price: float) -> str:
+        if self.problems or self.outcome is None:
+            return f"  {self.label:<28} does not run: {self.problems[0].splitlines()[0]}"
+        o = self.outcome
+        hours = self.wall_s * self.chips / 3600
+        cost = f"{hours * price:>9.2f}" if price else f"{'-':>9}"
+        return (f"  {self.label:<28}{self.wall_s:>9.1f}{o.completion_tokens / o.generate_s:>10.1f}"
+                f"{sum(self.startup.values()) + o.first_result_s:>9.1f}{hours:>11.4f}{cost}"
+                f"{o.stats.preemptions:>7}{100 * o.stats.utilisation:>6.0f}%")
+
+
+def plan_one(s: Settings, label: str, mode: str, loaded, job: Job | None, completion: tuple,
+             reps: int, startup: dict[str, float], tokenizer_dir: str = "") -> tuple[Plan, Job]:
+    """The plan of one deployment: its engine, its fit, its costs, its simulated job."""
+    from models.registry import Model
+    from runner.job import build_engine
+    from runner.tools.memory import describe, footprint
+
+    model = loaded[0].model if loaded else Model.named(s.checkpoint_model)
+    problems, startup = [], dict(startup)
+    f = footprint(s, model)
+    if f.device_memory and f.per_device > f.device_memory:
+        problems.append(f"weights and KV cache need {f.per_device / 2**30:.2f} GiB per device, more than "
+                        f"its {f.device_memory / 2**30:.1f} GiB\n" + describe(f, model))
+    if job is None:
+        job = read_job(s, model, tokenizer_dir)
+    startup["tokenize"] = job.tokenize_s
+    if problems:  # before anything is allocated or compiled
+        return Plan(label, f.devices, None, startup, None, problems), job
+    t0 = time.perf_counter()
+    if mode == "measure":
+        meta, rules, params = loaded
+        engine = build_engine(s, meta.model, params, rules)
+        chips = rules.mesh.size
+    else:
+        from runner.tools.compile import compile_deployment
+
+        engine, compiled = compile_deployment(s, model)
+        SPENT["AOT compile"] = SPENT.get("AOT compile", 0.0) + time.perf_counter() - t0
+        chips = engine.rules.mesh.size
+        problems += [f"{c.name} does not fit a chip: {c.error}" for c in compiled.values() if c.error]
+    if not isinstance(engine, PagedEngine):
+        raise ValueError("runner.tools.plan simulates the paged engine: set generation.page_size > 0")  # noqa: TRY004
+    startup["engine"] = time.perf_counter() - t0
+    problems += never_admitted(engine, job.requests)
+    if problems:
+        return Plan(label, chips, None, startup, None, problems), job
+    kind, mean, results = completion
+    lengths = lengths_from(job.requests, job.ids, kind, mean, results)
+    from runner.engine.paged_scheduler import PagedScheduler
+
+    programs = PagedScheduler(engine, job.requests, longest_first=s.generation.longest_first).programs()
+    if mode == "measure":
+        prompt_and_answer = sorted(len(r.prompt) + n for r, ls in zip(job.requests, lengths) for n in ls)
+        top = engine.pages // engine.rows_per_group * engine.page_size - engine.chunk - engine.steps - 1
+        fills = (16, max(32, min(top, prompt_and_answer[int(0.9 * (len(prompt_and_answer) - 1))])))
+        costs = measure(engine, programs, job.requests[0], fills, reps)
+    else:
+        from runner.tools.memory import page_bytes
+        full, windowed = page_bytes(s, model, engine.rules)
+        S = s.generation.page_size
+        costs = Predicted(chip_of(s.tpu_topology), compiled, f.weights, full / S, windowed / S, engine.window)
+        startup.pop("engine")  # this machine's AOT compile: the job's compiles are assumed cached
+        startup["load (stated: weights at 2 GB/s)"] = f.total_weights / (LOAD_GBPS * 1e9)
+    began = time.perf_counter()
+    outcome = simulate(engine, job.requests, lengths, costs, s.generation.longest_first)
+    SPENT["simulation"] = SPENT.get("simulation", 0.0) + time.perf_counter() - began
+    return Plan(label, chips, outcome, startup, costs, []), job
+
+
+def override(config, key: str, value: str):
+    """A copy of the ConfigDict with key (dotted) set to value (a Python literal or a string)."""
+    c = copy.deepcopy(config)
+    *path, last = key.split(".")
+    node = c
+    for k in path:
+        node = getattr(node, k)
+    try:
+        v = ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        v = value
+    setattr(node, last, v)
+    return c
+
+
+def report(plans: list[Plan], job: Job, assumption: str, price: float) -> str:
+    first = plans[0]
+    prompt = sum(len(r.prompt) for r in job.requests)
+    lines = [f"{len(job.requests)} requests to generate, {prompt} prompt tokens; completion lengths: {assumption}"]
+    if job.invalid:
+        lines.append(f"{len(job.invalid)} requests the job refuses (error lines, no cost): {job.invalid[0]}")
+    for p in plans:
+        if p.problems:
+            lines.append(f"{p.label}: DOES NOT RUN:\n  " + "\n  ".join(p.problems))
+    if first.outcome is not None:
+        o = first.outcome
+        lines += [f"{first.label}: programs", f"  {'program':<24}{'calls':>7}{'ms/call':>10}{'share':>8}"]
+        for name, (n, t) in sorted(o.per_program.items(), key=lambda kv: -kv[1][1]):
+            lines.append(f"  {name:<24}{n:>7}{1e3 * t / n:>10.1f}{100 * t / o.generate_s:>7.0f}%")
+        host_ms = 1e3 * o.host_s / max(1, len(o.calls))
+        lines += [f"  {'host (scheduler)':<24}{len(o.calls):>7}{host_ms:>10.2f}{100 * o.host_s / o.generate_s:>7.0f}%",
+                  f"  {'compile waits':<24}{'':>17}{100 * o.compile_wait_s / o.generate_s:>7.0f}%"]
+        lines += ["  " + x for x in first.costs.describe()]
+        lines.append("  before the first call: " + ", ".join(f"{k} {v:.1f} s" for k, v in first.startup.items()))
+        st = o.stats
+        lines.append(f"  schedule: {len(o.calls)} calls ({st.inserts} mixed, {st.decode_calls} decode of "
+                     f"{st.decode_steps} steps), {st.completion_tokens} completion tokens, "
+                     f"{st.prompt_tokens_computed} prompt tokens computed, pages {st.pages_peak} peak of "
+                     f"{st.pages}, {st.preemptions} preemptions")
+    lines.append(f"  {'deployment':<28}{'wall s':>9}{'tok/s':>10}{'first s':>9}{'chip-hours':>11}"
+                 f"{'cost':>9}{'preempt':>7}{'rows':>7}")
+    lines += [p.row(price) for p in plans]
+    return "\n".join(lines)
+
+
+def _process_age() -> float:
+    """Seconds since this process started (Linux), else 0."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def main(argv: list[str]) -> None:
+    from runner.cli import read_config, setup_devices
+    from runner.errors import USER_ERRORS
+
+    started = _process_age()
+    if len(argv) > 1:
+        sys.exit(f"podrun plan: error: unexpected arguments {argv[1:]}")
+    config = read_config(_CONFIG, "podrun plan")
+    if config is None:
+        sys.exit("podrun plan: error: --config=configs/<deployment>.py is required")
+    if _COMPLETION_FROM.value and _COMPLETION_TOKENS.value:
+        sys.exit("podrun plan: error: give --completion_from or --completion_tokens, not both")
+    try:
+        s = from_config(config)
+        mode = _MODE.value if _MODE.value != "auto" else ("predict" if s.tpu_topology else "measure")
+        if _COMPLETION_FROM.value:
+            results = read_results(_COMPLETION_FROM.value)
+            completion = ("results", 0, results)
+            assumption = (f"from {_COMPLETION_FROM.value} ({len(results)} requests, the others drawn "
+                          "from its lengths), capped by each request's max_tokens")
+        elif _COMPLETION_TOKENS.value:
+            completion = ("mean", _COMPLETION_TOKENS.value, None)
+            assumption = f"{_COMPLETION_TOKENS.value} tokens each (at most its max_tokens)"
+        else:
+            completion, assumption = ("max_tokens", 0, None), "each request's max_tokens (the worst case)"
+        alternatives = [("config", config)]
+        if _COMPARE.value:
+            key, _, values = _COMPARE.value.partition("=")
+            if mode == "measure" and key.startswith(("mesh.", "checkpoint.", "precision.")):
+                raise ValueError(f"--compare={key}: measured plans share one model on this machine's "
+                                 "devices; compare meshes and precisions in predicted plans (mesh.tpu_topology)")
+            alternatives += [(f"{key.split('.')[-1]}={v}", override(config, key, v))
+                             for v in values.split(",") if v]
+        if mode == "predict":  # before the backend starts: CPU, libtpu for topologies only
+            import runner.tools.compile  # noqa: F401
+        setup_devices(s)
+        startup, loaded = {}, None
+        if mode == "measure":
+            import jax
+
+            from runner.job import load_model
+            from runner.tools.bench import random_model
+
+            startup["start"] = started  # this process' imports, as runner.main's
+            t0 = time.perf_counter()
+            jax.devices()
+            startup["devices"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            here = os.path.exists(os.path.expanduser(s.checkpoint_path))
+            loaded = load_model(s) if here else random_model(s)
+            startup["load" if here else "load (random weights: not the job's)"] = time.perf_counter() - t0
+        plans, job = [], None
+        for label, c in alternatives:
+            si = from_config(c)
+            p, job = plan_one(si, label, mode, loaded, job, completion, _REPS.value, startup,
+                              _TOKENIZER.value)
+            plans.append(p)
+    except (*USER_ERRORS, ValueError) as e:
+        sys.exit(f"podrun plan: error: {e}")
+    print(report(plans, job, assumption, _PRICE.value))
+    parts = ", ".join(f"{k} {v:.1f} s" for k, v in SPENT.items())
+    print(f"planned in {_process_age():.1f} s ({parts}; the rest: imports, load, tokenizing, engines)")
+
+
+if __name__ == "__main__":
+    from runner.cli import parse_flags
+
+    app.run(main, flags_parser=parse_flags)

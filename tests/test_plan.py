@@ -1,0 +1,197 @@
+"""runner.tools.plan: the job simulated through the real scheduler takes the real run's decisions,
+the completion-length assumptions, requests that cannot run reported, and the command's table."""
+
+import json
+
+import numpy as np
+import pytest
+
+from models.policy import Policy
+from runner.engine import Request
+from runner.engine.paged_engine import PagedEngine
+from runner.engine.paged_scheduler import PagedScheduler
+from runner.tools.simulate import Costs, lengths_from, read_results, simulate
+from tests.conftest import rules_for
+from tests.reference import VOCAB, tiny_hf, to_podrun
+
+
+class Zero(Costs):
+    def call(self, p, contexts, chunk_at):
+        return 0.0
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_hf("llama", seed=3)
+
+
+def engine_of(m, **kw) -> PagedEngine:
+    rules = rules_for("1dev")
+    model, params = to_podrun(m, rules)
+    args = {"batch_size": 4, "max_prompt_len": 48, "max_new_tokens": 20, "page_size": 4,
+            "steps_per_dispatch": 4, "chunk": 16, "pages": 22}
+    args.update(kw)
+    return PagedEngine(model, params, rules, Policy(), **args)
+
+
+@pytest.mark.parametrize("longest_first", [False, True])
+def test_the_simulated_schedule_is_the_real_runs(llama, longest_first):
+    """Nine sampled requests (prompts of 2 to 44 tokens, some sharing a prefix, stop ids that end
+    some early) on a real engine whose pool is small enough to preempt: fed the real completions'
+    lengths, the stand-in makes the scheduler call the same programs in the same order, and every
+    count of the schedule (steps, rows used, pages, preemptions) is the real run's."""
+    rng = np.random.RandomState(7)
+    shared = tuple(int(t) for t in rng.randint(0, VOCAB, 20))
+    prompts = [tuple(int(t) for t in rng.randint(0, VOCAB, n)) for n in (5, 23, 2, 44, 11, 17, 30)]
+    prompts += [shared + prompts[0], shared + prompts[2]]
+    requests = [Request(p, int(n), temperature=1.0, seed=100 + i)
+                for i, (p, n) in enumerate(zip(prompts, (20, 9, 20, 14, 20, 6, 20, 20, 12)))]
+    stops = tuple(range(0, VOCAB, 16))  # 8 of 128 ids: some samples end well before max_tokens
+    engine = engine_of(llama)
+    called, real = [], engine.call
+
+    def recording(batch, *args):
+        out = real(batch, *args)
+        called.append(engine.program(batch.tokens.shape[1] - engine.rows_per_group, args[1], args[2],
+                                     args[3] is not None, args[4]).name)
+        return out
+
+    engine.call = recording
+    got = {}
+    stats = PagedScheduler(engine, requests, stops, longest_first=longest_first).run(
+        lambda ended: got.update((i, [len(c.token_ids) for c in cs]) for i, cs in ended))
+    lengths = [got[i] for i in range(len(requests))]
+    assert stats.preemptions > 0 and any(n < r.max_tokens for [n], r in zip(lengths, requests))
+
+    sim = simulate(engine_of(llama), requests, lengths, Zero(), longest_first)
+    assert sim.calls == called
+    for field in ("inserts", "decode_calls", "decode_steps", "row_steps", "prefill_row_steps",
+                  "prompt_tokens", "prompt_tokens_computed", "completion_tokens", "pages_peak",
+                  "pages_mean", "rows_peak", "rows_mean", "preemptions"):
+        assert getattr(sim.stats, field) == getattr(stats, field), field
+    assert sim.completion_tokens == sum(sum(ls) for ls in lengths)
+
+
+def test_the_clock_adds_each_calls_cost_and_compile_waits(llama):
+    """The simulated time is the calls' costs (here 1 s a mixed step, 0.1 s a decode step),
+    plus a wait for a program not compiled yet, plus the scheduler's host time."""
+
+    class Fixed(Costs):
+        def call(self, p, contexts, chunk_at):
+            return 1.0 if p.chunk else 0.1 * len(contexts)
+
+        def compile(self, p):
+            return 5.0 if p.chunk else 0.0
+
+    requests = [Request((1, 2, 3), 6), Request((4, 5), 6)]
+    out = simulate(engine_of(llama), requests, [[6], [2]], Fixed(), False)
+    mixed = sum(n.startswith("mixed") for n in out.calls)
+    steps = out.stats.decode_steps - out.stats.inserts  # decode calls' steps
+    assert out.device_s == pytest.approx(mixed + 0.1 * steps)
+    # the first call waits for mixed_16 alone, less the host work it overlapped
+    assert out.compile_wait_s == pytest.approx(5.0, abs=0.05) and out.compile_wait_s <= 5.0
+    assert out.generate_s == pytest.approx(out.device_s + out.compile_wait_s + out.host_s)
+    assert 0 <= out.host_s < 1 and 5 + 1 <= out.first_result_s <= out.generate_s
+
+
+def test_completion_lengths_follow_the_assumption(tmp_path):
+    requests = [Request((1,), m, n=k) for m, k in ((10, 1), (300, 1), (50, 2), (5, 1))]
+    ids = ["a", "b", "c", "d"]
+    assert lengths_from(requests, ids, "max_tokens") == [[10], [300], [50, 50], [5]]
+    assert lengths_from(requests, ids, "mean", mean=40) == [[10], [40], [40, 40], [5]]
+    rows = [{"id": "a", "token_ids": list(range(7)), "usage": {"completion_tokens": 7}},
+            {"id": "b", "error": {"message": "bad"}},
+            {"id": "x", "choices": [{"token_ids": [1] * 30}, {"token_ids": [1] * 90}],
+             "usage": {"completion_tokens": 120}},
+            {"custom_id": "c", "response": {"body": {"usage": {"completion_tokens": 44}}}}]
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    results = read_results(str(path))
+    assert results == {"a": [7], "x": [30, 90], "c": [44]}
+    got = lengths_from(requests, ids, "results", results=results)
+    assert got[0] == [7] and got[2] == [44, 44]  # the file's own, for each sample
+    assert got[1][0] in (7, 30, 44, 90) and got[3] == [5]  # drawn from the file, capped
+    assert lengths_from(requests, ids, "results", results=results) == got  # deterministic
+    with pytest.raises(ValueError, match="no completion lengths"):
+        lengths_from(requests, ids, "results", results={})
+
+
+def test_requests_that_cannot_run_are_reported(llama):
+    from runner.tools.plan import never_admitted
+
+    engine = engine_of(llama)
+    bad = never_admitted(engine, [Request((1,) * 10, 5), Request((1,) * 60, 5), Request((1,), 99)])
+    assert len(bad) == 2 and bad[0].startswith("request 1:") and bad[1].startswith("request 2:")
+
+
+def test_the_command_prints_a_table_of_alternatives(tmp_path):
+    """A file of token ids on a random llama:tiny (no checkpoint): the refused request comes
+    first, then the programs and one row per batch size, and the schedule's completion tokens
+    are what --completion_tokens and the max_tokens give."""
+    from tests.test_end_to_end import podrun, write_jsonl
+
+    rng = np.random.RandomState(0)
+    max_tokens = [4, 20, 9, 30, 5, 12]
+    rows = [{"id": i, "prompt_token_ids": rng.randint(1, 100, n).tolist(), "max_tokens": m}
+            for i, (n, m) in enumerate(zip([3, 17, 9, 30, 5, 12], max_tokens))]
+    rows.append({"id": "too_long", "prompt_token_ids": [1, 2], "max_tokens": 999})
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    p = podrun("runner.tools.plan", "--config=configs/cpu.py:/no/such/checkpoint",
+               "--config.checkpoint.model=llama:tiny", "--config.mesh.num_cpu_devices=1",
+               "--config.mesh.data=1", f"--config.io.input={inp}", "--config.generation.page_size=4",
+               "--config.generation.batch_size=2", "--config.generation.max_prompt_len=32",
+               "--config.generation.max_new_tokens=32", f"--config.compilation_cache.dir={tmp_path / 'xla'}",
+               "--completion_tokens=10", "--compare=generation.batch_size=1,4", "--reps=1",
+               "--price_per_chip_hour=3.5")
+    out = p.stdout
+    assert "1 requests the job refuses" in out and "too_long" in out
+    assert out.index("refuses") < out.index("programs")
+    assert "decode_8" in out and "mixed_16" in out
+    want = sum(min(10, m) for m in max_tokens)
+    assert f"{want} completion tokens" in out
+    table = out[out.index("deployment"):].splitlines()[1:]
+    assert [line.split()[0] for line in table[:3]] == ["config", "batch_size=1", "batch_size=4"]
+    for line in table[:3]:
+        wall, _, _, hours, cost = (float(x) for x in line.split()[1:6])
+        assert wall > 0 and cost == pytest.approx(hours * 3.5, abs=0.01)
+
+
+def test_a_predicted_step_is_the_slower_of_its_bytes_and_its_flops():
+    """v5e (819 GB/s, 197 TFLOP/s): a decode step reading 819 MB of weights and 2 rows' KV
+    (1 kB a position; a windowed layer's 0.5 kB, at most 128 positions) is bound by bandwidth
+    (not XLA's bytes accessed); a mixed step of 197 TFLOP by its flops; each call 100 us more."""
+    from runner.engine.paged_engine import Program
+    from runner.tools.compile import Compiled
+    from runner.tools.plan import Predicted
+
+    compiled = {"decode_8": Compiled("decode_8", 0, 0, 0, 0, flops=1e9, bytes_accessed=5e9),
+                "mixed_64": Compiled("mixed_64", 0, 0, 0, 0, flops=197e12, bytes_accessed=5e9)}
+    costs = Predicted("v5e", compiled, 819e6, 1000.0, 500.0, window=128)
+    ctx = np.array([100, 1000])
+    kv = 1000.0 * 1100 + 500.0 * (100 + 128)
+    want = 1e-4 + 2 * (819e6 + kv) / 819e9
+    assert costs.call(Program(0, 8), [ctx, ctx + 1], 0) == pytest.approx(
+        1e-4 + (819e6 + kv) / 819e9 + (819e6 + kv + 1000.0 * 2 + 500.0 * 1) / 819e9)
+    assert costs.call(Program(0, 8), [ctx, ctx], 0) == pytest.approx(want)
+    assert costs.call(Program(16, 1), [ctx], 0) == pytest.approx(1e-4 + 1.0)  # mixed_64's, flops-bound
+
+
+def test_a_deployment_that_does_not_fit_is_reported_before_any_cost(tmp_path):
+    """Weights and pool over mesh.device_memory_gib: the plan says so, with the memory report,
+    and builds, compiles and simulates nothing."""
+    from configs.cpu import get_config
+    from runner.settings import from_config
+    from runner.tools.plan import plan_one, report
+
+    c = get_config("/no/such/checkpoint")
+    c.checkpoint.model = "llama:tiny"
+    c.mesh.update(num_cpu_devices=1, data=1, device_memory_gib=1e-6)
+    c.generation.update(page_size=4, batch_size=2, max_prompt_len=32, max_new_tokens=8)
+    path = tmp_path / "in.jsonl"
+    path.write_text(json.dumps({"id": "a", "prompt_token_ids": [1, 2, 3], "max_tokens": 4}) + "\n")
+    c.io.input = str(path)
+    p, job = plan_one(from_config(c), "config", "measure", None, None, ("max_tokens", 0, None), 1, {})
+    assert p.outcome is None and "more than" in p.problems[0] and "DOES NOT FIT" in p.problems[0]
+    assert len(job.requests) == 1 and "engine" not in p.startup
+    out = report([p], job, "max_tokens", 0.0)
+    assert "config: DOES NOT RUN" in out and "does not run" in out.splitlines()[-1]
