@@ -324,8 +324,10 @@ def _prompt_ids(d: dict, tokenizer, vocab_size: int, chat: ChatFormat | None,
 
 
 def iter_lines(path: str):
-    """The file's non-blank lines as read_lines gives them, read as they come (constant memory):
-    a generator, whose errors come as it is read (RequestFileError)."""
+    """The file's non-blank lines, read as they come (constant memory): a generator, whose errors
+    come as it is read (RequestFileError). Lines end at \\n alone (a \\r before it is dropped):
+    JSON text may hold U+2028 and other characters that str.splitlines would break at. A line that
+    is not UTF-8 is kept, so that it gets its own error result and the others are answered."""
     if not path:
         raise RequestFileError("io.input is empty: pass --config.io.input=<requests.jsonl>")
     check_bucket(path, "io.input")
@@ -345,24 +347,8 @@ def iter_lines(path: str):
 
 
 def read_lines(path: str) -> list[Line]:
-    """The file's non-blank lines. Lines end at \\n alone (a \\r before it is dropped): JSON text
-    may hold U+2028 and other characters that str.splitlines would break at. A line that is not
-    UTF-8 is kept, so that it gets its own error result and the others are answered."""
-    p = epath.Path(path)
-    if not path:
-        raise RequestFileError("io.input is empty: pass --config.io.input=<requests.jsonl>")
-    check_bucket(path, "io.input")
-    try:
-        data = p.read_bytes()
-    except FileNotFoundError as e:
-        raise RequestFileError(f"io.input={path}: no such file") from e
-    except IsADirectoryError as e:
-        raise RequestFileError(f"io.input={path} is a folder, not a file of requests") from e
-    except OSError as e:
-        raise RequestFileError(f"io.input={path}: cannot read it ({type(e).__name__}: {e})") from e
-    data = data.removeprefix(b"\xef\xbb\xbf")  # a byte-order mark some editors write
-    lines = (raw.removesuffix(b"\r").decode("utf-8", "surrogateescape") for raw in data.split(b"\n"))
-    out = [Line(n, text) for n, text in enumerate(lines, 1) if text.strip()]
+    """The file's non-blank lines (iter_lines'), all of them: a file of none is an error."""
+    out = list(iter_lines(path))
     if not out:
         raise RequestFileError(f"io.input={path} holds no requests (every line is blank)")
     return out
