@@ -27,7 +27,7 @@ from runner.engine import Completion, Engine, Request, Scheduler, Stats, hugepag
 from runner.engine.paged_engine import PagedEngine
 from runner.engine.paged_scheduler import PagedScheduler
 from runner.settings import Settings, SettingsError
-from runner.text.chat import chat_format
+from runner.text.chat import ChatFormat, chat_format
 from runner.text.structured import Grammars
 from runner.text.tokenizer import load_tokenizer, read_chat_template
 from sharding.mesh import make_mesh
@@ -249,14 +249,10 @@ def _generate(s: Settings, lines: list, fmt, results: Results, chat_template, lo
     tokenizer = None if loaded else load_tokenizer(s.checkpoint_path, chat_template)
     g = s.generation
     engine = build_engine(s, meta.model, params, rules)
-    chat = chat_format(meta.model.family, tokenizer, g.reasoning_effort)
-    stop_ids = tuple(dict.fromkeys((chat.stop_ids if chat else ()) + g.stop_token_ids))
+    chat, stop_ids, parse = request_parser(s, meta.model, tokenizer, fmt)
     if not header:
         _open(results)
-    vocab = meta.model.vocab_size
-    grammars = Grammars(tokenizer, vocab, chat.format_stop_ids(stop_ids), chat.grammar_start) if chat else None
-    pending = [batch.parse_line(i, line, fmt, tokenizer, s, vocab, chat, grammars)
-               for i, line in enumerate(lines) if i not in results.done]
+    pending = [parse(i, line) for i, line in enumerate(lines) if i not in results.done]
     for line in lines:
         line.release()
     summary = Summary(requests=len(lines), already_done=len(lines) - len(pending))
@@ -301,6 +297,18 @@ def _generate(s: Settings, lines: list, fmt, results: Results, chat_template, lo
         raise AllFailedError(f"every one of the {len(lines)} requests failed; line "
                              f"{lines[0].number}: {error_message(results.done[0])}")
     return summary
+
+
+def request_parser(s: Settings, model, tokenizer, fmt: batch.FileFormat
+                   ) -> tuple[ChatFormat | None, tuple[int, ...], Callable]:
+    """How the job reads its file's lines: (the model's chat format, the ids that end a completion,
+    parse(index, line) -> Parsed). runner.tools.plan reads a file through the same."""
+    chat = chat_format(model.family, tokenizer, s.generation.reasoning_effort)
+    stop_ids = tuple(dict.fromkeys((chat.stop_ids if chat else ()) + s.generation.stop_token_ids))
+    grammars = (Grammars(tokenizer, model.vocab_size, chat.format_stop_ids(stop_ids), chat.grammar_start)
+                if chat else None)
+    return chat, stop_ids, lambda i, line: batch.parse_line(i, line, fmt, tokenizer, s, model.vocab_size,
+                                                            chat, grammars)
 
 
 def _writers(fmt: batch.FileFormat, model_name: str) -> tuple[Callable, Callable]:

@@ -89,8 +89,7 @@ def read_job(s: Settings, model, tokenizer_dir: str = "") -> Job:
     """s.input tokenized and parsed exactly as runner.job.answer does, the errors kept apart."""
     from runner.api import batch
     from runner.api.requests import read_lines
-    from runner.text.chat import chat_format
-    from runner.text.structured import Grammars
+    from runner.job import request_parser
     from runner.text.tokenizer import load_tokenizer, read_chat_template
 
     t0 = time.perf_counter()
@@ -102,12 +101,8 @@ def read_job(s: Settings, model, tokenizer_dir: str = "") -> Job:
                          "directory with the model's tokenizer (tokenizer.json)")
     tokenizer = load_tokenizer(os.path.expanduser(where),
                                read_chat_template(s.chat_template))
-    chat = chat_format(model.family, tokenizer, s.generation.reasoning_effort)
-    stop_ids = tuple(dict.fromkeys((chat.stop_ids if chat else ()) + s.generation.stop_token_ids))
-    grammars = (Grammars(tokenizer, model.vocab_size, chat.format_stop_ids(stop_ids), chat.grammar_start)
-                if chat else None)
-    parsed = [batch.parse_line(i, line, fmt, tokenizer, s, model.vocab_size, chat, grammars)
-              for i, line in enumerate(lines)]
+    _, stop_ids, parse = request_parser(s, model, tokenizer, fmt)
+    parsed = [parse(i, line) for i, line in enumerate(lines)]
     good = [p for p in parsed if not p.error]
     invalid = [f"request {p.id!r}: {p.error}" for p in parsed if p.error]
     return Job([p.request() for p in good], [p.id for p in good], invalid, stop_ids,
