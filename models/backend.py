@@ -109,7 +109,7 @@ class Backend:
         """What builds an unembedding w's int8 screen (models/kernels/cpu.greedy_screen), through
         which greedy tokens come without every logit: a float32 w, up to PRODUCT_KERNEL_ROWS rows,
         one CPU device. Its tokens come from `screened_greedy`."""
-        if self.int8_screen and isinstance(w, jax.Array) and w.dtype == jnp.float32 \
+        if self.int8_screen and isinstance(w, jax.Array | jax.ShapeDtypeStruct) and w.dtype == jnp.float32 \
                 and rows <= PRODUCT_KERNEL_ROWS:
             from models.kernels import cpu
             return cpu.greedy_screen

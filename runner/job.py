@@ -122,17 +122,29 @@ def ensure_checkpoint(s: Settings) -> None:
 def load_model(s: Settings) -> tuple[store.Metadata, Rules, Any]:
     """The checkpoint (an embedded model fetched and converted first), checked against the
     deployment and its mesh, then restored straight into its shards: (metadata, rules, params)."""
+    meta, rules = open_checkpoint(s)
+    return meta, rules, restore(s, meta, rules)
+
+
+def open_checkpoint(s: Settings) -> tuple[store.Metadata, Rules]:
+    """The checkpoint's metadata (an embedded model fetched and converted first), checked against
+    the deployment, and the mesh's rules, its weights not yet read."""
     ensure_checkpoint(s)
     meta = store.load_metadata(s.checkpoint_path)
     if s.checkpoint_model:
         store.check_matches(meta, s.checkpoint_model, s.checkpoint_path)
     rules = Rules.make(make_mesh(s.mesh), s.rules)
     check_divisible(meta.model.declare(s.policy.fuse_projections), rules)
+    return meta, rules
+
+
+def restore(s: Settings, meta: store.Metadata, rules: Rules) -> Any:
+    """The checkpoint's weights restored straight into their shards, prepared for the policy."""
     log.info(f"restoring {s.checkpoint_path} ({meta.model.family}) onto mesh {dict(rules.mesh.shape)}")
     params = store.restore(s.checkpoint_path, meta.model, rules, s.policy.params)
     params = meta.model.prepare(params, rules, s.policy)
     hugepages.return_freed_memory()
-    return meta, rules, params
+    return params
 
 
 def build_engine(s: Settings, model, params, rules: Rules, allocate: bool = True
@@ -243,24 +255,43 @@ def _generate(s: Settings, lines: list, fmt, results: Results, chat_template, lo
     """`lines` answered into `results` (`header()`: the line its final file starts with)."""
     if header:  # a part: its partial file records this attempt before the model loads (--status)
         _open(results)
-    meta, rules, params = loaded or load_model(s)
+    meta, rules, params = loaded or (*open_checkpoint(s), None)
+    if params is None and not s.generation.page_size:  # the older engine is built on its weights
+        params = restore(s, meta, rules)
     model_name = os.path.basename(s.checkpoint_path.rstrip("/")) if not loaded else meta.source
     mesh = rules.mesh
     tokenizer = None if loaded else load_tokenizer(s.checkpoint_path, chat_template)
     g = s.generation
-    engine = build_engine(s, meta.model, params, rules)
+    # The paged engine is built on the weights' declaration, so that its programs compile while
+    # the weights restore (below): on an accelerator that hides every compilation behind the
+    # restore, and on a CPU most of the first one.
+    engine = build_engine(s, meta.model, meta.model.abstract_params(rules, s.policy) if params is None
+                          else params, rules, allocate=params is not None)
     chat, stop_ids, parse = request_parser(s, meta.model, tokenizer, fmt)
-    if not header:
-        _open(results)
     pending = [parse(i, line) for i, line in enumerate(lines) if i not in results.done]
     for line in lines:
         line.release()
+    todo = [p for p in pending if not p.error]  # in file order: the scheduler takes them so
+
+    def stop_check(i: int, ids: list[int]) -> bool:
+        stops = todo[i].stop
+        return bool(stops) and tokenizer is not None and any(st in tokenizer.decode(ids) for st in stops)
+
+    run = scheduler(engine, [p.request() for p in todo], stop_ids, stop_check, g.longest_first)
+    if params is None:
+        engine.prepare(run.programs())
+        try:
+            engine.load(restore(s, meta, rules))
+        except BaseException:
+            engine.forget_prepared()  # an error exits without compiling what is left
+            raise
+    if not header:
+        _open(results)
     summary = Summary(requests=len(lines), already_done=len(lines) - len(pending))
     bad = [p for p in pending if p.error]
     error_line, result_line = _writers(fmt, model_name)
     results.add([(p.index, error_line(p)) for p in bad])
     summary.errors = len(bad)
-    todo = [p for p in pending if not p.error]  # in file order: the scheduler takes them so
     pool = (f" and a pool of {engine.pages * engine.groups} pages of {engine.page_size} tokens"
             if isinstance(engine, PagedEngine) else "")
     log.info(f"{len(lines)} requests: {summary.already_done} already done, {len(bad)} invalid, "
@@ -278,12 +309,8 @@ def _generate(s: Settings, lines: list, fmt, results: Results, chat_template, lo
         results.add(rows)
         bar.update(len(rows))
 
-    def stop_check(i: int, ids: list[int]) -> bool:
-        stops = todo[i].stop
-        return bool(stops) and tokenizer is not None and any(st in tokenizer.decode(ids) for st in stops)
-
     t0 = time.perf_counter()
-    stats = scheduler(engine, [p.request() for p in todo], stop_ids, stop_check, g.longest_first).run(done)
+    stats = run.run(done)
     summary.generate_s = time.perf_counter() - t0
     summary.utilisation, summary.stats = stats.utilisation, stats
     bar.close()

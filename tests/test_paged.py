@@ -1,13 +1,17 @@
 """The paged engine: the page pool on the host, then greedy tokens against transformers through
 chunked prompts, shared prefixes and preemption, on one device and over meshes."""
 
+import warnings
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from models.policy import Policy
 from runner.engine import Request, scheduler
 from runner.engine.pages import HOLE, PagePool, Table, digests
-from runner.engine.paged_engine import PagedEngine, chunk_buckets
+from runner.engine.paged_engine import PagedEngine, _same, chunk_buckets
 from runner.engine.paged_scheduler import PagedScheduler
 from tests.conftest import rules_for
 from tests.reference import VOCAB, hf_greedy, tiny_hf, to_podrun
@@ -150,6 +154,53 @@ def test_greedy_through_chunked_prompts_matches_transformers(llama, prompts, ref
     assert stats.programs <= 4 and stats.preemptions == 0
     # the programs compiled ahead, from the prompts alone, are the ones the job called
     assert {p.name for p in PagedScheduler(engine, requests).programs()} == engine.programs
+
+
+def test_programs_compiled_before_the_weights_load_run_on_them(llama, prompts, references):
+    """The job builds the engine on the weights' declaration (Model.abstract_params) and compiles
+    its programs while the weights restore: the programs prepared then are the ones the calls run
+    (nothing compiles again), and the tokens are transformers'."""
+    rules = rules_for("1dev")
+    model, params = to_podrun(llama, rules)
+    args = dict(batch_size=4, max_prompt_len=48, max_new_tokens=STEPS, page_size=4,
+                steps_per_dispatch=4, chunk=16)
+    engine = PagedEngine(model, model.abstract_params(rules, Policy()), rules, Policy(),
+                         allocate=False, **args)
+    requests = [Request(p, STEPS) for p in prompts]
+    engine.prepare(PagedScheduler(engine, requests).programs())
+    prepared = dict(engine._compiled)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the declaration differing from the weights warns
+        engine.load(params)
+    got, _ = generate(engine, requests)
+    assert [c.token_ids for c in got] == references
+    assert all(engine._compiled[p] is f for p, f in prepared.items())
+    assert {p.name for p in prepared} == engine.programs
+
+
+@pytest.mark.parametrize("kind,mesh_name,policy", [
+    ("llama", "1dev", Policy()),  # float32 projections in panels, the greedy screen
+    ("llama", "1dev", Policy(quantize="int4")),
+    ("llama", "1dev", Policy(quantize="int8", kv_cache="int8", kernels=False)),
+    ("llama3", "data2_model4", Policy(quantize="int8")),
+    ("gptoss", "expert2_model2_data2", Policy()),
+    ("gptoss", "heads_over_model_expert", Policy(params="bfloat16", activations="bfloat16")),
+])
+def test_the_declared_weights_are_the_restored_ones(kind, mesh_name, policy):
+    """Model.abstract_params, which the programs are lowered for before the weights load, gives
+    the shapes, dtypes, shardings and layouts that the restored and prepared weights have."""
+    rules = rules_for(mesh_name)
+    model, params = to_podrun(tiny_hf(kind, seed=1), rules, prepare=False)
+    # restored in policy.params' dtype (runner.checkpoints.store.restore), then prepared
+    params = model.prepare(jax.tree.map(lambda x: x.astype(policy.params), params), rules, policy)
+    args = dict(batch_size=4, max_prompt_len=48, max_new_tokens=8, page_size=4)
+    declared = PagedEngine(model, model.abstract_params(rules, policy), rules, policy,
+                           allocate=False, **args)
+    restored = PagedEngine(model, params, rules, policy, **args)
+    assert _same(declared._abstract, restored._abstract)
+    leaves, tree = jax.tree.flatten(restored._abstract)  # and the check fails on one dtype
+    leaves[0] = jax.ShapeDtypeStruct(leaves[0].shape, jnp.float16, sharding=leaves[0].sharding)
+    assert not _same(declared._abstract, jax.tree.unflatten(tree, leaves))
 
 
 def test_a_small_pool_preempts_and_gives_the_same_tokens(llama, prompts, references):

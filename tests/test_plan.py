@@ -72,9 +72,11 @@ def test_the_simulated_schedule_is_the_real_runs(llama, longest_first):
     assert sim.completion_tokens == sum(sum(ls) for ls in lengths)
 
 
-def test_the_clock_adds_each_calls_cost_and_compile_waits(llama):
+@pytest.mark.parametrize("head", [0.0, 3.0])
+def test_the_clock_adds_each_calls_cost_and_compile_waits(llama, head):
     """The simulated time is the calls' costs (here 1 s a mixed step, 0.1 s a decode step),
-    plus a wait for a program not compiled yet, plus the scheduler's host time."""
+    plus a wait for a program not compiled yet, plus the scheduler's host time. The programs
+    begin to compile `head` seconds before the scheduler starts (while the weights load)."""
 
     class Fixed(Costs):
         def call(self, p, contexts, chunk_at):
@@ -84,14 +86,16 @@ def test_the_clock_adds_each_calls_cost_and_compile_waits(llama):
             return 5.0 if p.chunk else 0.0
 
     requests = [Request((1, 2, 3), 6), Request((4, 5), 6)]
-    out = simulate(engine_of(llama), requests, [[6], [2]], Fixed(), False)
+    out = simulate(engine_of(llama), requests, [[6], [2]], Fixed(), False, head)
     mixed = sum(n.startswith("mixed") for n in out.calls)
     steps = out.stats.decode_steps - out.stats.inserts  # decode calls' steps
     assert out.device_s == pytest.approx(mixed + 0.1 * steps)
-    # the first call waits for mixed_16 alone, less the host work it overlapped
-    assert out.compile_wait_s == pytest.approx(5.0, abs=0.05) and out.compile_wait_s <= 5.0
+    # the first call waits for what is left of mixed_16's compilation, less the host work it
+    # overlapped
+    wait = 5.0 - head
+    assert out.compile_wait_s == pytest.approx(wait, abs=0.05) and out.compile_wait_s <= wait
     assert out.generate_s == pytest.approx(out.device_s + out.compile_wait_s + out.host_s)
-    assert 0 <= out.host_s < 1 and 5 + 1 <= out.first_result_s <= out.generate_s
+    assert 0 <= out.host_s < 1 and wait + 1 <= out.first_result_s <= out.generate_s
 
 
 def test_completion_lengths_follow_the_assumption(tmp_path):

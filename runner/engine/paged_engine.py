@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
@@ -80,6 +81,25 @@ class Batch(NamedTuple):
     top_p: jax.Array  # [B] float32
 
 
+def _shapes(tree):
+    """Each array's shape, dtype, sharding and layout, as a program is lowered for them."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.format), tree)
+
+
+def _same(declared, given) -> bool:
+    """Whether arrays `given` (_shapes) can run programs lowered for `declared`: the same tree,
+    shapes, dtypes and shardings, and the same layouts where `declared` names one."""
+    if jax.tree.structure(declared) != jax.tree.structure(given):
+        return False
+
+    def fits(d, g) -> bool:
+        layout = d.format.layout
+        return (d.shape == g.shape and d.dtype == g.dtype
+                and d.sharding.is_equivalent_to(g.sharding, len(d.shape))
+                and (layout is None or layout == g.format.layout))
+    return all(map(fits, jax.tree.leaves(declared), jax.tree.leaves(given)))
+
+
 def chunk_buckets(chunk: int, smallest: int = 16) -> tuple[int, ...]:
     """Chunk lengths a step pads a prompt's chunk to: the chunk, a quarter of it, ... down to
     `smallest` (256: 16, 64, 256), so a short prompt (or a long one's last chunk) never pays for
@@ -100,7 +120,9 @@ class PagedEngine:
                  pages: int = 0):
         """kv_bytes: the pools' bytes per device (a device holds its group's pages, of its share
         of the kv heads), or `pages`: the full-attention layers' pages per group; neither gives
-        every row room for its longest request, as an unpaged cache would."""
+        every row room for its longest request, as an unpaged cache would. allocate=False: params
+        are abstract (Model.abstract_params), and so is the engine until `load` gives it its
+        weights; it can lower, and prepare, its programs meanwhile."""
         if policy.scan_layers:
             raise ValueError("the paged engine runs unrolled layers: programs.scan_layers=False")
         self.groups = G = rules.shards("batch")
@@ -133,17 +155,13 @@ class PagedEngine:
         # the pools' bytes on a device
         self.pool_bytes = self.pages * page(len(windows) - windowed) + self.window_pages * page(windowed)
         kv_dtype = jnp.dtype(policy.kv_cache)
-        self.cache = PagedCache.create(G, self.pages, self.window_pages, page_size, windows,
-                                       kv_heads, head_dim, kv_dtype, rules, allocate,
-                                       PagedCache.fold(self.policy, kv_dtype, head_dim))
-        self.greedy_screen = greedy_screen(model, params, self.policy, B) if allocate else None
-        # (bytes on 2 MiB pages, bytes asked) of the weights and pool: CPU only (Engine's), the
-        # pages moved on a thread of their own while the programs compile and the first run
+        self._new_cache = partial(PagedCache.create, G, self.pages, self.window_pages, page_size,
+                                  windows, kv_heads, head_dim, kv_dtype, rules,
+                                  fold=PagedCache.fold(self.policy, kv_dtype, head_dim))
+        # abstract until `load`
+        self.cache = self._new_cache(allocate=False)
+        self.greedy_screen = greedy_screen(model, _shapes(params), self.policy, B)
         self._huge_pages = None
-        if allocate and self.policy.backend.huge_pages:
-            spans = hugepages.regions((self.params, self.cache, self.greedy_screen))
-            self._huge_pages = ThreadPoolExecutor(1, thread_name_prefix="podrun-huge-pages").submit(
-                hugepages.collapse_regions, spans)
         cache_sh = jax.tree.map(lambda x: x.sharding, self.cache)
         self._everywhere = everywhere = rules.sharding()
         self._batch_sh = Batch(*[rules.sharding("batch", None)] * 4,
@@ -161,12 +179,36 @@ class PagedEngine:
         self.programs: set[str] = set()  # the programs called so far, by name
         self._compiled: dict[Program, Future] = {}  # compiled, or compiling on self._compiler
         self.compile_wait_s = 0.0  # calls' time waiting for their programs' compilation
+        self.compile_s: dict[Program, float] = {}  # each compilation's (or cache load's) own time
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="podrun-compile")
         # the arguments' shapes, shardings and layouts (a lookup table's pinned row-major on TPU),
         # which a compilation on another thread reads while calls replace (and donate) the pool
-        self._abstract = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.format),
-            (self.weights, self.cache))
+        self._abstract = _shapes((self.weights, self.cache))
+        if allocate:
+            self.load(params)
+
+    def load(self, params) -> None:
+        """The engine on its weights: `params` (restored and prepared, Model.prepare) in place of
+        the abstract ones it was built on, its pool and the unembedding's screen allocated. The
+        programs prepared meanwhile stay compiled when the weights have the shapes, dtypes,
+        shardings and layouts they were lowered for, as Model.abstract_params declares them;
+        where they do not (a warning), every program compiles again on the weights."""
+        self.params = params
+        self.cache = self._new_cache()
+        self.greedy_screen = greedy_screen(self.model, params, self.policy, self.batch_size)
+        given = _shapes((self.weights, self.cache))
+        if not _same(self._abstract, given):  # a bug in a declaration: slower, never wrong
+            warnings.warn("podrun: the restored weights differ from Model.abstract_params's "
+                          "declaration of them: the programs compile again", stacklevel=2)
+            self.forget_prepared()
+            self._compiled.clear()
+            self._abstract = given
+        # (bytes on 2 MiB pages, bytes asked) of the weights and pool: CPU only (Engine's), the
+        # pages moved on a thread of their own while the programs compile and the first run
+        if self.policy.backend.huge_pages:
+            spans = hugepages.regions((self.params, self.cache, self.greedy_screen))
+            self._huge_pages = ThreadPoolExecutor(1, thread_name_prefix="podrun-huge-pages").submit(
+                hugepages.collapse_regions, spans)
 
     @property
     def huge_pages(self) -> tuple[int, int]:
@@ -276,6 +318,12 @@ class PagedEngine:
         return self._step.lower(*self._abstract, b, stops, masks, steps=p.steps,
                                 logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs)
 
+    def _compile(self, p: Program) -> jax.stages.Compiled:
+        t0 = time.perf_counter()
+        compiled = self._lower(p).compile()
+        self.compile_s[p] = time.perf_counter() - t0
+        return compiled
+
     def prepare(self, programs: Sequence[Program]) -> None:
         """Compiles `programs` (or loads them from the compilation cache) one after another on a
         thread of their own, in that order, while the calls run: a program's first call then
@@ -283,7 +331,7 @@ class PagedEngine:
         running program leaves free."""
         for p in programs:
             if p not in self._compiled:
-                self._compiled[p] = self._compiler.submit(lambda p=p: self._lower(p).compile())
+                self._compiled[p] = self._compiler.submit(self._compile, p)
 
     def forget_prepared(self) -> None:
         """Drops the prepared programs whose compilation has not begun (a job that ended)."""
@@ -303,7 +351,7 @@ class PagedEngine:
             if future is not None and not future.cancel():
                 compiled = future.result()
             else:
-                compiled = self._lower(p).compile()
+                compiled = self._compile(p)
                 self._compiled[p] = future = Future()
                 future.set_result(compiled)
         self.compile_wait_s += time.perf_counter() - began

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from models.decoder import Output
 
@@ -245,10 +246,20 @@ def next_tokens(model, rules, policy, weights, out, output, seeds, counts, tempe
 
 def greedy_screen(model, params, policy, rows: int):
     """The unembedding's int8 screen where the backend builds one for `rows` rows
-    (Backend.greedy_screen), else None."""
+    (Backend.greedy_screen), else None; of abstract params (ShapeDtypeStructs), its shapes,
+    placed as the unembedding is."""
     u = model.unembedding(params)
     build = policy.backend.greedy_screen(u.w, rows)
-    return None if build is None else build(u.w, w_nk=u.vocab_first)
+    if build is None:
+        return None
+    build = partial(build, w_nk=u.vocab_first)
+    if isinstance(u.w, jax.Array):
+        return build(u.w)
+    # computed from the unembedding, the screen lands where it is (its mesh, replicated: the
+    # screen is a one-device kernel's)
+    where = NamedSharding(u.w.sharding.mesh, PartitionSpec())
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where),
+                        jax.eval_shape(build, u.w))
 
 
 # Positions unembedded at once for a prompt's log-probabilities: bounds the logits held to rows x

@@ -51,7 +51,7 @@ import resource
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -328,6 +328,12 @@ def random_model(s: Settings, seed: int = 0) -> tuple[store.Metadata, Rules, Any
     """checkpoint.model's weights drawn at random straight into their shards on the devices, then
     made ready as restored ones are (Model.prepare): (metadata without a tokenizer, rules, params).
     Speed does not depend on the values, and nothing is read or sent."""
+    meta, rules, draw = random_weights(s, seed)
+    return meta, rules, draw()
+
+
+def random_weights(s: Settings, seed: int = 0) -> tuple[store.Metadata, Rules, Callable[[], Any]]:
+    """random_model's (metadata, rules, a function that draws the weights)."""
     if not s.checkpoint_model:
         raise BenchError("--random_weights needs checkpoint.model (family:preset) to size the weights")
     try:
@@ -337,9 +343,9 @@ def random_model(s: Settings, seed: int = 0) -> tuple[store.Metadata, Rules, Any
     rules = Rules.make(make_mesh(s.mesh), s.rules)
     decl = model.declare()
     check_divisible(decl, rules)
-    params = weights.init(decl, jax.random.key(seed), rules, jnp.dtype(s.policy.params))
     meta = store.Metadata(model, {}, source=f"random:{s.checkpoint_model}:{seed}")
-    return meta, rules, model.prepare(params, rules, s.policy)
+    return meta, rules, lambda: model.prepare(
+        weights.init(decl, jax.random.key(seed), rules, jnp.dtype(s.policy.params)), rules, s.policy)
 
 
 def make_engine(s: Settings, model: Model, params, rules: Rules, batch: int,

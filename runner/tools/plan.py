@@ -31,6 +31,8 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from absl import app, flags
@@ -72,6 +74,27 @@ CHIPS = {"v5e": (819, 197, 16), "v5p": (2765, 459, 95), "v6e": (1640, 918, 32),
 CALL_OVERHEAD_S = 100e-6  # predicted: a call's dispatch, its batch's transfer and its tokens' return
 LOAD_GBPS = 2.0  # predicted: the weights read from storage at this rate (all hosts together)
 SPENT: dict[str, float] = {}  # the plan's own time, by part
+
+
+@dataclasses.dataclass
+class Weights:
+    """The model measured plans run on: its metadata and rules at once, its weights read (or
+    drawn) when first asked for, so that the first plan's programs compile meanwhile, as the
+    job's do while its weights restore."""
+
+    meta: Any
+    rules: Any
+    read: Callable[[], Any]
+    label: str  # the startup part its reading is: "load", or random weights'
+    params: Any = None
+    load_s: float = 0.0
+
+    def get(self) -> Any:
+        if self.params is None:
+            t0 = time.perf_counter()
+            self.params = self.read()
+            self.load_s = time.perf_counter() - t0
+        return self.params
 
 
 @dataclasses.dataclass
@@ -184,14 +207,15 @@ def _probe(engine: PagedEngine, C: int, fill: int, like: Request):
 
 def measure(engine: PagedEngine, programs: list[Program], like: Request, fills: tuple[int, int],
             reps: int) -> Measured:
-    """Every program compiled (timed: the compilation, or its load from the persistent cache)
-    and called: one untimed call, then `reps` timed ones (the median), decode at both fills."""
-    compiles, times = {}, {}
+    """Every program compiled (timed: the compilation, or its load from the persistent cache;
+    prepared ones may be compiling already) and called: one untimed call, then `reps` timed ones
+    (the median), decode at both fills."""
+    times = {}
+    t0 = time.perf_counter()
     for p in programs:
-        t0 = time.perf_counter()
         engine._executable(p)
-        compiles[p] = time.perf_counter() - t0
-    SPENT["compile"] = SPENT.get("compile", 0.0) + sum(compiles.values())
+    SPENT["compile"] = SPENT.get("compile", 0.0) + time.perf_counter() - t0
+    compiles = {p: engine.compile_s[p] for p in programs}
     began = time.perf_counter()
     # The weights and pool move onto 2 MiB pages on a thread while the programs compile (CPU): a
     # job runs its calls on them but for its first few, so the calls are timed once they are.
@@ -303,14 +327,15 @@ class Plan:
                 f"{o.stats.preemptions:>7}{100 * o.stats.utilisation:>6.0f}%")
 
 
-def plan_one(s: Settings, label: str, mode: str, loaded, job: Job | None, completion: tuple,
-             reps: int, startup: dict[str, float], tokenizer_dir: str = "") -> tuple[Plan, Job]:
+def plan_one(s: Settings, label: str, mode: str, loaded: Weights | None, job: Job | None,
+             completion: tuple, reps: int, startup: dict[str, float], tokenizer_dir: str = ""
+             ) -> tuple[Plan, Job]:
     """The plan of one deployment: its engine, its fit, its costs, its simulated job."""
     from models.registry import Model
     from runner.job import build_engine
     from runner.tools.memory import describe, footprint
 
-    model = loaded[0].model if loaded else Model.named(s.checkpoint_model)
+    model = loaded.meta.model if loaded else Model.named(s.checkpoint_model)
     problems, startup = [], dict(startup)
     f = footprint(s, model)
     if f.device_memory and f.per_device > f.device_memory:
@@ -322,9 +347,10 @@ def plan_one(s: Settings, label: str, mode: str, loaded, job: Job | None, comple
     if problems:  # before anything is allocated or compiled
         return Plan(label, f.devices, None, startup, None, problems), job
     t0 = time.perf_counter()
-    if mode == "measure":
-        meta, rules, params = loaded
-        engine = build_engine(s, meta.model, params, rules)
+    if mode == "measure":  # before the weights are read, on their declaration, as the job
+        rules = loaded.rules
+        engine = build_engine(s, model, model.abstract_params(rules, s.policy) if loaded.params is None
+                              else loaded.params, rules, allocate=loaded.params is not None)
         chips = rules.mesh.size
     else:
         from runner.tools.compile import compile_deployment
@@ -344,7 +370,13 @@ def plan_one(s: Settings, label: str, mode: str, loaded, job: Job | None, comple
     from runner.engine.paged_scheduler import PagedScheduler
 
     programs = PagedScheduler(engine, job.requests, longest_first=s.generation.longest_first).programs()
+    head = 0.0  # how long the programs compile before the scheduler starts
     if mode == "measure":
+        if loaded.params is None:  # the programs compile while the weights are read
+            engine.prepare(programs)
+            engine.load(loaded.get())
+        # the job's programs compile while its weights load, as the first plan's did
+        startup[loaded.label] = head = loaded.load_s
         prompt_and_answer = sorted(len(r.prompt) + n for r, ls in zip(job.requests, lengths) for n in ls)
         top = engine.pages // engine.rows_per_group * engine.page_size - engine.chunk - engine.steps - 1
         fills = (16, max(32, min(top, prompt_and_answer[int(0.9 * (len(prompt_and_answer) - 1))])))
@@ -357,7 +389,7 @@ def plan_one(s: Settings, label: str, mode: str, loaded, job: Job | None, comple
         startup.pop("engine")  # this machine's AOT compile: the job's compiles are assumed cached
         startup["load (stated: weights at 2 GB/s)"] = f.total_weights / (LOAD_GBPS * 1e9)
     began = time.perf_counter()
-    outcome = simulate(engine, job.requests, lengths, costs, s.generation.longest_first)
+    outcome = simulate(engine, job.requests, lengths, costs, s.generation.longest_first, head)
     SPENT["simulation"] = SPENT.get("simulation", 0.0) + time.perf_counter() - began
     return Plan(label, chips, outcome, startup, costs, []), job
 
@@ -459,17 +491,18 @@ def main(argv: list[str]) -> None:
         if mode == "measure":
             import jax
 
-            from runner.job import load_model
-            from runner.tools.bench import random_model
+            from runner.job import open_checkpoint, restore
+            from runner.tools.bench import random_weights
 
             startup["start"] = started  # this process' imports, as runner.main's
             t0 = time.perf_counter()
             jax.devices()
             startup["devices"] = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            here = os.path.exists(os.path.expanduser(s.checkpoint_path))
-            loaded = load_model(s) if here else random_model(s)
-            startup["load" if here else "load (random weights: not the job's)"] = time.perf_counter() - t0
+            if os.path.exists(os.path.expanduser(s.checkpoint_path)):
+                meta, rules = open_checkpoint(s)
+                loaded = Weights(meta, rules, lambda: restore(s, meta, rules), "load")
+            else:
+                loaded = Weights(*random_weights(s), "load (random weights: not the job's)")
         plans, job = [], None
         for label, c in alternatives:
             si = from_config(c)

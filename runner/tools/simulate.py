@@ -73,7 +73,7 @@ class StandIn:
     shapes, with calls that run no model. Attributes not set here are the engine's own."""
 
     def __init__(self, engine: PagedEngine, requests: Sequence[Request], lengths: Sequence[Sequence[int]],
-                 costs: Costs):
+                 costs: Costs, head: float = 0.0):
         self._engine, self._costs, self._lengths = engine, costs, lengths
         self._who: dict[int, tuple[int, int]] = {}
         for i, r in enumerate(requests):
@@ -88,14 +88,17 @@ class StandIn:
         self.calls: list[str] = []
         self.per_program: dict[str, list[float]] = {}
         self._ready: dict[Program, float] = {}  # when a prepared program's compilation ends
+        self._compiled_from = -head  # when the compiling thread starts (before the scheduler)
         self._host_from = None  # perf_counter at the end of the last call
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
     def prepare(self, programs: Sequence[Program]) -> None:
-        """As PagedEngine.prepare: compiled one after another on one thread, from now."""
-        t = self.clock
+        """As PagedEngine.prepare: compiled one after another on one thread, from when the
+        job's first prepare is (`head` seconds before the scheduler starts: while the weights
+        load), or now."""
+        t = self._compiled_from if not self._ready else max(self.clock, *self._ready.values())
         for p in programs:
             if p not in self._ready:
                 t += self._costs.compile(p)
@@ -168,11 +171,12 @@ def sim_requests(requests: Sequence[Request]) -> list[Request]:
 
 
 def simulate(engine: PagedEngine, requests: Sequence[Request], lengths: Sequence[Sequence[int]],
-             costs: Costs, longest_first: bool) -> Outcome:
+             costs: Costs, longest_first: bool, head: float = 0.0) -> Outcome:
     """requests (each sample's completion `lengths[i][k]` tokens, at least 1, at most its
-    max_tokens) through PagedScheduler on a stand-in for `engine`."""
+    max_tokens) through PagedScheduler on a stand-in for `engine`, whose programs begin to
+    compile `head` seconds before the scheduler starts (the job's weights' load)."""
     sim = sim_requests(requests)
-    stand = StandIn(engine, sim, lengths, costs)
+    stand = StandIn(engine, sim, lengths, costs, head)
     first, tokens = [], [0]
 
     def done(ended) -> None:
