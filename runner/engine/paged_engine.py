@@ -101,8 +101,6 @@ class PagedEngine:
         """kv_bytes: the pools' bytes per device (a device holds its group's pages, of its share
         of the kv heads), or `pages`: the full-attention layers' pages per group; neither gives
         every row room for its longest request, as an unpaged cache would."""
-        if policy.scan_layers:
-            raise ValueError("the paged engine runs unrolled layers: programs.scan_layers=False")
         self.groups = G = rules.shards("batch")
         self.batch_size = B = -(-batch_size // G) * G
         self.rows_per_group = R = B // G
@@ -135,7 +133,8 @@ class PagedEngine:
         kv_dtype = jnp.dtype(policy.kv_cache)
         self.cache = PagedCache.create(G, self.pages, self.window_pages, page_size, windows,
                                        kv_heads, head_dim, kv_dtype, rules, allocate,
-                                       PagedCache.fold(self.policy, kv_dtype, head_dim))
+                                       PagedCache.fold(self.policy, kv_dtype, head_dim),
+                                       model.scan_period if policy.scan_layers else 0)
         self.greedy_screen = greedy_screen(model, params, self.policy, B) if allocate else None
         # (bytes on 2 MiB pages, bytes asked) of the weights and pool: CPU only (Engine's), the
         # pages moved on a thread of their own while the programs compile and the first run
