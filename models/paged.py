@@ -21,6 +21,14 @@ The step's layout, which the attention in XLA relies on: tokens [0, R) are one p
 (token r of sequence r: a decode step's, or padding), and any tokens after them (a prompt's
 chunk) belong to one sequence, rows[:, R]. The kernels (podrun's CPU one) take any layout.
 
+Stacked (for a scan over layers, models/scan.py): with the L layers in periods of p (GPT-OSS
+alternates windowed and full layers: p = 2), pool j holds layers j, j + p, ... one after another
+along its pages, [G, D * P, K, S, H] with D = L / p: page n of layer j + d * p is page d * P + n.
+Period d's layers read their tables offset by d * P (`layer_view`), so each writes and reads its
+own pages of the pool in place, through the same kernels, while the scan carries the pools. (A
+separate stack axis, [G, D, P, ...], would be reshaped for the kernels, and XLA:CPU copied the
+whole pool at each such reshape where a device holds one kv head.)
+
 With the TPU kernels (Backend.pallas_paged) a pool is stored folded, [G, P, K, S // f, f * H]:
 f = models/kernels/tpu.fold(H) slots side by side in 128 lanes, the layout those kernels read
 without a copy (see there). Everything else reads [G, P, K, S, H] (f = 1).
@@ -51,7 +59,10 @@ class PagedCache(NamedTuple):
     cache (precision.kv_cache="int8") holds them as int8 with k_scale, v_scale [G, P, K, S] (max
     |x| over H / 127), else those are None.
     tables, window_tables [G, R, M] (the full layers' and the windowed layers' pages of each
-    sequence), rows [G, T], positions [G, T]: the step's (`at`), None between steps."""
+    sequence), rows [G, T], positions [G, T]: the step's (`at`), None between steps.
+    Stacked (`create` with a period p): k[j], v[j] [G, D * P, K, S, H] hold layers j, j + p, ...
+    (D of them), each on P pages of its own. first_page, in a `layer_view` of one, gives the page
+    each of its layers' pages start at: the tables' entries are offset by it."""
 
     k: list[jax.Array]
     v: list[jax.Array]
@@ -61,6 +72,7 @@ class PagedCache(NamedTuple):
     window_tables: jax.Array | None = None
     rows: jax.Array | None = None
     positions: jax.Array | None = None
+    first_page: tuple[jax.Array, ...] | None = None
 
     @staticmethod
     def fold(policy: Policy, dtype: Any, head_dim: int) -> int:
@@ -68,11 +80,12 @@ class PagedCache(NamedTuple):
         return policy.backend.page_fold(dtype, head_dim)
 
     @staticmethod
-    def shardings(rules: Rules, num_layers: int, quantized: bool) -> PagedCache:
+    def shardings(rules: Rules, num_layers: int, quantized: bool, period: int = 0) -> PagedCache:
+        """period > 0: the stacked layout, `period` pools each holding num_layers / period layers."""
         kv = rules.sharding(*POOL_AXES)
         scale = rules.sharding(*POOL_AXES[:-1]) if quantized else None
-        return PagedCache([kv] * num_layers, [kv] * num_layers, [scale] * num_layers,
-                          [scale] * num_layers)
+        n = period or num_layers
+        return PagedCache([kv] * n, [kv] * n, [scale] * n, [scale] * n)
 
     @staticmethod
     def page_bytes(num_layers: int, kv_heads: int, head_dim: int, page_size: int, dtype: Any,
@@ -87,24 +100,26 @@ class PagedCache(NamedTuple):
     @staticmethod
     def create(groups: int, pages: int, window_pages: int, page_size: int,
                windows: tuple[int | None, ...], kv_heads: int, head_dim: int, dtype: Any,
-               rules: Rules, allocate: bool = True, fold: int = 1) -> PagedCache:
+               rules: Rules, allocate: bool = True, fold: int = 1, period: int = 0) -> PagedCache:
         """An empty pool (zeros): `pages` pages per group for full-attention layers,
         `window_pages` for those with a window (windows[i]), stored `fold` slots a row (fold 1:
-        [G, P, K, S, H]); with allocate=False its shapes with their shardings."""
+        [G, P, K, S, H]); period > 0: stacked for a scan over layers whose windows repeat with
+        that period; with allocate=False its shapes with their shardings."""
         quantized = jnp.dtype(dtype) == jnp.int8
         num_layers = len(windows)
         if page_size % fold:
             raise ValueError(f"generation.page_size={page_size} must be a multiple of {fold} "
                              f"on TPU (slots of {head_dim} that fill 128 lanes)")
-        shapes = [(groups, window_pages if w else pages, kv_heads, page_size // fold,
-                   fold * head_dim) for w in windows]
+        depth = num_layers // period if period else 1  # the layers a pool holds
+        shapes = [(groups, depth * (window_pages if w else pages), kv_heads, page_size // fold,
+                   fold * head_dim) for w in (windows[:period] if period else windows)]
 
         def make():
             kv = [jnp.zeros(shape, dtype) for shape in shapes]
             scale = [jnp.zeros(shape[:-1], jnp.float32) if quantized else None for shape in shapes]
             return PagedCache(kv, list(kv), scale, list(scale))
 
-        out = PagedCache.shardings(rules, num_layers, quantized)
+        out = PagedCache.shardings(rules, num_layers, quantized, period)
         if not allocate:
             return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                                 jax.eval_shape(make), out)
@@ -118,9 +133,15 @@ class PagedCache(NamedTuple):
         """The pages alone, as the engine keeps them between steps."""
         return self._replace(tables=None, window_tables=None, rows=None, positions=None)
 
-    def tables_for(self, window: int | None) -> jax.Array:
-        """The tables of a layer with this window (None: full attention)."""
-        return self.tables if window is None else self.window_tables
+    def layer_view(self, i: jax.Array, depth: int) -> PagedCache:
+        """Of a pool stacked `depth` layers deep: period i's layers, whose pages start at
+        first_page[j] = i * P in pool j. Its layers write and read their own pages, in place."""
+        return self._replace(first_page=tuple(i * (x.shape[1] // depth) for x in self.k))
+
+    def tables_for(self, layer: int, window: int | None) -> jax.Array:
+        """The tables of a layer with this window (None: full attention), as entries of its pool."""
+        tables = self.tables if window is None else self.window_tables
+        return tables if self.first_page is None else tables + self.first_page[layer]
 
     def write_positions(self, positions: jax.Array, column: Any = 0) -> PagedCache:
         """Keeps the step's positions [G, T] (-1: padding) for the writes; `column` is unused (a
@@ -143,7 +164,7 @@ class PagedCache(NamedTuple):
         with jax.named_scope("cache_write"):
             pool = self.k[layer]
             S = pool.shape[3] * pool.shape[4] // k.shape[-1]
-            slots = self.slots(self.tables_for(window), pool.shape[1], S)
+            slots = self.slots(self.tables_for(layer, window), pool.shape[1], S)
             ks, vs, kss, vss = list(self.k), list(self.v), list(self.k_scale), list(self.v_scale)
             if policy is not None and (kernel := policy.backend.write_pages(pool.dtype)):
                 ks[layer] = _write_kernel(kernel, pool, k, slots, rules)
@@ -180,8 +201,10 @@ def paged_attention(q: jax.Array, cache: PagedCache, layer: int, rules: Rules, p
     kc, vc = cache.k[layer], cache.v[layer]
     ks, vs = cache.k_scale[layer], cache.v_scale[layer]
     if kernel := policy.backend.paged_attention(q, kc, ks):
-        return _kernel(kernel, q, kc, vc, ks, vs, cache, rules, window, sinks, scale)
-    return _xla(q, kc, vc, ks, vs, cache, policy, window, sinks, scale)
+        return _kernel(kernel, q, kc, vc, ks, vs, cache.tables_for(layer, window), cache, rules,
+                       window, sinks, scale)
+    return _xla(q, kc, vc, ks, vs, cache.tables_for(layer, window), cache, policy, window, sinks,
+                scale)
 
 
 # Pages a block of XLA's attention reads at once: its temporaries are those of BLOCK_PAGES pages a
@@ -189,11 +212,11 @@ def paged_attention(q: jax.Array, cache: PagedCache, layer: int, rules: Rules, p
 BLOCK_PAGES = 8
 
 
-def _xla(q, kc, vc, ks, vs, cache: PagedCache, policy: Policy, window, sinks, scale) -> jax.Array:
+def _xla(q, kc, vc, ks, vs, tables, cache: PagedCache, policy: Policy, window, sinks, scale
+         ) -> jax.Array:
     """Attention in XLA: the first R queries one per sequence, the rest (a chunk) of sequence
-    rows[:, R], each over its sequence's pages in blocks (`_blocked`)."""
+    rows[:, R], each over its sequence's pages (tables) in blocks (`_blocked`)."""
     G, T, N, H = q.shape
-    tables = cache.tables_for(window)
     R = tables.shape[1]
     K = kc.shape[2]
     scale = H ** -0.5 if scale is None else scale
@@ -262,7 +285,8 @@ def _blocked(q, q_pos, tables, kc, vc, ks, vs, policy: Policy, window, sinks, sc
     return jnp.moveaxis(out, 4, 2).reshape(G, Q, T, K * Gq, H).astype(q.dtype)
 
 
-def _kernel(kernel, q, kc, vc, ks, vs, cache: PagedCache, rules: Rules, window, sinks, scale):
+def _kernel(kernel, q, kc, vc, ks, vs, tables, cache: PagedCache, rules: Rules, window, sinks,
+            scale):
     """The backend's paged attention `kernel` per group (and kv-head shard) under shard_map."""
     has_sinks = sinks is not None
     sinks = jnp.zeros(q.shape[2:3], jnp.float32) if sinks is None else sinks
@@ -273,7 +297,7 @@ def _kernel(kernel, q, kc, vc, ks, vs, cache: PagedCache, rules: Rules, window, 
         return kernel(q[0], kc[0], vc[0], tables[0], rows[0], positions[0],
                       sinks if has_sinks else None, window, scale, *(s[0] for s in scales))[None]
 
-    args = (q, kc, vc, cache.tables_for(window), cache.rows, cache.positions, sinks, *scales)
+    args = (q, kc, vc, tables, cache.rows, cache.positions, sinks, *scales)
     if rules.mesh.size == 1:
         return local(*args)
     b, kv = _group_specs(rules, kc)

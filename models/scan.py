@@ -6,7 +6,9 @@ period P (Llama: every layer alike, P = 1; GPT-OSS alternates sliding-window and
 P = 2): params["layer_stack"] is a list of P trees whose leaves hold layers j, j + P, ... stacked
 on a leading axis of L / P (never sharded), and the KV cache is stacked the same way
 (models/kv_cache.KVCache). Inside the loop, each period attends over its layers' caches as they were;
-the new keys and values come out of the loop and are written once after it.
+the new keys and values come out of the loop and are written once after it. The paged engine's
+pools (models/paged.PagedCache), which every layer writes before it attends, ride the loop's carry
+instead: each period writes and reads its own pages of them in place.
 
 Weights are restored, fused and quantised per layer as always, then stacked (`stack`), one weight
 name at a time, so the stacking needs memory for one name's layers, not a second model.
@@ -22,6 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from models.kv_cache import KVCache
+from models.paged import PagedCache
 from sharding.rules import Rules
 
 
@@ -71,9 +74,9 @@ def stack(params: dict, P: int) -> dict:
     return {**{k: v for k, v in params.items() if k != "layers"}, "layer_stack": out}
 
 
-def run_layers(params: dict, x: jax.Array, cache: KVCache, column: Any, rules: Rules,
-               layer: Callable[[Any, jax.Array, KVCache, int, bool], tuple[jax.Array, KVCache]],
-               final_position_only: bool = False) -> tuple[jax.Array, KVCache]:
+def run_layers(params: dict, x: jax.Array, cache: KVCache | PagedCache, column: Any, rules: Rules,
+               layer: Callable[[Any, jax.Array, Any, int, bool], tuple[jax.Array, Any]],
+               final_position_only: bool = False) -> tuple[jax.Array, KVCache | PagedCache]:
     """x through every layer: layer(p, x, cache, i, final_position_only) -> (x, cache) applies
     layer i's weights p; `column` is where the pass writes the cache (models/kv_cache.py).
 
@@ -101,13 +104,16 @@ def run_layers(params: dict, x: jax.Array, cache: KVCache, column: Any, rules: R
         return [jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), g)
                 for g in groups]
 
+    looped = depth - 1 if final_position_only else depth
+    if isinstance(cache, PagedCache):
+        return _run_in_place(x, cache, period_at, layer, depth, looped, final_position_only)
+
     def body(x, i):
         view = cache.layer_view(i)
         for j, p in enumerate(period_at(i)):
             x, view = layer(p, x, view, j, False)
         return x, view.pending
 
-    looped = depth - 1 if final_position_only else depth
     x, pending = jax.lax.scan(body, x, jnp.arange(looped))
     if final_position_only:
         view = cache.layer_view(looped)
@@ -116,3 +122,25 @@ def run_layers(params: dict, x: jax.Array, cache: KVCache, column: Any, rules: R
             x, view = layer(p, x, view, j, j == len(ps) - 1)
         pending = jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), pending, view.pending)
     return x, cache.write_layers(pending, column, rules)
+
+
+def _run_in_place(x: jax.Array, cache: PagedCache, period_at: Callable, layer: Callable,
+                  depth: int, looped: int, final_position_only: bool
+                  ) -> tuple[jax.Array, PagedCache]:
+    """run_layers over stacked page pools: the loop carries them, and each period writes its
+    pages and attends over them in place (PagedCache.layer_view); a final period after the loop
+    where final_position_only."""
+    def run_period(x, cache, i, final):
+        view = cache.layer_view(i, depth)
+        ps = period_at(i)
+        for j, p in enumerate(ps):
+            x, view = layer(p, x, view, j, final and j == len(ps) - 1)
+        return x, view._replace(first_page=None)
+
+    def body(carry, i):
+        return run_period(*carry, i, False), None
+
+    (x, cache), _ = jax.lax.scan(body, (x, cache), jnp.arange(looped))
+    if final_position_only:
+        x, cache = run_period(x, cache, looped, True)
+    return x, cache

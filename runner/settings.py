@@ -155,9 +155,6 @@ def from_config(c: ConfigDict) -> Settings:
         raise SettingsError(f"generation.page_size={gen.page_size} must be 0 (unpaged) or more, "
                             f"kv_cache_gib={gen.kv_cache_gib} 0 or more, chunk_tokens="
                             f"{gen.chunk_tokens} at least 1")
-    if gen.page_size and c.programs.scan_layers:
-        raise SettingsError("generation.page_size > 0 (the paged engine) runs unrolled layers: "
-                            "set programs.scan_layers=False")
     if gen.prefill_rows < 0:
         raise SettingsError(f"generation.prefill_rows={gen.prefill_rows} must be 0 (the whole batch) or more")
     if gen.reasoning_effort not in ("low", "medium", "high"):

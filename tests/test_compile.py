@@ -113,20 +113,27 @@ def test_a_paged_deployment_compiles_its_mixed_and_decode_programs_for_a_v5e_top
     assert "pool of 108 + 20 window pages x 16 tokens per group" in text and "mixed per call" in text
 
 
-def test_pools_of_head_dim_64_reach_the_tpu_kernels_without_a_copy():
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
+def test_pools_of_head_dim_64_reach_the_tpu_kernels_without_a_copy(scan):
     """GPT-OSS's head_dim of 64 on TPU: the pools are stored folded, two slots a row of 128
     lanes, and the decode program hands them to the Pallas kernels as they are. Unfolded
     ([.., 16, 64]), XLA lays a pool out pages minor-most and copies it, whole, around every
-    kernel call (checked by hand: a copy of each pool per layer and step)."""
+    kernel call (checked by hand: a copy of each pool per layer and step). scan: 4 layers in a
+    loop over pools stacked 2 deep, which it carries: its body (once in the program) calls the
+    kernels for one period of 2 layers, on neither a copy of a pool nor of one layer's pages."""
     from runner.tools.compile import compile_deployment
 
-    model = dataclasses.replace(SMALL, config=dataclasses.replace(SMALL.config, head_dim=64))
-    s = tiny_tpu_settings(page_size=16, kv_cache_gib=2**-10, chunk_tokens=32)
+    config = dataclasses.replace(SMALL.config, head_dim=64, num_layers=4 if scan else 2)
+    model = dataclasses.replace(SMALL, config=config)
+    s = tiny_tpu_settings(scan, page_size=16, kv_cache_gib=2**-10, chunk_tokens=32)
     engine, _ = compile_deployment(s, model, only=("decode_8",))
     assert engine.cache.k[0].shape[3:] == (8, 128)
-    pools = {math.prod(x.shape) // 2 for x in engine.cache.k}  # a chip's: 1 of the 2 kv heads
+    depth = 2 if scan else 1
+    assert [x.shape[1] for x in engine.cache.k] == [depth * engine.window_pages, depth * engine.pages]
+    # a chip's: 1 of the 2 kv heads, and of those one layer's
+    pools = {math.prod(x.shape) // 2 // n for x in engine.cache.k for n in {1, depth}}
     text = engine.lower()["decode_8"].compile().as_text()
-    assert text.count('custom_call_target="tpu_custom_call"') == 3 * model.config.num_layers
+    assert text.count('custom_call_target="tpu_custom_call"') == 3 * 2
     copies = {math.prod(int(d) for d in m.group(1).split(",")) for m in re.finditer(
         r"= \w+\[([\d,]+)\]\{[^}]*\} copy\(", text)}
     assert not copies & pools

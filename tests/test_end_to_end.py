@@ -80,10 +80,14 @@ def test_greedy_generation_matches_transformers(model_dir, mesh, tmp_path):
                                                              for k in ("qwen2", "gpt2"))], indirect=True)
 @pytest.mark.parametrize("mesh", [("--config.mesh.data=2", "--config.mesh.model=4"),
                                   pytest.param(("--config.mesh.data=1", "--config.mesh.num_cpu_devices=1"),
+                                               marks=pytest.mark.slow),
+                                  pytest.param(("--config.mesh.data=2", "--config.mesh.model=4",
+                                                "--config.programs.scan_layers=true"),
                                                marks=pytest.mark.slow)])
 def test_paged_greedy_through_chunks_and_preemption_matches_transformers(model_dir, mesh, tmp_path):
     """The paged engine with a pool too small for every row at once: prompts chunked 16 tokens a
-    step, rows preempted mid-answer and recomputed; the tokens still transformers'."""
+    step, rows preempted mid-answer and recomputed; the tokens still transformers'. Scanned
+    layers too (tests/test_paged.py checks them more cheaply)."""
     m, root = model_dir
     c = m.config
     kv_heads = getattr(c, "num_key_value_heads", None) or getattr(c, "n_head", None)

@@ -265,6 +265,56 @@ def test_windowed_layers_give_back_pages_that_left_the_window(mesh_name, pages):
     assert [c.token_ids for c in got] == [hf_greedy(m, p, STEPS) for p in prompts]
 
 
+SCANNED = [  # kind, mesh, pages per group (0: room for every row), prompts
+    ("llama", "1dev", 0, 5),  # the CPU kernel
+    ("gptoss", "data2_model4", 18, 3),  # under shard_map, preempting
+    pytest.param("llama", "data2_model4", 20, 5, marks=pytest.mark.slow),
+    pytest.param("gptoss", "1dev", 0, 5, marks=pytest.mark.slow),
+    pytest.param("gptoss", "data2_model4", 20, 5, marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("kind,mesh_name,pages,n", SCANNED)
+def test_scanned_layers_give_transformers_tokens(kind, mesh_name, pages, n):
+    """programs.scan_layers: the layers in one loop over stacked weights and stacked pools, each
+    layer writing and reading its own pages in place. Llama (a period of 1 layer, 2 deep) and
+    GPT-OSS (4 layers: window 8, full, window 8, full; a period of 2, 2 deep, the windowed
+    layers' pool and tables their own), prompts of 3 to 41 tokens in chunks of up to 16 beside
+    decoding rows, and a full layers' pool small enough to preempt: transformers' tokens."""
+    m = tiny_hf(kind, seed=5, **({"num_hidden_layers": 4} if kind == "gptoss" else {}))
+    rng = np.random.RandomState(7)
+    prompts = [tuple(int(t) for t in rng.randint(0, VOCAB, n)) for n in (30, 3, 41, 12, 25)][:n]
+    engine = paged(m, mesh_name, Policy(scan_layers=True), pages=pages)
+    period = engine.model.scan_period
+    assert (period, len(engine.cache.k)) == ((1, 1) if kind == "llama" else (2, 2))
+    windows = engine.model.module.cache_spec(engine.model.config)[0][:period]
+    assert [x.shape[1] for x in engine.cache.k] == [  # two layers' pages a pool
+        2 * (engine.window_pages if w else engine.pages) for w in windows]
+    got, stats = generate(engine, [Request(p, STEPS) for p in prompts])
+    assert (stats.preemptions > 0) == (pages > 0)
+    assert [c.token_ids for c in got] == [hf_greedy(m, p, STEPS) for p in prompts]
+
+
+def test_scanned_programs_copy_no_pool():
+    """The scan carries the stacked pools and each layer writes and reads its pages of them in
+    place: XLA:CPU's compiled programs (data2 x model4, attention in XLA, a kv head a device)
+    hold no copy of a device's pool, nor of one layer's pages of it."""
+    import re
+
+    m = tiny_hf("gptoss", seed=5, num_hidden_layers=4)
+    engine = paged(m, "data2_model4", Policy(scan_layers=True, kernels=False))
+    squeezed = lambda shape: tuple(d for d in shape if d != 1)
+    pools = set()
+    for x in engine.cache.k:  # a device's [1, 2 * P, 1, S, H]: 2 layers' pages of 1 kv head
+        pages, *rest = squeezed(x.addressable_shards[0].data.shape)
+        pools |= {(pages, *rest), (pages // 2, *rest), (2, pages // 2, *rest)}
+    for name, lowered in engine.lower().items():
+        text = lowered.compile().as_text()
+        copies = {squeezed(int(d) for d in m.group(1).split(",")) for m in re.finditer(
+            r"= \w+\[([\d,]+)\]\{[^}]*\} copy\(", text)}
+        assert not copies & pools, name
+
+
 def test_sampled_tokens_logprobs_and_prompt_scores_are_the_unpaged_engines(llama, prompts):
     """Seeded sampling (n samples among them), log-probabilities of generated and of prompt
     tokens: the same as the unpaged engine's (tests/test_engine.py checks those against
@@ -325,12 +375,14 @@ def test_an_int8_cache_keeps_the_float32_distributions(llama, prompts):
 
 
 @pytest.mark.slow  # the interpreted kernels compile for minutes; tests/test_kernels.py checks them
-@pytest.mark.parametrize("mesh_name,pages", [("1dev", 0), ("data2_model4", 6)])
-def test_the_tpu_kernels_give_transformers_tokens_in_interpret_mode(mesh_name, pages, monkeypatch):
+@pytest.mark.parametrize("mesh_name,pages,scan", [("1dev", 0, False), ("data2_model4", 6, False),
+                                                  ("data2_model4", 6, True)])
+def test_the_tpu_kernels_give_transformers_tokens_in_interpret_mode(mesh_name, pages, scan,
+                                                                    monkeypatch):
     """The paged engine with the TPU kernels (Backend.pallas_paged: folded pools, written and
     read by models/kernels/tpu.py), run by Pallas' interpreter on CPU: GPT-OSS (window 8 on every
     other layer, sinks), prompts chunked, per group and kv-head shard under shard_map, and a pool
-    small enough to preempt."""
+    small enough to preempt; scan: 4 layers in a loop over stacked pools, 2 deep."""
     from functools import partial
 
     from models.backend import Backend
@@ -340,11 +392,12 @@ def test_the_tpu_kernels_give_transformers_tokens_in_interpret_mode(mesh_name, p
         "cpu", pallas_paged=True)))
     for name in ("paged_attention", "write_pages"):
         monkeypatch.setattr(tpu, name, partial(getattr(tpu, name), interpret=True))
-    m = tiny_hf("gptoss", seed=5)
+    m = tiny_hf("gptoss", seed=5, **({"num_hidden_layers": 4} if scan else {}))
     rng = np.random.RandomState(7)
     prompts = [tuple(int(t) for t in rng.randint(0, VOCAB, n)) for n in (30, 3, 41, 12, 25)]
-    engine = paged(m, mesh_name, pages=pages, page_size=16)
+    engine = paged(m, mesh_name, Policy(scan_layers=scan), pages=pages, page_size=16)
     assert engine.cache.k[0].shape[3:] == (2, 128)  # head_dim 16: 8 slots a row
+    assert len(engine.cache.k) == (2 if scan else 3)
     got, stats = generate(engine, [Request(p, STEPS) for p in prompts])
     assert (stats.preemptions > 0) == (pages > 0)
     assert [c.token_ids for c in got] == [hf_greedy(m, p, STEPS) for p in prompts]

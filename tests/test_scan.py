@@ -1,11 +1,14 @@
 """Scan over layers (programs.scan_layers): stacked weights and caches, against transformers."""
 
+import functools
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from models import scan
-from models.decoder import Mode
+from models.decoder import Mode, Output
 from models.policy import Policy
 from runner.engine import Engine, Request, generate
 from tests.conftest import rules_for
@@ -64,3 +67,39 @@ def test_scanned_prefill_logits_match_transformers():
     positions = np.tile(np.arange(40, dtype=np.int32), (8, 1))
     logits, _ = jax.jit(lambda p, c: model.forward(p, tokens, positions, c, rules, policy, Mode.PREFILL))(params, cache)
     np.testing.assert_allclose(np.asarray(logits), hf_logits(m, tokens), atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gptoss"])
+def test_scanned_paged_forward_logits_match_transformers(kind):
+    """A prompt of 12 tokens through stacked page pools (pages of 4, in table order; GPT-OSS: 4
+    layers, window 8, 2 deep) in two passes, 8 tokens then 4 that read the first's pages of every
+    layer: every position's logits, and the last one's alone (the final period after the loop)."""
+    from models.paged import PagedCache
+
+    rules = rules_for("1dev")
+    m = tiny_hf(kind, seed=5, **({"num_hidden_layers": 4} if kind == "gptoss" else {}))
+    policy = Policy(scan_layers=True).on(rules)
+    model, params = to_podrun(m, rules, policy=policy)
+    windows, kv_heads, head_dim = model.module.cache_spec(model.config)
+    pool = PagedCache.create(1, 8, 8, 4, windows, kv_heads, head_dim, np.float32, rules,
+                             period=model.scan_period)
+    assert [x.shape[1] for x in pool.k] == [16] * model.scan_period  # 8 pages, 2 layers deep
+    tokens = np.random.RandomState(2).randint(0, VOCAB, (1, 12)).astype(np.int32)
+    tables = np.arange(8, dtype=np.int32)[None, None]  # [G, R, M]: one sequence
+
+    @functools.partial(jax.jit, static_argnames="output")
+    def run(params, pool, tokens, start, output):
+        T = tokens.shape[1]
+        cache = pool.at(tables, tables, jnp.zeros((1, T), jnp.int32))
+        positions = start + jnp.arange(T, dtype=jnp.int32)[None]
+        logits, cache = model.forward(params, tokens, positions, cache, rules, policy,
+                                      Mode.APPEND, 0, output)
+        return logits, cache.pool()
+
+    want = hf_logits(m, tokens)
+    first, pool = run(params, pool, tokens[:, :8], 0, Output.LOGITS)
+    np.testing.assert_allclose(np.asarray(first), want[:, :8], atol=2e-4, rtol=1e-4)
+    rest, _ = run(params, pool, tokens[:, 8:], 8, Output.LOGITS)
+    np.testing.assert_allclose(np.asarray(rest), want[:, 8:], atol=2e-4, rtol=1e-4)
+    last, _ = run(params, pool, tokens[:, 8:], 8, Output.LAST_LOGITS)
+    np.testing.assert_allclose(np.asarray(last), want[:, -1], atol=2e-4, rtol=1e-4)

@@ -123,8 +123,6 @@ class PagedEngine:
         every row room for its longest request, as an unpaged cache would. allocate=False: params
         are abstract (Model.abstract_params), and so is the engine until `load` gives it its
         weights; it can lower, and prepare, its programs meanwhile."""
-        if policy.scan_layers:
-            raise ValueError("the paged engine runs unrolled layers: programs.scan_layers=False")
         self.groups = G = rules.shards("batch")
         self.batch_size = B = -(-batch_size // G) * G
         self.rows_per_group = R = B // G
@@ -157,7 +155,8 @@ class PagedEngine:
         kv_dtype = jnp.dtype(policy.kv_cache)
         self._new_cache = partial(PagedCache.create, G, self.pages, self.window_pages, page_size,
                                   windows, kv_heads, head_dim, kv_dtype, rules,
-                                  fold=PagedCache.fold(self.policy, kv_dtype, head_dim))
+                                  fold=PagedCache.fold(self.policy, kv_dtype, head_dim),
+                                  period=model.scan_period if policy.scan_layers else 0)
         # abstract until `load`
         self.cache = self._new_cache(allocate=False)
         self.greedy_screen = greedy_screen(model, _shapes(params), self.policy, B)
