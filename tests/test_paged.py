@@ -185,6 +185,8 @@ def test_programs_compiled_before_the_weights_load_run_on_them(llama, prompts, r
     ("llama3", "data2_model4", Policy(quantize="int8")),
     ("gptoss", "expert2_model2_data2", Policy()),
     ("gptoss", "heads_over_model_expert", Policy(params="bfloat16", activations="bfloat16")),
+    ("llama", "data2_model4", Policy(scan_layers=True)),  # stacked weights and pools
+    ("gptoss", "expert2_model2_data2", Policy(scan_layers=True)),
 ])
 def test_the_declared_weights_are_the_restored_ones(kind, mesh_name, policy):
     """Model.abstract_params, which the programs are lowered for before the weights load, gives
