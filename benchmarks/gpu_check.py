@@ -28,7 +28,7 @@ little is skipped and says so), in this order, the targets' figures first (--ste
   scan_dsf    batch 1 with the layers scanned and XLA's dynamic-slice fusion on: whether XLA:GPU
               then reads each layer's weights in place rather than through a copy
   job         python -m runner.tools.bench --requests: 1,000 requests of varied prompt and completion
-              lengths (token ids) through the continuous-batching engine, 128 rows, its layers
+              lengths (token ids) through the older engine (generation.page_size=0), 128 rows, its layers
               scanned (about 15 programs, each compiled in seconds rather than 15-20 s unrolled),
               its decode attention in the Pallas kernel where decode_kernel found that faster
   gptoss      GPT-OSS-20B (configs/gptoss_h100.py), batch 1 and 64 as decode
@@ -447,13 +447,15 @@ def main() -> None:
     dsf = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_dynamic_slice_fusion=true"
     decode("scan_dsf", "1", "--config.programs.scan_layers=True", env=dict(os.environ, XLA_FLAGS=dsf))
 
-    # the job's decode attention in the kernel where it read a job's cache faster than XLA's
-    # and the whole decode step ran with it
+    # the older engine's job (rows that reserve their longest, generation.page_size=0), its
+    # decode attention in the kernel where it read a job's cache faster than XLA's and the whole
+    # decode step ran with it
     faster = pallas and steps.results["decode_kernel"]["records"]["faster"]
     job_attention = [f"--config.kernels.pallas_attention="
                      f"{faster and steps.results.get('decode_pallas', {}).get('rc', 0) == 0}"]
     job("job", *((64, 32) if small else (1024, 512)),
-        f"--config.generation.batch_size={8 if small else 128}", "--config.generation.prefill_rows=8",
+        f"--config.generation.batch_size={8 if small else 128}", "--config.generation.page_size=0",
+        "--config.generation.prefill_rows=8",
         f"--config.generation.prefill_buckets={(32, 64) if small else (256, 1024)}",
         "--config.programs.scan_layers=True", *job_attention)
 

@@ -106,9 +106,11 @@ def base_config() -> ConfigDict:
         "prefix_tokens": 4096,
         "prefix_block": 16,
         "reasoning_effort": "medium",  # Harmony (GPT-OSS) chats: low | medium | high
-        # The paged engine (runner/engine/paged_engine.py) with pages of this many tokens; 0 = the
-        # engine of rows that each reserve max_prompt_len + max_new_tokens slots.
-        "page_size": 0,
+        # The KV cache in pages of this many tokens (runner/engine/paged_engine.py, docs/
+        # paged-engine.md): a row holds the pages its tokens fill, prompts are prefilled in chunks
+        # beside the decoding rows, and a job runs a handful of programs. 0 = the older engine
+        # (runner/engine/engine.py), whose rows each reserve max_prompt_len + max_new_tokens slots.
+        "page_size": 16,
         # Paged: the page pool's GiB per device (0 = room for batch_size rows at their longest),
         # and the prompt tokens one step takes beside the decoding rows (chunked prefill).
         "kv_cache_gib": 0.0,

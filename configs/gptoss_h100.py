@@ -7,14 +7,14 @@ Install jax's CUDA plugin beside podrun first (pip install -r requirements-gpu.t
 the HF checkpoint once (the MXFP4 experts become bfloat16):
     python -m runner.tools.convert --source=gpt-oss-20b/ --output=/data/gpt-oss-20b --dtype=bfloat16
 
-Fit (python -m runner.tools.memory --config=configs/gptoss_h100.py): 39 GiB of weights and 3 GiB of
-KV cache for 64 rows of 1,024 prompt + 1,024 new tokens (half the layers keep a 128-token
-window), 53% of the card before activations. The experts run as XLA's dense products over
-buckets of routed tokens; the Pallas grouped matmul (kernels.pallas_moe) is a TPU kernel.
-Prefill attention stays XLA's (cuDNN's flash kernel has no sinks); decode attention is XLA's too
-unless kernels.pallas_attention (the Triton kernel takes sinks and windows). The layers are
-unrolled, as configs/llama3_h100.py explains. Not yet measured on a GPU: benchmarks/gpu_check.py's
-gptoss step.
+Fit (python -m runner.tools.memory --config=configs/gptoss_h100.py --mean_tokens=3000): 39 GiB of
+weights and a pool of 28 GiB of 16-token pages (1.1M tokens: 256 rows of 4,400 on average; the
+sliding-window layers keep a pool of their own holding each row's 128-token window), 84% of the
+card before activations. The paged engine (docs/paged-engine.md) decodes up to 256 rows a step
+beside a chunk of up to 256 prompt tokens; attention over the pages is XLA's on a GPU, not yet a
+kernel. The experts run as XLA's dense products over buckets of routed tokens; the Pallas
+grouped matmul (kernels.pallas_moe) is a TPU kernel. The layers are unrolled, as
+configs/llama3_h100.py explains. Not yet measured on a GPU: benchmarks/gpu_check.py's gptoss step.
 """
 
 from configs.base import base_config
@@ -27,6 +27,8 @@ def get_config(arg: str = ""):
     c.mesh.update(data=1, model=1, num_cpu_devices=0, device_memory_gib=80.0)
     c.precision.update(params="bfloat16", activations="bfloat16", kv_cache="bfloat16",
                        matmul="default")
-    c.generation.update(batch_size=64, max_prompt_len=1024, max_new_tokens=1024, prefill_rows=4,
-                        prefill_buckets=(128, 256, 512, 1024))
+    # Pages of 16 tokens in a pool of 28 GiB beside 39 GiB of weights: 256 rows decoded together,
+    # each holding the tokens it has (a mean of about 4,400 before any is preempted).
+    c.generation.update(batch_size=256, max_prompt_len=4096, max_new_tokens=16384,
+                        kv_cache_gib=28.0)
     return c

@@ -7,14 +7,16 @@ hidden units over 2; attention heads, the KV cache and the vocabulary over all 8
 Convert the HF checkpoint first (MXFP4 experts are dequantised to bf16):
     python -m runner.tools.convert --source=gpt-oss-20b/ --output=gs://BUCKET/gpt-oss-20b --dtype=bfloat16
 
-Fit, from the declarations (python -m runner.tools.memory --config=configs/gptoss_v5e.py): 4.9 GiB of
-weights + 0.4 GiB of KV cache per chip at batch 64 and 2k tokens (33% of HBM). With heads and the
-vocabulary over model alone, the 4 expert shards each held the same half of the cache and of the
-vocabulary: 6.1 + 1.6 GiB.
-Compiled for v5e:2x4 on a CPU (python -m runner.tools.compile --config=configs/gptoss_v5e.py, 3.5 min
-on 2 cores): peak 7.4 GiB per chip (46% of HBM) for prefill_1024 with prefill_rows=4 and the
-Pallas flash prefill, 5.4 GiB (34%) for decode. All 64 rows at once (prefill_rows=0) ask for
-15.8 GiB and do not fit.
+Fit, from the declarations (python -m runner.tools.memory --config=configs/gptoss_v5e.py
+--mean_tokens=3000): 4.9 GiB of weights + a pool of 6 GiB of 16-token pages per chip (2.0M tokens:
+256 rows of 7,800 on average; the sliding-window layers keep a pool of their own holding each
+row's 128-token window), 68% of HBM. With heads and the vocabulary over model alone, the 4
+expert shards would each hold the same half of every page and of the vocabulary.
+Compiled for v5e:2x4 on a CPU (python -m runner.tools.compile --config=configs/gptoss_v5e.py): the
+four programs a job runs (mixed_16, mixed_64, mixed_256: 256 decoding rows beside a prompt's chunk;
+decode_8) peak at 11.0-11.1 GiB per chip (69% of HBM), 0.05-0.08 GiB of it temporaries.
+The unpaged engine (generation.page_size=0) would reserve every row's 4,096 + 16,384 tokens:
+lower batch_size and the lengths with it.
 """
 
 from configs.base import base_config
@@ -32,6 +34,9 @@ def get_config(arg: str = ""):
     c.rules.update(heads=heads, kv_heads=heads, act_heads=heads, act_kv_heads=heads,
                    cache_kv_heads=heads, vocab=heads, act_vocab=heads)
     c.precision.update(params="bfloat16", activations="bfloat16", kv_cache="bfloat16", matmul="default")
-    c.generation.update(batch_size=64, max_prompt_len=1024, max_new_tokens=1024,
-                        prefill_rows=4)
+    # Pages of 16 tokens in a pool of 6 GiB a chip: 256 rows decoded together, each holding the
+    # tokens it has (a mean of about 7,800 each before any is preempted), so a reasoning job's
+    # 16k-token limit costs the short answers nothing.
+    c.generation.update(batch_size=256, max_prompt_len=4096, max_new_tokens=16384,
+                        kv_cache_gib=6.0)
     return c

@@ -11,15 +11,19 @@ On a machine of several GPUs, --config.mesh.data=8 runs a replica on each (the w
 card), or --config.mesh.model=2 splits heads and the MLP over two. Nothing TPU- or CPU-only runs
 here: models/backend.py chooses the kernels once per mesh, and XLA compiles the rest for the GPU.
 
-Fit (python -m runner.tools.memory --config=configs/llama3_h100.py): 15.0 GiB of weights and 32 GiB of
-KV cache for 128 rows of 1,024 prompt + 1,024 new tokens, 59% of the card before activations.
-Prefill takes 8 prompts at a time, and its attention runs in cuDNN's flash kernel, which keeps
-the [T, T] scores out of memory. The layers are unrolled: scanned (programs.scan_layers),
-XLA:GPU's decode step ran 2.4x slower, as if it copied each layer's weights out of the stack.
-Each program then takes 15-22 s to compile; the compilation cache keeps them for the next run.
-Decode attention is XLA's, which reads every slot of every row's cache on each step;
---config.kernels.pallas_attention=True reads each row only up to its last token, in a Pallas
-(Triton) kernel not yet measured on a GPU (benchmarks/gpu_check.py's decode_kernel step).
+Fit (python -m runner.tools.memory --config=configs/llama3_h100.py --mean_tokens=3000): 15.0 GiB of
+weights and a pool of 40 GiB of 16-token pages (327,680 tokens: 256 rows of 1,280 on average, or
+108 rows of 3,000), 69% of the card before activations. The paged engine (docs/paged-engine.md)
+decodes up to 256 rows a step beside a chunk of up to 256 prompt tokens; attention over the pages
+is XLA's on a GPU (blocks of 8 pages with a running softmax), not yet a kernel. Not yet measured
+on a GPU at this batch: benchmarks/gpu_check.py's throughput step runs this engine (256 rows,
+40 GiB) on vLLM's 1,000 requests of 256 + 256 tokens.
+The layers are unrolled: scanned (programs.scan_layers), XLA:GPU's decode step ran 2.4x slower,
+as if it copied each layer's weights out of the stack.
+With --config.generation.page_size=0 (the older engine, every row reserving its longest request:
+lower batch_size and the lengths), prefill takes generation.prefill_rows prompts at a time in
+cuDNN's flash kernel (kernels.cudnn_prefill), and --config.kernels.pallas_attention=True reads
+each row's cache only up to its last token in a Pallas (Triton) kernel.
 On an H100: batch-1 decode 6.46 ms a step, 99% of the measured bandwidth
 (docs/benchmarks/gpu-h100.md, benchmarks/gpu_check.py).
 """
@@ -35,6 +39,8 @@ def get_config(arg: str = ""):
     c.precision.update(params="bfloat16", activations="bfloat16", kv_cache="bfloat16",
                        matmul="default")
     c.kernels.cudnn_prefill = True
-    c.generation.update(batch_size=128, max_prompt_len=1024, max_new_tokens=1024, prefill_rows=8,
-                        prefill_buckets=(128, 256, 512, 1024))
+    # Pages of 16 tokens in a pool of 40 GiB beside 15 GiB of weights: 256 rows decoded together,
+    # each holding the tokens it has (a mean of about 1,280 before any is preempted).
+    c.generation.update(batch_size=256, max_prompt_len=8192, max_new_tokens=4096,
+                        kv_cache_gib=40.0)
     return c

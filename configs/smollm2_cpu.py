@@ -26,12 +26,11 @@ def get_config(arg: str = ""):
     devices = 8 if arg == "mesh8" else 1
     c.mesh.update(data=devices, num_cpu_devices=devices)
     # Prompts up to 2,048 tokens (few-shot prompts run long), answers up to 48 unless a request
-    # or --config.generation.max_new_tokens asks for more. Pages of 16 tokens: a row holds the
-    # tokens it has, not 2,048 + 48, so the long limit costs short prompts nothing.
+    # or --config.generation.max_new_tokens asks for more. In pages (of 16 tokens, the default),
+    # a row holds the tokens it has, not 2,048 + 48, so the long limit costs short prompts nothing.
     c.generation.batch_size = 8
     c.generation.max_prompt_len = 2048
     c.generation.max_new_tokens = 48
-    c.generation.page_size = 16
     c.io.input = "configs/prompts/smollm2.jsonl"
     c.io.output = "out/smollm2.jsonl"
     return c

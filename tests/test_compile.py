@@ -24,13 +24,15 @@ pytestmark = pytest.mark.filterwarnings("ignore:Error reading persistent compila
 
 
 def tiny_tpu_settings(scan_layers: bool = False, **generation):
+    """A tiny GPT-OSS for v5e:2x2; the older engine (page_size 0) unless `generation` asks."""
     c = base_config()
     c.programs.scan_layers = scan_layers
     c.checkpoint.update(path="/unused", model="gptoss:tiny")
     c.mesh.update(data=1, expert=2, model=2, num_cpu_devices=0, device_memory_gib=16.0,
                   tpu_topology="v5e:2x2")
     c.precision.update(params="bfloat16", activations="bfloat16", kv_cache="bfloat16", matmul="default")
-    c.generation.update({"batch_size": 4, "max_prompt_len": 32, "max_new_tokens": 16, **generation})
+    c.generation.update({"batch_size": 4, "max_prompt_len": 32, "max_new_tokens": 16, "page_size": 0,
+                         **generation})
     return from_config(c)
 
 
@@ -163,7 +165,7 @@ def test_a_two_slice_deployment_compiles_with_data_across_the_slices():
     mesh = engine.rules.mesh
     assert mesh.devices.size == 8 and {d.slice_index for d in mesh.devices[0].flat} == {0}
     assert {d.slice_index for d in mesh.devices[1].flat} == {1}
-    assert sorted(compiled) == ["decode", "prefill_16"]
+    assert sorted(compiled) == ["decode_8", "mixed_24"]  # the paged engine's, one chunk of 24
 
 
 def test_prefill_rows_caps_the_prompts_one_insert_prefills():
@@ -248,8 +250,9 @@ def test_decode_attention_compiles_as_the_pallas_kernel_for_tpu(kernels, kv_cach
 
 
 def gptoss_20b_decode(options=None, layers=2, **policy):
-    """configs/gptoss_v5e.py's decode step (one step per call, GPT-OSS-20B cut to `layers`)
-    compiled for v5e with XLA `options`, with `policy` changes: (model, rules, compiled)."""
+    """configs/gptoss_v5e.py's decode step in the older engine (one step per call, 64 rows of
+    1,024 + 1,024 tokens, GPT-OSS-20B cut to `layers`) compiled for v5e with XLA `options`, with
+    `policy` changes: (model, rules, compiled)."""
     from jax.experimental import topologies
 
     from runner.engine import Engine
@@ -264,9 +267,8 @@ def gptoss_20b_decode(options=None, layers=2, **policy):
     model = dataclasses.replace(model, config=dataclasses.replace(model.config, num_layers=layers))
     topo = topologies.get_topology_desc(platform="tpu", topology_name=s.tpu_topology)
     rules = Rules.make(make_mesh(s.mesh, topo.devices), s.rules)
-    g = s.generation
-    engine = Engine(model, model.abstract_params(rules, s.policy), rules, s.policy, g.batch_size,
-                    g.max_prompt_len, g.max_new_tokens, 1, g.prefill_buckets, allocate=False)
+    engine = Engine(model, model.abstract_params(rules, s.policy), rules, s.policy, 64, 1024, 1024, 1,
+                    s.generation.prefill_buckets, allocate=False)
     return model, rules, engine.lower()["decode"].compile(compiler_options=options)
 
 

@@ -65,17 +65,20 @@ def test_memory_report_of_the_gptoss_deployments():
 
 
 def test_the_gptoss_20b_deployment_splits_its_kv_cache_over_all_8_chips():
-    """configs/gptoss_v5e.py shards the 8 kv heads over model x expert: each chip holds 1/8 of the
-    cache, counted here from the architecture (a window's ring on the sliding layers), where
-    heads over model alone leave the 4 expert shards each a copy of half of it."""
+    """configs/gptoss_v5e.py shards the 8 kv heads over model x expert: each chip holds 1/8 of
+    every page, counted here from the architecture, where heads over model alone leave the 4
+    expert shards each a copy of half of it."""
     from runner.tools.memory import footprint
 
     s = from_config(load(os.path.join(ROOT, "configs", "gptoss_v5e.py")).get_config())
     model = Model.named(s.checkpoint_model)
     c, g = model.config, s.generation
-    length = g.max_prompt_len + g.max_new_tokens
-    slots = sum(min(c.window(i) or length, length) for i in range(c.num_layers))
-    whole = slots * g.batch_size * c.num_kv_heads * c.head_dim * 2 * 2  # k and v, bf16
+    slot = c.num_kv_heads * c.head_dim * 2 * 2  # a token's keys and values in one layer, bf16
+    full = sum(1 for i in range(c.num_layers) if not c.window(i))
     chips = s.mesh.size()
-    assert chips == 8
-    assert whole / chips <= footprint(s, model).kv_cache < 1.01 * whole / chips
+    f = footprint(s, model)
+    assert chips == 8 and 0 < full < c.num_layers
+    assert f.page_bytes * chips == g.page_size * slot * full
+    assert f.window_page_bytes * chips == g.page_size * slot * (c.num_layers - full)
+    # the pool is the GiB the config gives it, whole pages
+    assert g.kv_cache_gib * 2**30 - f.page_bytes - f.window_page_bytes < f.kv_cache <= g.kv_cache_gib * 2**30

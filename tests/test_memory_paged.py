@@ -14,9 +14,11 @@ GiB = 2**30
 
 
 def gptoss_v5e(**generation):
-    """configs/gptoss_v5e.py (GPT-OSS-20B on v5e:2x4, 16 GiB a chip) at 16k new tokens."""
+    """configs/gptoss_v5e.py (GPT-OSS-20B on v5e:2x4, 16 GiB a chip) with 64 rows of up to 1,024
+    prompt and 16,384 new tokens, its pool sized for them (kv_cache_gib 0), unless given."""
     c = load(os.path.join(ROOT, "configs", "gptoss_v5e.py")).get_config()
-    c.generation.update({"max_new_tokens": 16384, **generation})
+    c.generation.update({"batch_size": 64, "max_prompt_len": 1024, "max_new_tokens": 16384,
+                         "kv_cache_gib": 0.0, **generation})
     s = from_config(c)
     return s, Model.named(s.checkpoint_model)
 
@@ -135,6 +137,7 @@ def test_unpaged_rows_that_fit_at_their_worst_case():
 def test_the_memory_command_takes_mean_tokens():
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
     r = subprocess.run([sys.executable, "-m", "runner.tools.memory", "--config=configs/gptoss_v5e.py",
+                        "--config.generation.batch_size=64", "--config.generation.max_prompt_len=1024",
                         "--config.generation.page_size=16", "--config.generation.kv_cache_gib=6",
                         "--mean_tokens=3000"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=300)
