@@ -1,5 +1,5 @@
-"""GPT-OSS-20B on a TPU v5e-8 slice (2x4, 16 GiB HBM per chip): experts, attention heads, the KV
-cache and the vocabulary over all 8 chips.
+"""GPT-OSS-20B on a TPU v5e-8 slice (2x4, 16 GiB HBM per chip): experts over 4 chips and their
+hidden units over 2; attention heads, the KV cache and the vocabulary over all 8.
 
     python -m runner.main --config=configs/gptoss_v5e.py --config.checkpoint.path=gs://BUCKET/gpt-oss-20b \
         --config.io.input=gs://BUCKET/requests.jsonl --config.io.output=gs://BUCKET/results.jsonl
@@ -31,9 +31,6 @@ def get_config(arg: str = ""):
     heads = "model,expert"
     c.rules.update(heads=heads, kv_heads=heads, act_heads=heads, act_kv_heads=heads,
                    cache_kv_heads=heads, vocab=heads, act_vocab=heads)
-    # Whole experts, 4 a chip, rather than 8 halves (F over model): a decode token's row goes into
-    # the buckets of 4 experts a chip, not 8, and F's 2880 pads less to 128 lanes than 1440 does.
-    c.rules.update(experts="expert,model", mlp="")
     c.precision.update(params="bfloat16", activations="bfloat16", kv_cache="bfloat16", matmul="default")
     c.generation.update(batch_size=64, max_prompt_len=1024, max_new_tokens=1024,
                         prefill_rows=4)

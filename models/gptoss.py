@@ -155,7 +155,7 @@ def cache_spec(c: Config) -> tuple[tuple[int | None, ...], int, int]:
 def swiglu(gate_up: jax.Array, c: Config) -> jax.Array:
     """gate_up [..., 2F] (gate, then up) -> [..., F]: the clamped SwiGLU of the reference, with up
     shifted by one. Kept flat as the product gives it: on TPU, splitting an F that is no multiple
-    of 128 into its own axis (GPT-OSS's 2880, or 1440 on a shard) copies the whole activation."""
+    of 128 into its own axis (GPT-OSS's 1440 per shard) copies the whole activation."""
     F = gate_up.shape[-1] // 2
     gate = jnp.minimum(gate_up[..., :F], c.swiglu_limit)
     up = jnp.clip(gate_up[..., F:], -c.swiglu_limit, c.swiglu_limit)
