@@ -223,8 +223,8 @@ def _experts_grouped(x, expert, weight, w, scales, c, policy, capacity):
         route = (slot[:, None] == jnp.arange(E * capacity)).astype(x.dtype)  # [A, E*C]
         dispatch = jnp.einsum("AS,AM->SM", route, jax.nn.one_hot(token, M, dtype=x.dtype))
         rows = jnp.einsum("SM,MD->SD", dispatch, x, precision=jax.lax.Precision.HIGHEST,
-                          preferred_element_type=jnp.float32)  # exact: one 1 per row at most
-        rows = rows.astype(x.dtype).reshape(E, capacity, D)
+                          preferred_element_type=x.dtype)  # exact: one 1 per row at most
+        rows = rows.reshape(E, capacity, D)
     else:
         rows = jnp.zeros((E * capacity + 1, D), x.dtype).at[slot].set(x[token])
         rows = rows[:-1].reshape(E, capacity, D)
@@ -239,8 +239,9 @@ def _experts_grouped(x, expert, weight, w, scales, c, policy, capacity):
     if one_hot:  # out[m] = sum over m's assignments of weight * y[slot]
         weighted = route * weight.reshape(-1)[order][:, None].astype(route.dtype)  # [A, E*C]
         combine = jnp.einsum("AS,AM->MS", weighted, jax.nn.one_hot(token, M, dtype=y.dtype))
+        # each token's k terms summed in float32 inside the product, written once in y's dtype
         return jnp.einsum("MS,SD->MD", combine, y.reshape(E * capacity, D), precision=policy.precision,
-                          preferred_element_type=jnp.float32).astype(y.dtype)
+                          preferred_element_type=y.dtype)
     y = jnp.concatenate([y.reshape(E * capacity, D), jnp.zeros((1, D), y.dtype)])[slot]
     y = y * weight.reshape(-1)[order][:, None].astype(y.dtype)
     return jnp.zeros((M, D), y.dtype).at[token].add(y)
