@@ -37,7 +37,7 @@ from runner.engine.sampling import sample_seed
 from runner.engine.scheduler import Stats, _Live, finished
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # a row's sample is itself alone: `in` and `index` by identity
 class _Seq:
     """A sample in a row: what it computes before it samples (its prompt, then after a
     preemption the tokens it had), its table of pages, and when it was admitted."""
