@@ -53,6 +53,9 @@ class Rules:
 
     mesh: Mesh
     table: tuple[tuple[str, tuple[str, ...]], ...]
+    # The platform the programs are for, where it is not the mesh's devices' ("": theirs): a GPU
+    # deployment's programs lowered on CPU devices for their cost analysis (runner.tools.plan).
+    target: str = ""
 
     @classmethod
     def make(cls, mesh: Mesh, table: Mapping[str, Sequence[str]] | None = None) -> Rules:
@@ -108,7 +111,7 @@ class Rules:
     def platform(self) -> str:
         """The mesh's device platform (cpu, tpu, gpu), also for an AOT topology with no devices
         attached: where the process's default backend may be another."""
-        return self.mesh.devices.flat[0].platform
+        return self.target or self.mesh.devices.flat[0].platform
 
     def shards(self, logical: str | None) -> int:
         """How many pieces the rules cut a dimension with this logical name into."""

@@ -199,3 +199,27 @@ def test_a_deployment_that_does_not_fit_is_reported_before_any_cost(tmp_path):
     assert len(job.requests) == 1 and "engine" not in p.startup
     out = report([p], job, "max_tokens", 0.0)
     assert "config: DOES NOT RUN" in out and "does not run" in out.splitlines()[-1]
+
+
+def test_a_gpu_deployment_is_predicted_on_this_cpu(tmp_path):
+    """--gpu=h100 plans a GPU deployment with no GPU here: its programs are lowered on this CPU for
+    the GPU's kernels, so a prompt of 150 tokens is one mixed_256 (a step costs a GPU hundreds of
+    tokens' flops: the chunk is padded), where the CPU's own plan splits it into 16, 16, 64, 64;
+    each step costs the slower of its bytes at the H100's bandwidth and its flops at its peak."""
+    from tests.test_end_to_end import podrun, write_jsonl
+
+    rows = [{"id": i, "prompt_token_ids": list(range(1 + i, 151 + i)), "max_tokens": 20} for i in range(3)]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)  # no prefix shared: each prompt computed whole
+    common = ("--config.checkpoint.model=llama:tiny",
+              "--config.checkpoint.path=/no/such/checkpoint", f"--config.io.input={inp}",
+              "--config.generation.batch_size=4", "--config.generation.max_prompt_len=256",
+              "--config.generation.max_new_tokens=32", "--config.generation.kv_cache_gib=0",
+              f"--config.compilation_cache.dir={tmp_path / 'xla'}")
+    gpu = podrun("runner.tools.plan", "--config=configs/llama3_h100.py", *common, "--gpu=h100").stdout
+    assert "predicted for h100 (3350 GB/s HBM, 989 TFLOP/s" in gpu
+    programs = gpu[gpu.index("programs"):gpu.index("host (scheduler)")]
+    assert "mixed_256" in programs and "mixed_16 " not in programs and "mixed_64 " not in programs
+    cpu = podrun("runner.tools.plan", "--config=configs/cpu.py:/no/such/checkpoint", *common,
+                 "--config.mesh.data=1", "--config.mesh.num_cpu_devices=1").stdout
+    programs = cpu[cpu.index("programs"):cpu.index("host (scheduler)")]
+    assert "measured here" in cpu and "mixed_16 " in programs and "mixed_64 " in programs

@@ -5,6 +5,8 @@
         [--compare=generation.batch_size=4,8,16] [--price_per_chip_hour=1.2]
     python -m runner.tools.plan --config=configs/gptoss_v5e.py --config.io.input=requests.jsonl \
         --tokenizer=DIR --compare=mesh.tpu_topology=v5e:2x4,v5e:4x4      # predicted, no TPU here
+    python -m runner.tools.plan --config=configs/llama3_h100.py --config.io.input=requests.jsonl \
+        --tokenizer=DIR --gpu=h100                                       # predicted, no GPU here
 
 The request file is read and tokenized as runner.main reads it, and the job is simulated through
 the real PagedScheduler on a stand-in engine (runner/tools/simulate.py): each sample's completion
@@ -15,7 +17,8 @@ is timed as it runs here. A program's time per call is either
   checkpoint's weights (random ones of the same shapes when it is not here), every program the
   scheduler predicts compiled and called a few times at two fills of the pool; a decode step costs
   a + b x (positions its rows attend), a mixed step its chunk's measured time + b x the same; or
-- predicted (mesh.tpu_topology, compiled ahead of time by runner.tools.compile): a step costs
+- predicted (mesh.tpu_topology, compiled ahead of time by runner.tools.compile; or --gpu, the
+  programs lowered on this CPU for the GPU's kernels): a step costs
   max(bytes / HBM bandwidth, flops / peak), the bytes the floor it must read (the weights on a
   chip and the KV pages its rows attend), the flops XLA's cost analysis of the compiled program,
   plus a stated overhead per call.
@@ -67,10 +70,13 @@ if __name__ == "__main__":  # flags of this command only, so the module can be i
     _REPS = flags.DEFINE_integer("reps", 1, "timed calls of each program and fill (the median is used)")
     _TOKENIZER = flags.DEFINE_string("tokenizer", "", "a directory with the tokenizer, when "
                                      "checkpoint.path is not on this machine")
+    _GPU = flags.DEFINE_enum("gpu", "", ["", "h100", "h200"], "predict for this NVIDIA GPU (a "
+                             "deployment of GPUs, none of them here): the mesh's programs lowered "
+                             "on this machine's CPU for their flops")
 
 # Chips for predicted plans: (HBM GB/s, peak dense bf16 TFLOP/s, HBM GiB), from the vendors' sheets.
 CHIPS = {"v5e": (819, 197, 16), "v5p": (2765, 459, 95), "v6e": (1640, 918, 32),
-         "h100": (3350, 989, 80)}
+         "h100": (3350, 989, 80), "h200": (4800, 989, 141)}
 CALL_OVERHEAD_S = 100e-6  # predicted: a call's dispatch, its batch's transfer and its tokens' return
 LOAD_GBPS = 2.0  # predicted: the weights read from storage at this rate (all hosts together)
 SPENT: dict[str, float] = {}  # the plan's own time, by part
@@ -294,6 +300,31 @@ class Predicted(Costs):
                 f"XLA's cost analysis per chip (a decode call: one step; bytes not used, see docs/plan.md): {xla}"]
 
 
+def lowered_costs(s: Settings, model) -> tuple[PagedEngine, dict]:
+    """A GPU deployment's programs, none of its GPUs here: its engine built for the GPU's kernels
+    (XLA's, kernels.* off, as the shipped GPU configs run the paged engine) on this machine's CPU
+    devices as its mesh, each program lowered (not compiled) and XLA's cost analysis of it per
+    device (the lowered program is the whole mesh's: its flops over the devices)."""
+    import jax
+
+    from runner.job import build_engine
+    from runner.tools.compile import Compiled
+    from sharding.mesh import make_mesh
+    from sharding.rules import Rules
+
+    s = dataclasses.replace(s, policy=dataclasses.replace(s.policy, kernels=False))
+    devices = jax.devices("cpu")
+    rules = dataclasses.replace(Rules.make(make_mesh(s.mesh, devices), s.rules), target="gpu")
+    n = rules.mesh.size
+    engine = build_engine(s, model, model.abstract_params(rules, s.policy), rules, allocate=False)
+    out = {}
+    for name, lowered in engine.lower().items():
+        cost = lowered.cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        out[name] = Compiled(name, 0, 0, 0, 0, cost.get("flops", 0.0) / n, cost.get("bytes accessed", 0.0) / n)
+    return engine, out
+
+
 def chip_of(topology: str) -> str:
     kind = topology.split(":")[0].lower()
     if kind not in CHIPS:
@@ -328,9 +359,10 @@ class Plan:
 
 
 def plan_one(s: Settings, label: str, mode: str, loaded: Weights | None, job: Job | None,
-             completion: tuple, reps: int, startup: dict[str, float], tokenizer_dir: str = ""
-             ) -> tuple[Plan, Job]:
-    """The plan of one deployment: its engine, its fit, its costs, its simulated job."""
+             completion: tuple, reps: int, startup: dict[str, float], tokenizer_dir: str = "",
+             gpu: str = "") -> tuple[Plan, Job]:
+    """The plan of one deployment: its engine, its fit, its costs, its simulated job; predicted
+    for its TPU topology, or for `gpu` (a chip of CHIPS) when it has none."""
     from models.registry import Model
     from runner.job import build_engine
     from runner.tools.memory import describe, footprint
@@ -353,10 +385,14 @@ def plan_one(s: Settings, label: str, mode: str, loaded: Weights | None, job: Jo
                               else loaded.params, rules, allocate=loaded.params is not None)
         chips = rules.mesh.size
     else:
-        from runner.tools.compile import compile_deployment
+        if s.tpu_topology:
+            from runner.tools.compile import compile_deployment
 
-        engine, compiled = compile_deployment(s, model)
-        SPENT["AOT compile"] = SPENT.get("AOT compile", 0.0) + time.perf_counter() - t0
+            engine, compiled = compile_deployment(s, model)
+            SPENT["AOT compile"] = SPENT.get("AOT compile", 0.0) + time.perf_counter() - t0
+        else:
+            engine, compiled = lowered_costs(s, model)
+            SPENT["lowering"] = SPENT.get("lowering", 0.0) + time.perf_counter() - t0
         chips = engine.rules.mesh.size
         problems += [f"{c.name} does not fit a chip: {c.error}" for c in compiled.values() if c.error]
     if not isinstance(engine, PagedEngine):
@@ -385,7 +421,8 @@ def plan_one(s: Settings, label: str, mode: str, loaded: Weights | None, job: Jo
         from runner.tools.memory import page_bytes
         full, windowed = page_bytes(s, model, engine.rules)
         S = s.generation.page_size
-        costs = Predicted(chip_of(s.tpu_topology), compiled, f.weights, full / S, windowed / S, engine.window)
+        chip = chip_of(s.tpu_topology) if s.tpu_topology else gpu
+        costs = Predicted(chip, compiled, f.weights, full / S, windowed / S, engine.window)
         startup.pop("engine")  # this machine's AOT compile: the job's compiles are assumed cached
         startup["load (stated: weights at 2 GB/s)"] = f.total_weights / (LOAD_GBPS * 1e9)
     began = time.perf_counter()
@@ -465,7 +502,10 @@ def main(argv: list[str]) -> None:
         sys.exit("podrun plan: error: give --completion_from or --completion_tokens, not both")
     try:
         s = from_config(config)
-        mode = _MODE.value if _MODE.value != "auto" else ("predict" if s.tpu_topology else "measure")
+        gpu = _GPU.value if not s.tpu_topology else ""
+        mode = _MODE.value if _MODE.value != "auto" else ("predict" if s.tpu_topology or gpu else "measure")
+        if mode == "predict" and not (s.tpu_topology or gpu):
+            raise ValueError("a predicted plan is for a TPU topology (mesh.tpu_topology) or a GPU (--gpu=h100)")
         if _COMPLETION_FROM.value:
             results = read_results(_COMPLETION_FROM.value)
             completion = ("results", 0, results)
@@ -486,6 +526,12 @@ def main(argv: list[str]) -> None:
                              for v in values.split(",") if v]
         if mode == "predict":  # before the backend starts: CPU, libtpu for topologies only
             import runner.tools.compile  # noqa: F401
+        if mode == "predict" and gpu:  # the GPUs' meshes simulated on CPU devices, the largest compared
+            import jax
+
+            jax.config.update("jax_platforms", "cpu")
+            largest = max(from_config(c).mesh.size() or 1 for _, c in alternatives)
+            s = dataclasses.replace(s, num_cpu_devices=largest)
         setup_devices(s)
         startup, loaded = {}, None
         if mode == "measure":
@@ -507,7 +553,7 @@ def main(argv: list[str]) -> None:
         for label, c in alternatives:
             si = from_config(c)
             p, job = plan_one(si, label, mode, loaded, job, completion, _REPS.value, startup,
-                              _TOKENIZER.value)
+                              _TOKENIZER.value, gpu)
             plans.append(p)
     except (*USER_ERRORS, ValueError) as e:
         sys.exit(f"podrun plan: error: {e}")
