@@ -373,6 +373,32 @@ def test_parts_run_separately_then_merged_are_the_single_runs_file(model, tmp_pa
         "(this run: 1): delete it, or run with the settings it was written with")
 
 
+def assert_same_but_float_ties(model, inp, got, want) -> None:
+    """got's lines are want's, in order, none lost or twice; a greedy line of a replica on another
+    mesh may differ only from a token where the model's two best logits tie within float32's
+    error (transformers' logits, 1e-4 apart at most): the replicas' meshes sum in other orders."""
+    import torch
+    import transformers
+
+    got, want = got.read_text().splitlines(), want.read_text().splitlines()
+    assert [json.loads(x)["id"] for x in got] == [json.loads(x)["id"] for x in want]
+    requests = {r["id"]: r for r in map(json.loads, open(inp))}
+    hf = None
+    for a, b in zip(got, want):
+        if a == b:
+            continue
+        a, b = json.loads(a), json.loads(b)
+        r = requests[a["id"]]
+        assert r.get("temperature", 0) == 0, (a, b)  # sampled lines are the same
+        i = next(i for i, (x, y) in enumerate(zip(a["token_ids"], b["token_ids"])) if x != y)
+        assert a["token_ids"][:i] == b["token_ids"][:i]
+        hf = hf or transformers.AutoModelForCausalLM.from_pretrained(model / "hf").eval()
+        with torch.no_grad():
+            logits = hf(torch.tensor([r["prompt_token_ids"] + a["token_ids"][:i]])).logits[0, -1]
+        x, y = a["token_ids"][i], b["token_ids"][i]
+        assert abs(float(logits[x] - logits[y])) < 1e-4 and float(logits.max() - logits[x]) < 1e-4, (a["id"], i)
+
+
 # Replicas as Kubernetes runs them: an Indexed Job of 16 completions, 4 pods at a time, each pod
 # given its index in JOB_COMPLETION_INDEX, a pod killed at any moment retried with its index.
 REPLICAS = {  # slices of different sizes and engines; one of them two processes on data x model
@@ -422,7 +448,7 @@ def test_replicas_killed_at_random_and_retried_write_the_single_runs_file(model,
                 index = todo.popleft()
                 # half the starts are killed (8 at most): at a random moment, or while generating
                 doomed = kills < 8 and rng.random() < 0.5
-                kill_at = (time.monotonic() + rng.uniform(1, 15) if rng.random() < 0.5 else -rng.uniform(0.1, 3)) \
+                kill_at = (time.monotonic() + rng.uniform(1, 15) if rng.random() < 0.5 else -rng.uniform(0.05, 0.5)) \
                     if doomed else float("inf")
                 running[kind] = (index, start(kind, index), kill_at)
         time.sleep(0.2)
@@ -445,7 +471,7 @@ def test_replicas_killed_at_random_and_retried_write_the_single_runs_file(model,
                 del running[kind]
     print(f"{kills} kills, {resumed} with results in their partial file")
     assert kills >= 3 and resumed >= 1 and sorted(set(finished)) == list(range(16))
-    assert out.read_bytes() == (tmp_path / "one.jsonl").read_bytes()  # none lost, none twice, in order
+    assert_same_but_float_ties(model, inp, out, tmp_path / "one.jsonl")
     status = podrun("runner.tools.merge", *run_args(model, inp, out, "--config.io.parts=16", "--status")).stdout
     assert status.splitlines()[0] == f"16 parts of {out}: 16 done, 0 started, 0 failed, 0 pending"
     assert status.splitlines()[-1].startswith("retried: part ")  # a kill while generating, at least
