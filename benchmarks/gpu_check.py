@@ -12,6 +12,8 @@ little is skipped and says so), in this order, the targets' figures first (--ste
               token ids, no stop) through the paged engine, 256 rows, from random weights; total
               tokens/s over the generation less the calls' waits for compilation (the programs
               compile on a thread while the first calls run; vLLM's figure excludes compilation)
+  plan        python -m runner.tools.plan of the throughput job, its programs measured on this card:
+              its predicted generation time against the run's (the target: within 25%)
   attention_kernel  cuDNN's prefill attention against XLA's on the GPU, both timed at 4,096 tokens
               (if it fails, every later step runs with kernels.cudnn_prefill=False)
   decode_kernel  the Pallas (Triton) decode attention against XLA's on the GPU, both timed on one
@@ -197,6 +199,14 @@ def summarise(results: dict) -> tuple[dict, str]:
                      f"{throughput.get('engine_compile_wait_s', 0.0):.1f} s waiting for compilation: "
                      f"{'-' if tps is None else f'{tps:.0f}'} total tokens/s (vLLM's on an H100: "
                      f"about 12,500), rows {100 * throughput['utilisation']:.1f}% used")
+    plan = results.get("plan", {}).get("records")
+    if isinstance(throughput, dict) and isinstance(plan, list) and "generate_s" in plan[0]:
+        # runner.tools.plan's prediction of the throughput job's generation (measured programs
+        # on this card; issue 44: within 25%), the run's less its waits for compilation
+        run_s = throughput["generate_s"] - throughput.get("engine_compile_wait_s", 0.0)
+        targets["plan_over_run_generate_s"] = plan[0]["generate_s"] / run_s if run_s > 0 else None
+        lines.append(f"plan of the throughput job: {plan[0]['generate_s']:.1f} s of generation "
+                     f"predicted, {run_s:.1f} s run")
     job = results.get("job", {}).get("records")
     if isinstance(job, dict):
         lines.append("")
@@ -335,7 +345,7 @@ def decode_check() -> dict:
     return out
 
 
-STEPS = ("throughput", "decode", "peer", "prefill", "decode_pallas", "fused", "scan_dsf", "job", "gptoss",
+STEPS = ("throughput", "plan", "decode", "peer", "prefill", "decode_pallas", "fused", "scan_dsf", "job", "gptoss",
          "prefill_xla")
 
 
@@ -424,9 +434,16 @@ def main() -> None:
     # the targets' figures first: vLLM's throughput workload, decode, transformers on the same
     # shapes, prefill
     length = 16 if small else 256
-    job("throughput", length, length, f"--config.generation.batch_size={8 if small else 256}",
-        "--config.generation.page_size=16", f"--config.generation.kv_cache_gib={0 if small else 40}",
-        "--config.programs.scan_layers=False", uniform=True)
+    shape = (f"--config.generation.batch_size={8 if small else 256}", "--config.generation.page_size=16",
+             f"--config.generation.kv_cache_gib={0 if small else 40}", "--config.programs.scan_layers=False")
+    job("throughput", length, length, *shape, uniform=True)
+    if "throughput" in chosen and "plan" in chosen:  # the same job planned here, its file kept
+        path = os.path.join(work, "plan.json")
+        steps.run("plan", [sys.executable, "-m", "runner.tools.plan", f"--config={cfg}",
+                           f"--config.io.input={os.path.join(work, 'throughput_requests.jsonl')}",
+                           *over, f"--config.generation.max_prompt_len={length}",
+                           f"--config.generation.max_new_tokens={length}", *shape, f"--json={path}"],
+                  60, path)
     decode("decode", batches)
     if not small and "peer" in chosen:  # a process per batch size: in one, the recompile for
         # batch 64 outlasted the budget (2026-11-26), where batch 1 compiled in 50 s

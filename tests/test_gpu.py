@@ -161,8 +161,8 @@ def test_the_device_check_runs_its_steps_on_a_tiny_model(tmp_path):
     steps = got["steps"]
     # no cuDNN and no Triton on a CPU: the later steps run with XLA's attention
     assert steps["attention_kernel"]["rc"] != 0 and steps["decode_kernel"]["rc"] != 0
-    for name in ("preflight", "tiny", "throughput", "decode", "prefill", "fused", "scan_dsf", "job",
-                 "gptoss"):
+    for name in ("preflight", "tiny", "throughput", "plan", "decode", "prefill", "fused", "scan_dsf",
+                 "job", "gptoss"):
         assert steps[name]["rc"] == 0, (name, steps[name].get("log_tail"))
     assert "decode_pallas" not in steps
     assert "--config.kernels.cudnn_prefill=False" in steps["decode"]["command"]
@@ -174,6 +174,10 @@ def test_the_device_check_runs_its_steps_on_a_tiny_model(tmp_path):
     throughput = steps["throughput"]["records"]
     assert throughput["completion_tokens"] == 40 * 16 == steps["throughput"]["workload"]["max_tokens"]
     assert throughput["engine_pages"] > 0 and got["summary"]["targets"]["throughput_total_tokens_per_s"] > 0
+    # the same job planned on the same devices: its schedule's tokens, and the plan against the run
+    [plan] = steps["plan"]["records"]
+    assert plan["completion_tokens"] == throughput["completion_tokens"] and plan["generate_s"] > 0
+    assert got["summary"]["targets"]["plan_over_run_generate_s"] > 0
     assert sorted(os.listdir(out)) == ["gpu_check.json", "gpu_check.log", "gpu_check.md"]
 
 

@@ -146,7 +146,7 @@ def test_the_command_prints_a_table_of_alternatives(tmp_path):
                "--config.generation.batch_size=2", "--config.generation.max_prompt_len=32",
                "--config.generation.max_new_tokens=32", f"--config.compilation_cache.dir={tmp_path / 'xla'}",
                "--completion_tokens=10", "--compare=generation.batch_size=1,4", "--reps=1",
-               "--price_per_chip_hour=3.5")
+               "--price_per_chip_hour=3.5", f"--json={tmp_path / 'plan.json'}")
     out = p.stdout
     assert "1 requests the job refuses" in out and "too_long" in out
     assert out.index("refuses") < out.index("programs")
@@ -155,9 +155,12 @@ def test_the_command_prints_a_table_of_alternatives(tmp_path):
     assert f"{want} completion tokens" in out
     table = out[out.index("deployment"):].splitlines()[1:]
     assert [line.split()[0] for line in table[:3]] == ["config", "batch_size=1", "batch_size=4"]
-    for line in table[:3]:
+    records = json.loads((tmp_path / "plan.json").read_text())
+    assert [r["label"] for r in records] == ["config", "batch_size=1", "batch_size=4"]
+    for line, r in zip(table[:3], records):
         wall, _, _, hours, cost = (float(x) for x in line.split()[1:6])
         assert wall > 0 and cost == pytest.approx(hours * 3.5, abs=0.01)
+        assert r["wall_s"] == pytest.approx(wall, abs=0.05) and r["completion_tokens"] == want
 
 
 def test_a_predicted_step_is_the_slower_of_its_bytes_and_its_flops():

@@ -70,6 +70,7 @@ if __name__ == "__main__":  # flags of this command only, so the module can be i
     _REPS = flags.DEFINE_integer("reps", 1, "timed calls of each program and fill (the median is used)")
     _TOKENIZER = flags.DEFINE_string("tokenizer", "", "a directory with the tokenizer, when "
                                      "checkpoint.path is not on this machine")
+    _JSON = flags.DEFINE_string("json", "", "also write each deployment's figures to this file (JSON)")
     _GPU = flags.DEFINE_enum("gpu", "", ["", "h100", "h200"], "predict for this NVIDIA GPU (a "
                              "deployment of GPUs, none of them here): the mesh's programs lowered "
                              "on this machine's CPU for their flops")
@@ -347,6 +348,17 @@ class Plan:
     def wall_s(self) -> float:
         return sum(self.startup.values()) + self.outcome.generate_s
 
+    def record(self, price: float) -> dict:
+        """The row's figures, for --json."""
+        if self.problems or self.outcome is None:
+            return {"label": self.label, "problems": self.problems}
+        o, hours = self.outcome, self.wall_s * self.chips / 3600
+        return {"label": self.label, "wall_s": self.wall_s, "generate_s": o.generate_s,
+                "startup_s": sum(self.startup.values()), "first_result_s": o.first_result_s,
+                "completion_tokens": o.completion_tokens, "prompt_tokens": o.stats.prompt_tokens,
+                "calls": len(o.calls), "chips": self.chips, "chip_hours": hours,
+                "cost": hours * price if price else None, "preemptions": o.stats.preemptions}
+
     def row(self, price: float) -> str:
         if self.problems or self.outcome is None:
             return f"  {self.label:<28} does not run: {self.problems[0].splitlines()[0]}"
@@ -558,6 +570,11 @@ def main(argv: list[str]) -> None:
     except (*USER_ERRORS, ValueError) as e:
         sys.exit(f"podrun plan: error: {e}")
     print(report(plans, job, assumption, _PRICE.value))
+    if _JSON.value:
+        import json
+
+        with open(_JSON.value, "w") as f:
+            json.dump([p.record(_PRICE.value) for p in plans], f, indent=1)
     parts = ", ".join(f"{k} {v:.1f} s" for k, v in SPENT.items())
     print(f"planned in {_process_age():.1f} s ({parts}; the rest: imports, load, tokenizing, engines)")
 
