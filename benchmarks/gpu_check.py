@@ -345,8 +345,8 @@ def decode_check() -> dict:
     return out
 
 
-STEPS = ("throughput", "plan", "decode", "peer", "prefill", "decode_pallas", "fused", "scan_dsf", "job", "gptoss",
-         "prefill_xla")
+STEPS = ("throughput", "plan", "decode", "peer", "prefill", "decode_pallas", "fused", "scan_dsf", "job",
+         "gptoss", "prefill_xla")
 
 
 def main() -> None:

@@ -515,9 +515,11 @@ def main(argv: list[str]) -> None:
     try:
         s = from_config(config)
         gpu = _GPU.value if not s.tpu_topology else ""
-        mode = _MODE.value if _MODE.value != "auto" else ("predict" if s.tpu_topology or gpu else "measure")
-        if mode == "predict" and not (s.tpu_topology or gpu):
-            raise ValueError("a predicted plan is for a TPU topology (mesh.tpu_topology) or a GPU (--gpu=h100)")
+        absent = bool(s.tpu_topology or gpu)  # the deployment's devices are not these
+        mode = _MODE.value if _MODE.value != "auto" else ("predict" if absent else "measure")
+        if mode == "predict" and not absent:
+            raise ValueError("a predicted plan is for a TPU topology (mesh.tpu_topology) or a GPU "
+                             "(--gpu=h100)")
         if _COMPLETION_FROM.value:
             results = read_results(_COMPLETION_FROM.value)
             completion = ("results", 0, results)
