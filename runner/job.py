@@ -279,7 +279,7 @@ def _generate(s: Settings, lines: list, fmt, results: Results, chat_template, lo
 
     run = scheduler(engine, [p.request() for p in todo], stop_ids, stop_check, g.longest_first)
     if params is None:
-        engine.prepare(run.programs())
+        run.prepare()
         try:
             engine.load(restore(s, meta, rules))
         except BaseException:

@@ -84,6 +84,7 @@ class PagedScheduler:
         self._names: dict[int, list[bytes]] = {}  # each request's full prompt pages' digests
         self._ended: dict[int, dict[int, Completion]] = {}
         self._plan: list[tuple[int, int]] = [(0, 0)]  # _piece's costs, from 0 tokens up
+        self._prepared = False
 
     def _digests(self, i: int) -> list[bytes]:
         if i not in self._names:
@@ -116,10 +117,17 @@ class PagedScheduler:
                 left -= C
         return list(dict.fromkeys(out + decode))
 
+    def prepare(self) -> None:
+        """Hands the programs this job will likely run to the engine's compiling thread, once
+        (a job does it before its weights restore; run does it otherwise)."""
+        if not self._prepared:
+            self._prepared = True
+            self.engine.prepare(self.programs())
+
     def run(self, on_done: Callable[[list[tuple[int, list[Completion]]]], None]) -> Stats:
         """Generates every request; on_done gets the requests that ended in each call, as they
         end: (index, its samples' completions in sample order)."""
-        self.engine.prepare(self.programs())
+        self.prepare()
         waited = self.engine.compile_wait_s
         try:
             return self._run(on_done)
