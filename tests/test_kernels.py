@@ -867,3 +867,108 @@ def test_pallas_write_pages_writes_each_slot_once_in_interpret_mode(monkeypatch)
     f = tpu.fold(H)
     got = tpu.write_pages(folded(pool, f), new, slots, interpret=True)
     np.testing.assert_array_equal(np.asarray(got).reshape(P, K, S, H), want)
+
+
+# --- the paged engine's GPU (Triton) kernel, in Pallas' interpreter -------------------------------
+
+
+def ragged_step_case(G: int, H: int, C: int, seed: int):
+    """A ragged step as the paged engine lays it out, over a pool of 128 pages of S = 4 slots and
+    K = 2 kv heads: R = 5 rows, their decode tokens first (row 1 idle, row 3 prefilling), then C
+    tokens of row 3's prompt, its positions 90 to 90 + C - 1 (several of them padding at the end).
+    Rows hold 150, 70, 0, 90 + C and 9 positions, rows 0 and 4 sharing their first two pages.
+    Pages no table names, slots past a row's last position and table entries past its last page
+    (-1, 1000) hold NaN or garbage: a kernel that reads any of them gives NaN or fails."""
+    rng = np.random.default_rng(seed)
+    P, K, S, M, f32 = 128, 2, 4, 48, np.float32
+    N = K * G
+    held = [150, 70, 0, 90 + C, 9]
+    order = iter(rng.permutation(P - 8))  # pages 120-127 in no table
+    tables = np.full((5, M), -1, np.int32)
+    for r, n in enumerate(held):
+        for i in range(-(-n // S)):
+            tables[r, i] = next(order)
+    tables[4, :2] = tables[0, :2]  # a shared prefix
+    tables[1, 20:] = 1000
+    k_pages, v_pages = (rng.standard_normal((P, K, S, H)).astype(f32) for _ in range(2))
+    for pages in (k_pages, v_pages):
+        pages[120:] = np.nan
+        for r, n in enumerate(held):
+            if n % S:
+                pages[tables[r, n // S], :, n % S:] = np.nan
+    padding = 3 if C > 3 else 0
+    q_pos = np.concatenate([[149, -1, -1, -1, 8], 90 + np.arange(C - padding), [-1] * padding])
+    rows = np.concatenate([np.arange(5), np.full(C, 3)])
+    q = rng.standard_normal((len(q_pos), N, H)).astype(f32)
+    return q, k_pages, v_pages, tables, rows.astype(np.int32), q_pos.astype(np.int32)
+
+
+@pytest.mark.parametrize("G,H,C,window,with_sinks", [
+    (4, 64, 0, None, False),  # decode rows alone
+    (1, 32, 40, None, True),  # a chunk of one block of rows
+    (3, 64, 50, 37, True),  # G no power of two, rows of a block over several tokens, a window
+    (8, 128, 20, 100, False)],  # GPT-OSS's groups
+    ids=["decode-G4", "chunk-G1-sinks", "chunk-G3-window-sinks", "chunk-G8-window"])
+@pytest.mark.parametrize("programs", [512, 1], ids=["split", "unsplit"])
+def test_gpu_paged_attention_matches_numpy_in_interpret_mode(G, H, C, window, with_sinks, programs):
+    """models/kernels/gpu.paged_attention, run by Pallas' interpreter on CPU, against numpy over
+    each query's positions gathered through its table: decode rows over several steps of pages
+    (split over programs, or each row's in one), idle rows and padding (zeros), a chunk's rows of
+    (token, head) pairs, shared pages, windows, sinks, and garbage wherever no query looks."""
+    from models.kernels import gpu
+
+    q, k_pages, v_pages, tables, rows, q_pos = ragged_step_case(G, H, C, seed=G * 100 + C)
+    sinks = np.random.default_rng(G).standard_normal(q.shape[1]).astype(np.float32) if with_sinks else None
+    got = np.asarray(gpu.paged_attention(q, k_pages, v_pages, tables, rows, q_pos, sinks, window,
+                                         0.3, interpret=True, programs=programs))
+    want = np_paged_attention(q, k_pages, v_pages, tables, rows, q_pos, sinks, window, 0.3)
+    assert np.isfinite(got).all()
+    np.testing.assert_array_equal(got[q_pos < 0], 0.0)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv", ["bfloat16", "int8"])
+def test_gpu_paged_attention_over_bf16_and_int8_pages(kv):
+    """bfloat16 queries over bfloat16 pages, or int8 ones with a scale per slot and head, against
+    numpy over the same (dequantised) values; NaN slots keep NaN scales."""
+    from models.kernels import gpu
+
+    q, k_pages, v_pages, tables, rows, q_pos = ragged_step_case(4, 64, 24, seed=5)
+    bf = lambda x: np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
+    q = bf(q)
+    if kv == "int8":
+        (kq, ks), (vq, vs) = (quantize_slots(np.where(np.isnan(x), 1.0, x)) for x in (k_pages, v_pages))
+        for s, x in ((ks, k_pages), (vs, v_pages)):
+            s[np.isnan(x).any(-1)] = np.nan
+        pages, scales = (kq, vq), (ks, vs)
+        k_pages, v_pages = kq * ks[..., None], vq * vs[..., None]
+    else:
+        k_pages, v_pages = bf(k_pages), bf(v_pages)
+        pages, scales = (jnp.asarray(k_pages, jnp.bfloat16), jnp.asarray(v_pages, jnp.bfloat16)), ()
+    got = gpu.paged_attention(jnp.asarray(q, jnp.bfloat16), *pages, tables, rows, q_pos, None, None,
+                              0.125, *scales, interpret=True)
+    want = np_paged_attention(q, k_pages, v_pages, tables, rows, q_pos, None, None, 0.125)
+    got = np.asarray(got.astype(jnp.float32))
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("K,G,H,kv,window,chunk", [(8, 4, 128, "bfloat16", None, 256),
+                                                   (8, 8, 64, "bfloat16", 128, 64),
+                                                   (8, 4, 128, "int8", None, 0)])
+def test_gpu_paged_attention_lowers_to_triton_for_cuda(K, G, H, kv, window, chunk):
+    """At the H100 configs' shapes (Llama-3.1-8B's heads over a pool of pages of 16, 256 rows and
+    a chunk of 256; GPT-OSS's with a window and sinks; an int8 pool), Pallas lowers the step to
+    a Triton kernel call for its decode rows and one for its chunk. Compiling them to PTX needs
+    the GPU (benchmarks/gpu_check.py)."""
+    from models.kernels import gpu
+
+    sd, bf, R, P, S, M = jax.ShapeDtypeStruct, jnp.bfloat16, 256, 4096, 16, 768
+    T = R + chunk
+    pool = sd((P, K, S, H), jnp.int8 if kv == "int8" else bf)
+    args = (sd((T, K * G, H), bf), pool, pool, sd((R, M), jnp.int32), sd((T,), jnp.int32),
+            sd((T,), jnp.int32), sd((K * G,), jnp.float32) if window else None)
+    scales = (sd((P, K, S), jnp.float32),) * 2 if kv == "int8" else ()
+    step = jax.jit(lambda *a: gpu.paged_attention(*a[:7], window, H**-0.5, *a[7:]))
+    text = step.trace(*args, *scales).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == (2 if chunk else 1)
