@@ -7,13 +7,20 @@
 Each step is one command, run with what is left of the budget (a step that would start with too
 little is skipped and says so), in this order, the targets' figures first (--steps picks some):
   preflight   jax sees the GPU; a tiny model runs through runner.tools.bench (else the check stops)
+  paged_kernel  the paged engine's Triton attention over pages against XLA's on the GPU, both
+              timed on one layer: 256 rows of a job's lengths (with and without a chunk), 256 rows
+              of 512, one of 4,096; the throughput step runs the faster
+              (kernels.pallas_attention)
   throughput  vLLM's throughput workload (its PR #7117 on an H100: about 12.5k total tokens/s):
               --requests requests of 256 prompt and 256 new tokens (every answer runs its 256:
               token ids, no stop) through the paged engine, 256 rows, from random weights; total
               tokens/s over the generation less the calls' waits for compilation (the programs
               compile on a thread while the first calls run; vLLM's figure excludes compilation)
+              with the attention over pages paged_kernel found faster
   plan        python -m runner.tools.plan of the throughput job, its programs measured on this card:
               its predicted generation time against the run's (the target: within 25%)
+  throughput_ab  the throughput job again with the other attention over pages (the kernel's
+              against XLA's over a whole job)
   attention_kernel  cuDNN's prefill attention against XLA's on the GPU, both timed at 4,096 tokens
               (if it fails, every later step runs with kernels.cudnn_prefill=False)
   decode_kernel  the Pallas (Triton) decode attention against XLA's on the GPU, both timed on one
@@ -215,7 +222,17 @@ def summarise(results: dict) -> tuple[dict, str]:
                      f"{job['tokens_per_s']:.0f} completion tokens/s, rows {100 * job['utilisation']:.1f}% "
                      f"used, ttft {job['ttft_median_s']:.3f} / {job['ttft_p99_s']:.3f} s, latency "
                      f"{job['latency_median_s']:.2f} / {job['latency_p99_s']:.2f} s (median / p99)")
-    for check in ("attention_kernel", "decode_kernel"):
+    ab = results.get("throughput_ab", {}).get("records")
+    if isinstance(throughput, dict) and isinstance(ab, dict):
+        # the whole job with the Triton attention over pages against XLA's
+        kernel, xla = ((throughput, ab) if "pallas_attention=True" in results["throughput"]["command"]
+                       else (ab, throughput))
+        a, b = total_tokens_per_s(kernel), total_tokens_per_s(xla)
+        targets["throughput_paged_kernel_over_xla"] = a / b if a and b else None
+        lines.append(f"throughput, attention over pages in the Triton kernel: "
+                     f"{'-' if a is None else f'{a:.0f}'} total tokens/s; in XLA: "
+                     f"{'-' if b is None else f'{b:.0f}'}")
+    for check in ("paged_kernel", "attention_kernel", "decode_kernel"):
         if isinstance(results.get(check, {}).get("records"), dict):
             lines.append(f"{check}: {json.dumps(results[check]['records'])}")
     lines += ["", "targets: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} -"
@@ -345,7 +362,88 @@ def decode_check() -> dict:
     return out
 
 
-STEPS = ("throughput", "plan", "decode", "peer", "prefill", "decode_pallas", "fused", "scan_dsf", "job",
+def paged_check() -> dict:
+    """The paged engine's Triton attention over pages (models/kernels/gpu.paged_attention) on the
+    GPU against XLA's (models/paged.py: blocks of pages gathered, every row read up to the step's
+    longest) in float32, then both timed on one layer of Llama-3.1-8B's heads in bfloat16 over
+    pages of 16: 256 decode rows holding 16 to 1,536 tokens, log-uniform (a job's), alone and
+    beside a chunk of 256 prompt tokens; 256 rows of 512 (vLLM's throughput workload at its end);
+    one row of 4,096. "faster" says whether the kernel took less time on both of the job's cases;
+    held_gbps is the bytes of the keys and values the rows hold over the kernel's time."""
+    sys.path.insert(0, ROOT)
+    from runner.log import quiet
+
+    quiet()
+    import types
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from models import paged
+    from models.kernels import gpu
+    from models.policy import Policy
+
+    K, G, H, S = 8, 4, 128, 16
+
+    def case(lengths, chunk, dtype, seed):
+        """Rows holding `lengths` tokens, each decoding its next; with a chunk, the last row instead
+        holds 1,000 + chunk tokens and its chunk's queries follow the rows'."""
+        rng = np.random.default_rng(seed)
+        R = len(lengths)
+        held = list(lengths[:-1]) + [1000 + chunk if chunk else lengths[-1]]
+        need = [-(-n // S) for n in held]
+        P, M = sum(need) + 8, max(need)
+        order = rng.permutation(P)
+        tables = np.zeros((R, M), np.int32)
+        at = 0
+        for r, n in enumerate(need):
+            tables[r, :n] = order[at: at + n]
+            at += n
+        q_pos = np.array([n - 1 for n in held], np.int32)
+        rows = np.arange(R)
+        if chunk:
+            q_pos[-1] = -1
+            q_pos = np.concatenate([q_pos, 1000 + np.arange(chunk, dtype=np.int32)])
+            rows = np.concatenate([rows, np.full(chunk, R - 1)])
+        keys = jax.random.split(jax.random.key(seed), 3)
+        q = jax.random.normal(keys[0], (len(q_pos), K * G, H), dtype)
+        kc, vc = (jax.random.normal(k, (P, K, S, H), dtype) for k in keys[1:])
+        held_bytes = 2 * sum(held) * K * H * jnp.dtype(dtype).itemsize
+        return (q, kc, vc, jnp.asarray(tables), jnp.asarray(rows, jnp.int32), jnp.asarray(q_pos)), held_bytes
+
+    def xla(q, kc, vc, tables, rows, q_pos, policy):  # one group of the engine's layout
+        cache = types.SimpleNamespace(positions=q_pos[None], rows=rows[None])
+        return paged._xla(q[None], kc[None], vc[None], None, None, tables[None], cache, policy,
+                          None, None, H**-0.5)[0]
+
+    def kernel(q, kc, vc, tables, rows, q_pos):
+        return gpu.paged_attention(q, kc, vc, tables, rows, q_pos, None, None, H**-0.5)
+
+    args, _ = case([500, 37, 1, 250, 90], 100, jnp.float32, 0)
+    want = np.asarray(jax.jit(xla, static_argnums=6)(*args, Policy()))
+    bf = [a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a for a in args]
+    got = np.asarray(jax.jit(kernel)(*bf)).astype(np.float32)
+    out = {"rel_error_bf16_vs_f32": float(np.linalg.norm(got - want) / np.linalg.norm(want)),
+           "finite": bool(np.isfinite(got).all())}
+    if not (out["finite"] and out["rel_error_bf16_vs_f32"] < 2e-2):
+        raise SystemExit(f"the Triton attention over pages disagrees with XLA's: {out}")
+    policy = Policy(params="bfloat16", activations="bfloat16", matmul="default")
+    rng = np.random.default_rng(1)
+    job = np.exp(rng.uniform(np.log(16), np.log(1536), 256)).astype(int).tolist()
+    for name, lengths, chunk in (("job_b256", job, 0), ("job_b256_chunk256", job, 256),
+                                 ("uniform_b256_s512", [512] * 256, 0), ("b1_s4096", [4096], 0)):
+        a, held = case(lengths, chunk, jnp.bfloat16, 2)
+        ms = timed_ms(jax.jit(kernel), *a)
+        out[name] = {"xla_ms": timed_ms(jax.jit(lambda *a: xla(*a, policy)), *a), "pallas_ms": ms,
+                     "held_gbps": held / ms / 1e6}
+    out["faster"] = all(out[c]["pallas_ms"] < out[c]["xla_ms"] for c in ("job_b256", "job_b256_chunk256"))
+    print(json.dumps(out))
+    return out
+
+
+CHECKS = {"paged": paged_check, "attention": attention_check, "decode": decode_check}
+STEPS = ("throughput", "plan", "throughput_ab", "decode", "peer", "prefill", "decode_pallas", "fused", "scan_dsf", "job",
          "gptoss", "prefill_xla")
 
 
@@ -360,10 +458,10 @@ def main() -> None:
                          "and the kernels' checks always run)")
     ap.add_argument("--small", action="store_true",
                     help="a tiny model and small shapes, to try the script anywhere (CPU too)")
-    ap.add_argument("--kernel_check", choices=("attention", "decode"), help=argparse.SUPPRESS)
+    ap.add_argument("--kernel_check", choices=tuple(CHECKS), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.kernel_check:
-        result = (attention_check if args.kernel_check == "attention" else decode_check)()
+        result = CHECKS[args.kernel_check]()
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
         return
@@ -391,13 +489,17 @@ def main() -> None:
             json.dump({"steps": steps.results}, f, indent=1)
         sys.exit("gpu_check: error: no GPU, or podrun fails on it; see gpu_check.json")
     over = ["--config.checkpoint.model=llama:tiny", "--config.programs.scan_layers=True"] if small else []
-    for check in ("attention", "decode"):  # a kernel that fails here is left out of every later step
+    for check in CHECKS:  # a kernel that fails here is left out of every later step
         path = os.path.join(work, f"{check}_kernel.json")
         steps.run(f"{check}_kernel", [sys.executable, __file__, f"--kernel_check={check}",
                                       f"--out={path}"], 1, path)
     if steps.results["attention_kernel"]["rc"] != 0:  # cuDNN's kernel failed here: XLA's attention
         over.append("--config.kernels.cudnn_prefill=False")
     pallas = steps.results["decode_kernel"]["rc"] == 0
+    # the paged engine's attention: the Triton kernel (kernels.pallas_attention) where it ran and
+    # read a job's pages faster than XLA's
+    paged_ok = steps.results["paged_kernel"]["rc"] == 0
+    paged_faster = paged_ok and steps.results["paged_kernel"]["records"]["faster"]
     batches = "1,2,4" if small else "1,64,256"
     prompt, n = (PROMPT // 8, 16) if small else (PROMPT, NEW)
     prefill = "64,256" if small else "1024,4096"
@@ -436,7 +538,8 @@ def main() -> None:
     length = 16 if small else 256
     shape = (f"--config.generation.batch_size={8 if small else 256}", "--config.generation.page_size=16",
              f"--config.generation.kv_cache_gib={0 if small else 40}", "--config.programs.scan_layers=False")
-    job("throughput", length, length, *shape, uniform=True)
+    job("throughput", length, length, *shape,
+        *([f"--config.kernels.pallas_attention={paged_faster}"] if paged_ok else []), uniform=True)
     if "throughput" in chosen and "plan" in chosen:  # the same job planned here, its file kept
         path = os.path.join(work, "plan.json")
         steps.run("plan", [sys.executable, "-m", "runner.tools.plan", f"--config={cfg}",
@@ -444,6 +547,9 @@ def main() -> None:
                            *over, f"--config.generation.max_prompt_len={length}",
                            f"--config.generation.max_new_tokens={length}", *shape, f"--json={path}"],
                   60, path)
+    if paged_ok and "throughput" in chosen:  # the same job with the other attention over pages
+        job("throughput_ab", length, length, *shape,
+            f"--config.kernels.pallas_attention={not paged_faster}", uniform=True)
     decode("decode", batches)
     if not small and "peer" in chosen:  # a process per batch size: in one, the recompile for
         # batch 64 outlasted the budget (2026-11-26), where batch 1 compiled in 50 s

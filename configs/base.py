@@ -52,8 +52,10 @@ def base_config() -> ConfigDict:
         "enabled": True,
         # TPU and NVIDIA GPUs: decode attention in the Pallas kernel (off: XLA's attention). On TPU
         # XLA's avoids a copy of each layer's cache per step that the kernel still causes (see
-        # models/policy.Policy); on a GPU the kernel reads each row's cache only up to its last
-        # filled slot (models/kernels/gpu.py), where XLA's reads all of it.
+        # models/policy.Policy); on a GPU the kernels read each row's cache, or the paged engine's
+        # pages, only up to its last filled slot (models/kernels/gpu.py), where XLA's reads all of
+        # it (the paged engine: every row as far as the step's longest). The paged engine's TPU
+        # kernels follow kernels.enabled alone.
         "pallas_attention": False,
         # TPU: prefill attention in a Pallas flash kernel (models/kernels/tpu.py), which never
         # holds a prompt's [T, T] scores in HBM, where XLA's attention keeps them as temporaries.

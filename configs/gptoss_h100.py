@@ -11,9 +11,10 @@ Fit (python -m runner.tools.memory --config=configs/gptoss_h100.py --mean_tokens
 weights and a pool of 28 GiB of 16-token pages (1.1M tokens: 256 rows of 4,400 on average; the
 sliding-window layers keep a pool of their own holding each row's 128-token window), 84% of the
 card before activations. The paged engine (docs/paged-engine.md) decodes up to 256 rows a step
-beside a chunk of up to 256 prompt tokens; attention over the pages is XLA's on a GPU, not yet a
-kernel. The experts run as XLA's dense products over buckets of routed tokens; the Pallas
-grouped matmul (kernels.pallas_moe) is a TPU kernel. The layers are unrolled, as
+beside a chunk of up to 256 prompt tokens; attention over the pages is XLA's, or with
+--config.kernels.pallas_attention=True a Triton kernel (off until timed on a GPU). The experts
+run as XLA's dense products over buckets of routed tokens; the Pallas grouped matmul
+(kernels.pallas_moe) is a TPU kernel. The layers are unrolled, as
 configs/llama3_h100.py explains. Not yet measured on a GPU: benchmarks/gpu_check.py's gptoss step.
 """
 

@@ -15,7 +15,8 @@ Fit (python -m runner.tools.memory --config=configs/llama3_h100.py --mean_tokens
 weights and a pool of 40 GiB of 16-token pages (327,680 tokens: 256 rows of 1,280 on average, or
 108 rows of 3,000), 69% of the card before activations. The paged engine (docs/paged-engine.md)
 decodes up to 256 rows a step beside a chunk of up to 256 prompt tokens; attention over the pages
-is XLA's on a GPU (blocks of 8 pages with a running softmax), not yet a kernel. Not yet measured
+is XLA's (blocks of 8 pages with a running softmax), or with --config.kernels.pallas_attention=True
+a Triton kernel that reads each row's pages only (off until timed on a GPU). Not yet measured
 on a GPU at this batch: benchmarks/gpu_check.py's throughput step runs this engine (256 rows,
 40 GiB) on vLLM's 1,000 requests of 256 + 256 tokens.
 The layers are unrolled: scanned (programs.scan_layers), XLA:GPU's decode step ran 2.4x slower,

@@ -1,6 +1,6 @@
 """The kernels a mesh runs, chosen once per mesh: podrun's C++ kernels on CPU (models/kernels/cpu.py),
-the Pallas kernels on TPU (models/kernels/tpu.py), cuDNN's prefill attention and a Pallas (Triton)
-decode attention on NVIDIA GPUs (models/kernels/gpu.py), and XLA for everything else.
+the Pallas kernels on TPU (models/kernels/tpu.py), cuDNN's prefill attention and Pallas (Triton)
+attention over a cache or pages on NVIDIA GPUs (models/kernels/gpu.py), and XLA for everything else.
 
 `Backend.resolve` reads the config's switches (kernels.*) once per mesh. The models and the engine
 then ask their policy's Backend for the kernel of an operation (`cache_attention`,
@@ -46,9 +46,12 @@ class Backend:
     # A prompt's attention over its own keys in a flash kernel: "pallas" (TPU), "cudnn" (NVIDIA;
     # not with attention sinks) or "" (XLA's attention)
     flash_prefill: str = ""
-    # TPU: the paged engine's cache writes and attention in Pallas, over pools stored folded
-    # (models/paged.py, models/kernels/tpu.py); int8 pools stay XLA's
-    pallas_paged: bool = False
+    # The paged engine's kernels: "tpu" (kernels.enabled), its cache writes and attention in
+    # Pallas (Mosaic) over pools stored folded (models/paged.py, models/kernels/tpu.py; int8 pools
+    # stay XLA's); "gpu" (kernels.pallas_attention), its attention in Pallas (Triton) over any
+    # pool (models/kernels/gpu.py), the writes XLA's scatter; "": XLA's attention, whose blocks
+    # read every row of a step as far as its longest
+    pallas_paged: str = ""
     # What one more step of the paged engine costs, in prompt tokens computed: on TPU and GPU a
     # step reads every weight from HBM, worth hundreds of tokens' flops, so a prompt's last chunk
     # is padded up to a bucket rather than split; on CPU a step's own cost is a few tokens', so a
@@ -76,9 +79,10 @@ class Backend:
             return cls(platform, pallas_decode="tpu" if pallas_decode else "",
                        ragged_experts=policy.pallas_moe, row_major_tables=True,
                        flash_prefill="pallas" if policy.pallas_prefill and unsplit_cache else "",
-                       pallas_paged=policy.kernels and unsplit_cache)
+                       pallas_paged="tpu" if policy.kernels and unsplit_cache else "")
         return cls(platform, pallas_decode="gpu" if pallas_decode else "",
-                   flash_prefill="cudnn" if policy.cudnn_prefill and unsplit_cache else "")
+                   flash_prefill="cudnn" if policy.cudnn_prefill and unsplit_cache else "",
+                   pallas_paged="gpu" if pallas_decode else "")
 
     @property
     def compiler_options(self) -> dict[str, Any] | None:
@@ -166,18 +170,21 @@ class Backend:
                         ) -> Callable | None:
         """A ragged step's queries [T, N, H] over a pool of pages through page tables, as
         models/kernels/cpu.paged_attention takes them: on CPU float32 queries over a float32 or
-        int8 pool; on TPU (folded pools) any pool but an int8 one."""
+        int8 pool; on TPU (folded pools) any pool but an int8 one; on NVIDIA GPUs any pool."""
         if self.attention_kernel and q.dtype == jnp.float32 and pool.dtype in (jnp.float32, jnp.int8):
             from models.kernels import cpu
             return cpu.paged_attention
-        if self.pallas_paged and scale is None:
+        if self.pallas_paged == "tpu" and scale is None:
             from models.kernels import tpu
             return tpu.ragged_paged_attention
+        if self.pallas_paged == "gpu":
+            from models.kernels import gpu
+            return gpu.paged_attention
         return None
 
     def write_pages(self, pool_dtype: Any) -> Callable | None:
         """A step's new keys written into their pages in place (TPU, folded pools, not int8)."""
-        if self.pallas_paged and jnp.dtype(pool_dtype) != jnp.int8:
+        if self.pallas_paged == "tpu" and jnp.dtype(pool_dtype) != jnp.int8:
             from models.kernels import tpu
             return tpu.write_pages
         return None

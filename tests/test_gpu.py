@@ -96,7 +96,7 @@ def test_a_gpu_mesh_runs_its_kernels_and_nothing_cpu_or_tpu_only(tripwires, spec
                     quantize=quantize, kernels=True, pallas_attention=pallas, pallas_prefill=True,
                     pallas_moe=True, cudnn_prefill=True).on(rules)
     assert policy.backend == Backend("gpu", pallas_decode="gpu" if pallas else "",
-                                     flash_prefill="cudnn")
+                                     flash_prefill="cudnn", pallas_paged="gpu" if pallas else "")
     decl = model.declare()
     params = jax.eval_shape(lambda: weights.init(decl, jax.random.key(0), rules, jnp.bfloat16))
     if quantize != "none":  # the quantised layout, without quantising anything
@@ -161,6 +161,7 @@ def test_the_device_check_runs_its_steps_on_a_tiny_model(tmp_path):
     steps = got["steps"]
     # no cuDNN and no Triton on a CPU: the later steps run with XLA's attention
     assert steps["attention_kernel"]["rc"] != 0 and steps["decode_kernel"]["rc"] != 0
+    assert steps["paged_kernel"]["rc"] != 0 and "throughput_ab" not in steps
     for name in ("preflight", "tiny", "throughput", "plan", "decode", "prefill", "fused", "scan_dsf",
                  "job", "gptoss"):
         assert steps[name]["rc"] == 0, (name, steps[name].get("log_tail"))
@@ -252,3 +253,32 @@ def test_the_h100_decode_step_lowers_for_cuda_with_the_triton_kernel(monkeypatch
         lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == kernels
     assert text.count("call @decode_attention") == model.num_layers
+
+
+@pytest.mark.parametrize("name,functions", [("llama3_h100.py", 1), ("gptoss_h100.py", 2)])
+def test_the_h100_paged_programs_lower_for_cuda_with_the_triton_kernel(name, functions):
+    """The H100 configs' paged engine (256 rows beside a chunk, their pools; weights and pools
+    abstract: nothing allocated) with kernels.pallas_attention, its programs lowered for CUDA on
+    this CPU: in each, every
+    layer's attention over pages is a call of the Triton kernel (GPT-OSS's windowed and full
+    layers one function each), a kernel for the decode rows and, in a mixed step, one for the
+    chunk. What XLA:GPU then compiles needs the GPU (benchmarks/gpu_check.py)."""
+    import dataclasses
+
+    from runner.job import build_engine
+    from sharding.mesh import make_mesh
+
+    s = from_config(load(os.path.join(ROOT, "configs", name)).get_config())
+    s = dataclasses.replace(s, policy=dataclasses.replace(s.policy, pallas_attention=True))
+    model = Model.named(s.checkpoint_model)
+    rules = dataclasses.replace(Rules.make(make_mesh(s.mesh, jax.devices("cpu")[:1]), s.rules),
+                                target="gpu")
+    engine = build_engine(s, model, model.abstract_params(rules, s.policy), rules, allocate=False)
+    assert engine.policy.backend.pallas_paged == "gpu" and engine.batch_size == 256
+    lowered = engine.lower(platforms=("cuda",))
+    assert any(p.startswith("mixed_") for p in lowered) and any(p.startswith("decode_") for p in lowered)
+    for program, low in lowered.items():
+        text = low.as_text()
+        assert text.count("call @paged_attention") == model.num_layers, program
+        kernels = functions * (2 if program.startswith("mixed_") else 1)
+        assert text.count("__gpu$xla.gpu.triton") == kernels, program

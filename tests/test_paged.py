@@ -391,7 +391,7 @@ def test_the_tpu_kernels_give_transformers_tokens_in_interpret_mode(mesh_name, p
     from models.kernels import tpu
 
     monkeypatch.setattr(Backend, "resolve", classmethod(lambda cls, policy, rules: cls(
-        "cpu", pallas_paged=True)))
+        "cpu", pallas_paged="tpu")))
     for name in ("paged_attention", "write_pages"):
         monkeypatch.setattr(tpu, name, partial(getattr(tpu, name), interpret=True))
     m = tiny_hf("gptoss", seed=5, **({"num_hidden_layers": 4} if scan else {}))
@@ -402,4 +402,32 @@ def test_the_tpu_kernels_give_transformers_tokens_in_interpret_mode(mesh_name, p
     assert len(engine.cache.k) == (2 if scan else 3)
     got, stats = generate(engine, [Request(p, STEPS) for p in prompts])
     assert (stats.preemptions > 0) == (pages > 0)
+    assert [c.token_ids for c in got] == [hf_greedy(m, p, STEPS) for p in prompts]
+
+
+@pytest.mark.parametrize("kind,mesh_name,pages", [("llama", "1dev", 0), ("gptoss", "data2_model4", 20)])
+def test_the_gpu_kernel_gives_transformers_tokens_in_interpret_mode(kind, mesh_name, pages,
+                                                                    monkeypatch):
+    """The paged engine with the GPU's attention over pages (Backend.pallas_paged "gpu":
+    models/kernels/gpu.paged_attention, pools as XLA writes them), run by Pallas' interpreter on
+    CPU: Llama on one device; GPT-OSS (window 8 on every other layer, sinks) per group and kv-head
+    shard under shard_map with a pool small enough to preempt; prompts chunked."""
+    from models.backend import Backend
+    from models.kernels import gpu
+
+    monkeypatch.setattr(Backend, "resolve", classmethod(lambda cls, policy, rules: cls(
+        "cpu", pallas_paged="gpu")))
+    calls, real = [], gpu.paged_attention
+
+    def interpreted(*args, **kw):
+        calls.append(args[1].shape)
+        return real(*args, **kw, interpret=True)
+
+    monkeypatch.setattr(gpu, "paged_attention", interpreted)
+    m = tiny_hf(kind, seed=5)
+    rng = np.random.RandomState(7)
+    prompts = [tuple(int(t) for t in rng.randint(0, VOCAB, n)) for n in (30, 3, 41, 12, 25)]
+    engine = paged(m, mesh_name, pages=pages)
+    got, stats = generate(engine, [Request(p, STEPS) for p in prompts])
+    assert calls and (stats.preemptions > 0) == (pages > 0)
     assert [c.token_ids for c in got] == [hf_greedy(m, p, STEPS) for p in prompts]

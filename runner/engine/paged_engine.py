@@ -307,15 +307,17 @@ class PagedEngine:
         """The program a call of this shape runs."""
         return Program(chunk, 1 if chunk else steps, logprobs, masked, prompt_logprobs)
 
-    def _lower(self, p: Program) -> jax.stages.Lowered:
-        """Program p lowered for the mesh's devices (an AOT topology's too)."""
+    def _lower(self, p: Program, platforms: tuple[str, ...] | None = None) -> jax.stages.Lowered:
+        """Program p lowered for the mesh's devices (an AOT topology's too), or for `platforms`
+        ("cuda": a GPU deployment's kernels, checked on a machine without one)."""
         shaped = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
         b = jax.tree.map(shaped, self.empty_batch(p.chunk), self._batch_sh)
         stops = jax.ShapeDtypeStruct((MAX_STOP_IDS,), jnp.int32, sharding=self._everywhere)
         masks = (jax.ShapeDtypeStruct((self.batch_size, self.mask_words), jnp.int32,
                                       sharding=self._masks_sh) if p.masked else None)
-        return self._step.lower(*self._abstract, b, stops, masks, steps=p.steps,
-                                logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs)
+        traced = self._step.trace(*self._abstract, b, stops, masks, steps=p.steps,
+                                  logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs)
+        return traced.lower(lowering_platforms=platforms) if platforms else traced.lower()
 
     def _compile(self, p: Program) -> jax.stages.Compiled:
         t0 = time.perf_counter()
@@ -389,12 +391,14 @@ class PagedEngine:
                      np.zeros(B, np.uint32), np.zeros(B, np.float32), np.zeros(B, np.int32),
                      np.ones(B, np.float32))
 
-    def lower(self, variants: bool = False) -> dict[str, jax.stages.Lowered]:
-        """Every program a job runs, lowered for the mesh's devices (an AOT topology too): the
-        decode call and the mixed step of each chunk bucket; with variants, the decode call that
-        also returns log-probabilities and the largest mixed step that returns the chunk's."""
+    def lower(self, variants: bool = False, platforms: tuple[str, ...] | None = None
+              ) -> dict[str, jax.stages.Lowered]:
+        """Every program a job runs, lowered for the mesh's devices (an AOT topology too) or for
+        `platforms`: the decode call and the mixed step of each chunk bucket; with variants, the
+        decode call that also returns log-probabilities and the largest mixed step that returns
+        the chunk's."""
         programs = [self.program(C, 1) for C in self.chunks] + [self.program(0, self.steps)]
         if variants:
             programs += [self.program(0, self.steps, logprobs=True),
                          self.program(self.chunk, 1, logprobs=True, prompt_logprobs=True)]
-        return {p.name: self._lower(p) for p in programs}
+        return {p.name: self._lower(p, platforms) for p in programs}
