@@ -301,6 +301,25 @@ def timed_ms(fn, *args) -> float:
     return 1e3 * sorted(times)[len(times) // 2]
 
 
+def agrees(what: str, xla, kernel, args) -> dict:
+    """A kernel in bfloat16 against XLA's attention (its last argument the policy) in float32 on
+    the same float32 inputs: the relative error; the check fails above 2%."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from models.policy import Policy
+
+    want = np.asarray(jax.jit(xla, static_argnums=len(args))(*args, Policy()))
+    bf = [jnp.asarray(a, jnp.bfloat16) if a.dtype == jnp.float32 else a for a in args]
+    got = np.asarray(jax.jit(kernel)(*bf)).astype(np.float32)
+    out = {"rel_error_bf16_vs_f32": float(np.linalg.norm(got - want) / np.linalg.norm(want)),
+           "finite": bool(np.isfinite(got).all())}
+    if not (out["finite"] and out["rel_error_bf16_vs_f32"] < 2e-2):
+        raise SystemExit(f"{what} disagrees with XLA's: {out}")
+    return out
+
+
 def decode_check() -> dict:
     """The Pallas (Triton) decode attention (models/kernels/gpu.decode_attention) on the GPU
     against podrun's XLA attention in float32, then both timed on one layer of Llama-3.1-8B's heads
@@ -340,14 +359,7 @@ def decode_check() -> dict:
         q_pos = np.array([[n] for n in lengths], np.int32)
         return q, kc, vc, k_pos, kn, vn, q_pos.copy(), q_pos
 
-    args = case(4, 600, [500, 37, 1, 250], 0)
-    want = np.asarray(jax.jit(xla, static_argnums=8)(*args, Policy()))
-    bf = [jnp.asarray(a, jnp.bfloat16) if a.dtype == np.float32 else a for a in args]
-    got = np.asarray(jax.jit(kernel)(*bf)).astype(np.float32)
-    out = {"rel_error_bf16_vs_f32": float(np.linalg.norm(got - want) / np.linalg.norm(want)),
-           "finite": bool(np.isfinite(got).all())}
-    if not (out["finite"] and out["rel_error_bf16_vs_f32"] < 2e-2):
-        raise SystemExit(f"the Pallas decode attention disagrees with XLA's: {out}")
+    out = agrees("the Pallas decode attention", xla, kernel, case(4, 600, [500, 37, 1, 250], 0))
     policy = Policy(params="bfloat16", activations="bfloat16", matmul="default")
     rng = np.random.default_rng(1)
     job = np.exp(rng.uniform(np.log(16), np.log(1536), 128)).astype(int).tolist()
@@ -420,14 +432,8 @@ def paged_check() -> dict:
     def kernel(q, kc, vc, tables, rows, q_pos):
         return gpu.paged_attention(q, kc, vc, tables, rows, q_pos, None, None, H**-0.5)
 
-    args, _ = case([500, 37, 1, 250, 90], 100, jnp.float32, 0)
-    want = np.asarray(jax.jit(xla, static_argnums=6)(*args, Policy()))
-    bf = [a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a for a in args]
-    got = np.asarray(jax.jit(kernel)(*bf)).astype(np.float32)
-    out = {"rel_error_bf16_vs_f32": float(np.linalg.norm(got - want) / np.linalg.norm(want)),
-           "finite": bool(np.isfinite(got).all())}
-    if not (out["finite"] and out["rel_error_bf16_vs_f32"] < 2e-2):
-        raise SystemExit(f"the Triton attention over pages disagrees with XLA's: {out}")
+    out = agrees("the Triton attention over pages", xla, kernel,
+                 case([500, 37, 1, 250, 90], 100, jnp.float32, 0)[0])
     policy = Policy(params="bfloat16", activations="bfloat16", matmul="default")
     rng = np.random.default_rng(1)
     job = np.exp(rng.uniform(np.log(16), np.log(1536), 256)).astype(int).tolist()
