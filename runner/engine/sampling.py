@@ -91,7 +91,8 @@ def greedy_tokens(logits: jax.Array) -> jax.Array:
 
 def _codes(x: jax.Array) -> jax.Array:
     """Floats (bfloat16, float16 or float32) -> int32 codes in the same order, in the dtype's own
-    code space: 2**16 codes for a 16-bit float (negative floats have their magnitude bits flipped)."""
+    code space: 2**16 codes for a 16-bit float (negative floats have their magnitude bits
+    flipped)."""
     bits = jnp.finfo(x.dtype).bits
     i = jax.lax.bitcast_convert_type(x, jnp.int16 if bits == 16 else jnp.int32).astype(jnp.int32)
     return jnp.where(i < 0, i ^ (2 ** (bits - 1) - 1), i)
@@ -121,7 +122,8 @@ def _smallest_true(pred: Callable[[jax.Array], jax.Array], lo: jax.Array, hi: ja
     for _ in range(-(-bits // (parts.bit_length() - 1))):
         span = jax.lax.bitcast_convert_type(hi - lo, jnp.uint32)  # < 2**32, though int32 wraps
         step = span // parts * j + span % parts * j // parts  # span * j // parts, in uint32
-        probe = jnp.maximum(lo + jax.lax.bitcast_convert_type(step, jnp.int32), lo + 1)  # in (lo, hi)
+        probe = lo + jax.lax.bitcast_convert_type(step, jnp.int32)
+        probe = jnp.maximum(probe, lo + 1)  # in (lo, hi)
         ok = pred(probe)
         lo, hi = (jnp.max(jnp.where(ok, lo, probe), axis=1, keepdims=True),
                   jnp.min(jnp.where(ok, probe, hi), axis=1, keepdims=True))
@@ -180,8 +182,8 @@ def _candidates(x: _Logits, top_k: jax.Array, top_p: jax.Array) -> _Candidates:
     # the whole vocabulary's logsumexp as jax.nn.logsumexp takes it
     shift = jax.lax.stop_gradient(jnp.where(jnp.isfinite(top), top, 0))
     sumexp = jnp.sum(jnp.exp(x.scaled() - shift), axis=-1, keepdims=True)
-    norm = jnp.where(by_k, jax.nn.logsumexp(jnp.where(in_k, vals, -jnp.inf), axis=-1, keepdims=True),
-                     jnp.log(sumexp) + shift)
+    within = jax.nn.logsumexp(jnp.where(in_k, vals, -jnp.inf), axis=-1, keepdims=True)
+    norm = jnp.where(by_k, within, jnp.log(sumexp) + shift)
     p = jnp.where(in_k, jnp.exp(vals - norm), 0)
     # the mass strictly above each value, ties apart, by [C, C] comparisons: any slice of the
     # top_k's values (vals[:, -1:] included) makes XLA:CPU sort the whole vocabulary instead
@@ -311,12 +313,13 @@ def sample(logits: jax.Array | Callable[[], jax.Array], seeds: jax.Array, counts
             c = _candidates(x, top_k, top_p)
             pick = jnp.argmax(jnp.where(c.keep, c.vals + _gumbel(keys, c.ids), -jnp.inf), axis=-1)
             drawn = jnp.take_along_axis(c.ids, pick[:, None], axis=1)[:, 0]
-            wide = sampled & ~c.fits  # plain rows, and rows whose nucleus reaches past the candidates
+            wide = sampled & ~c.fits  # plain rows, and those whose nucleus reaches past them
             need = wide & ~plain
             floor = jax.lax.cond(jnp.any(need),
                                  lambda: _nucleus_floor(x, c, top_k, top_p, need),
                                  lambda: jnp.full((x.raw.shape[0], 1), -jnp.inf))
-            return jax.lax.cond(jnp.any(wide), lambda: jnp.where(c.fits, drawn, _whole(x, floor, keys)),
+            return jax.lax.cond(jnp.any(wide),
+                                lambda: jnp.where(c.fits, drawn, _whole(x, floor, keys)),
                                 lambda: drawn)
 
         drawn = jax.lax.cond(jnp.any(sampled & ~plain), filtered,
