@@ -233,7 +233,7 @@ def test_sampling_draws_the_nucleus_distribution_whichever_way_a_row_goes():
     whose nucleus does not (sampled over the whole vocabulary). Over 2000 seeds each peaked row's
     draws follow numpy's nucleus probabilities (top_p, top_k, temperature), and every row draws
     the same tokens beside the flat row as alone: a row's way depends on its own logits."""
-    from runner.engine.engine import CANDIDATES, _candidate_nucleus
+    from runner.engine.sampling import CANDIDATES, _candidates, _Logits
 
     rng = np.random.default_rng(1)
     V, n = 3000, 2000
@@ -241,7 +241,7 @@ def test_sampling_draws_the_nucleus_distribution_whichever_way_a_row_goes():
     temperature = np.array([1.0, 0.7, 1.3, 1.0], np.float32)
     top_p = np.array([0.9, 0.95, 1.0, 0.9], np.float32)
     top_k = np.array([0, 0, 20, 0], np.int32)
-    fits = np.asarray(_candidate_nucleus(logits / temperature[:, None], top_k, top_p)[3])
+    fits = np.asarray(_candidates(_Logits(logits, temperature[:, None]), top_k, top_p).fits)
     assert fits.tolist() == [True, True, True, False]  # the flat row's nucleus: ~2700 tokens
     draw = jax.jit(jax.vmap(lambda s, x, t, k, p: sample(x, s, np.zeros(len(x), np.int32), t, k, p),
                             in_axes=(0, None, None, None, None)))
@@ -264,6 +264,68 @@ def test_sampling_draws_the_nucleus_distribution_whichever_way_a_row_goes():
         assert set(np.flatnonzero(got)) <= set(kept)
         assert np.abs(got - want).sum() / 2 < 0.06  # total variation; ~0.02 expected at n=2000
     assert len(set(together[:, 3])) > 1000  # the flat row really samples the whole vocabulary
+
+
+def _nucleus_reference(z: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
+    """Which logits z [V] (float32, temperature-scaled) top_k then top_p keep, in float64 numpy:
+    ties to the k-th largest and to the smallest in the nucleus kept."""
+    z = z.astype(np.float64)
+    if 0 < top_k < len(z):
+        z = np.where(z >= np.sort(z)[::-1][top_k - 1], z, -np.inf)
+    if top_p >= 1:
+        return np.isfinite(z)
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    values = np.unique(z[np.isfinite(z)])[::-1]
+    smallest = values[0]
+    for v in values:  # grow the nucleus value by value while the mass above v is short
+        if p[z > v].sum() >= top_p:
+            break
+        smallest = v
+    return z >= smallest
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_every_way_a_row_draws_is_gumbel_max_over_its_nucleus(dtype):
+    """Each row's token is exactly the Gumbel-max over numpy's nucleus, its noise jax.random's
+    uniform of the row's key folded with its count then each token id: rows without filters
+    (top_k 0 or V, top_p 1), nuclei among the candidates (peaked, top_k 20), a flat nucleus of
+    ~2700 tokens, top_k past the candidates (alone and under top_p), and a greedy row; in float32
+    and in bfloat16 (the logits TPU decoding samples from), and the same tokens for a row alone."""
+    from runner.engine.sampling import CANDIDATES
+
+    rng = np.random.default_rng(7)
+    V, n = 3000, 24
+    spread = np.array([3, 5, 8, 7, 0.1, 2, 0.5, 3], np.float32)[:, None]
+    logits = jnp.asarray(rng.standard_normal((8, V)) * spread, dtype)
+    temperature = np.array([1.0, 0.8, 1.0, 1.3, 1.0, 0.9, 1.0, 0.0], np.float32)
+    top_k = np.array([0, V, 0, 20, 0, 500, 300, 0], np.int32)
+    top_p = np.array([1.0, 1.0, 0.9, 1.0, 0.9, 0.8, 1.0, 1.0], np.float32)
+    counts = np.arange(8, dtype=np.int32) * 3
+    seeds = rng.integers(0, 2**32, (n, 8), dtype=np.uint32)
+    draw = jax.jit(jax.vmap(lambda s, x, c, t, k, p: sample(x, s, c, t, k, p),
+                            in_axes=(0, None, None, None, None, None)))
+    got = np.asarray(draw(seeds, logits, counts, temperature, top_k, top_p))
+    z = np.asarray(logits.astype(jnp.float32)) / np.maximum(temperature, 1e-6)[:, None]
+    nuclei = [_nucleus_reference(z[b], top_k[b], top_p[b]) for b in range(7)]
+    assert [int(m.sum()) for m in nuclei][:2] == [V, V] and nuclei[4].sum() > 2 * CANDIDATES
+    assert 1 < nuclei[2].sum() < CANDIDATES and nuclei[3].sum() == 20
+    assert CANDIDATES < nuclei[5].sum() < 500 and nuclei[6].sum() >= 300  # bfloat16: ties
+
+    def noise(seed, count):  # [V]: each token's Gumbel noise under the row's key
+        key = jax.random.fold_in(jax.random.key(seed), count)
+        u = jax.vmap(lambda i: jax.random.uniform(jax.random.fold_in(key, i), (), jnp.float32,
+                                                  jnp.finfo(jnp.float32).tiny, 1.0))(jnp.arange(V))
+        return np.asarray(-jnp.log(-jnp.log(u)))
+
+    for i in range(n):
+        for b in range(7):
+            want = np.argmax(np.where(nuclei[b], z[b] + noise(seeds[i, b], counts[b]), -np.inf))
+            assert got[i, b] == want, (i, b)
+    assert (got[:, 7] == np.argmax(np.asarray(logits[7]))).all()
+    alone = np.asarray(draw(seeds[:, 4:7], logits[4:7], counts[4:7], temperature[4:7], top_k[4:7],
+                            top_p[4:7]))
+    np.testing.assert_array_equal(alone, got[:, 4:7])
 
 
 def test_n_samples_share_one_prefill_and_are_independent_draws(llama):

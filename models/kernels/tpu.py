@@ -333,6 +333,15 @@ def _paged_kernel(first_ref, last_ref, table_ref, q_ref, pos_ref, sink_ref, k_hb
                     c.wait()
 
     qp = pos_ref[...]  # [rows, 1]
+    H = L // f
+
+    def padded(h, u):  # kv head h's queries [rows, H] in the lanes of slot u, zeros in the rest
+        q = q_ref[h]
+        zeros = lambda n: [jnp.zeros((q.shape[0], n), q.dtype)] if n else []
+        parts = zeros(u * H) + [q] + zeros(L - (u + 1) * H)
+        return jnp.concatenate(parts, axis=1) if len(parts) > 1 else q
+
+    queries = [[padded(h, u) for u in range(f)] for h in range(K)]
 
     def block(b, carry):
         slot = jax.lax.rem(b - div(first, S * bp), 2)
@@ -351,7 +360,8 @@ def _paged_kernel(first_ref, last_ref, table_ref, q_ref, pos_ref, sink_ref, k_hb
                 ok = (qp >= 0) & (kp <= qp)
                 seen.append(ok & (qp - kp < window) if window else ok)
                 scores.append(jnp.where(seen[u], jax.lax.dot_general(
-                    q_ref[h, u], k, (((1,), (1,)), ((), ())), preferred_element_type=f32) * scale, NEG))
+                    queries[h][u], k, (((1,), (1,)), ((), ())), preferred_element_type=f32) * scale,
+                    NEG))
             m_prev = m_ref[h]
             m_new = m_prev
             for u in range(f):
@@ -375,9 +385,12 @@ def _paged_kernel(first_ref, last_ref, table_ref, q_ref, pos_ref, sink_ref, k_hb
 
     for h in range(K):
         sink = sink_ref[h] if has_sinks else None  # [rows, 1]
-        for u in range(f):
-            o_ref[h, u] = _normalised(m_ref.at[h], l_ref.at[h], acc_ref.at[h, u],
-                                      sink).astype(o_ref.dtype)
+        out = 0
+        for u in range(f):  # slot u's lanes hold its own keys' values: the rest is another's
+            slot = _normalised(m_ref.at[h], l_ref.at[h], acc_ref.at[h, u], sink)
+            slot = slot[:, u * H:(u + 1) * H]
+            out = out + slot.astype(o_ref.dtype).astype(f32)  # as a sum of the slots' outputs
+        o_ref[h] = out.astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("window", "scale", "interpret"))
@@ -403,10 +416,9 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, tables: 
     reach = jnp.maximum(blocks - window + 1, 0) if window else jnp.zeros_like(blocks)
     first = jnp.min(jnp.where(live, reach, jnp.iinfo(jnp.int32).max), axis=2).reshape(-1)
     first = jnp.where(last >= 0, first, 0)
-    # rows r = t * G + g of each kv head's queries, as flash_prefill; copy u in the lanes of slot u
-    qr = jnp.transpose(q.reshape(Q, T, K, G, H), (0, 2, 1, 3, 4)).reshape(Q, K, 1, T * G, H)
-    qr = jnp.concatenate([jnp.pad(qr, ((0, 0),) * 4 + ((u * H, L - (u + 1) * H),))
-                          for u in range(f)], axis=2)  # [Q, K, f, T * G, L]
+    # rows r = t * G + g of each kv head's queries, as flash_prefill; the kernel pads them out to
+    # its slots' lanes itself
+    qr = jnp.transpose(q.reshape(Q, T, K, G, H), (0, 2, 1, 3, 4)).reshape(Q, K, T * G, H)
     rows_pos = jnp.repeat(q_pos, G, axis=1).reshape(Q, T * G, 1)
     row_sinks = jnp.tile(sinks.reshape(K, 1, G), (1, tq, 1)).reshape(K, rows, 1)
     kernel = functools.partial(_paged_kernel, scale=float(scale), window=int(window or 0),
@@ -417,13 +429,13 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, tables: 
         in_specs=[
             pl.BlockSpec((None, 1, tables.shape[1]), lambda i, j, *_: (i, 0, 0),
                          memory_space=pltpu.SMEM),  # the sequence's table [Q, 1, M]
-            pl.BlockSpec((None, K, f, rows, L), lambda i, j, *_: (i, 0, 0, j, 0)),  # query rows
+            pl.BlockSpec((None, K, rows, H), lambda i, j, *_: (i, 0, j, 0)),  # query rows
             pl.BlockSpec((None, rows, 1), lambda i, j, *_: (i, j, 0)),  # their positions
             pl.BlockSpec((K, rows, 1), lambda i, j, *_: (0, 0, 0)),  # sinks per row
             pl.BlockSpec(memory_space=pl.ANY),  # k pool, in HBM
             pl.BlockSpec(memory_space=pl.ANY),  # v pool
         ],
-        out_specs=pl.BlockSpec((None, K, f, rows, L), lambda i, j, *_: (i, 0, 0, j, 0)),
+        out_specs=pl.BlockSpec((None, K, rows, H), lambda i, j, *_: (i, 0, j, 0)),
         scratch_shapes=[pltpu.VMEM((2, K, bp * Rp, L), k_pool.dtype),
                         pltpu.VMEM((2, K, bp * Rp, L), v_pool.dtype),
                         pltpu.SemaphoreType.DMA((2, 2)),
@@ -437,14 +449,13 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, tables: 
     keys = pages * S // Q if not window else min(pages * S // Q, window + T)
     cost = pl.CostEstimate(
         flops=4 * Q * T * N * L * keys, transcendentals=Q * T * N * keys,
-        bytes_accessed=2 * qr.size * qr.dtype.itemsize
+        bytes_accessed=2 * q.size * q.dtype.itemsize
         + 2 * pages * K * Rp * L * jnp.dtype(k_pool.dtype).itemsize)
     out = pl.pallas_call(
         kernel, grid_spec=grid, interpret=interpret, cost_estimate=cost,
-        out_shape=jax.ShapeDtypeStruct((Q, K, f, T * G, L), q.dtype),
+        out_shape=jax.ShapeDtypeStruct((Q, K, T * G, H), q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
     )(first, last, tables.astype(jnp.int32)[:, None], qr, rows_pos, row_sinks, k_pool, v_pool)
-    out = sum(out[:, :, u, :, u * H:(u + 1) * H] for u in range(f))  # [Q, K, T * G, H]
     return jnp.transpose(out.reshape(Q, K, T, G, H), (0, 2, 1, 3, 4)).reshape(Q, T, N, H)
 
 

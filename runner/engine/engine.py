@@ -35,9 +35,9 @@ from models.registry import Model
 from runner.engine import hugepages
 from runner.engine.prefixes import PrefixIndex
 from runner.engine.sampling import (  # noqa: F401 (re-exported: the engine's sampling)
-    CANDIDATES, MAX_LOGPROBS, TokenLogprobs, _candidate_nucleus, allowed_tokens, greedy_screen,
-    greedy_tokens, masked_greedy, next_tokens, nucleus, position_logprobs, sample, sample_seed,
-    token_logprobs, unpacked)
+    CANDIDATES, MAX_LOGPROBS, TokenLogprobs, allowed_tokens, greedy_screen, greedy_tokens,
+    masked_greedy, next_tokens, nucleus, position_logprobs, sample, sample_seed, token_logprobs,
+    unpacked)
 from sharding.rules import Rules, fit
 
 MAX_STOP_IDS = 16  # stop ids are passed as a fixed-size array, so their number never recompiles

@@ -65,8 +65,9 @@ def unpacked(masks: jax.Array, V: int) -> jax.Array:
 
 def allowed_tokens(masks: jax.Array, logits: jax.Array) -> jax.Array:
     """logits [B, V] with the tokens the bitmasks masks [B, W] (`unpacked`) leave out set to
-    -inf: a format's constraint, applied before temperature, top_k and top_p."""
-    return jnp.where(unpacked(masks, logits.shape[-1]), logits.astype(jnp.float32), -jnp.inf)
+    -inf: a format's constraint, applied before temperature, top_k and top_p. In the logits'
+    dtype: the sampler reads them as they are (bfloat16 on TPU)."""
+    return jnp.where(unpacked(masks, logits.shape[-1]), logits, jnp.array(-jnp.inf, logits.dtype))
 
 
 def masked_greedy(greedy: jax.Array, masks: jax.Array, V: int) -> jax.Array:
@@ -83,30 +84,160 @@ def greedy_tokens(logits: jax.Array) -> jax.Array:
     """jnp.argmax over the last axis (ties to the lowest index) as two plain reductions: XLA:CPU
     runs argmax's paired (value, index) reduction element by element, far slower."""
     V = logits.shape[-1]
-    top = jnp.max(logits, axis=-1, keepdims=True)
+    top = jnp.max(logits, axis=-1, keepdims=True)  # exact in the logits' dtype, as in float32
     ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
     return jnp.minimum(jnp.min(jnp.where(logits == top, ids, V), axis=-1), V - 1)  # a NaN row: V-1
 
 
-def _ordered(x: jax.Array) -> jax.Array:
-    """float32 -> int32 in the same order (negative floats have their magnitude bits flipped)."""
-    i = jax.lax.bitcast_convert_type(x, jnp.int32)
-    return jnp.where(i < 0, i ^ 0x7FFFFFFF, i)
+def _codes(x: jax.Array) -> jax.Array:
+    """Floats (bfloat16, float16 or float32) -> int32 codes in the same order, in the dtype's own
+    code space: 2**16 codes for a 16-bit float (negative floats have their magnitude bits
+    flipped)."""
+    bits = jnp.finfo(x.dtype).bits
+    i = jax.lax.bitcast_convert_type(x, jnp.int16 if bits == 16 else jnp.int32).astype(jnp.int32)
+    return jnp.where(i < 0, i ^ (2 ** (bits - 1) - 1), i)
 
 
-def _unordered(i: jax.Array) -> jax.Array:
-    return jax.lax.bitcast_convert_type(jnp.where(i < 0, i ^ 0x7FFFFFFF, i), jnp.float32)
+def _floats(c: jax.Array, dtype) -> jax.Array:
+    """The inverse of _codes: int32 codes -> floats of dtype."""
+    bits = jnp.finfo(dtype).bits
+    i = jnp.where(c < 0, c ^ (2 ** (bits - 1) - 1), c)
+    return jax.lax.bitcast_convert_type(i.astype(jnp.int16 if bits == 16 else jnp.int32), dtype)
 
 
-def _smallest_true(pred: Callable[[jax.Array], jax.Array], lo: jax.Array, hi: jax.Array) -> jax.Array:
-    """The smallest int32 v in (lo, hi] with pred(v) true, per row, for pred false at lo and
-    monotone (false, then true): 32 halvings cover any int32 range. hi itself when none is."""
-    def halve(_, bounds):
-        lo, hi = bounds
-        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # (lo + hi) // 2 without overflow
-        ok = pred(mid) & (mid > lo)
-        return jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
-    return jax.lax.fori_loop(0, 32, halve, (lo, hi))[1]
+# Codes a pass over the vocabulary tests at once when looking for top_k's and top_p's thresholds
+# (one less than a power of 2): each pass cuts a row's interval of codes into 16, so 4 passes find
+# a threshold among bfloat16 logits' 2**16 codes and 8 among float32's. XLA:TPU fuses 15 sums of
+# probability into one read of the logits, and reads them twice for 16.
+PROBES = 15
+
+
+def _smallest_true(pred: Callable[[jax.Array], jax.Array], lo: jax.Array, hi: jax.Array,
+                   bits: int) -> jax.Array:
+    """The smallest int32 code v in (lo, hi] [B, 1] with pred(v) true, per row, for pred monotone
+    (false, then true) and hi - lo <= 2**bits; hi itself when none is. pred takes codes [B, PROBES]
+    and tests them all in one pass over the vocabulary."""
+    parts = PROBES + 1
+    j = jnp.arange(1, parts, dtype=jnp.uint32)
+    for _ in range(-(-bits // (parts.bit_length() - 1))):
+        span = jax.lax.bitcast_convert_type(hi - lo, jnp.uint32)  # < 2**32, though int32 wraps
+        step = span // parts * j + span % parts * j // parts  # span * j // parts, in uint32
+        probe = lo + jax.lax.bitcast_convert_type(step, jnp.int32)
+        probe = jnp.maximum(probe, lo + 1)  # in (lo, hi)
+        ok = pred(probe)
+        lo, hi = (jnp.max(jnp.where(ok, lo, probe), axis=1, keepdims=True),
+                  jnp.min(jnp.where(ok, probe, hi), axis=1, keepdims=True))
+    return hi
+
+
+class _Logits(NamedTuple):
+    """A step's logits [B, V] as the model made them (bfloat16 on TPU) and the rows' temperatures
+    [B, 1]. Every pass over the vocabulary reads `raw` and scales it itself, so the float32 scaled
+    logits are never written out; scaling is monotone, so the raw logits' codes order them too."""
+
+    raw: jax.Array
+    temperature: jax.Array
+
+    def scaled(self, raw: jax.Array | None = None) -> jax.Array:
+        """float32 [B, ...]: raw logits (of this row) / the row's temperature."""
+        return (self.raw if raw is None else raw).astype(jnp.float32) / self.temperature
+
+    def at(self, codes: jax.Array) -> jax.Array:
+        """The scaled logit [B, n] of each raw logit's code [B, n]."""
+        return self.scaled(_floats(codes, self.raw.dtype))
+
+
+class _Candidates(NamedTuple):
+    """The CANDIDATES largest logits of each row and what `nucleus` keeps of them."""
+
+    vals: jax.Array  # [B, C] f32 scaled, descending
+    raw: jax.Array  # [B, C] the raw logits
+    ids: jax.Array  # [B, C] int32
+    keep: jax.Array  # [B, C] bool: kept by top_k and top_p
+    fits: jax.Array  # [B] bool: the nucleus is what `keep` holds, every logit it keeps among them
+    top: jax.Array  # [B, 1] f32: the largest scaled logit
+    sumexp: jax.Array  # [B, 1] f32: the sum of exp(scaled - top) over the whole vocabulary
+
+
+def _top_k_filters(top_k: jax.Array, V: int) -> jax.Array:
+    """Which rows' top_k [B] filters anything: 0 (and a negative top_k) or V and more keep all."""
+    return (top_k > 0) & (top_k < V)
+
+
+def _candidates(x: _Logits, top_k: jax.Array, top_p: jax.Array) -> _Candidates:
+    """What `nucleus` keeps among the CANDIDATES largest logits, from one top_k over the raw
+    logits and one pass for the softmax's sum. A row fits when every logit its nucleus keeps
+    lies above the smallest candidate; a row whose top_k reaches past the candidates never does
+    (its probabilities are over more than they hold), nor does a row with no filter."""
+    V = x.raw.shape[-1]
+    C = min(CANDIDATES, V)
+    raw, ids = jax.lax.top_k(x.raw, C)  # descending
+    vals = x.scaled(raw)
+    top = jnp.max(vals, axis=1, keepdims=True)  # the largest scaled logit: scaling is monotone
+    last = jnp.min(vals, axis=1, keepdims=True)  # the smallest candidate
+    by_k = _top_k_filters(top_k, V)[:, None]
+    kth = jnp.take_along_axis(vals, jnp.clip(top_k - 1, 0, C - 1)[:, None], axis=1)
+    kth = jnp.where(by_k, kth, -jnp.inf)  # top_k keeps every logit >= kth
+    in_k = vals >= kth
+    # the whole vocabulary's logsumexp as jax.nn.logsumexp takes it
+    shift = jax.lax.stop_gradient(jnp.where(jnp.isfinite(top), top, 0))
+    sumexp = jnp.sum(jnp.exp(x.scaled() - shift), axis=-1, keepdims=True)
+    within = jax.nn.logsumexp(jnp.where(in_k, vals, -jnp.inf), axis=-1, keepdims=True)
+    norm = jnp.where(by_k, within, jnp.log(sumexp) + shift)
+    p = jnp.where(in_k, jnp.exp(vals - norm), 0)
+    # the mass strictly above each value, ties apart, by [C, C] comparisons: any slice of the
+    # top_k's values (vals[:, -1:] included) makes XLA:CPU sort the whole vocabulary instead
+    above = jnp.sum(jnp.where(vals[:, :, None] > vals[:, None, :], p[:, :, None], 0), axis=1)
+    keep = in_k & ((above < top_p[:, None]) | (top_p[:, None] >= 1))
+    smallest = jnp.min(jnp.where(keep, vals, jnp.inf), axis=1, keepdims=True)
+    filters, by_k = by_k[:, 0] | (top_p < 1), by_k[:, 0]
+    fits = ((smallest > last)[:, 0] | (C == V)) & filters & ~(by_k & (top_k > C))
+    return _Candidates(vals, raw, ids, keep, fits, top, sumexp)
+
+
+def _nucleus_floor(x: _Logits, c: _Candidates, top_k: jax.Array, top_p: jax.Array,
+                   rows: jax.Array) -> jax.Array:
+    """The smallest scaled logit `nucleus` keeps [B, 1], for the rows [B] that ask (-inf for the
+    others): top_k's threshold (the k-th largest logit: a candidate, else found among the codes of
+    the raw logits), then top_p's among those it keeps above it. A threshold is always some raw
+    logit's scaled value, so searching the raw logits' codes (2**16 for bfloat16) finds it."""
+    V = x.raw.shape[-1]
+    bits = jnp.finfo(x.raw.dtype).bits
+    C = c.vals.shape[-1]
+    never = _codes(jnp.full((x.raw.shape[0], 1), -jnp.inf, x.raw.dtype))
+    ever = _codes(jnp.full((x.raw.shape[0], 1), jnp.inf, x.raw.dtype))
+    by_k = (rows & _top_k_filters(top_k, V))[:, None]
+    beyond = by_k & (top_k > C)[:, None]  # the k-th largest lies past the candidates
+    k = top_k[:, None]
+
+    def counted():  # the k-th largest, by its code: one below the smallest that fewer than k reach
+        fewer = lambda v: jnp.stack([jnp.sum(x.scaled() >= t[:, None], axis=-1)
+                                     for t in x.at(v).T], axis=1) < k
+        return _smallest_true(fewer, never, ever, bits) - 1
+
+    def within_k():  # the k-th largest's code, and the softmax's sum over the logits kept
+        kth = jax.lax.cond(jnp.any(beyond), counted, lambda: never)
+        kth = jnp.where(beyond, kth, jnp.where(
+            by_k, _codes(jnp.take_along_axis(c.raw, jnp.clip(k - 1, 0, C - 1), axis=1)), never))
+        scaled = x.scaled()
+        sumexp = jnp.sum(jnp.where(scaled >= x.at(kth), jnp.exp(scaled - c.top), 0), axis=-1,
+                         keepdims=True)
+        return kth, jnp.where(by_k, sumexp, c.sumexp)
+
+    kth, sumexp = jax.lax.cond(jnp.any(by_k), within_k, lambda: (never, c.sumexp))
+    floor = x.at(kth)  # top_k keeps every logit >= floor (-inf: all)
+
+    def under(v: jax.Array) -> jax.Array:  # [B, n]: the probability strictly above at(v) < top_p
+        scaled = x.scaled()  # every logit above at(v) >= floor is one top_k keeps
+        probs = jnp.exp(scaled - c.top) / sumexp
+        mass = [jnp.sum(jnp.where(scaled > t[:, None], probs, 0), axis=-1) for t in x.at(v).T]
+        return jnp.stack(mass, axis=1) < top_p[:, None]
+
+    # the nucleus' smallest logit: the smallest v whose mass strictly above is under top_p, kth
+    # itself where that is everything top_k keeps
+    smallest = _smallest_true(under, kth - 1, _codes(jnp.max(c.raw, axis=1, keepdims=True)), bits)
+    everything = top_p[:, None] >= 1  # top_p 1 keeps all, whatever the rounding
+    return jnp.where(rows[:, None], jnp.where(everything, floor, x.at(smallest)), -jnp.inf)
 
 
 def nucleus(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -115,26 +246,14 @@ def nucleus(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     top_k (0: all) keeps the logits at least as large as the k-th largest, ties to it included, as
     transformers' TopKLogitsWarper does; top_p then keeps the smallest set of the largest whose
     probability (over what top_k kept) reaches top_p, and every logit equal to the smallest kept.
-    Both thresholds are found by halving over the floats' order, 32 masked sums over the
-    vocabulary each, rather than by sorting it: a sort of [64, 201088] logits on every decode step
-    was the largest item in GPT-OSS-20B's decode on v5e after the weights.
+    Both thresholds are found among the logits' codes, PROBES codes tested per pass over the
+    vocabulary, rather than by sorting it: a sort of [64, 201088] logits on every decode step was
+    the largest item in GPT-OSS-20B's decode on v5e after the weights.
     """
-    V = scaled.shape[-1]
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)[:, None]
-    lo = _ordered(jnp.min(scaled, axis=-1, keepdims=True))
-    hi = _ordered(jnp.max(scaled, axis=-1, keepdims=True))
-    # the k-th largest: one below the smallest v that fewer than k logits reach
-    fewer = lambda v: jnp.sum(scaled >= _unordered(v), axis=-1, keepdims=True) < k
-    kth = jnp.where(fewer(hi), _smallest_true(fewer, lo, hi) - 1, hi)  # hi: k = 1 or all tie
-    kept = jnp.where(scaled >= _unordered(kth), scaled, -jnp.inf)
-    probs = jax.nn.softmax(kept, axis=-1)
-    # the nucleus' smallest logit: the smallest v whose mass strictly above is under top_p
-    under = lambda v: (jnp.sum(jnp.where(kept > _unordered(v), probs, 0), axis=-1, keepdims=True)
-                       < top_p[:, None])
-    below = kth - 1  # everything top_k kept lies above
-    everything = under(below) | (top_p[:, None] >= 1)  # top_p 1 keeps all, whatever the rounding
-    smallest = jnp.where(everything, kth, _smallest_true(under, below, hi))
-    return jnp.where(kept >= _unordered(smallest), kept, -jnp.inf)
+    x = _Logits(scaled, jnp.ones((scaled.shape[0], 1), jnp.float32))
+    rows = jnp.ones(scaled.shape[:1], bool)
+    floor = _nucleus_floor(x, _candidates(x, top_k, top_p), top_k, top_p, rows)
+    return jnp.where(scaled >= floor, scaled, -jnp.inf)
 
 
 # Candidates a sampled row's nucleus is looked for among: the largest logits, found by one top_k.
@@ -154,27 +273,13 @@ def _gumbel(keys: jax.Array, ids: jax.Array) -> jax.Array:
     return -jnp.log(-jnp.log(u))
 
 
-def _candidate_nucleus(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array):
-    """What `nucleus` keeps, among the CANDIDATES largest logits: (their values and ids [B, C],
-    which of them are kept [B, C], and whether that is everything `nucleus` keeps [B])."""
-    C = min(CANDIDATES, scaled.shape[-1])
-    vals, ids = jax.lax.top_k(scaled, C)  # descending
-    last = jnp.min(vals, axis=1, keepdims=True)  # the smallest candidate
-    kth = jnp.take_along_axis(vals, jnp.clip(top_k - 1, 0, C - 1)[:, None], axis=1)
-    kth = jnp.where(top_k[:, None] > 0, kth, -jnp.inf)  # top_k keeps every logit >= kth
-    in_k = vals >= kth
-    norm = jnp.where(top_k[:, None] > 0,
-                     jax.nn.logsumexp(jnp.where(in_k, vals, -jnp.inf), axis=-1, keepdims=True),
-                     jax.nn.logsumexp(scaled, axis=-1, keepdims=True))
-    p = jnp.where(in_k, jnp.exp(vals - norm), 0)
-    # the mass strictly above each value, ties apart, by [C, C] comparisons: any slice of the
-    # top_k's values (vals[:, -1:] included) makes XLA:CPU sort the whole vocabulary instead
-    above = jnp.sum(jnp.where(vals[:, :, None] > vals[:, None, :], p[:, :, None], 0), axis=1)
-    keep = in_k & ((above < top_p[:, None]) | (top_p[:, None] >= 1))
-    smallest = jnp.min(jnp.where(keep, vals, jnp.inf), axis=1, keepdims=True)
-    # everything kept lies among the candidates when the smallest kept beats the last of them
-    fits = (smallest > last)[:, 0] | (C == scaled.shape[-1])
-    return vals, ids, keep, fits
+def _whole(x: _Logits, floor: jax.Array, keys: jax.Array) -> jax.Array:
+    """Gumbel-max over every logit at least floor [B, 1] (-inf: the whole vocabulary), in one
+    pass: each row's token [B] int32, ties to the lowest id."""
+    scaled = x.scaled()
+    every = jax.lax.broadcasted_iota(jnp.int32, scaled.shape, 1)
+    noisy = jnp.where(scaled >= floor, scaled + _gumbel(keys, every), -jnp.inf)
+    return jnp.argmax(noisy, axis=-1).astype(jnp.int32)
 
 
 def sample(logits: jax.Array | Callable[[], jax.Array], seeds: jax.Array, counts: jax.Array,
@@ -185,36 +290,41 @@ def sample(logits: jax.Array | Callable[[], jax.Array], seeds: jax.Array, counts
     top_k [B] int32. Where the caller has the greedy tokens [B] already (greedy_screened),
     `logits` may be a function, called only when some row samples.
 
-    temperature 0 is greedy; top_k 0 and top_p 1 disable those filters (see `nucleus`). A sampled
-    row draws by Gumbel-max over what `nucleus` keeps, each token's noise from its own key
-    (`_gumbel`). The nucleus is looked for among the CANDIDATES largest logits first (one top_k,
-    a small fraction of `nucleus`'s passes over the vocabulary); only rows whose nucleus
-    reaches past them (top_p 1 with top_k 0: plain sampling) go through `nucleus` and draw over
-    the whole vocabulary. Which way a row goes depends on its own logits alone, and both draw a
-    token's same noise, so a row's tokens never depend on its neighbours. Keys are derived only
-    when some row samples, so a greedy decode step spends nothing on random numbers.
+    temperature 0 is greedy; top_k 0 (or V) and top_p 1 disable those filters (see `nucleus`). A
+    sampled row draws by Gumbel-max over what `nucleus` keeps, each token's noise from its own key
+    (`_gumbel`), in one of three ways that its own settings and logits choose, so a row's tokens
+    never depend on its neighbours: a row without filters (plain sampling) over the whole
+    vocabulary in one pass; a row with filters among the CANDIDATES largest logits when its
+    nucleus lies among them (one top_k); else over the whole vocabulary, above the threshold
+    `nucleus` finds. Keys are derived only when some row samples, so a greedy decode step spends
+    nothing on random numbers. Every pass reads the logits as they are (bfloat16 on TPU).
     """
     if greedy is None:
-        logits = logits.astype(jnp.float32)
         greedy = greedy_tokens(logits)
 
     def stochastic() -> jax.Array:
-        scaled = (logits() if callable(logits) else logits).astype(jnp.float32)
-        scaled = scaled / jnp.maximum(temperature, 1e-6)[:, None]
+        x = _Logits(logits() if callable(logits) else logits,
+                    jnp.maximum(temperature, 1e-6)[:, None])
         keys = jax.vmap(jax.random.fold_in)(jax.vmap(jax.random.key)(seeds), counts)
-        vals, ids, keep, fits = _candidate_nucleus(scaled, top_k, top_p)
-        pick = jnp.argmax(jnp.where(keep, vals + _gumbel(keys, ids), -jnp.inf), axis=-1)
-        drawn = jnp.take_along_axis(ids, pick[:, None], axis=1)[:, 0]
-
-        def whole() -> jax.Array:  # rows whose nucleus reaches past the candidates
-            masked = nucleus(scaled, top_k, top_p)
-            every = jnp.broadcast_to(jnp.arange(scaled.shape[-1]), scaled.shape)
-            return jnp.argmax(masked + _gumbel(keys, every), axis=-1).astype(ids.dtype)
-
         sampled = temperature > 0
-        drawn = jax.lax.cond(jnp.any(sampled & ~fits),
-                             lambda: jnp.where(fits, drawn, whole()), lambda: drawn)
-        return jnp.where(sampled, drawn.astype(jnp.int32), greedy)
+        plain = (top_p >= 1) & ~_top_k_filters(top_k, x.raw.shape[-1])
+
+        def filtered() -> jax.Array:  # some sampled row has a filter
+            c = _candidates(x, top_k, top_p)
+            pick = jnp.argmax(jnp.where(c.keep, c.vals + _gumbel(keys, c.ids), -jnp.inf), axis=-1)
+            drawn = jnp.take_along_axis(c.ids, pick[:, None], axis=1)[:, 0]
+            wide = sampled & ~c.fits  # plain rows, and those whose nucleus reaches past them
+            need = wide & ~plain
+            floor = jax.lax.cond(jnp.any(need),
+                                 lambda: _nucleus_floor(x, c, top_k, top_p, need),
+                                 lambda: jnp.full((x.raw.shape[0], 1), -jnp.inf))
+            return jax.lax.cond(jnp.any(wide),
+                                lambda: jnp.where(c.fits, drawn, _whole(x, floor, keys)),
+                                lambda: drawn)
+
+        drawn = jax.lax.cond(jnp.any(sampled & ~plain), filtered,
+                             lambda: _whole(x, jnp.full((x.raw.shape[0], 1), -jnp.inf), keys))
+        return jnp.where(sampled, drawn, greedy)
 
     return jax.lax.cond(jnp.any(temperature > 0), stochastic, lambda: greedy)
 
