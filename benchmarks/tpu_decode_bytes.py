@@ -37,12 +37,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jax.experimental import topologies
 
 from models.registry import Model
-from runner.engine import Engine
+from runner.engine import Engine, sampling
 from runner.job import build_engine
 from runner.settings import from_config
 from runner.tools.memory import footprint
 from sharding.mesh import make_mesh
 from sharding.rules import Rules
+
+sampling.UNROLL_PASSES = True  # the cost analysis counts a loop's body once: every pass counted
 
 
 def load_config(path: str):

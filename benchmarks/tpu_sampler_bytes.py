@@ -36,6 +36,8 @@ from runner.settings import from_config
 from sharding.mesh import make_mesh
 from sharding.rules import Rules
 
+sampling.UNROLL_PASSES = True  # the cost analysis counts a loop's body once: every pass counted
+
 
 def load_config(path: str):
     spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)

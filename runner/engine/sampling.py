@@ -110,6 +110,10 @@ def _floats(c: jax.Array, dtype) -> jax.Array:
 # a threshold among bfloat16 logits' 2**16 codes and 8 among float32's. XLA:TPU fuses 15 sums of
 # probability into one read of the logits, and reads them twice for 16.
 PROBES = 15
+# The passes run in a loop: unrolled, every program that samples compiled 2-3x slower on CPU (8
+# passes a threshold over float32 logits). XLA's cost analysis counts a loop's body once, so
+# benchmarks/tpu_decode_bytes.py and tpu_sampler_bytes.py unroll them to count each pass.
+UNROLL_PASSES = False
 
 
 def _smallest_true(pred: Callable[[jax.Array], jax.Array], lo: jax.Array, hi: jax.Array,
@@ -119,15 +123,19 @@ def _smallest_true(pred: Callable[[jax.Array], jax.Array], lo: jax.Array, hi: ja
     and tests them all in one pass over the vocabulary."""
     parts = PROBES + 1
     j = jnp.arange(1, parts, dtype=jnp.uint32)
-    for _ in range(-(-bits // (parts.bit_length() - 1))):
+
+    def narrow(_, bounds):
+        lo, hi = bounds
         span = jax.lax.bitcast_convert_type(hi - lo, jnp.uint32)  # < 2**32, though int32 wraps
         step = span // parts * j + span % parts * j // parts  # span * j // parts, in uint32
         probe = lo + jax.lax.bitcast_convert_type(step, jnp.int32)
         probe = jnp.maximum(probe, lo + 1)  # in (lo, hi)
         ok = pred(probe)
-        lo, hi = (jnp.max(jnp.where(ok, lo, probe), axis=1, keepdims=True),
-                  jnp.min(jnp.where(ok, probe, hi), axis=1, keepdims=True))
-    return hi
+        return (jnp.max(jnp.where(ok, lo, probe), axis=1, keepdims=True),
+                jnp.min(jnp.where(ok, probe, hi), axis=1, keepdims=True))
+
+    passes = -(-bits // (parts.bit_length() - 1))
+    return jax.lax.fori_loop(0, passes, narrow, (lo, hi), unroll=UNROLL_PASSES)[1]
 
 
 class _Logits(NamedTuple):
