@@ -18,7 +18,6 @@ Measured (GPT-OSS-20B on v5e:2x4, configs/gptoss_v5e.py, 256 rows): unembed 172.
 371.9 MB, whose costliest way is a nucleus past the candidates (docs/benchmarks/paged-engine.md).
 """
 
-import importlib.util
 import os
 import sys
 
@@ -35,15 +34,9 @@ from runner.engine import sampling
 from runner.settings import from_config
 from sharding.mesh import make_mesh
 from sharding.rules import Rules
+from tpu_decode_bytes import load_config  # benchmarks/, this script's folder
 
 sampling.UNROLL_PASSES = True  # the cost analysis counts a loop's body once: every pass counted
-
-
-def load_config(path: str):
-    spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
 
 
 def part(name: str):
