@@ -190,8 +190,8 @@ PAGE_BLOCK = 64  # slots of a step of a program's loop: PAGE_BLOCK // page_size 
 CHUNK_BLOCK = 64  # a chunk program's queries: rows (query token, query head) of one kv head
 
 
-def _paged_kernel(q_pos_ref, q_ref, table_ref, k_ref, v_ref, *refs, rows: int, pages: int,
-                  per_split: int, window: int, scale: float, quantized: bool, decode: bool):
+def _paged_kernel(q_pos_ref, q_ref, table_ref, k_ref, v_ref, *refs, rows: int, per_split: int,
+                  window: int, scale: float, quantized: bool, decode: bool):
     """One block of queries of a sequence (decode: a row's G query heads of a kv head; a chunk:
     CHUNK_BLOCK (token, head) rows of a kv head) over one split of its pages: the running max m,
     sum l and unnormalised output o of the visible slots, over steps of PB pages gathered through
@@ -297,7 +297,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, tables
     q_pos = q_pos.astype(jnp.int32)
     scales = (k_scale.astype(f32), v_scale.astype(f32)) if quantized else ()
     sink = None if sinks is None else sinks.astype(f32).reshape(K, G)
-    kernel = functools.partial(_paged_kernel, pages=P, window=window, scale=float(scale),
+    kernel = functools.partial(_paged_kernel, window=window, scale=float(scale),
                                quantized=quantized)
     params = plgpu.CompilerParams(num_warps=4, num_stages=2)
 

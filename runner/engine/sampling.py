@@ -110,8 +110,8 @@ def _floats(c: jax.Array, dtype) -> jax.Array:
 # a threshold among bfloat16 logits' 2**16 codes and 8 among float32's. XLA:TPU fuses 15 sums of
 # probability into one read of the logits, and reads them twice for 16.
 PROBES = 15
-# The passes run in a loop: unrolled, every program that samples compiled 2-3x slower on CPU (8
-# passes a threshold over float32 logits). XLA's cost analysis counts a loop's body once, so
+# The passes run in a loop, so that every program that samples compiles one pass, not 8 per
+# threshold (float32 logits). XLA's cost analysis counts a loop's body once, so
 # benchmarks/tpu_decode_bytes.py and tpu_sampler_bytes.py unroll them to count each pass.
 UNROLL_PASSES = False
 
