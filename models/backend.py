@@ -13,6 +13,7 @@ passes the operands it has.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -33,6 +34,9 @@ class Backend:
     # CPU, with kernels.enabled and a C++ compiler (without one: a warning, and XLA):
     product_kernel: bool = False  # float32 products and rms_norm of a decode step's rows: one device
     quant_kernels: bool = False  # the int8 and int4 products
+    # From this many rows on, the int4 product rounds x and W to bfloat16 (AVX-512 BF16, with
+    # precision.int4_activations=bfloat16); 0: float32 whatever the rows
+    int4_bf16_rows: int = 0
     attention_kernel: bool = False  # attention of a decode step's few queries, or of a prompt
     panels: bool = False  # float32 projections held in column panels (models/panels.py)
     int8_screen: bool = False  # greedy tokens through an int8 screen of a float32 unembedding
@@ -70,7 +74,8 @@ class Backend:
             on = policy.kernels and cpu.available()
             alone = on and rules.mesh.size == 1
             f32 = policy.dtype.name == "float32" and policy.params == "float32"
-            return cls(platform, product_kernel=alone, quant_kernels=on,
+            bf16_rows = cpu.bf16_rows() if on and policy.int4_activations == "bfloat16" else 0
+            return cls(platform, product_kernel=alone, quant_kernels=on, int4_bf16_rows=bf16_rows,
                        attention_kernel=on and unsplit_cache,
                        panels=alone and policy.panel_weights and f32 and policy.quantize == "none",
                        int8_screen=alone and policy.greedy_screen and policy.dtype.name == "float32",
@@ -130,7 +135,8 @@ class Backend:
         if not self.quant_kernels:
             return None
         from models.kernels import cpu
-        return cpu.matmul_nk_s4 if int4 else cpu.matmul_nk_s8
+        return functools.partial(cpu.matmul_nk_s4, bf16_rows=self.int4_bf16_rows) if int4 \
+            else cpu.matmul_nk_s8
 
     def cache_attention(self, q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Array,
                         k_scale: jax.Array | None) -> Callable | None:

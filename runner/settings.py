@@ -84,7 +84,8 @@ class Settings:
 # that parsing applies, the sampling defaults, what a result line holds. Not the mesh, the batch,
 # the engine, its kernels or programs (each gives the same results), nor where files are.
 RESULT_KEYS = ("checkpoint.path", "checkpoint.chat_template", "precision.params", "precision.activations",
-               "precision.kv_cache", "precision.matmul", "precision.quantize", "generation.max_prompt_len",
+               "precision.kv_cache", "precision.matmul", "precision.quantize", "precision.int4_activations",
+               "generation.max_prompt_len",
                "generation.max_new_tokens", "generation.stop", "generation.stop_token_ids",
                "generation.reasoning_effort", "sampling.temperature", "sampling.top_k", "sampling.top_p",
                "sampling.seed", "io.echo_prompt")
@@ -176,6 +177,8 @@ def from_config(c: ConfigDict) -> Settings:
         raise SettingsError(f"precision.matmul={p.matmul!r}: use default, high or highest")
     if p.quantize not in ("none", "int8", "int4"):
         raise SettingsError(f"precision.quantize={p.quantize!r}: use none, int8 or int4")
+    if p.int4_activations not in ("float32", "bfloat16"):
+        raise SettingsError(f"precision.int4_activations={p.int4_activations!r}: use float32 or bfloat16")
     if not c.checkpoint.path:
         raise SettingsError("checkpoint.path is empty: pass --config.checkpoint.path=<converted checkpoint>")
     parts, part = _parts(c.io)
@@ -192,7 +195,8 @@ def from_config(c: ConfigDict) -> Settings:
         rules={k: tuple(a.strip() for a in v.split(",") if a.strip()) for k, v in c.rules.items()},
         compilation_cache_dir=_path(c.compilation_cache.dir),
         policy=Policy(params=p.params, activations=p.activations, kv_cache=p.kv_cache,
-                      matmul=p.matmul, quantize=p.quantize, kernels=bool(k.enabled),
+                      matmul=p.matmul, quantize=p.quantize, int4_activations=p.int4_activations,
+                      kernels=bool(k.enabled),
                       pallas_attention=bool(k.pallas_attention), pallas_prefill=bool(k.pallas_prefill),
                       cudnn_prefill=bool(k.cudnn_prefill), pallas_moe=bool(k.pallas_moe),
                       greedy_screen=bool(k.greedy_screen), panel_weights=bool(k.panel_weights),

@@ -46,10 +46,19 @@ def np_dequantize_int4(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarra
     return w.reshape(q.shape[0], -1)
 
 
-@pytest.mark.parametrize("M", [1, 2, 3, 5, 8, 13, 40])
+def np_bfloat16(x: np.ndarray) -> np.ndarray:
+    """x (float32) rounded to the nearest bfloat16, ties to even, as float64."""
+    bits = np.asarray(x, np.float32).view(np.uint32)
+    bits = (bits + (((bits >> 16) & 1) + np.uint32(0x7FFF))) & np.uint32(0xFFFF0000)
+    return bits.view(np.float32).astype(np.float64)
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 5, 8, 13, 16, 40, 263])
 def test_int4_kernel_matches_numpy(M):
     """x . W^T for W in numpy's int4 groups, every row count's path (one row: the nibbles times x,
-    then each group's scale; more: the weights made in registers and shared by the rows)."""
+    then each group's scale; more: the weights made in registers and shared by the rows; from
+    cpu.bf16_rows() rows on, where the CPU has AVX-512 BF16: x and the weights, made in float32,
+    rounded to bfloat16, their products summed in float32)."""
     rng = np.random.default_rng(M)
     for N, K in [(1, 32), (7, 96), (37, 576), (192, 64), (300, 1536)]:
         x = rng.standard_normal((M, K)).astype(np.float32)
@@ -57,10 +66,15 @@ def test_int4_kernel_matches_numpy(M):
         q, d, m = np_quantize_int4(w)
         deq = np_dequantize_int4(q, d, m)
         assert 0.02 < np.abs(deq - w).max() / np.abs(w).max() < 0.1  # 4 bits, really
-        want = x.astype(np.float64) @ deq.T
-        got = np.asarray(jax.jit(cpu.matmul_nk_s4)(x, q, d, m))
-        assert got.shape == (M, N)
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+        exact = x.astype(np.float64) @ deq.T
+        for bf16_rows in {0, cpu.bf16_rows()}:
+            want = exact
+            if 0 < bf16_rows <= M:
+                want = np_bfloat16(x) @ np_bfloat16(deq.astype(np.float32)).T
+                assert np.abs(want - exact).max() > 1e-4 * np.abs(want).max()  # not float32's
+            got = np.asarray(jax.jit(cpu.matmul_nk_s4, static_argnames="bf16_rows")(x, q, d, m, bf16_rows))
+            assert got.shape == (M, N)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
 @pytest.mark.parametrize("M", [1, 2, 3, 5, 8, 13, 40])
@@ -130,7 +144,8 @@ def test_int4_refuses_shards_that_split_its_groups():
 @pytest.mark.parametrize("how", ["int4", "int8"])
 def test_prefill_sized_products_match_numpy(how):
     """From quant.XLA_ROWS_* rows of x on, the CPU takes XLA's dot of the dequantised weight in
-    place of the kernel: both sides of the switch against numpy's weights."""
+    place of the kernel (except for int4 products in bfloat16, which stay the kernel's): both
+    sides of the switch against numpy's weights."""
     from models.weights import Weight
 
     rules = rules_for("1dev")
@@ -144,13 +159,19 @@ def test_prefill_sized_products_match_numpy(how):
     else:
         q, scale = np_quantize(w.T)
         deq = q.astype(np.float64) * scale[:, None]
-    policy = Policy(quantize=how, kernels=True)
     switch = quant.XLA_ROWS_INT4 if how == "int4" else quant.XLA_ROWS_INT8
-    for rows in (8, switch - 1, switch, 2 * switch + 3):
-        x = rng.standard_normal((1, rows, 576)).astype(np.float32)
-        got = jax.jit(lambda x, w: policy.einsum("BTD,DF->BTF", x, w))(x, held)
-        want = x.astype(np.float64) @ deq.T
-        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    for activations in ("float32", "bfloat16"):
+        policy = Policy(quantize=how, kernels=True, int4_activations=activations).on(rules)
+        assert policy.backend.quant_kernels
+        # int4 in bfloat16: the kernel at every row count from cpu.bf16_rows() on, the switch too
+        bf16_rows = cpu.bf16_rows() if how == "int4" and activations == "bfloat16" else 0
+        for rows in (8, switch - 1, switch, 2 * switch + 3):
+            x = rng.standard_normal((1, rows, 576)).astype(np.float32)
+            got = jax.jit(lambda x, w: policy.einsum("BTD,DF->BTF", x, w))(x, held)
+            want = x.astype(np.float64) @ deq.T
+            if 0 < bf16_rows <= rows:
+                want = np_bfloat16(x) @ np_bfloat16(deq.astype(np.float32)).T
+            np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
 @pytest.mark.parametrize("kernels", [True, False], ids=["cpu_kernel", "xla"])
@@ -167,7 +188,8 @@ def test_int4_product_sharded_over_its_contraction_matches_numpy(kernels):
     placed = {"w": jax.device_put(w, rules.sharding("mlp", "embed"))}
     held = quant.quantize(decl, placed, rules, "int4")["w"]
     assert held.q.sharding.spec[1] == "model"  # q [D, F / 2]: the contraction stays sharded
-    policy = Policy(quantize="int4", kernels=kernels)
+    policy = Policy(quantize="int4", kernels=kernels, int4_activations="float32").on(rules)
+    assert policy.backend.quant_kernels == kernels
     got = jax.jit(lambda x, w: policy.einsum("BTF,FD->BTD", x, w))(
         jax.device_put(x, rules.sharding("batch", "seq", "mlp")), held)
     want = x.astype(np.float64) @ np_dequantize_int4(*np_quantize_int4(w.T)).T
@@ -279,13 +301,62 @@ def test_int4_decode_matches_transformers_on_dequantized_weights(kind, mesh, fus
     rules = rules_for(mesh)
     m = tiny_hf(kind)
     ref = dequantized_reference(m, "int4")
-    policy = Policy(quantize="int4", kernels=kernels, fuse_projections=fuse, scan_layers=scan)
+    policy = Policy(quantize="int4", kernels=kernels, fuse_projections=fuse, scan_layers=scan,
+                    int4_activations="float32")
     model, params = to_podrun(m, rules, policy=policy)
     layer = params["layer_stack"][0] if scan else params["layers"][0]
     assert isinstance(layer["wo"], quant.Q4Weight)
     if kind == "gptoss":
         assert isinstance(layer["w_down"], quant.QWeight)
     assert_decodes_as(ref, m, model, params, rules, policy, changed_by=1e-2)
+
+
+def bfloat16_int4_reference(m):
+    """dequantized_reference(m, "int4") with every int4 projection's dequantised weight rounded
+    to bfloat16, and its input too (a forward pre-hook): what precision.int4_activations=bfloat16
+    computes on a CPU with AVX-512 BF16, products and sums in float32."""
+    ref = dequantized_reference(m, "int4")
+    round_ = lambda t: torch.from_numpy(np_bfloat16(t.numpy()).astype(np.float32))
+    with torch.no_grad():
+        for name, mod in ref.named_modules():
+            w = getattr(mod, "weight", None)
+            if w is None or w.ndim != 2 or "norm" in name or name.endswith(("ln_1", "ln_2", "ln_f")) \
+                    or name.endswith(("lm_head", "embed_tokens", "wte", "wpe", "router")):
+                continue
+            w.copy_(round_(w))
+            mod.register_forward_pre_hook(lambda _, args: (round_(args[0]), *args[1:]))
+    return ref
+
+
+@pytest.mark.parametrize("kind,fuse", [("llama", True), ("qwen2", False), ("gpt2", False)])
+def test_int4_prompts_in_bfloat16_match_transformers_rounding_the_same(kind, fuse):
+    """With precision.int4_activations=bfloat16 on a CPU with AVX-512 BF16, a prompt's int4
+    products (16 rows or more) round x and W to bfloat16: the logits of every position equal
+    transformers' with the same roundings, and differ from the float32 products' (on these tiny
+    random models any change of a weight moves the logits a lot: 0.08 to 0.3 here, against 3.5 to
+    8.4 for int4 itself)."""
+    rules = rules_for("1dev")
+    m = tiny_hf(kind)
+    B, P = 4, 12
+    seqs = np.random.RandomState(7).randint(0, VOCAB, (B, P)).astype(np.int32)
+    positions = np.broadcast_to(np.arange(P, dtype=np.int32), (B, P))
+    logits = {}
+    for how in ("float32", "bfloat16"):
+        policy = Policy(quantize="int4", fuse_projections=fuse, int4_activations=how)
+        assert policy.on(rules).backend.int4_bf16_rows == (cpu.bf16_rows() if how == "bfloat16" else 0)
+        model, params = to_podrun(m, rules, policy=policy)
+        cache = model.new_cache(B, P, jnp.float32, rules)
+        logits[how] = np.asarray(jax.jit(lambda p, c: model.forward(
+            p, seqs, positions, c, rules, policy, Mode.PREFILL, 0, Output.LOGITS)[0])(params, cache))
+    if not cpu.bf16_rows():  # this CPU has no AVX-512 BF16: the products stay float32
+        np.testing.assert_array_equal(logits["bfloat16"], logits["float32"])
+        return
+    want = np.stack([hf_logits(bfloat16_int4_reference(m), seqs[b: b + 1])[0] for b in range(B)])
+    err = {how: np.abs(x - want) for how, x in logits.items()}
+    # a float32 sum that lands a value on the other side of a bfloat16 rounding moves a few logits
+    # by about 1e-2; the float32 products' are off everywhere
+    assert err["bfloat16"].max() < 3e-2 and err["bfloat16"].mean() < 1e-3
+    assert err["float32"].mean() > 5e-3
 
 
 def test_windows_predict_every_token_once():

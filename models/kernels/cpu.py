@@ -140,6 +140,14 @@ def vector_path() -> str:
 
 
 @functools.cache
+def bf16_rows() -> int:
+    """The rows of x from which matmul_nk_s4 rounds x and W to bfloat16 and multiplies them in
+    AVX-512 BF16 (twice a core's float32 multiply-adds: a prompt's products); 0 where this CPU has
+    no AVX-512 BF16, and every product is float32."""
+    return ctypes.cdll.LoadLibrary(str(build())).podrun_bf16_rows()
+
+
+@functools.cache
 def register() -> None:
     """Builds (if needed) and registers every target with jax's CPU FFI; once per process."""
     path = build()
@@ -194,11 +202,15 @@ def matmul_nk_s8(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
     return jax.ffi.ffi_call("podrun_matmul_nk_s8", out)(x.astype(jnp.float32), q, scale)
 
 
-def matmul_nk_s4(x: jax.Array, q: jax.Array, d: jax.Array, m: jax.Array) -> jax.Array:
-    """x [M, K] float32, q [N, K / 2] uint8, d, m [N, K / 32] float16 -> [M, N] float32."""
+def matmul_nk_s4(x: jax.Array, q: jax.Array, d: jax.Array, m: jax.Array, bf16_rows: int = 0
+                 ) -> jax.Array:
+    """x [M, K] float32, q [N, K / 2] uint8, d, m [N, K / 32] float16 -> [M, N] float32. With
+    bf16_rows (> 0, this CPU's bf16_rows() or more) and at least that many rows, x and the
+    weights are rounded to bfloat16 and their products summed in float32."""
     register()
     out = jax.ShapeDtypeStruct((x.shape[0], q.shape[0]), jnp.float32)
-    return jax.ffi.ffi_call("podrun_matmul_nk_s4", out)(x.astype(jnp.float32), q, d, m)
+    return jax.ffi.ffi_call("podrun_matmul_nk_s4", out)(x.astype(jnp.float32), q, d, m,
+                                                        bf16_rows=np.int64(bf16_rows))
 
 
 class Screen(NamedTuple):

@@ -12,6 +12,8 @@
 // each (GGUF's Q4_1 numbers, precision.quantize=int4); activations and sums stay float32, so each
 // weight costs a conversion and an FMA, and on a 2-core machine it runs out of compute before
 // memory: a decode step reads fewer bytes than int8's but is no faster.
+// From 16 rows of x on (a prompt's chunk), where the caller asks and the CPU has AVX-512 BF16,
+// it rounds x and the weights to bfloat16 instead (nk4_bf16): a core's multiply-adds double.
 //
 // Built on first use by models/kernels/cpu.py (g++ -O3 -march=native) with cpu_attention.cc into
 // one library, and registered with XLA's FFI.
@@ -182,6 +184,91 @@ void nk4_all(const float* x, const float* xsum, const uint8_t* q, const uint16_t
     else { nk4_rows<1>(xm, sm, q, ds, ms, ym, N, K, n0, n1); m += 1; }
   }
 }
+
+#if defined(__AVX512BF16__)
+// --- int4 W, many rows of x (a prompt's): products in bfloat16 ---------------------------------
+//
+// From kBf16Rows rows of x on, each tile of up to kTile rows of W is made once (d u + m, rounded
+// to bfloat16) into a buffer its thread reuses, x is rounded to bfloat16 once a call, and each
+// 32 weights of a row of x cost one vdpbf16ps (32 products summed pairwise into float32 lanes),
+// where the float32 path spends two FMAs and makes each weight again for every 8 rows. A core
+// does twice the multiply-adds in bfloat16. Rounding x and W to 8 bits of mantissa moves each
+// product by at most about 2^-8 of |x w|, well under int4's own error (W in 4 bits; llama.cpp
+// rounds a prompt's x to 8 bits a block too). The sums stay float32.
+constexpr int64_t kBf16Rows = 16, kTile = 64;
+
+inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
+
+// Rows [n0, n0 + nt) of W made into t[nt, K] bfloat16, in k's order (a group's low nibbles, then
+// its high ones).
+void make_tile(const uint8_t* q, const uint16_t* d, const uint16_t* mn, int64_t K, int64_t n0,
+               int64_t nt, uint16_t* t) {
+  const int64_t G = K / kGroup, rb = K / 2;
+  thread_local std::vector<float> buf;
+  if (buf.size() < size_t(2 * nt * G)) buf.resize(2 * nt * G);
+  float *ds = buf.data(), *ms = ds + nt * G;
+  halves_to_floats(d + n0 * G, ds, nt * G);
+  halves_to_floats(mn + n0 * G, ms, nt * G);
+  for (int64_t j = 0; j < nt; ++j)
+    for (int64_t g = 0; g < G; ++g) {
+      vf lo, hi, dj = splat(ds[j * G + g]), mj = splat(ms[j * G + g]);
+      load_u4(q + (n0 + j) * rb + g * 16, lo, hi);
+      __m512bh w = _mm512_cvtne2ps_pbh(fma(hi, dj, mj), fma(lo, dj, mj));  // lo in the low half
+      _mm512_storeu_si512(t + j * K + g * kGroup, reinterpret_cast<__m512i&>(w));
+    }
+}
+
+// y[i, j] = x[i] . t[j] for MB rows of x and NB rows of the tile, both bfloat16 rows of K.
+template <int MB, int NB>
+void bf16_block(const uint16_t* x, const uint16_t* t, int64_t K, float* y, int64_t ldy) {
+  vf acc[MB][NB];
+  for (auto& r : acc) for (auto& a : r) a = zero();
+  for (int64_t k = 0; k < K; k += 32) {
+    __m512bh w[NB];
+    for (int j = 0; j < NB; ++j) w[j] = as_bh(_mm512_loadu_si512(t + j * K + k));
+    for (int i = 0; i < MB; ++i) {
+      __m512bh xv = as_bh(_mm512_loadu_si512(x + i * K + k));
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, w[j]);
+    }
+  }
+  for (int i = 0; i < MB; ++i) {
+    if constexpr (NB == 4) hsum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3], y + i * ldy);
+    else for (int j = 0; j < NB; ++j) y[i * ldy + j] = hsum(acc[i][j]);
+  }
+}
+
+// Rows [m, m + MB) of x against rows [0, nt) of the tile: 4 of the tile's rows at a time (6 x 4
+// sums, 4 weight vectors and a row of x fill 29 of the 32 registers).
+template <int MB>
+void bf16_rows(const uint16_t* x, const uint16_t* t, int64_t nt, int64_t K, float* y, int64_t N) {
+  int64_t j = 0;
+  for (; j + 4 <= nt; j += 4) bf16_block<MB, 4>(x, t + j * K, K, y + j, N);
+  for (; j < nt; ++j) bf16_block<MB, 1>(x, t + j * K, K, y + j, N);
+}
+
+// y[:, n0:n1] for xb [M, K] bfloat16: tile by tile, every row of x against each.
+void nk4_bf16(const uint16_t* xb, const uint8_t* q, const uint16_t* d, const uint16_t* mn,
+              float* y, int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  thread_local std::vector<uint16_t> tile;
+  if (tile.size() < size_t(kTile * K)) tile.resize(kTile * K);
+  for (int64_t t0 = n0; t0 < n1; t0 += kTile) {
+    const int64_t nt = std::min(kTile, n1 - t0);
+    make_tile(q, d, mn, K, t0, nt, tile.data());
+    for (int64_t m = 0; m < M;) {
+      const uint16_t* xm = xb + m * K;
+      float* ym = y + m * N + t0;
+      switch (std::min<int64_t>(M - m, 6)) {
+        case 6: bf16_rows<6>(xm, tile.data(), nt, K, ym, N); m += 6; break;
+        case 5: bf16_rows<5>(xm, tile.data(), nt, K, ym, N); m += 5; break;
+        case 4: bf16_rows<4>(xm, tile.data(), nt, K, ym, N); m += 4; break;
+        case 3: bf16_rows<3>(xm, tile.data(), nt, K, ym, N); m += 3; break;
+        case 2: bf16_rows<2>(xm, tile.data(), nt, K, ym, N); m += 2; break;
+        default: bf16_rows<1>(xm, tile.data(), nt, K, ym, N); m += 1; break;
+      }
+    }
+  }
+}
+#endif
 
 // Chunk sizes: enough chunks per thread to balance, each big enough to amortise the bookkeeping.
 int64_t grain(int64_t n, int64_t unit, int64_t threads) {
@@ -560,7 +647,22 @@ ffi::Error MatmulNKS8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 // y[M, N] = x[M, K] . W^T for 4-bit W (nk4_block): the team for one or two rows, as
 // MatmulNKS8, else XLA's pool (when given).
 void matmul_s4(ffi::ThreadPool* pool, const float* xp, const uint8_t* qp, const uint16_t* dp,
-               const uint16_t* mp, float* yp, int64_t M, int64_t N, int64_t K) {
+               const uint16_t* mp, float* yp, int64_t M, int64_t N, int64_t K, int64_t bf16_rows) {
+#if defined(__AVX512BF16__)
+  if (bf16_rows > 0 && M >= std::max(bf16_rows, kBf16Rows) && pool) {
+    thread_local std::vector<uint16_t> xbuf;  // x in bfloat16, read by every thread
+    xbuf.resize(M * K);
+    for (int64_t i = 0; i < M * K; i += kLanes) {  // K is a multiple of kGroup
+      __m256bh h = _mm512_cvtneps_pbh(load(xp + i));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xbuf.data() + i), reinterpret_cast<__m256i&>(h));
+    }
+    const uint16_t* xb = xbuf.data();
+    parallel_for(*pool, N, grain(N, 16, pool->num_threads()), [=](int64_t n0, int64_t n1) {
+      nk4_bf16(xb, qp, dp, mp, yp, M, N, K, n0, n1);
+    });
+    return;
+  }
+#endif
   const int64_t G = K / kGroup;
   thread_local std::vector<float> sums;
   sums.resize(M * G);
@@ -584,7 +686,7 @@ void matmul_s4(ffi::ThreadPool* pool, const float* xp, const uint8_t* qp, const 
 
 ffi::Error MatmulNKS4(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> q,
                       ffi::Buffer<ffi::F16> d, ffi::Buffer<ffi::F16> m,
-                      ffi::ResultBuffer<ffi::F32> y) {
+                      ffi::ResultBuffer<ffi::F32> y, int64_t bf16_rows) {
   auto xd = x.dimensions(), qd = q.dimensions(), dd = d.dimensions(), md = m.dimensions();
   if (xd.size() != 2 || qd.size() != 2 || dd.size() != 2 || md.size() != 2 ||
       xd[1] % kGroup != 0 || qd[1] * 2 != xd[1] || dd[0] != qd[0] || dd[1] != xd[1] / kGroup ||
@@ -593,7 +695,7 @@ ffi::Error MatmulNKS4(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
         "podrun_matmul_nk_s4: expects x[M, K] with K a multiple of 32, q[N, K / 2] uint8 and "
         "d, m[N, K / 32] float16");
   matmul_s4(&pool, x.typed_data(), q.typed_data(), d.typed_data(), m.typed_data(),
-            y->typed_data(), xd[0], qd[0], xd[1]);
+            y->typed_data(), xd[0], qd[0], xd[1], bf16_rows);
   return ffi::Error::Success();
 }
 
@@ -826,6 +928,16 @@ ffi::Error RmsNorm(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Result
 // Which vector path of cpu_kernels.h this build uses (models/kernels/cpu.vector_path).
 extern "C" const char* podrun_vector_path() { return kVectorPath; }
 
+// The rows of x from which the int4 product runs in bfloat16 (nk4_bf16), 0 where this build has
+// no AVX-512 BF16 (models/kernels/cpu.bf16_rows).
+extern "C" int podrun_bf16_rows() {
+#if defined(__AVX512BF16__)
+  return kBf16Rows;
+#else
+  return 0;
+#endif
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(podrun_matmul_f32, MatmulF32,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -855,7 +967,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(podrun_matmul_nk_s4, MatmulNKS4,
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F16>>()
                                   .Arg<ffi::Buffer<ffi::F16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("bf16_rows"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(podrun_greedy_screened, GreedyScreened,
                               ffi::Ffi::Bind()
