@@ -42,10 +42,10 @@ def base_config() -> ConfigDict:
         # per output channel) | int4 (groups of 32 with a float16 scale and minimum, as GGUF's
         # Q4_1; the embedding, unembedding and GPT-OSS's experts stay int8).
         "quantize": "none",
-        # Under int4 on a CPU with AVX-512 BF16: the products of 16 rows or more (a prompt's
-        # chunk, and the decode rows that share its step) round x and the weights to bfloat16 and
-        # sum in float32, at twice float32's multiply-adds ("float32": exact products; fewer rows
-        # and other CPUs always are).
+        # Under int4 on a CPU with AVX-512 BF16: the products of 4 rows or more (every step of a
+        # batch of 4 rows or more, prompts' chunks included) round x and the weights to bfloat16
+        # and sum in float32, at twice float32's multiply-adds ("float32": exact products; fewer
+        # rows and other CPUs always are).
         "int4_activations": "bfloat16",
     })
     # Which kernels run, resolved once per mesh by models/backend.py (none of them changes results).

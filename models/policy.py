@@ -28,9 +28,9 @@ class Policy:
     kv_cache: str = "float32"
     matmul: str = "highest"  # default | high | highest (jax.lax.Precision names)
     quantize: str = "none"  # none | int8 | int4 (weight-only: models/quant.py)
-    # What activations are rounded to where int4 weights meet many rows of them (a prompt's chunk,
-    # models/backend.Backend.int4_bf16_rows): "bfloat16" on a CPU with AVX-512 BF16 runs those
-    # products at twice float32's multiply-adds; "float32" keeps them exact.
+    # What activations are rounded to where int4 weights meet several rows of them (a batch's
+    # step, a prompt's chunk: models/backend.Backend.int4_bf16_rows): "bfloat16" on a CPU with
+    # AVX-512 BF16 runs those products at twice float32's multiply-adds; "float32" keeps them exact.
     int4_activations: str = "bfloat16"
     # The kernel switches (models/backend.py says what each gives on which platform):
     kernels: bool = True  # podrun's own kernels (models/kernels) where they apply, else XLA's

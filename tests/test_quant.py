@@ -331,7 +331,7 @@ def bfloat16_int4_reference(m):
 @pytest.mark.parametrize("kind,fuse", [("llama", True), ("qwen2", False), ("gpt2", False)])
 def test_int4_prompts_in_bfloat16_match_transformers_rounding_the_same(kind, fuse):
     """With precision.int4_activations=bfloat16 on a CPU with AVX-512 BF16, a prompt's int4
-    products (16 rows or more) round x and W to bfloat16: the logits of every position equal
+    products (of cpu.bf16_rows() rows or more) round x and W to bfloat16: the logits of every position equal
     transformers' with the same roundings, and differ from the float32 products' (on these tiny
     random models any change of a weight moves the logits a lot: 0.08 to 0.3 here, against 3.5 to
     8.4 for int4 itself)."""

@@ -141,9 +141,9 @@ def vector_path() -> str:
 
 @functools.cache
 def bf16_rows() -> int:
-    """The rows of x from which matmul_nk_s4 rounds x and W to bfloat16 and multiplies them in
-    AVX-512 BF16 (twice a core's float32 multiply-adds: a prompt's products); 0 where this CPU has
-    no AVX-512 BF16, and every product is float32."""
+    """The rows of x from which matmul_nk_s4 may round x and W to bfloat16 and multiply them in
+    AVX-512 BF16 (twice a core's float32 multiply-adds), as fast as float32 there and faster from
+    there on; 0 where this CPU has no AVX-512 BF16, and every product is float32."""
     return ctypes.cdll.LoadLibrary(str(build())).podrun_bf16_rows()
 
 

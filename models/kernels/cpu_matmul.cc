@@ -12,8 +12,9 @@
 // each (GGUF's Q4_1 numbers, precision.quantize=int4); activations and sums stay float32, so each
 // weight costs a conversion and an FMA, and on a 2-core machine it runs out of compute before
 // memory: a decode step reads fewer bytes than int8's but is no faster.
-// From 16 rows of x on (a prompt's chunk), where the caller asks and the CPU has AVX-512 BF16,
-// it rounds x and the weights to bfloat16 instead (nk4_bf16): a core's multiply-adds double.
+// From 4 rows of x on (a batch's decode step, a prompt's chunk), where the caller asks and the
+// CPU has AVX-512 BF16, it rounds x and the weights to bfloat16 instead (nk4_bf16): a core's
+// multiply-adds double.
 //
 // Built on first use by models/kernels/cpu.py (g++ -O3 -march=native) with cpu_attention.cc into
 // one library, and registered with XLA's FFI.
@@ -188,14 +189,15 @@ void nk4_all(const float* x, const float* xsum, const uint8_t* q, const uint16_t
 #if defined(__AVX512BF16__)
 // --- int4 W, many rows of x (a prompt's): products in bfloat16 ---------------------------------
 //
-// From kBf16Rows rows of x on, each tile of up to kTile rows of W is made once (d u + m, rounded
+// From kBf16Rows rows of x on (where it measured as fast; from 8 rows 1.15-1.3x as fast, from
+// 16 1.3-1.6x, SmolLM2's projections on 2 cores of a Zen 4), each tile of up to kTile rows of W is made once (d u + m, rounded
 // to bfloat16) into a buffer its thread reuses, x is rounded to bfloat16 once a call, and each
 // 32 weights of a row of x cost one vdpbf16ps (32 products summed pairwise into float32 lanes),
 // where the float32 path spends two FMAs and makes each weight again for every 8 rows. A core
 // does twice the multiply-adds in bfloat16. Rounding x and W to 8 bits of mantissa moves each
 // product by at most about 2^-8 of |x w|, well under int4's own error (W in 4 bits; llama.cpp
 // rounds a prompt's x to 8 bits a block too). The sums stay float32.
-constexpr int64_t kBf16Rows = 16, kTile = 64;
+constexpr int64_t kBf16Rows = 4, kTile = 64;
 
 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
 
@@ -649,7 +651,7 @@ ffi::Error MatmulNKS8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 void matmul_s4(ffi::ThreadPool* pool, const float* xp, const uint8_t* qp, const uint16_t* dp,
                const uint16_t* mp, float* yp, int64_t M, int64_t N, int64_t K, int64_t bf16_rows) {
 #if defined(__AVX512BF16__)
-  if (bf16_rows > 0 && M >= std::max(bf16_rows, kBf16Rows) && pool) {
+  if (bf16_rows > 0 && M >= bf16_rows && pool) {
     thread_local std::vector<uint16_t> xbuf;  // x in bfloat16, read by every thread
     xbuf.resize(M * K);
     for (int64_t i = 0; i < M * K; i += kLanes) {  // K is a multiple of kGroup
