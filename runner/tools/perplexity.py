@@ -136,10 +136,12 @@ def main(argv: list[str]) -> None:
     except (*USER_ERRORS, PerplexityError) as e:
         sys.exit(f"podrun perplexity: error: {e}")
     if jax.process_index() == 0:
+        bf16 = s.policy.quantize == "int4" and s.policy.on(rules).backend.int4_bf16_rows
         print(f"perplexity {math.exp(total / count):.4f} over {count} tokens "
               f"({len(win)} windows of {_WINDOW.value}, chunks of {_CHUNK.value or _WINDOW.value}; "
               f"weights {s.policy.params}, quantize "
-              f"{s.policy.quantize}, KV cache {s.policy.kv_cache})")
+              f"{s.policy.quantize}{' (products in bfloat16)' if bf16 else ''}, "
+              f"KV cache {s.policy.kv_cache})")
 
 
 if __name__ == "__main__":
