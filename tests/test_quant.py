@@ -53,6 +53,10 @@ def np_bfloat16(x: np.ndarray) -> np.ndarray:
     return bits.view(np.float32).astype(np.float64)
 
 
+def _bfloat16(t: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(np_bfloat16(t.numpy()).astype(np.float32))
+
+
 @pytest.mark.parametrize("M", [1, 2, 3, 5, 8, 13, 16, 40, 263])
 def test_int4_kernel_matches_numpy(M):
     """x . W^T for W in numpy's int4 groups, every row count's path (one row: the nibbles times x,
@@ -196,11 +200,12 @@ def test_int4_product_sharded_over_its_contraction_matches_numpy(kernels):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
-def dequantized_reference(m, how: str = "int8"):
+def dequantized_reference(m, how: str = "int8", bfloat16: bool = False):
     """A copy of the transformers model whose projection weights are numpy's int8 (or int4),
     dequantised. GPT-OSS: its experts too, in int8 either way (gate_up_proj [E, D, 2F] and
     down_proj [E, F, D], one scale per expert and output column over the contracted middle
-    dimension), not its router."""
+    dimension), not its router. bfloat16: each int4 projection's dequantised weight and input
+    rounded to bfloat16, its products and sums float32 (precision.int4_activations=bfloat16)."""
     ref = copy.deepcopy(m)
     with torch.no_grad():
         for name, mod in ref.named_modules():
@@ -222,6 +227,9 @@ def dequantized_reference(m, how: str = "int8"):
             rows = rows.T if conv1d else rows  # [out, in]
             if how == "int4" and not name.endswith(("lm_head", "embed_tokens", "wte")):
                 deq = np_dequantize_int4(*np_quantize_int4(rows)).astype(np.float32)
+                if bfloat16:  # the weight and the projection's input rounded (a pre-hook)
+                    deq = np_bfloat16(deq).astype(np.float32)
+                    mod.register_forward_pre_hook(lambda _, args: (_bfloat16(args[0]), *args[1:]))
             else:
                 q, scale = np_quantize(rows)
                 deq = q.astype(np.float32) * scale[:, None]
@@ -311,30 +319,13 @@ def test_int4_decode_matches_transformers_on_dequantized_weights(kind, mesh, fus
     assert_decodes_as(ref, m, model, params, rules, policy, changed_by=1e-2)
 
 
-def bfloat16_int4_reference(m):
-    """dequantized_reference(m, "int4") with every int4 projection's dequantised weight rounded
-    to bfloat16, and its input too (a forward pre-hook): what precision.int4_activations=bfloat16
-    computes on a CPU with AVX-512 BF16, products and sums in float32."""
-    ref = dequantized_reference(m, "int4")
-    round_ = lambda t: torch.from_numpy(np_bfloat16(t.numpy()).astype(np.float32))
-    with torch.no_grad():
-        for name, mod in ref.named_modules():
-            w = getattr(mod, "weight", None)
-            if w is None or w.ndim != 2 or "norm" in name or name.endswith(("ln_1", "ln_2", "ln_f")) \
-                    or name.endswith(("lm_head", "embed_tokens", "wte", "wpe", "router")):
-                continue
-            w.copy_(round_(w))
-            mod.register_forward_pre_hook(lambda _, args: (round_(args[0]), *args[1:]))
-    return ref
-
-
 @pytest.mark.parametrize("kind,fuse", [("llama", True), ("qwen2", False), ("gpt2", False)])
 def test_int4_prompts_in_bfloat16_match_transformers_rounding_the_same(kind, fuse):
     """With precision.int4_activations=bfloat16 on a CPU with AVX-512 BF16, a prompt's int4
-    products (of cpu.bf16_rows() rows or more) round x and W to bfloat16: the logits of every position equal
-    transformers' with the same roundings, and differ from the float32 products' (on these tiny
-    random models any change of a weight moves the logits a lot: 0.08 to 0.3 here, against 3.5 to
-    8.4 for int4 itself)."""
+    products (of cpu.bf16_rows() rows or more) round x and W to bfloat16: the logits of every
+    position equal transformers' with the same roundings, and differ from the float32 products'
+    (on these tiny random models any change of a weight moves the logits a lot, int4's own far
+    more than bfloat16's)."""
     rules = rules_for("1dev")
     m = tiny_hf(kind)
     B, P = 4, 12
@@ -351,7 +342,8 @@ def test_int4_prompts_in_bfloat16_match_transformers_rounding_the_same(kind, fus
     if not cpu.bf16_rows():  # this CPU has no AVX-512 BF16: the products stay float32
         np.testing.assert_array_equal(logits["bfloat16"], logits["float32"])
         return
-    want = np.stack([hf_logits(bfloat16_int4_reference(m), seqs[b: b + 1])[0] for b in range(B)])
+    ref = dequantized_reference(m, "int4", bfloat16=True)
+    want = np.stack([hf_logits(ref, seqs[b: b + 1])[0] for b in range(B)])
     err = {how: np.abs(x - want) for how, x in logits.items()}
     # a float32 sum that lands a value on the other side of a bfloat16 rounding moves a few logits
     # by about 1e-2; the float32 products' are off everywhere

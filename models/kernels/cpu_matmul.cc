@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <vector>
 
@@ -189,15 +190,14 @@ void nk4_all(const float* x, const float* xsum, const uint8_t* q, const uint16_t
 #if defined(__AVX512BF16__)
 // --- int4 W, several rows of x (a batch's step, a prompt's chunk): products in bfloat16 --------
 //
-// From kBf16Rows rows of x on (where it measured as fast as float32's; from 8 rows 1.15-1.3x as
-// fast, from 16 1.3-1.6x: SmolLM2's projections on 2 cores of a Zen 4), each tile of up to kTile
-// rows of W is made once (d u + m, rounded to bfloat16) into a buffer its thread reuses, x is
-// rounded to bfloat16 once a call, and each 32 weights of a row of x cost one vdpbf16ps (32
-// products summed pairwise into float32 lanes), where the float32 path spends two FMAs and makes
-// each weight again for every 8 rows. A core does twice the multiply-adds in bfloat16. Rounding
-// x and W to 8 bits of mantissa moves each product by at most about 2^-8 of |x w|, well under
-// int4's own error (W in 4 bits; llama.cpp rounds a prompt's x to 8 bits a block too). The sums
-// stay float32.
+// From kBf16Rows rows of x on (fewer rows cannot spread a tile's making over enough products to
+// beat float32's weights made in registers), each tile of up to kTile rows of W is made once
+// (d u + m, rounded to bfloat16) into a buffer its thread reuses, x is rounded to bfloat16 once a
+// call, and each 32 weights of a row of x cost one vdpbf16ps (32 products summed pairwise into
+// float32 lanes), where the float32 path spends two FMAs and makes each weight again for every 8
+// rows. A core does twice the multiply-adds in bfloat16. Rounding x and W to 8 bits of mantissa
+// moves each product by at most about 2^-8 of |x w|, well under int4's own error (W in 4 bits;
+// llama.cpp rounds a prompt's x to 8 bits a block too). The sums stay float32.
 constexpr int64_t kBf16Rows = 4, kTile = 64;
 
 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
@@ -653,13 +653,13 @@ void matmul_s4(ffi::ThreadPool* pool, const float* xp, const uint8_t* qp, const 
                const uint16_t* mp, float* yp, int64_t M, int64_t N, int64_t K, int64_t bf16_rows) {
 #if defined(__AVX512BF16__)
   if (bf16_rows > 0 && M >= bf16_rows && pool) {
-    std::vector<uint16_t> xbuf(M * K);  // x in bfloat16, read by every thread
+    // x in bfloat16, read by every thread; each element written below, so none is zeroed first
+    std::unique_ptr<uint16_t[]> xbuf(new uint16_t[M * K]);
     for (int64_t i = 0; i < M * K; i += kLanes) {  // K is a multiple of kGroup
       __m256bh h = _mm512_cvtneps_pbh(load(xp + i));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xbuf.data() + i),
-                          reinterpret_cast<__m256i&>(h));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xbuf.get() + i), reinterpret_cast<__m256i&>(h));
     }
-    const uint16_t* xb = xbuf.data();
+    const uint16_t* xb = xbuf.get();
     parallel_for(*pool, N, grain(N, 16, pool->num_threads()), [=](int64_t n0, int64_t n1) {
       nk4_bf16(xb, qp, dp, mp, yp, M, N, K, n0, n1);
     });
