@@ -37,6 +37,9 @@ EXPERT_AXES = {
     "w_down": ("experts", "embed", "mlp"),  # [E, D, F]
     "b_down": ("experts", "embed"),  # [E, D]
 }
+# The down projection as the experts kernel reads it (Backend.experts_kernel): [E, F, D], so that
+# a chunk of F is a block of whole rows. `for_backend` makes it from the declared w_down.
+DOWN_ROWS = ("experts", "mlp", "embed")
 YARN = (("beta_fast", 32.0), ("beta_slow", 1.0), ("factor", 32.0),
         ("original_max_position_embeddings", 4096), ("rope_type", "yarn"), ("truncate", False))
 
@@ -187,7 +190,10 @@ def _experts_gathered(x, expert, weight, w, scales, c, policy):
     gate_up = policy.einsum("MD,MKGD->MKG", x, wg.reshape(*wg.shape[:2], -1, wg.shape[-1]))
     gate_up = _scaled(gate_up, scales, "w_gate_up", expert)  # [M, k, 2F]
     gate_up = gate_up + _flat(w["b_gate_up"][expert], gate_up)
-    y = policy.einsum("MKF,MKDF->MKD", swiglu(gate_up, c), w["w_down"][expert])
+    if "w_down_rows" in w:
+        y = policy.einsum("MKF,MKFD->MKD", swiglu(gate_up, c), w["w_down_rows"][expert])
+    else:
+        y = policy.einsum("MKF,MKDF->MKD", swiglu(gate_up, c), w["w_down"][expert])
     y = _scaled(y, scales, "w_down", expert) + w["b_down"][expert]
     return jnp.einsum("MKD,MK->MD", y, weight.astype(y.dtype))
 
@@ -203,6 +209,28 @@ def _by_expert(expert):
 ONE_HOT_DISPATCH = 1 << 21  # largest M * E * C routed by one-hot products
 
 
+def _slots(expert, E, capacity):
+    """Assignments [M, k] (E: another shard's) in [E, C] buckets: (the order by expert, each
+    sorted assignment's token, its slot e * C + rank; E * C where the expert is another shard's
+    or its bucket is full)."""
+    flat_e, order, sorted_e, token = _by_expert(expert)
+    counts = jnp.bincount(flat_e, length=E + 1)  # E = "not on this shard"
+    rank = jnp.arange(flat_e.shape[0]) - (jnp.cumsum(counts) - counts)[sorted_e]
+    slot = jnp.where((sorted_e < E) & (rank < capacity), sorted_e * capacity + rank, E * capacity)
+    return order, token, slot
+
+
+def _routes(expert, weight, E, capacity, M, dtype):
+    """The one-hot products' matrices that move M tokens into [E, C] buckets and back: dispatch
+    [E*C, M] (the token in each slot) and combine [M, E*C] (each token's weight of each slot)."""
+    order, token, slot = _slots(expert, E, capacity)
+    route = (slot[:, None] == jnp.arange(E * capacity)).astype(dtype)  # [A, E*C]
+    tokens = jax.nn.one_hot(token, M, dtype=dtype)
+    dispatch = jnp.einsum("AS,AM->SM", route, tokens)
+    weighted = route * weight.reshape(-1)[order][:, None].astype(dtype)
+    return dispatch, jnp.einsum("AS,AM->MS", weighted, tokens)
+
+
 def _experts_grouped(x, expert, weight, w, scales, c, policy, capacity):
     """Many assignments (decode of a large batch, prefill): group them by expert into [E, C]
     buckets and run one batched matmul per projection. Assignments beyond an expert's capacity go to a dropped slot; callers
@@ -210,22 +238,18 @@ def _experts_grouped(x, expert, weight, w, scales, c, policy, capacity):
     M, D = x.shape
     w = _converted(w, x.dtype)
     E = w["w_down"].shape[0]
-    flat_e, order, sorted_e, token = _by_expert(expert)
-    counts = jnp.bincount(flat_e, length=E + 1)  # E = "not on this shard"
-    rank = jnp.arange(flat_e.shape[0]) - (jnp.cumsum(counts) - counts)[sorted_e]
-    slot = jnp.where((sorted_e < E) & (rank < capacity), sorted_e * capacity + rank, E * capacity)
     # A few tokens (decode, short prefills) move into and out of the buckets as one-hot products:
     # a gather or scatter of single rows reads whole (16, 128) tiles of a bf16 array on TPU, by
     # XLA's cost analysis many times the bytes moved. The products' flops grow with M * E * C;
     # up to ONE_HOT_DISPATCH they still cost less HBM time than the gathers, the flops under it.
     one_hot = M * E * capacity <= ONE_HOT_DISPATCH
     if one_hot:
-        route = (slot[:, None] == jnp.arange(E * capacity)).astype(x.dtype)  # [A, E*C]
-        dispatch = jnp.einsum("AS,AM->SM", route, jax.nn.one_hot(token, M, dtype=x.dtype))
+        dispatch, combine = _routes(expert, weight, E, capacity, M, x.dtype)
         rows = jnp.einsum("SM,MD->SD", dispatch, x, precision=jax.lax.Precision.HIGHEST,
                           preferred_element_type=x.dtype)  # exact: one 1 per row at most
         rows = rows.reshape(E, capacity, D)
     else:
+        order, token, slot = _slots(expert, E, capacity)
         rows = jnp.zeros((E * capacity + 1, D), x.dtype).at[slot].set(x[token])
         rows = rows[:-1].reshape(E, capacity, D)
     wg = w["w_gate_up"]  # [E, 2, F, D], one [E, 2F, D] product (a separate 2 axis made XLA:TPU
@@ -237,8 +261,6 @@ def _experts_grouped(x, expert, weight, w, scales, c, policy, capacity):
     y = policy.einsum("ECF,EDF->ECD", swiglu(gate_up, c), w["w_down"])
     y = _scaled(y, scales, "w_down", experts) + w["b_down"][:, None]
     if one_hot:  # out[m] = sum over m's assignments of weight * y[slot]
-        weighted = route * weight.reshape(-1)[order][:, None].astype(route.dtype)  # [A, E*C]
-        combine = jnp.einsum("AS,AM->MS", weighted, jax.nn.one_hot(token, M, dtype=y.dtype))
         # each token's k terms summed in float32 inside the product, written once in y's dtype
         return jnp.einsum("MS,SD->MD", combine, y.reshape(E * capacity, D), precision=policy.precision,
                           preferred_element_type=y.dtype)
@@ -296,6 +318,32 @@ def experts_ragged(x, expert, weight, w, scales, c, gmm):
     return jnp.zeros((M, D), y.dtype).at[token].add(y)
 
 
+def _experts_fused(x, expert, weight, w, c, capacity, kernel):
+    """A decode step's tokens through the backend's experts kernel (`kernel`: Backend.experts),
+    which reads each local expert's weights once and writes only the tokens' outputs: the
+    tokens in [E, C] buckets, or, when an expert's load passes the capacity, every local expert
+    on every token. x [M, D]; expert, weight [M, k], expert = E where the expert lives on another
+    shard."""
+    M = x.shape[0]
+    E = w["w_down_rows"].shape[0]
+    run = partial(kernel, w_gate_up=w["w_gate_up"], b_gate_up=w["b_gate_up"],
+                  w_down_t=w["w_down_rows"], b_down=w["b_down"], limit=c.swiglu_limit,
+                  alpha=c.swiglu_alpha)
+
+    def grouped():
+        dispatch, combine = _routes(expert, weight, E, capacity, M, x.dtype)
+        return run(x.T, dispatch.reshape(E, capacity, M),
+                   jnp.transpose(combine.reshape(M, E, capacity), (1, 0, 2))).T
+
+    def dense():  # combine [E, M, M]: each token's weight of the expert, on the diagonal
+        share = jnp.einsum("MK,MKE->EM", weight, jax.nn.one_hot(expert, E, dtype=weight.dtype))
+        eye = jnp.eye(M, dtype=x.dtype)
+        return run(x.T, eye[None], share[:, :, None] * eye).T
+
+    counts = jnp.bincount(expert.reshape(-1), length=E + 1)[:E]
+    return dense() if capacity >= M else jax.lax.cond(jnp.max(counts) <= capacity, grouped, dense)
+
+
 def _moe_shard(x, expert, weight, w, *, c: Config, policy: Policy, expert_axes, model_axes,
                gmm: Callable | None = None):
     """One device's share: its tokens x [B, T, D] through its experts and its slice of F. int8
@@ -305,7 +353,7 @@ def _moe_shard(x, expert, weight, w, *, c: Config, policy: Policy, expert_axes, 
     scales = {n: a.scale for n, a in w.items() if isinstance(a, quant.QWeight)}
     w = {n: a.q if isinstance(a, quant.QWeight) else a for n, a in w.items()}  # int8 stays int8 here
     B, T, D = x.shape
-    E = w["w_down"].shape[0]  # local experts
+    E = w["b_down"].shape[0]  # local experts
     first = jax.lax.axis_index(expert_axes) * E if expert_axes else 0
     local = expert - first
     mine = (local >= 0) & (local < E)
@@ -315,20 +363,29 @@ def _moe_shard(x, expert, weight, w, *, c: Config, policy: Policy, expert_axes, 
     x = x.reshape(B * T, D)
     local = local.reshape(B * T, -1)
     weight = weight.reshape(B * T, -1)
+    # the mean load of an expert: the assignments over all experts, not this shard's E
+    small = min(B * T, max(1, math.ceil(c.capacity_factor * local.size / c.num_experts)))
+    kernel = None
+    if "w_down_rows" in w:  # held for the backend's experts kernel
+        kernel = policy.backend.experts(B * T, D, w["w_down_rows"].shape[1], x.dtype)
+        if kernel is None and 4 * local.size > E:  # XLA folds the transpose into its products
+            w = dict(w, w_down=jnp.swapaxes(w.pop("w_down_rows"), 1, 2))
     # Gathering weights per assignment wins only while the assignments touch a small share of
     # the experts; past that, grouping with a 2x-mean-load capacity beats running every expert
-    # densely and jax.lax.ragged_dot (docs/benchmarks/ has the measurements).
+    # densely and jax.lax.ragged_dot (docs/benchmarks/ has the measurements), and the experts
+    # kernel beats grouping in XLA where it runs.
     if 4 * local.size <= E:
         y = _experts_gathered(x, jnp.where(mine.reshape(local.shape), local, 0), weight, w, scales,
                               c, policy)
+    elif kernel is not None:
+        y = _experts_fused(x, jnp.where(mine.reshape(local.shape), local, E), weight, w, c, small,
+                           kernel)
     elif gmm is not None:
         y = experts_ragged(x, jnp.where(mine.reshape(local.shape), local, E), weight, w, scales, c,
                            gmm)
     else:
         local = jnp.where(mine.reshape(local.shape), local, E)
         counts = jnp.bincount(local.reshape(-1), length=E + 1)[:E]
-        # the mean load of an expert: the assignments over all experts, not this shard's E
-        small = min(B * T, max(1, math.ceil(c.capacity_factor * local.size / c.num_experts)))
         dense = partial(_experts_dense, x, local, weight, w, scales, c, policy)
         grouped = partial(_experts_grouped, x, local, weight, w, scales, c, policy, small)
         # exact either way: the small buckets when they hold every assignment
@@ -344,10 +401,11 @@ def moe_block(p: dict, x: jax.Array, c: Config, rules: Rules, policy: Policy) ->
         logits = policy.einsum("BTD,DE->BTE", x, p["router_w"]) + p["router_b"]
         top, expert = jax.lax.top_k(logits, c.experts_per_token)  # [B, T, k]
         weight = jax.nn.softmax(top.astype(jnp.float32), axis=-1).astype(x.dtype)
-        w = {n: p[n] for n in EXPERT_AXES}
+        held = dict(EXPERT_AXES, w_down_rows=DOWN_ROWS)
+        w = {n: p[n] for n in held if n in p}
         # inside, every device holds whole rows of D (an FSDP-sharded embed is gathered on entry)
-        specs = {n: quant.spec_like(w[n], rules.spec(*(None if a == "embed" else a for a in axes)))
-                 for n, axes in EXPERT_AXES.items()}
+        specs = {n: quant.spec_like(w[n], rules.spec(*(None if a == "embed" else a for a in held[n])))
+                 for n in w}
         act = rules.spec("batch", "seq", "act_embed", shape=x.shape)
         route = rules.spec("batch", "seq", None, shape=expert.shape)
         expert_axes = tuple(a for a in rules.axes("experts") if rules.mesh.shape[a] > 1)
@@ -360,6 +418,25 @@ def moe_block(p: dict, x: jax.Array, c: Config, rules: Rules, policy: Policy) ->
             out_specs=act,
         )(x, expert, weight, w)
         return constrain(y, rules, "batch", "seq", "act_embed")
+
+
+def for_backend(params: dict, rules: Rules, backend) -> dict:
+    """Restored weights (or their ShapeDtypeStructs) as the backend runs them: where its experts
+    kernel runs (Backend.experts_kernel), each layer's w_down [E, D, F] held as w_down_rows
+    [E, F, D], sharded as declared. `params` is consumed."""
+    if not backend.experts_kernel:
+        return params
+    sharding = rules.sharding(*DOWN_ROWS)
+    swap = jax.jit(lambda w: jnp.swapaxes(w, 1, 2), out_shardings=sharding, donate_argnums=0)
+
+    def rows(w):
+        if isinstance(w, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct((w.shape[0], w.shape[2], w.shape[1]), w.dtype, sharding=sharding)
+        return swap(w)
+
+    layers = [{("w_down_rows" if n == "w_down" else n): rows(a) if n == "w_down" else a
+               for n, a in layer.items()} for layer in params["layers"]]
+    return dict(params, layers=layers)
 
 
 # --- the decoder's pieces (models/decoder.py runs them) -----------------------------------------

@@ -46,6 +46,8 @@ class Model:
             params = panels.pack(decl, params)
         if backend.row_major_tables:
             params = weights.pin_tables_row_major(decl, params)
+        if hasattr(self.module, "for_backend"):
+            params = self.module.for_backend(params, rules, backend)
         if policy.scan_layers:
             params = scan.stack(params, self.scan_period)
         return params
@@ -58,6 +60,8 @@ class Model:
             tree = weights.pin_tables_row_major(decl, tree)
         if backend.panels:
             tree = panels.abstract(decl, tree, rules)
+        if hasattr(self.module, "for_backend"):
+            tree = self.module.for_backend(tree, rules, backend)
         return scan.abstract(tree, self.scan_period) if policy.scan_layers else tree
 
     @property

@@ -9,11 +9,12 @@ import subprocess
 import sys
 
 import jax
+import ml_dtypes
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.kernels import cpu
+from models.kernels import cpu, tpu
 
 
 @pytest.mark.parametrize("w_nk", [False, True], ids=["w_KN", "w_NK"])
@@ -639,6 +640,66 @@ def test_ragged_experts_match_numpy_in_interpret_mode(int8):
                 y = y * sd[e]
             want[m] += weight[m, j] * (y + bd[e])
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
+
+
+def _experts_reference(x, expert, weight, wgu, bgu, wd, bd, E, rounded):
+    """GPT-OSS's experts in numpy (float64), each token through its k experts; `rounded` rounds
+    where the bfloat16 model does: each product, each bias sum, the activation, and the result."""
+    r = (lambda a: np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)) if rounded \
+        else (lambda a: a)
+    want = np.zeros(x.shape)
+    for m in range(x.shape[0]):
+        for j in range(expert.shape[1]):
+            e = expert[m, j]
+            if e == E:
+                continue
+            gu = r(r(np.einsum("ifd,d->if", wgu[e].astype(np.float64), x[m])) + bgu[e])
+            gate, up = np.minimum(gu[0], 7.0), np.clip(gu[1], -7.0, 7.0)
+            h = r(gate / (1 + np.exp(-1.702 * gate)) * (up + 1))
+            want[m] += weight[m, j] * r(r(wd[e].astype(np.float64) @ h) + bd[e])
+    return r(want)
+
+
+@pytest.mark.parametrize("dtype,load", [("float32", "buckets"), ("float32", "overfull"),
+                                        ("bfloat16", "buckets")])
+def test_experts_kernel_matches_numpy_in_interpret_mode(dtype, load, monkeypatch):
+    """GPT-OSS's decode experts in the TPU kernel (models/kernels/tpu.experts, interpreted on CPU)
+    as the MoE block calls it: 40 tokens x 2 assignments over 4 local experts, a third of the
+    assignments on another shard (expert id E), F streamed in 3 chunks, D no multiple of 128. In
+    buckets of the MoE's capacity, or, when one expert takes more (overfull), every expert on
+    every token; bfloat16 rounds where the XLA path does."""
+    from types import SimpleNamespace
+
+    from models import gptoss
+
+    monkeypatch.setattr(tpu, "EXPERT_CHUNK_BYTES", 3 * 32 * 96 * 4)  # F = 96 in chunks of 32
+    rng = np.random.default_rng(5)
+    M, k, E, D, F = 40, 2, 4, 96, 96
+    c = SimpleNamespace(swiglu_limit=7.0, swiglu_alpha=1.702)
+    dt = jnp.dtype(dtype)
+    cast = lambda a: np.asarray(jnp.asarray(a, dt), np.float64)  # noqa: E731 (the kernel's inputs)
+    x = cast(rng.standard_normal((M, D)))
+    expert = rng.integers(0, E + E // 2, (M, k)).clip(max=E).astype(np.int32)  # E: elsewhere
+    expert[:, 1] = np.where(expert[:, 1] == expert[:, 0], E, expert[:, 1])
+    if load == "overfull":
+        expert[: M // 2, 0] = 1
+    weight = cast(rng.random((M, k)) * (expert < E))
+    wgu, wd = cast(rng.standard_normal((E, 2, F, D)) * 0.1), cast(rng.standard_normal((E, D, F)) * 0.1)
+    bgu, bd = cast(rng.standard_normal((E, 2, F))), cast(rng.standard_normal((E, D)))
+    capacity = 24
+    counts = np.bincount(expert.reshape(-1), minlength=E + 1)[:E]
+    assert (counts.max() > capacity) == (load == "overfull")
+    w = {"w_gate_up": jnp.asarray(wgu, dt), "w_down_rows": jnp.asarray(np.swapaxes(wd, 1, 2), dt),
+         "b_gate_up": jnp.asarray(bgu, dt), "b_down": jnp.asarray(bd, dt)}
+    got = gptoss._experts_fused(jnp.asarray(x, dt), jnp.asarray(expert), jnp.asarray(weight, dt), w,
+                                c, capacity, functools.partial(tpu.experts, interpret=True))
+    want = _experts_reference(x, expert, weight, wgu, bgu, wd, bd, E, rounded=dtype == "bfloat16")
+    got = np.asarray(got, np.float64)
+    if dtype == "float32":
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    else:  # the same roundings; sums in another order move a result by an ulp at most
+        ulp = np.abs(want) * 2.0 ** -7 + 1e-30
+        assert np.all(np.abs(got - want) <= ulp), np.max(np.abs(got - want) / ulp)
 
 
 # Every vector path of the kernels besides the one this machine builds natively (which the tests

@@ -15,6 +15,7 @@ flash_prefill: see its section below.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -555,3 +556,132 @@ def write_pages(pool: jax.Array, new: jax.Array, slots: jax.Array,
                                       bytes_accessed=2 * T * K * Rp * L * item),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
     )(slots, leader, wide, pool)
+
+
+# --- a mixture of experts' decode step: every local expert's products in one kernel --------------
+
+EXPERT_CHUNK_BYTES = 6 << 20  # an expert's gate, up and down weights streamed a chunk of F at a time
+EXPERTS_VMEM_BYTES = 64 << 20  # what the kernel may take of VMEM (v5e, v6e: 128 MiB a core)
+
+
+def _tiled_bytes(shape: tuple[int, ...], dtype) -> int:
+    """Bytes of an array in HBM as TPUs tile it: its minor dimension padded to 128 lanes, the next
+    to the sublanes of its dtype's (8 * 4 / itemsize, 128) tile."""
+    item = jnp.dtype(dtype).itemsize
+    *major, rows, lanes = (1,) * max(0, 2 - len(shape)) + tuple(shape)
+    sub = 8 * 4 // item
+    return math.prod(major) * -(-rows // sub) * sub * -(-lanes // 128) * 128 * item
+
+
+def expert_chunk(F: int, D: int, itemsize: int) -> int:
+    """Units of F a grid step takes of an expert: the largest divisor of F whose gate, up and down
+    rows fit EXPERT_CHUNK_BYTES, a multiple of 16 (a bf16 tile's sublanes); F if none is."""
+    fits = [t for t in range(16, F + 1, 16) if F % t == 0 and 3 * t * D * itemsize <= EXPERT_CHUNK_BYTES]
+    return max(fits) if fits else F
+
+
+def experts_vmem_bytes(M: int, C: int, D: int, F: int, itemsize: int) -> int:
+    """VMEM the experts kernel needs for M tokens in buckets of C rows (double-buffered blocks,
+    float32 accumulators and the products of a chunk)."""
+    t = expert_chunk(F, D, itemsize)
+    blocks = (M * D + 2 * C * M + 3 * t * D + M * D) * itemsize
+    return 2 * blocks + (C * D) * (itemsize + 4) + 4 * M * D + 3 * 4 * C * t
+
+
+def _experts_kernel(xt_ref, dispatch_ref, combine_ref, wgu_ref, bgu_ref, wd_ref, bd_ref, o_ref,
+                    rows_ref, y_ref, acc_ref, *, experts: int, chunks: int, limit: float,
+                    alpha: float):
+    e, j = pl.program_id(0), pl.program_id(1)
+    f32, dt = jnp.float32, xt_ref.dtype
+    nt = (((1,), (1,)), ((), ()))  # a [P, K] . b [Q, K] -> [P, Q]
+
+    @pl.when((e == 0) & (j == 0))
+    def _():
+        acc_ref[...] = jnp.zeros(acc_ref.shape, f32)
+
+    @pl.when(j == 0)
+    def _():
+        y_ref[...] = jnp.zeros(y_ref.shape, f32)
+        # the expert's bucket [C, D]: one 1 per row of dispatch at most, so exact
+        rows_ref[...] = jax.lax.dot_general(dispatch_ref[...], xt_ref[...], nt,
+                                            preferred_element_type=f32).astype(dt)
+
+    rows = rows_ref[...]
+    b = bgu_ref[...].astype(f32)  # [2, t]
+    # roundings as the XLA path's: each product to the activations' dtype, then its bias, then
+    # the activation
+    gate = jax.lax.dot_general(rows, wgu_ref[0], nt, preferred_element_type=f32).astype(dt)
+    up = jax.lax.dot_general(rows, wgu_ref[1], nt, preferred_element_type=f32).astype(dt)
+    gate = (gate.astype(f32) + b[0:1]).astype(dt).astype(f32)
+    up = (up.astype(f32) + b[1:2]).astype(dt).astype(f32)
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    h = (gate * jax.nn.sigmoid(alpha * gate) * (up + 1)).astype(dt)  # [C, t]
+    y_ref[...] += jnp.dot(h, wd_ref[...], preferred_element_type=f32)  # [C, D]
+
+    @pl.when(j == chunks - 1)
+    def _():
+        # the expert's bias: its row of b_down [E, D] (a dynamic row of a packed tile is no load)
+        pick = jax.lax.broadcasted_iota(jnp.int32, bd_ref.shape, 0) == e
+        b_down = jnp.sum(jnp.where(pick, bd_ref[...].astype(f32), 0.0), axis=0, keepdims=True)
+        y = (y_ref[...].astype(dt).astype(f32) + b_down).astype(dt)  # [C, D]
+        # the tokens' outputs [D, M] += y^T . combine^T
+        acc_ref[...] += jax.lax.dot_general(y, combine_ref[...], (((0,), (1,)), ((), ())),
+                                            preferred_element_type=f32)
+
+    @pl.when((e == experts - 1) & (j == chunks - 1))
+    def _():
+        o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("limit", "alpha", "interpret"))
+def experts(xt: jax.Array, dispatch: jax.Array, combine: jax.Array, w_gate_up: jax.Array,
+            b_gate_up: jax.Array, w_down_t: jax.Array, b_down: jax.Array, *, limit: float,
+            alpha: float, interpret: bool = False) -> jax.Array:
+    """GPT-OSS's experts on a few tokens, each expert's weights read from HBM once and nothing
+    else written but the result: out^T [D, M] = sum over experts e of (combine[e] @ y_e)^T, where
+    y_e = swiglu(rows_e @ w_gate_up[e]^T + b) @ w_down_t[e] + b_down[e] and rows_e = dispatch[e] @ x.
+
+    The tokens enter and leave transposed, xt [D, M] and [D, M], as XLA:TPU lays out a decode
+    step's activations (tokens minor). dispatch [E, C, M] (one-hot rows: the tokens in expert e's
+    bucket), or [1, M, M] (the identity: every expert takes every token); combine [E, M, C]
+    (each token's weights of its slots); w_gate_up [E, 2, F, D] (gate, then up); b_gate_up
+    [E, 2, F]; w_down_t [E, F, D] (the down projection with D minor: a chunk of F is a block of
+    rows); b_down [E, D]. The grid walks (expert, chunk of F): a step streams a chunk's gate, up
+    and down rows, sums their products into the expert's output in VMEM, and the last chunk adds
+    that, weighted, into every token's. XLA's path writes each expert's bucket, products and
+    outputs to HBM and reads them back."""
+    D, M = xt.shape
+    E, _, F, _ = w_gate_up.shape
+    C = dispatch.shape[1]
+    every = dispatch.shape[0] == 1  # one bucket of every token for all experts
+    item = jnp.dtype(xt.dtype).itemsize
+    t = expert_chunk(F, D, item)
+    n = F // t
+    bgu = jnp.transpose(b_gate_up.reshape(E, 2, n, t), (0, 2, 1, 3))  # [E, n, 2, t]: a block per step
+    specs = [pl.BlockSpec((D, M), lambda e, j: (0, 0)),
+             pl.BlockSpec((None, C, M), (lambda e, j: (0, 0, 0)) if every else (lambda e, j: (e, 0, 0))),
+             pl.BlockSpec((None, M, C), lambda e, j: (e, 0, 0)),
+             pl.BlockSpec((None, 2, t, D), lambda e, j: (e, 0, j, 0)),
+             pl.BlockSpec((None, None, 2, t), lambda e, j: (e, j, 0, 0)),
+             pl.BlockSpec((None, t, D), lambda e, j: (e, j, 0)),
+             pl.BlockSpec((E, D), lambda e, j: (0, 0))]
+    operands = [xt, dispatch.astype(xt.dtype), combine.astype(xt.dtype), w_gate_up, bgu, w_down_t,
+                b_down]
+    scratch = [pltpu.VMEM((C, D), xt.dtype), pltpu.VMEM((C, D), jnp.float32),
+               pltpu.VMEM((D, M), jnp.float32)]
+    flops = 2 * E * C * D * (3 * F + 2 * M)
+    read = sum(_tiled_bytes(a.shape, a.dtype) for a in operands)
+    cost = pl.CostEstimate(flops=flops, transcendentals=E * C * F,
+                           bytes_accessed=read + _tiled_bytes((D, M), xt.dtype))
+    vmem = experts_vmem_bytes(M, C, D, F, item)
+    return pl.pallas_call(
+        functools.partial(_experts_kernel, experts=E, chunks=n, limit=float(limit),
+                          alpha=float(alpha)),
+        grid=(E, n), in_specs=specs, out_specs=pl.BlockSpec((D, M), lambda e, j: (0, 0)),
+        out_shape=jax.ShapeDtypeStruct((D, M), xt.dtype), scratch_shapes=scratch,
+        interpret=interpret, cost_estimate=cost,
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("arbitrary", "arbitrary"),
+            vmem_limit_bytes=min(EXPERTS_VMEM_BYTES, vmem + vmem // 4 + (4 << 20))),
+    )(*operands)
