@@ -330,18 +330,22 @@ def _experts_fused(x, expert, weight, w, c, capacity, kernel):
                   w_down_t=w["w_down_rows"], b_down=w["b_down"], limit=c.swiglu_limit,
                   alpha=c.swiglu_alpha)
 
-    def grouped():
-        dispatch, combine = _routes(expert, weight, E, capacity, M, x.dtype)
-        return run(x.T, dispatch.reshape(E, capacity, M),
-                   jnp.transpose(combine.reshape(M, E, capacity), (1, 0, 2))).T
+    chosen = expert[:, :, None] == jnp.arange(E)  # [M, k, E]
+    taken = jnp.any(chosen, axis=1)  # [M, E]: the token goes to the expert
+    share = jnp.sum(jnp.where(chosen, weight[:, :, None], 0), axis=1).astype(x.dtype)  # [M, E]
+
+    def grouped():  # a token's slot in an expert's bucket: the tokens before it taken there
+        slot = jnp.where(taken, jnp.cumsum(taken, axis=0) - taken, capacity).T  # [E, M]
+        dispatch = (slot[:, None, :] == jnp.arange(capacity)[:, None]).astype(x.dtype)  # [E, C, M]
+        combine = jnp.where(slot[:, :, None] == jnp.arange(capacity), share.T[:, :, None], 0)
+        return run(x.T, dispatch, combine.astype(x.dtype)).T  # combine [E, M, C]
 
     def dense():  # combine [E, M, M]: each token's weight of the expert, on the diagonal
-        share = jnp.einsum("MK,MKE->EM", weight, jax.nn.one_hot(expert, E, dtype=weight.dtype))
         eye = jnp.eye(M, dtype=x.dtype)
-        return run(x.T, eye[None], share[:, :, None] * eye).T
+        return run(x.T, eye[None], share.T[:, :, None] * eye).T
 
-    counts = jnp.bincount(expert.reshape(-1), length=E + 1)[:E]
-    return dense() if capacity >= M else jax.lax.cond(jnp.max(counts) <= capacity, grouped, dense)
+    load = jnp.max(jnp.sum(taken, axis=0))
+    return dense() if capacity >= M else jax.lax.cond(load <= capacity, grouped, dense)
 
 
 def _moe_shard(x, expert, weight, w, *, c: Config, policy: Policy, expert_axes, model_axes,
