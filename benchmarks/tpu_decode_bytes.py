@@ -95,7 +95,7 @@ def main(path: str, *overrides: str) -> None:
         cost = cost[0] if isinstance(cost, list) else cost
         print(f"  {name:<17} compiled in {time.time() - t:3.0f} s: temporaries "
               f"{compiled.memory_analysis().temp_size_in_bytes / 2**30:.2f} GiB, "
-              f"{cost['bytes accessed'] / 1e9:.2f} GB accessed, {cost['bytes accessed'] / floor:.2f}x the floor")
+              f"{cost['bytes accessed'] / 1e9:.2f} GB accessed, {cost['bytes accessed'] / floor:.3f}x the floor")
 
 
 if __name__ == "__main__":

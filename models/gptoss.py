@@ -318,39 +318,36 @@ def experts_ragged(x, expert, weight, w, scales, c, gmm):
     return jnp.zeros((M, D), y.dtype).at[token].add(y)
 
 
-def _experts_fused(x, expert, weight, w, c, capacity, kernel):
+def _experts_fused(x, norm, expert, weight, w, c, capacity, kernel):
     """A decode step's tokens through the backend's experts kernel (`kernel`: Backend.experts),
-    which reads each local expert's weights once and writes only the tokens' outputs: the
-    tokens in [E, C] buckets, or, when an expert's load passes the capacity, every local expert
-    on every token. x [M, D]; expert, weight [M, k], expert = E where the expert lives on another
-    shard."""
+    which normalises them, reads each local expert's weights once and writes only the tokens'
+    outputs: the tokens in [E, C] buckets, or, when an expert's load passes the capacity, every
+    local expert on every token. x [M, D] before the MoE's RMSNorm (weight `norm`); expert,
+    weight [M, k], expert = E where the expert lives on another shard."""
     M = x.shape[0]
     E = w["w_down_rows"].shape[0]
-    run = partial(kernel, w_gate_up=w["w_gate_up"], b_gate_up=w["b_gate_up"],
-                  w_down_t=w["w_down_rows"], b_down=w["b_down"], limit=c.swiglu_limit,
-                  alpha=c.swiglu_alpha)
-
+    run = partial(kernel, x.T, norm, w_gate_up=w["w_gate_up"], b_gate_up=w["b_gate_up"],
+                  w_down_t=w["w_down_rows"], b_down=w["b_down"], eps=c.rms_norm_eps,
+                  limit=c.swiglu_limit, alpha=c.swiglu_alpha)
     chosen = expert[:, :, None] == jnp.arange(E)  # [M, k, E]
     taken = jnp.any(chosen, axis=1)  # [M, E]: the token goes to the expert
-    share = jnp.sum(jnp.where(chosen, weight[:, :, None], 0), axis=1).astype(x.dtype)  # [M, E]
+    share = jnp.sum(jnp.where(chosen, weight[:, :, None], 0), axis=1).T  # [E, M]
 
     def grouped():  # a token's slot in an expert's bucket: the tokens before it taken there
         slot = jnp.where(taken, jnp.cumsum(taken, axis=0) - taken, capacity).T  # [E, M]
-        dispatch = (slot[:, None, :] == jnp.arange(capacity)[:, None]).astype(x.dtype)  # [E, C, M]
-        combine = jnp.where(slot[:, :, None] == jnp.arange(capacity), share.T[:, :, None], 0)
-        return run(x.T, dispatch, combine.astype(x.dtype)).T  # combine [E, M, C]
+        return run(slot, share, capacity=capacity).T
 
-    def dense():  # combine [E, M, M]: each token's weight of the expert, on the diagonal
-        eye = jnp.eye(M, dtype=x.dtype)
-        return run(x.T, eye[None], share.T[:, :, None] * eye).T
+    def dense():  # every token in every bucket, in its own slot
+        return run(jnp.broadcast_to(jnp.arange(M), (E, M)), share, capacity=M).T
 
     load = jnp.max(jnp.sum(taken, axis=0))
     return dense() if capacity >= M else jax.lax.cond(load <= capacity, grouped, dense)
 
 
-def _moe_shard(x, expert, weight, w, *, c: Config, policy: Policy, expert_axes, model_axes,
+def _moe_shard(x, expert, weight, w, norm, *, c: Config, policy: Policy, expert_axes, model_axes,
                gmm: Callable | None = None):
-    """One device's share: its tokens x [B, T, D] through its experts and its slice of F. int8
+    """One device's share: its tokens x [B, T, D] (before the MoE's RMSNorm, weight `norm`)
+    through its experts and its slice of F. int8
     experts (QWeight, stored as declared: [*out, D] and [*out, F]) enter the products as converted
     int8, which XLA folds into the products' operands, and their scales multiply the outputs;
     a dequantised copy of the experts would be written and read again on every step."""
@@ -364,16 +361,20 @@ def _moe_shard(x, expert, weight, w, *, c: Config, policy: Policy, expert_axes, 
     weight = jnp.where(mine, weight, 0)
     if model_axes:  # the down projection's bias once, not once per slice of F
         w = dict(w, b_down=jnp.where(jax.lax.axis_index(model_axes) == 0, w["b_down"], 0))
+    kernel = None
+    if "w_down_rows" in w:  # held for the backend's experts kernel
+        kernel = policy.backend.experts(B * T, D, w["w_down_rows"].shape[1], x.dtype)
+        if 4 * local.size <= E:  # the gathered path below takes each assignment's rows
+            kernel = None
+        elif kernel is None:  # XLA folds the transpose into its products
+            w = dict(w, w_down=jnp.swapaxes(w.pop("w_down_rows"), 1, 2))
     x = x.reshape(B * T, D)
+    if kernel is None:  # the kernel normalises the tokens itself
+        x = policy.rms_norm(x, norm, c.rms_norm_eps)
     local = local.reshape(B * T, -1)
     weight = weight.reshape(B * T, -1)
     # the mean load of an expert: the assignments over all experts, not this shard's E
     small = min(B * T, max(1, math.ceil(c.capacity_factor * local.size / c.num_experts)))
-    kernel = None
-    if "w_down_rows" in w:  # held for the backend's experts kernel
-        kernel = policy.backend.experts(B * T, D, w["w_down_rows"].shape[1], x.dtype)
-        if kernel is None and 4 * local.size > E:  # XLA folds the transpose into its products
-            w = dict(w, w_down=jnp.swapaxes(w.pop("w_down_rows"), 1, 2))
     # Gathering weights per assignment wins only while the assignments touch a small share of
     # the experts; past that, grouping with a 2x-mean-load capacity beats running every expert
     # densely and jax.lax.ragged_dot (docs/benchmarks/ has the measurements), and the experts
@@ -382,8 +383,8 @@ def _moe_shard(x, expert, weight, w, *, c: Config, policy: Policy, expert_axes, 
         y = _experts_gathered(x, jnp.where(mine.reshape(local.shape), local, 0), weight, w, scales,
                               c, policy)
     elif kernel is not None:
-        y = _experts_fused(x, jnp.where(mine.reshape(local.shape), local, E), weight, w, c, small,
-                           kernel)
+        y = _experts_fused(x, norm, jnp.where(mine.reshape(local.shape), local, E), weight, w, c,
+                           small, kernel)
     elif gmm is not None:
         y = experts_ragged(x, jnp.where(mine.reshape(local.shape), local, E), weight, w, scales, c,
                            gmm)
@@ -401,8 +402,10 @@ def _moe_shard(x, expert, weight, w, *, c: Config, policy: Policy, expert_axes, 
 
 
 def moe_block(p: dict, x: jax.Array, c: Config, rules: Rules, policy: Policy) -> jax.Array:
+    """The mixture of experts on the residual stream x, its RMSNorm included."""
     with jax.named_scope("moe"):
-        logits = policy.einsum("BTD,DE->BTE", x, p["router_w"]) + p["router_b"]
+        normed = policy.rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
+        logits = policy.einsum("BTD,DE->BTE", normed, p["router_w"]) + p["router_b"]
         top, expert = jax.lax.top_k(logits, c.experts_per_token)  # [B, T, k]
         weight = jax.nn.softmax(top.astype(jnp.float32), axis=-1).astype(x.dtype)
         held = dict(EXPERT_AXES, w_down_rows=DOWN_ROWS)
@@ -418,9 +421,9 @@ def moe_block(p: dict, x: jax.Array, c: Config, rules: Rules, policy: Policy) ->
                      gmm=policy.backend.grouped_matmul())
         y = jax.shard_map(
             fn, mesh=rules.mesh, check_vma=False,
-            in_specs=(act, route, route, specs),
+            in_specs=(act, route, route, specs, rules.spec(None)),
             out_specs=act,
-        )(x, expert, weight, w)
+        )(x, expert, weight, w, p["mlp_norm"])
         return constrain(y, rules, "batch", "seq", "act_embed")
 
 
@@ -447,7 +450,13 @@ def for_backend(params: dict, rules: Rules, backend) -> dict:
 
 # As Llama's: the token embedding, RMSNorms, rotary q/k/v with biases.
 rope, embed, attn_norm, qkv = llama.rope, llama.embed, llama.attn_norm, llama.qkv
-mlp_norm, final_norm = llama.mlp_norm, llama.final_norm
+final_norm = llama.final_norm
+
+
+def mlp_norm(p: dict, x: jax.Array, c: Config, policy: Policy) -> jax.Array:
+    """The residual stream as it is: moe_block applies the RMSNorm itself, its TPU kernel to the
+    tokens it reads (a normalised copy would be written and read again each layer)."""
+    return x
 
 
 def attention_options(p: dict, layer: int, c: Config) -> dict:

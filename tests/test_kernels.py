@@ -642,11 +642,13 @@ def test_ragged_experts_match_numpy_in_interpret_mode(int8):
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
 
 
-def _experts_reference(x, expert, weight, wgu, bgu, wd, bd, E, rounded):
-    """GPT-OSS's experts in numpy (float64), each token through its k experts; `rounded` rounds
-    where the bfloat16 model does: each product, each bias sum, the activation, and the result."""
+def _experts_reference(x, norm, expert, weight, wgu, bgu, wd, bd, E, rounded):
+    """GPT-OSS's RMSNorm and experts in numpy (float64), each token through its k experts;
+    `rounded` rounds where the bfloat16 model does: the normalised tokens before and after their
+    weight, each product, each bias sum, the activation, and the result."""
     r = (lambda a: np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)) if rounded \
         else (lambda a: a)
+    x = r(norm * r(x / np.sqrt(np.mean(x * x, axis=1, keepdims=True) + 1e-5)))
     want = np.zeros(x.shape)
     for m in range(x.shape[0]):
         for j in range(expert.shape[1]):
@@ -664,10 +666,10 @@ def _experts_reference(x, expert, weight, wgu, bgu, wd, bd, E, rounded):
                                         ("bfloat16", "buckets")])
 def test_experts_kernel_matches_numpy_in_interpret_mode(dtype, load, monkeypatch):
     """GPT-OSS's decode experts in the TPU kernel (models/kernels/tpu.experts, interpreted on CPU)
-    as the MoE block calls it: 40 tokens x 2 assignments over 4 local experts, a third of the
-    assignments on another shard (expert id E), F streamed in 3 chunks, D no multiple of 128. In
-    buckets of the MoE's capacity, or, when one expert takes more (overfull), every expert on
-    every token; bfloat16 rounds where the XLA path does."""
+    as the MoE block calls it, its RMSNorm included: 40 tokens x 2 assignments over 4 local
+    experts, a third of the assignments on another shard (expert id E), F streamed in 3 chunks,
+    D no multiple of 128. In buckets of the MoE's capacity, or, when one expert takes more
+    (overfull), every expert on every token; bfloat16 rounds where the XLA path does."""
     from types import SimpleNamespace
 
     from models import gptoss
@@ -675,10 +677,11 @@ def test_experts_kernel_matches_numpy_in_interpret_mode(dtype, load, monkeypatch
     monkeypatch.setattr(tpu, "EXPERT_CHUNK_BYTES", 3 * 32 * 96 * 4)  # F = 96 in chunks of 32
     rng = np.random.default_rng(5)
     M, k, E, D, F = 40, 2, 4, 96, 96
-    c = SimpleNamespace(swiglu_limit=7.0, swiglu_alpha=1.702)
+    c = SimpleNamespace(swiglu_limit=7.0, swiglu_alpha=1.702, rms_norm_eps=1e-5)
     dt = jnp.dtype(dtype)
     cast = lambda a: np.asarray(jnp.asarray(a, dt), np.float64)  # noqa: E731 (the kernel's inputs)
-    x = cast(rng.standard_normal((M, D)))
+    x = cast(rng.standard_normal((M, D)) * 3 + 1)
+    norm = cast(rng.random(D) + 0.5)
     expert = rng.integers(0, E + E // 2, (M, k)).clip(max=E).astype(np.int32)  # E: elsewhere
     expert[:, 1] = np.where(expert[:, 1] == expert[:, 0], E, expert[:, 1])
     if load == "overfull":
@@ -691,9 +694,10 @@ def test_experts_kernel_matches_numpy_in_interpret_mode(dtype, load, monkeypatch
     assert (counts.max() > capacity) == (load == "overfull")
     w = {"w_gate_up": jnp.asarray(wgu, dt), "w_down_rows": jnp.asarray(np.swapaxes(wd, 1, 2), dt),
          "b_gate_up": jnp.asarray(bgu, dt), "b_down": jnp.asarray(bd, dt)}
-    got = gptoss._experts_fused(jnp.asarray(x, dt), jnp.asarray(expert), jnp.asarray(weight, dt), w,
-                                c, capacity, functools.partial(tpu.experts, interpret=True))
-    want = _experts_reference(x, expert, weight, wgu, bgu, wd, bd, E, rounded=dtype == "bfloat16")
+    got = gptoss._experts_fused(jnp.asarray(x, dt), jnp.asarray(norm, dt), jnp.asarray(expert),
+                                jnp.asarray(weight, dt), w, c, capacity,
+                                functools.partial(tpu.experts, interpret=True))
+    want = _experts_reference(x, norm, expert, weight, wgu, bgu, wd, bd, E, rounded=dtype == "bfloat16")
     got = np.asarray(got, np.float64)
     if dtype == "float32":
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())

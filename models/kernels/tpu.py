@@ -582,29 +582,43 @@ def expert_chunk(F: int, D: int, itemsize: int) -> int:
 
 def experts_vmem_bytes(M: int, C: int, D: int, F: int, itemsize: int) -> int:
     """VMEM the experts kernel needs for M tokens in buckets of C rows (double-buffered blocks,
-    float32 accumulators and the products of a chunk)."""
+    the normalised tokens, float32 accumulators and the products of a chunk)."""
     t = expert_chunk(F, D, itemsize)
-    blocks = (M * D + 2 * C * M + 3 * t * D + M * D) * itemsize
-    return 2 * blocks + (C * D) * (itemsize + 4) + 4 * M * D + 3 * 4 * C * t
+    blocks = (2 * M * D + 3 * t * D) * itemsize + 2 * 8 * M * 4
+    return 2 * blocks + M * D * (itemsize + 4) + C * D * (itemsize + 4) + C * M * 4 + 3 * 4 * C * t
 
 
-def _experts_kernel(xt_ref, dispatch_ref, combine_ref, wgu_ref, bgu_ref, wd_ref, bd_ref, o_ref,
-                    rows_ref, y_ref, acc_ref, *, experts: int, chunks: int, limit: float,
-                    alpha: float):
+def _row(ref, e):
+    """Row e of a small [E, N] block, as [1, N] (a dynamic row of a packed tile is no load)."""
+    pick = jax.lax.broadcasted_iota(jnp.int32, ref.shape, 0) == e
+    return jnp.sum(jnp.where(pick, ref[...], 0), axis=0, keepdims=True)
+
+
+def _experts_kernel(xt_ref, norm_ref, slot_ref, share_ref, wgu_ref, bgu_ref, wd_ref, bd_ref, o_ref,
+                    xn_ref, rows_ref, y_ref, acc_ref, *, experts: int, chunks: int, eps: float,
+                    limit: float, alpha: float):
     e, j = pl.program_id(0), pl.program_id(1)
     f32, dt = jnp.float32, xt_ref.dtype
+    C = rows_ref.shape[0]
     nt = (((1,), (1,)), ((), ()))  # a [P, K] . b [Q, K] -> [P, Q]
 
     @pl.when((e == 0) & (j == 0))
     def _():
         acc_ref[...] = jnp.zeros(acc_ref.shape, f32)
+        # the tokens over their root mean square, rounded, as models/norms.rms_norm (its weight
+        # multiplies each bucket's rows below)
+        x = xt_ref[...].astype(f32)  # [D, M]
+        inv = jax.lax.rsqrt(jnp.mean(x * x, axis=0, keepdims=True) + eps)
+        xn_ref[...] = (x * inv).astype(dt)
+
+    # the bucket: its slot c holds the token m whose slot is c (none: a row of zeros)
+    bucket = jax.lax.broadcasted_iota(jnp.int32, (C, xt_ref.shape[1]), 0) == _row(slot_ref, e)
 
     @pl.when(j == 0)
     def _():
         y_ref[...] = jnp.zeros(y_ref.shape, f32)
-        # the expert's bucket [C, D]: one 1 per row of dispatch at most, so exact
-        rows_ref[...] = jax.lax.dot_general(dispatch_ref[...], xt_ref[...], nt,
-                                            preferred_element_type=f32).astype(dt)
+        rows = jax.lax.dot_general(bucket.astype(dt), xn_ref[...], nt, preferred_element_type=f32)
+        rows_ref[...] = (rows.astype(dt).astype(f32) * norm_ref[...].astype(f32)).astype(dt)
 
     rows = rows_ref[...]
     b = bgu_ref[...].astype(f32)  # [2, t]
@@ -621,12 +635,10 @@ def _experts_kernel(xt_ref, dispatch_ref, combine_ref, wgu_ref, bgu_ref, wd_ref,
 
     @pl.when(j == chunks - 1)
     def _():
-        # the expert's bias: its row of b_down [E, D] (a dynamic row of a packed tile is no load)
-        pick = jax.lax.broadcasted_iota(jnp.int32, bd_ref.shape, 0) == e
-        b_down = jnp.sum(jnp.where(pick, bd_ref[...].astype(f32), 0.0), axis=0, keepdims=True)
-        y = (y_ref[...].astype(dt).astype(f32) + b_down).astype(dt)  # [C, D]
-        # the tokens' outputs [D, M] += y^T . combine^T
-        acc_ref[...] += jax.lax.dot_general(y, combine_ref[...], (((0,), (1,)), ((), ())),
+        y = (y_ref[...].astype(dt).astype(f32) + _row(bd_ref, e).astype(f32)).astype(dt)  # [C, D]
+        # each slot's token's weight of the expert, [C, M]; the tokens' outputs [D, M] += y^T . that
+        combine = jnp.where(bucket, _row(share_ref, e).astype(f32), 0.0).astype(dt)
+        acc_ref[...] += jax.lax.dot_general(y, combine, (((0,), (0,)), ((), ())),
                                             preferred_element_type=f32)
 
     @pl.when((e == experts - 1) & (j == chunks - 1))
@@ -634,49 +646,51 @@ def _experts_kernel(xt_ref, dispatch_ref, combine_ref, wgu_ref, bgu_ref, wd_ref,
         o_ref[...] = acc_ref[...].astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("limit", "alpha", "interpret"))
-def experts(xt: jax.Array, dispatch: jax.Array, combine: jax.Array, w_gate_up: jax.Array,
-            b_gate_up: jax.Array, w_down_t: jax.Array, b_down: jax.Array, *, limit: float,
-            alpha: float, interpret: bool = False) -> jax.Array:
-    """GPT-OSS's experts on a few tokens, each expert's weights read from HBM once and nothing
-    else written but the result: out^T [D, M] = sum over experts e of (combine[e] @ y_e)^T, where
-    y_e = swiglu(rows_e @ w_gate_up[e]^T + b) @ w_down_t[e] + b_down[e] and rows_e = dispatch[e] @ x.
+@functools.partial(jax.jit, static_argnames=("capacity", "eps", "limit", "alpha", "interpret"))
+def experts(xt: jax.Array, norm: jax.Array, slot: jax.Array, share: jax.Array, w_gate_up: jax.Array,
+            b_gate_up: jax.Array, w_down_t: jax.Array, b_down: jax.Array, *, capacity: int,
+            eps: float, limit: float, alpha: float, interpret: bool = False) -> jax.Array:
+    """GPT-OSS's mixture of experts on a few tokens after its RMSNorm, each expert's weights read
+    from HBM once and nothing else written but the result: out^T [D, M] = sum over experts e
+    and tokens m in e's bucket of share[e, m] * y_e(m), where y_e = swiglu(x_n @ w_gate_up[e]^T + b)
+    @ w_down_t[e] + b_down[e] and x_n = rms_norm(x) * norm.
 
     The tokens enter and leave transposed, xt [D, M] and [D, M], as XLA:TPU lays out a decode
-    step's activations (tokens minor). dispatch [E, C, M] (one-hot rows: the tokens in expert e's
-    bucket), or [1, M, M] (the identity: every expert takes every token); combine [E, M, C]
-    (each token's weights of its slots); w_gate_up [E, 2, F, D] (gate, then up); b_gate_up
-    [E, 2, F]; w_down_t [E, F, D] (the down projection with D minor: a chunk of F is a block of
-    rows); b_down [E, D]. The grid walks (expert, chunk of F): a step streams a chunk's gate, up
-    and down rows, sums their products into the expert's output in VMEM, and the last chunk adds
-    that, weighted, into every token's. XLA's path writes each expert's bucket, products and
-    outputs to HBM and reads them back."""
+    step's activations (tokens minor), unnormalised: the kernel normalises them in VMEM.
+    slot [E, M]: token m's place in expert e's bucket of `capacity` rows (any other value: not
+    there); share [E, M]: its weight of the expert (0 where it does not go there). norm [D] (the
+    RMSNorm's weight); w_gate_up [E, 2, F, D] (gate, then up); b_gate_up [E, 2, F]; w_down_t
+    [E, F, D] (the down projection with D minor: a chunk of F is a block of rows); b_down [E, D].
+    The grid walks (expert, chunk of F): a step streams a chunk's gate, up and down rows, sums
+    their products into the bucket's outputs in VMEM, and the last chunk adds those, weighted,
+    into every token's. XLA's path writes each expert's bucket, products and outputs to HBM and
+    reads them back."""
     D, M = xt.shape
     E, _, F, _ = w_gate_up.shape
-    C = dispatch.shape[1]
-    every = dispatch.shape[0] == 1  # one bucket of every token for all experts
+    C = capacity
     item = jnp.dtype(xt.dtype).itemsize
     t = expert_chunk(F, D, item)
     n = F // t
     bgu = jnp.transpose(b_gate_up.reshape(E, 2, n, t), (0, 2, 1, 3))  # [E, n, 2, t]: a block per step
     specs = [pl.BlockSpec((D, M), lambda e, j: (0, 0)),
-             pl.BlockSpec((None, C, M), (lambda e, j: (0, 0, 0)) if every else (lambda e, j: (e, 0, 0))),
-             pl.BlockSpec((None, M, C), lambda e, j: (e, 0, 0)),
+             pl.BlockSpec((1, D), lambda e, j: (0, 0)),
+             pl.BlockSpec((E, M), lambda e, j: (0, 0)),
+             pl.BlockSpec((E, M), lambda e, j: (0, 0)),
              pl.BlockSpec((None, 2, t, D), lambda e, j: (e, 0, j, 0)),
              pl.BlockSpec((None, None, 2, t), lambda e, j: (e, j, 0, 0)),
              pl.BlockSpec((None, t, D), lambda e, j: (e, j, 0)),
              pl.BlockSpec((E, D), lambda e, j: (0, 0))]
-    operands = [xt, dispatch.astype(xt.dtype), combine.astype(xt.dtype), w_gate_up, bgu, w_down_t,
-                b_down]
-    scratch = [pltpu.VMEM((C, D), xt.dtype), pltpu.VMEM((C, D), jnp.float32),
-               pltpu.VMEM((D, M), jnp.float32)]
+    operands = [xt, norm.reshape(1, D), slot.astype(jnp.int32), share.astype(jnp.float32), w_gate_up,
+                bgu, w_down_t, b_down]
+    scratch = [pltpu.VMEM((D, M), xt.dtype), pltpu.VMEM((C, D), xt.dtype),
+               pltpu.VMEM((C, D), jnp.float32), pltpu.VMEM((D, M), jnp.float32)]
     flops = 2 * E * C * D * (3 * F + 2 * M)
     read = sum(_tiled_bytes(a.shape, a.dtype) for a in operands)
-    cost = pl.CostEstimate(flops=flops, transcendentals=E * C * F,
+    cost = pl.CostEstimate(flops=flops, transcendentals=E * C * F + M,
                            bytes_accessed=read + _tiled_bytes((D, M), xt.dtype))
     vmem = experts_vmem_bytes(M, C, D, F, item)
     return pl.pallas_call(
-        functools.partial(_experts_kernel, experts=E, chunks=n, limit=float(limit),
+        functools.partial(_experts_kernel, experts=E, chunks=n, eps=float(eps), limit=float(limit),
                           alpha=float(alpha)),
         grid=(E, n), in_specs=specs, out_specs=pl.BlockSpec((D, M), lambda e, j: (0, 0)),
         out_shape=jax.ShapeDtypeStruct((D, M), xt.dtype), scratch_shapes=scratch,
