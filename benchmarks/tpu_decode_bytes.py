@@ -54,13 +54,19 @@ def load_config(path: str):
     return module.get_config()
 
 
-def main(path: str, *overrides: str) -> None:
+def with_overrides(path: str, *overrides: str):
+    """The config at `path` with `section.key=value` overrides applied."""
     c = load_config(path)
     for o in overrides:
         key, value = o.split("=", 1)
         section, name = key.split(".")
         old = c[section][name]
         c[section][name] = value == "True" if isinstance(old, bool) else type(old)(value)
+    return c
+
+
+def main(path: str, *overrides: str) -> None:
+    c = with_overrides(path, *overrides)
     if c.generation.page_size:  # the paged engine's decode call of one step
         c.generation.steps_per_dispatch = 1
     s = from_config(c)

@@ -28,18 +28,12 @@ from models.registry import Model
 from runner.settings import from_config
 from sharding.mesh import make_mesh
 from sharding.rules import Rules
-from tpu_decode_bytes import load_config
+from tpu_decode_bytes import with_overrides
 
 
 def measure(path: str, tokens: int, *overrides: str) -> tuple[float, float]:
     """(bytes accessed per chip, the experts' bytes per chip) of one layer's moe_block."""
-    c = load_config(path)
-    for o in overrides:
-        key, value = o.split("=", 1)
-        section, name = key.split(".")
-        old = c[section][name]
-        c[section][name] = value == "True" if isinstance(old, bool) else type(old)(value)
-    s = from_config(c)
+    s = from_config(with_overrides(path, *overrides))
     topo = topologies.get_topology_desc(platform="tpu", topology_name=s.tpu_topology)
     model = Model.named(s.checkpoint_model)
     rules = Rules.make(make_mesh(s.mesh, topo.devices), s.rules)
