@@ -46,9 +46,10 @@ class Backend:
     pallas_decode: str = ""
     # TPU:
     ragged_experts: bool = False  # GPT-OSS's experts as ragged groups of megablox' gmm
-    # GPT-OSS's experts on a decode step's tokens in one Pallas kernel (models/kernels/tpu.experts),
-    # their down projection held [E, F, D] (models/gptoss.for_backend); bf16 or f32 experts
-    experts_kernel: bool = False
+    # VMEM that GPT-OSS's experts kernel may take (models/kernels/tpu.experts: a step's experts in
+    # one Pallas kernel, their down projection held [E, F, D] by models/gptoss.for_backend; bf16 or
+    # f32 experts on v5e and v6e); 0: XLA's experts
+    experts_vmem: int = 0
     row_major_tables: bool = False  # lookup tables pinned row-major (models/weights.py)
     # A prompt's attention over its own keys in a flash kernel: "pallas" (TPU), "cudnn" (NVIDIA;
     # not with attention sinks) or "" (XLA's attention)
@@ -84,10 +85,12 @@ class Backend:
                        int8_screen=alone and policy.greedy_screen and policy.dtype.name == "float32",
                        huge_pages=policy.huge_pages, step_tokens=16)
         if platform == "tpu":
+            from models.kernels import tpu
+
             return cls(platform, pallas_decode="tpu" if pallas_decode else "",
                        ragged_experts=policy.pallas_moe, row_major_tables=True,
-                       experts_kernel=policy.kernels and not policy.pallas_moe
-                       and policy.quantize == "none",
+                       experts_vmem=tpu.EXPERTS_VMEM_BYTES.get(rules.device_kind, 0)
+                       if policy.kernels and not policy.pallas_moe and policy.quantize == "none" else 0,
                        flash_prefill="pallas" if policy.pallas_prefill and unsplit_cache else "",
                        pallas_paged="tpu" if policy.kernels and unsplit_cache else "")
         return cls(platform, pallas_decode="gpu" if pallas_decode else "",
@@ -207,15 +210,19 @@ class Backend:
         from models.kernels import tpu
         return tpu.fold(head_dim)
 
+    @property
+    def experts_kernel(self) -> bool:
+        return self.experts_vmem > 0
+
     def experts(self, tokens: int, hidden: int, ffn: int, dtype: Any) -> Callable | None:
         """GPT-OSS's experts on a step's few tokens, each expert's weights read once and only the
-        tokens' outputs written (TPU, kernels.enabled): models/kernels/tpu.experts, where the
-        step's tokens fit its VMEM; `ffn` is a shard's F."""
+        tokens' outputs written (TPU v5e and v6e, kernels.enabled): models/kernels/tpu.experts,
+        where the step's tokens fit its VMEM; `ffn` is a shard's F."""
         if not self.experts_kernel:
             return None
         from models.kernels import tpu
         need = tpu.experts_vmem_bytes(tokens, tokens, hidden, ffn, jnp.dtype(dtype).itemsize)
-        return tpu.experts if need <= tpu.EXPERTS_VMEM_BYTES else None
+        return tpu.experts if need <= self.experts_vmem else None
 
     def grouped_matmul(self) -> Callable | None:
         """GPT-OSS's experts over many tokens as ragged groups of a Pallas grouped matmul

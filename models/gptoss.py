@@ -347,10 +347,10 @@ def _experts_fused(x, norm, expert, weight, w, c, capacity, kernel):
 def _moe_shard(x, expert, weight, w, norm, *, c: Config, policy: Policy, expert_axes, model_axes,
                gmm: Callable | None = None):
     """One device's share: its tokens x [B, T, D] (before the MoE's RMSNorm, weight `norm`)
-    through its experts and its slice of F. int8
-    experts (QWeight, stored as declared: [*out, D] and [*out, F]) enter the products as converted
-    int8, which XLA folds into the products' operands, and their scales multiply the outputs;
-    a dequantised copy of the experts would be written and read again on every step."""
+    through its experts and its slice of F. int8 experts (QWeight, stored as declared: [*out, D]
+    and [*out, F]) enter the products as converted int8, which XLA folds into the products'
+    operands, and their scales multiply the outputs; a dequantised copy of the experts would be
+    written and read again on every step."""
     scales = {n: a.scale for n, a in w.items() if isinstance(a, quant.QWeight)}
     w = {n: a.q if isinstance(a, quant.QWeight) else a for n, a in w.items()}  # int8 stays int8 here
     B, T, D = x.shape

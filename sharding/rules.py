@@ -113,6 +113,11 @@ class Rules:
         attached: where the process's default backend may be another."""
         return self.target or self.mesh.devices.flat[0].platform
 
+    @property
+    def device_kind(self) -> str:
+        """The mesh's devices' kind ("TPU v5 lite", ...), also for an AOT topology."""
+        return self.mesh.devices.flat[0].device_kind
+
     def shards(self, logical: str | None) -> int:
         """How many pieces the rules cut a dimension with this logical name into."""
         return math.prod(self.mesh.shape[a] for a in self.axes(logical))

@@ -436,8 +436,9 @@ def test_pinning_the_lookup_tables_keeps_their_values_and_shards(monkeypatch):
 
 def test_on_tpu_the_experts_down_projection_is_held_for_the_experts_kernel(monkeypatch):
     """The TPU step of Model.prepare and abstract_params for the experts kernel, run on CPU arrays
-    with the rules told they are on TPU: each layer's w_down [E, D, F] becomes w_down_rows
-    [E, F, D], its transpose, sharded over the same mesh axes; other weights are left alone."""
+    with the rules told they are on a TPU v5e (the kernel's chips: v5e, v6e): each layer's w_down
+    [E, D, F] becomes w_down_rows [E, F, D], its transpose, sharded over the same mesh axes; other
+    weights are left alone."""
     from models import gptoss
     from models.policy import Policy
     from sharding.rules import Rules
@@ -449,6 +450,9 @@ def test_on_tpu_the_experts_down_projection_is_held_for_the_experts_kernel(monke
     before = [np.asarray(layer["w_down"]) for layer in params["layers"]]
     spec = params["layers"][0]["w_down"].sharding.spec
     monkeypatch.setattr(Rules, "platform", property(lambda self: "tpu"))
+    monkeypatch.setattr(Rules, "device_kind", property(lambda self: "TPU v4"))
+    assert not Policy().on(rules).backend.experts_kernel  # another chip: XLA's experts
+    monkeypatch.setattr(Rules, "device_kind", property(lambda self: "TPU v5 lite"))
     assert Policy().on(rules).backend.experts_kernel
     assert not Policy(pallas_moe=True).on(rules).backend.experts_kernel
     assert not Policy(quantize="int8").on(rules).backend.experts_kernel

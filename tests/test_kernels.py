@@ -667,8 +667,8 @@ def _experts_reference(x, norm, expert, weight, wgu, bgu, wd, bd, E, rounded):
 def test_experts_kernel_matches_numpy_in_interpret_mode(dtype, load, monkeypatch):
     """GPT-OSS's decode experts in the TPU kernel (models/kernels/tpu.experts, interpreted on CPU)
     as the MoE block calls it, its RMSNorm included: 40 tokens x 2 assignments over 4 local
-    experts, a third of the assignments on another shard (expert id E), F streamed in 3 chunks,
-    D no multiple of 128. In buckets of the MoE's capacity, or, when one expert takes more
+    experts, a third of the assignments on another shard (expert id E), F streamed in chunks (3
+    of float32, 2 of bfloat16), D no multiple of 128. In buckets of the MoE's capacity, or, when one expert takes more
     (overfull), every expert on every token; bfloat16 rounds where the XLA path does."""
     from types import SimpleNamespace
 

@@ -561,7 +561,9 @@ def write_pages(pool: jax.Array, new: jax.Array, slots: jax.Array,
 # --- a mixture of experts' decode step: every local expert's products in one kernel --------------
 
 EXPERT_CHUNK_BYTES = 6 << 20  # an expert's gate, up and down weights streamed a chunk of F at a time
-EXPERTS_VMEM_BYTES = 64 << 20  # what the kernel may take of VMEM (v5e, v6e: 128 MiB a core)
+# What the experts kernel may take of VMEM, by chip: v5e and v6e have 128 MiB a core; on other
+# chips GPT-OSS's experts stay XLA's
+EXPERTS_VMEM_BYTES = {"TPU v5 lite": 64 << 20, "TPU v6 lite": 64 << 20}
 
 
 def _tiled_bytes(shape: tuple[int, ...], dtype) -> int:
@@ -697,5 +699,5 @@ def experts(xt: jax.Array, norm: jax.Array, slot: jax.Array, share: jax.Array, w
         interpret=interpret, cost_estimate=cost,
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("arbitrary", "arbitrary"),
-            vmem_limit_bytes=min(EXPERTS_VMEM_BYTES, vmem + vmem // 4 + (4 << 20))),
+            vmem_limit_bytes=min(max(EXPERTS_VMEM_BYTES.values()), vmem + vmem // 4 + (4 << 20))),
     )(*operands)
