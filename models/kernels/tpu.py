@@ -1,7 +1,8 @@
 """Pallas TPU kernels: decode_attention with kernels.pallas_attention (off by default),
-flash_prefill with kernels.pallas_prefill (on by default). Checked on CPU in interpret mode
-against numpy (tests/test_kernels.py) and compiled for TPU v5e ahead of time (tests/test_compile.py,
-python -m runner.tools.compile).
+flash_prefill with kernels.pallas_prefill (on by default); with kernels.enabled, the paged
+engine's write_pages and paged_attention, and GPT-OSS's experts (v5e, v6e). Checked on CPU in
+interpret mode against numpy (tests/test_kernels.py) and compiled for TPU v5e ahead of time
+(tests/test_compile.py, python -m runner.tools.compile).
 
 decode_attention: one decode token per row (T = 1) over the KV cache [B, K, S, H], flash-decoding
 style. The grid walks (row, kv head, block of cache slots); the block's keys and values are read
