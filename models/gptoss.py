@@ -209,28 +209,6 @@ def _by_expert(expert):
 ONE_HOT_DISPATCH = 1 << 21  # largest M * E * C routed by one-hot products
 
 
-def _slots(expert, E, capacity):
-    """Assignments [M, k] (E: another shard's) in [E, C] buckets: (the order by expert, each
-    sorted assignment's token, its slot e * C + rank; E * C where the expert is another shard's
-    or its bucket is full)."""
-    flat_e, order, sorted_e, token = _by_expert(expert)
-    counts = jnp.bincount(flat_e, length=E + 1)  # E = "not on this shard"
-    rank = jnp.arange(flat_e.shape[0]) - (jnp.cumsum(counts) - counts)[sorted_e]
-    slot = jnp.where((sorted_e < E) & (rank < capacity), sorted_e * capacity + rank, E * capacity)
-    return order, token, slot
-
-
-def _routes(expert, weight, E, capacity, M, dtype):
-    """The one-hot products' matrices that move M tokens into [E, C] buckets and back: dispatch
-    [E*C, M] (the token in each slot) and combine [M, E*C] (each token's weight of each slot)."""
-    order, token, slot = _slots(expert, E, capacity)
-    route = (slot[:, None] == jnp.arange(E * capacity)).astype(dtype)  # [A, E*C]
-    tokens = jax.nn.one_hot(token, M, dtype=dtype)
-    dispatch = jnp.einsum("AS,AM->SM", route, tokens)
-    weighted = route * weight.reshape(-1)[order][:, None].astype(dtype)
-    return dispatch, jnp.einsum("AS,AM->MS", weighted, tokens)
-
-
 def _experts_grouped(x, expert, weight, w, scales, c, policy, capacity):
     """Many assignments (decode of a large batch, prefill): group them by expert into [E, C]
     buckets and run one batched matmul per projection. Assignments beyond an expert's capacity go to a dropped slot; callers
@@ -238,18 +216,22 @@ def _experts_grouped(x, expert, weight, w, scales, c, policy, capacity):
     M, D = x.shape
     w = _converted(w, x.dtype)
     E = w["w_down"].shape[0]
+    flat_e, order, sorted_e, token = _by_expert(expert)
+    counts = jnp.bincount(flat_e, length=E + 1)  # E = "not on this shard"
+    rank = jnp.arange(flat_e.shape[0]) - (jnp.cumsum(counts) - counts)[sorted_e]
+    slot = jnp.where((sorted_e < E) & (rank < capacity), sorted_e * capacity + rank, E * capacity)
     # A few tokens (decode, short prefills) move into and out of the buckets as one-hot products:
     # a gather or scatter of single rows reads whole (16, 128) tiles of a bf16 array on TPU, by
     # XLA's cost analysis many times the bytes moved. The products' flops grow with M * E * C;
     # up to ONE_HOT_DISPATCH they still cost less HBM time than the gathers, the flops under it.
     one_hot = M * E * capacity <= ONE_HOT_DISPATCH
     if one_hot:
-        dispatch, combine = _routes(expert, weight, E, capacity, M, x.dtype)
+        route = (slot[:, None] == jnp.arange(E * capacity)).astype(x.dtype)  # [A, E*C]
+        dispatch = jnp.einsum("AS,AM->SM", route, jax.nn.one_hot(token, M, dtype=x.dtype))
         rows = jnp.einsum("SM,MD->SD", dispatch, x, precision=jax.lax.Precision.HIGHEST,
                           preferred_element_type=x.dtype)  # exact: one 1 per row at most
         rows = rows.reshape(E, capacity, D)
     else:
-        order, token, slot = _slots(expert, E, capacity)
         rows = jnp.zeros((E * capacity + 1, D), x.dtype).at[slot].set(x[token])
         rows = rows[:-1].reshape(E, capacity, D)
     wg = w["w_gate_up"]  # [E, 2, F, D], one [E, 2F, D] product (a separate 2 axis made XLA:TPU
@@ -261,6 +243,8 @@ def _experts_grouped(x, expert, weight, w, scales, c, policy, capacity):
     y = policy.einsum("ECF,EDF->ECD", swiglu(gate_up, c), w["w_down"])
     y = _scaled(y, scales, "w_down", experts) + w["b_down"][:, None]
     if one_hot:  # out[m] = sum over m's assignments of weight * y[slot]
+        weighted = route * weight.reshape(-1)[order][:, None].astype(route.dtype)  # [A, E*C]
+        combine = jnp.einsum("AS,AM->MS", weighted, jax.nn.one_hot(token, M, dtype=y.dtype))
         # each token's k terms summed in float32 inside the product, written once in y's dtype
         return jnp.einsum("MS,SD->MD", combine, y.reshape(E * capacity, D), precision=policy.precision,
                           preferred_element_type=y.dtype)
@@ -344,10 +328,11 @@ def _experts_fused(x, norm, expert, weight, w, c, capacity, kernel):
     return dense() if capacity >= M else jax.lax.cond(load <= capacity, grouped, dense)
 
 
-def _moe_shard(x, expert, weight, w, norm, *, c: Config, policy: Policy, expert_axes, model_axes,
-               gmm: Callable | None = None):
-    """One device's share: its tokens x [B, T, D] (before the MoE's RMSNorm, weight `norm`)
-    through its experts and its slice of F. int8 experts (QWeight, stored as declared: [*out, D]
+def _moe_shard(x, normed, expert, weight, w, norm, *, c: Config, policy: Policy, expert_axes,
+               model_axes, gmm: Callable | None = None):
+    """One device's share: its tokens [B, T, D], before the MoE's RMSNorm (x; its weight `norm`,
+    for the experts kernel, which normalises them itself) and after (normed), through its experts
+    and its slice of F. int8 experts (QWeight, stored as declared: [*out, D]
     and [*out, F]) enter the products as converted int8, which XLA folds into the products'
     operands, and their scales multiply the outputs; a dequantised copy of the experts would be
     written and read again on every step."""
@@ -368,9 +353,7 @@ def _moe_shard(x, expert, weight, w, norm, *, c: Config, policy: Policy, expert_
             kernel = None
         elif kernel is None:  # XLA folds the transpose into its products
             w = dict(w, w_down=jnp.swapaxes(w.pop("w_down_rows"), 1, 2))
-    x = x.reshape(B * T, D)
-    if kernel is None:  # the kernel normalises the tokens itself
-        x = policy.rms_norm(x, norm, c.rms_norm_eps)
+    x = (x if kernel is not None else normed).reshape(B * T, D)
     local = local.reshape(B * T, -1)
     weight = weight.reshape(B * T, -1)
     # the mean load of an expert: the assignments over all experts, not this shard's E
@@ -421,9 +404,9 @@ def moe_block(p: dict, x: jax.Array, c: Config, rules: Rules, policy: Policy) ->
                      gmm=policy.backend.grouped_matmul())
         y = jax.shard_map(
             fn, mesh=rules.mesh, check_vma=False,
-            in_specs=(act, route, route, specs, rules.spec(None)),
+            in_specs=(act, act, route, route, specs, rules.spec(None)),
             out_specs=act,
-        )(x, expert, weight, w, p["mlp_norm"])
+        )(x, normed, expert, weight, w, p["mlp_norm"])
         return constrain(y, rules, "batch", "seq", "act_embed")
 
 
