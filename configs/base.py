@@ -55,21 +55,11 @@ def base_config() -> ConfigDict:
         # 8 rows, built with g++ on first use (without a compiler: a warning, and XLA). False leaves
         # all of it to XLA (same results; slower, much slower for int8 and int4).
         "enabled": True,
-        # TPU and NVIDIA GPUs: decode attention in the Pallas kernel (off: XLA's attention). On TPU
-        # XLA's avoids a copy of each layer's cache per step that the kernel still causes (see
-        # models/policy.Policy); on a GPU the kernels read each row's cache, or the paged engine's
-        # pages, only up to its last filled slot (models/kernels/gpu.py), where XLA's reads all of
-        # it (the paged engine: every row as far as the step's longest). The paged engine's TPU
-        # kernels follow kernels.enabled alone.
+        # NVIDIA GPUs: attention over the pages in the Triton kernel (models/kernels/gpu.py), which
+        # reads each row's pages only up to its own position, where XLA's reads every row as far
+        # as the step's longest (off until a GPU has timed it). The TPU kernels follow
+        # kernels.enabled alone.
         "pallas_attention": False,
-        # TPU: prefill attention in a Pallas flash kernel (models/kernels/tpu.py), which never
-        # holds a prompt's [T, T] scores in HBM, where XLA's attention keeps them as temporaries.
-        # Checked in interpret mode and compiled AOT for v5e.
-        "pallas_prefill": True,
-        # NVIDIA GPUs: prefill attention in cuDNN's flash kernel (models/kernels/gpu.py), which
-        # likewise keeps the [T, T] scores out of GPU memory; XLA's attention where there are
-        # sinks (GPT-OSS).
-        "cudnn_prefill": False,
         # TPU: GPT-OSS's experts, when many tokens are routed (prefill), as ragged groups of a
         # Pallas grouped matmul (JAX's megablox gmm) instead of buckets padded to a capacity.
         "pallas_moe": False,
@@ -106,23 +96,16 @@ def base_config() -> ConfigDict:
         "stop": ("",),  # stop strings ("" entries are ignored)
         "stop_token_ids": (-1,),  # extra stop ids besides the tokenizer's end-of-turn ids (-1 ignored)
         "steps_per_dispatch": 8,  # decode steps per device call
-        "prefill_buckets": (0,),  # padded prompt lengths; (0,) = powers of two (and from 64 their midpoints)
-        "prefill_rows": 0,  # rows prefilled at a time (bounds prefill memory); 0 = the whole batch
-        # Prompt tokens whose keys and values are kept for prompts that start the same way
-        # (runner/engine/prefixes.py), in blocks of prefix_block tokens; 0 = no prefix sharing.
-        "prefix_tokens": 4096,
-        "prefix_block": 16,
         "reasoning_effort": "medium",  # Harmony (GPT-OSS) chats: low | medium | high
-        # The KV cache in pages of this many tokens (runner/engine/paged_engine.py, docs/
-        # paged-engine.md): a row holds the pages its tokens fill, prompts are prefilled in chunks
-        # beside the decoding rows, and a job runs a handful of programs. 0 = the older engine
-        # (runner/engine/engine.py), whose rows each reserve max_prompt_len + max_new_tokens slots.
+        # The KV cache in pages of this many tokens (runner/engine, docs/paged-engine.md): a row
+        # holds the pages its tokens fill, prompts sharing full pages share them, prompts are
+        # computed in chunks beside the decoding rows, and a job runs a handful of programs.
         "page_size": 16,
-        # Paged: the page pool's GiB per device (0 = room for batch_size rows at their longest),
-        # and the prompt tokens one step takes beside the decoding rows (chunked prefill).
+        # The page pool's GiB per device (0 = room for batch_size rows at their longest), and the
+        # prompt tokens one step takes beside the decoding rows (chunked prefill).
         "kv_cache_gib": 0.0,
         "chunk_tokens": 256,
-        # Paged: admit the requests of larger max_tokens first (input order among equals), so the
+        # Admit the requests of larger max_tokens first (input order among equals), so the
         # longest answers do not start last and leave the other rows idle at the job's end.
         "longest_first": True,
     })

@@ -15,8 +15,6 @@ expert shards would each hold the same half of every page and of the vocabulary.
 Compiled for v5e:2x4 on a CPU (python -m runner.tools.compile --config=configs/gptoss_v5e.py): the
 four programs a job runs (mixed_16, mixed_64, mixed_256: 256 decoding rows beside a prompt's chunk;
 decode_8) peak at 11.0-11.1 GiB per chip (69% of HBM), 0.05-0.08 GiB of it temporaries.
-The unpaged engine (generation.page_size=0) would reserve every row's 4,096 + 16,384 tokens:
-lower batch_size and the lengths with it.
 """
 
 from configs.base import base_config

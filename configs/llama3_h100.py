@@ -21,12 +21,6 @@ on a GPU at this batch: benchmarks/gpu_check.py's throughput step runs this engi
 40 GiB) on vLLM's 1,000 requests of 256 + 256 tokens.
 The layers are unrolled: scanned (programs.scan_layers), XLA:GPU's decode step ran 2.4x slower,
 as if it copied each layer's weights out of the stack.
-With --config.generation.page_size=0 (the older engine, every row reserving its longest request:
-lower batch_size and the lengths), prefill takes generation.prefill_rows prompts at a time in
-cuDNN's flash kernel (kernels.cudnn_prefill), and --config.kernels.pallas_attention=True reads
-each row's cache only up to its last token in a Pallas (Triton) kernel.
-On an H100: batch-1 decode 6.46 ms a step, 99% of the measured bandwidth
-(docs/benchmarks/gpu-h100.md, benchmarks/gpu_check.py).
 """
 
 from configs.base import base_config
@@ -39,7 +33,6 @@ def get_config(arg: str = ""):
     c.mesh.update(data=1, model=1, num_cpu_devices=0, device_memory_gib=80.0)
     c.precision.update(params="bfloat16", activations="bfloat16", kv_cache="bfloat16",
                        matmul="default")
-    c.kernels.cudnn_prefill = True
     # Pages of 16 tokens in a pool of 40 GiB beside 15 GiB of weights: 256 rows decoded together,
     # each holding the tokens it has (a mean of about 1,280 before any is preempted).
     c.generation.update(batch_size=256, max_prompt_len=8192, max_new_tokens=4096,

@@ -1,17 +1,21 @@
 """What podrun's commands share: the devices set up before the backend starts, their flags
-parsed with one-line errors, the --config file read with one-line errors."""
+parsed with one-line errors, the --config file read with one-line errors, the line an
+interrupted job ends with."""
 
 from __future__ import annotations
 
 import collections
+import json
 import os
 import socket
 import sys
 import time
 
 import jax
+from etils import epath
 
-from runner.api.results import check_bucket, is_remote
+from runner.api.parts import part_path
+from runner.api.results import check_bucket, is_remote, partial_objects, read_partial
 
 
 def setup_devices(s) -> None:
@@ -73,6 +77,31 @@ def cache_counts() -> tuple[int, int]:
     return _CACHE_EVENTS[_HITS], _CACHE_EVENTS[_ASKED] - _CACHE_EVENTS[_HITS]
 
 
+def interrupted(s, tool: str = "podrun") -> str:
+    """The line a job stopped by Ctrl-C ends with: how many results its partial file keeps (the
+    results module appends each as it finishes; a part's run, its part's), and that the same
+    command resumes from them. `s`: the job's Settings, or None before they were read."""
+    if s is None:
+        return f"{tool}: interrupted before the job started"
+    output = part_path(s.output, s.part, s.parts) if s.parts > 1 and s.part >= 0 else s.output
+    partial = epath.Path(output + ".partial")
+    try:
+        lines = read_partial(partial, partial_objects(partial) if is_remote(output) else None)
+    except ValueError as e:  # read_partial's RequestFileError: the partial file cannot be read
+        return f"{tool}: interrupted; {e}; the same command resumes from what it holds"
+    if not lines:
+        return f"{tool}: interrupted before any result was written; the same command starts again"
+    kept = set()
+    for line in lines[1:]:  # after the header: results (with an "_index") and attempt records
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short is no result: the rerun redoes it
+            continue
+        if isinstance(record, dict) and "_index" in record:
+            kept.add(record["_index"])
+    return f"{tool}: interrupted: {len(kept)} results kept in {partial}; the same command resumes from them"
+
+
 def read_config(flag, tool: str):
     """The --config flag's ConfigDict (None when not given). ml_collections defers a config file's
     load error to the first attribute read, as a multi-line OSError: here it is one line."""
@@ -109,9 +138,21 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 # Keys that left `precision` for the sections that say what they hold.
 MOVED = {"precision.kernels": "kernels.enabled", **{f"precision.{k}": f"kernels.{k}" for k in (
-    "pallas_attention", "pallas_prefill", "cudnn_prefill", "pallas_moe", "greedy_screen", "panel_weights")},
+    "pallas_attention", "pallas_moe", "greedy_screen", "panel_weights")},
     **{f"precision.{k}": f"programs.{k}" for k in ("scan_layers", "fuse_projections", "donate_cache",
                                                      "huge_pages")}}
+
+# Keys of the engine whose rows reserved their longest request, which the paged engine replaced.
+_CHUNKS = "prompts are computed in chunks of up to generation.chunk_tokens beside the decoding rows"
+_ATTENTION = "kernels.pallas_attention: the paged attention kernel takes prompts' chunks too"
+REMOVED = {
+    "generation.prefill_buckets": _CHUNKS,
+    "generation.prefill_rows": _CHUNKS + ", one prompt a group at a time",
+    "generation.prefix_tokens": "prompts share their full pages of generation.page_size tokens",
+    "generation.prefix_block": "prompts share their full pages of generation.page_size tokens",
+    "kernels.pallas_prefill": _ATTENTION, "kernels.cudnn_prefill": _ATTENTION,
+    "precision.pallas_prefill": _ATTENTION, "precision.cudnn_prefill": _ATTENTION,
+}
 
 
 def unknown_override(argv: list[str], detail: str) -> str:
@@ -129,6 +170,8 @@ def unknown_override(argv: list[str], detail: str) -> str:
             where = path[: path.index(name) + len(name)]
             if where in MOVED:
                 return f"{flag}: {where} is now {MOVED[where]}"
+            if where in REMOVED:
+                return f"{flag}: {where} is gone with the unpaged engine; {REMOVED[where]}"
             did = f"; did you mean {hint.group(1)!r}?" if hint else ""
             return (f"{flag}: the config has no field {where!r}{did} (configs/base.py lists "
                     "the fields)")

@@ -24,15 +24,11 @@ class Generation:
     stop: tuple[str, ...]
     stop_token_ids: tuple[int, ...]
     steps_per_dispatch: int
-    prefill_buckets: tuple[int, ...]
-    prefill_rows: int
     reasoning_effort: str
-    prefix_tokens: int
-    prefix_block: int
-    page_size: int = 0  # 0: the unpaged engine
+    page_size: int = 16
     kv_cache_gib: float = 0.0
     chunk_tokens: int = 256
-    longest_first: bool = True  # paged: admission by max_tokens, largest first
+    longest_first: bool = True  # admission by max_tokens, largest first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,11 +132,7 @@ def from_config(c: ConfigDict) -> Settings:
         stop=tuple(x for x in g.stop if x),
         stop_token_ids=tuple(int(x) for x in g.stop_token_ids if int(x) >= 0),
         steps_per_dispatch=int(g.steps_per_dispatch),
-        prefill_buckets=tuple(int(x) for x in g.prefill_buckets if int(x) > 0),
-        prefill_rows=int(g.prefill_rows),
         reasoning_effort=g.reasoning_effort,
-        prefix_tokens=int(g.prefix_tokens),
-        prefix_block=int(g.prefix_block),
         page_size=int(g.page_size),
         kv_cache_gib=float(g.kv_cache_gib),
         chunk_tokens=int(g.chunk_tokens),
@@ -149,15 +141,12 @@ def from_config(c: ConfigDict) -> Settings:
     for field in ("batch_size", "max_prompt_len", "max_new_tokens", "steps_per_dispatch"):
         if getattr(gen, field) < 1:
             raise SettingsError(f"generation.{field}={getattr(gen, field)} must be at least 1")
-    if gen.prefix_tokens < 0 or gen.prefix_block < 1:
-        raise SettingsError(f"generation.prefix_tokens={gen.prefix_tokens} must be 0 (no prefix "
-                            f"sharing) or more, prefix_block={gen.prefix_block} at least 1")
-    if gen.page_size < 0 or gen.kv_cache_gib < 0 or gen.chunk_tokens < 1:
-        raise SettingsError(f"generation.page_size={gen.page_size} must be 0 (unpaged) or more, "
-                            f"kv_cache_gib={gen.kv_cache_gib} 0 or more, chunk_tokens="
-                            f"{gen.chunk_tokens} at least 1")
-    if gen.prefill_rows < 0:
-        raise SettingsError(f"generation.prefill_rows={gen.prefill_rows} must be 0 (the whole batch) or more")
+    if gen.page_size < 1:
+        raise SettingsError(f"generation.page_size={gen.page_size}: the KV cache is paged, in pages "
+                            "of at least 1 token (16: every config's); kv_cache_gib sizes the pool")
+    if gen.kv_cache_gib < 0 or gen.chunk_tokens < 1:
+        raise SettingsError(f"generation.kv_cache_gib={gen.kv_cache_gib} must be 0 or more, "
+                            f"chunk_tokens={gen.chunk_tokens} at least 1")
     if gen.reasoning_effort not in ("low", "medium", "high"):
         raise SettingsError(f"generation.reasoning_effort={gen.reasoning_effort!r}: use low, medium or high")
     samp = Sampling(float(s.temperature), int(s.top_k), float(s.top_p), int(s.seed))
@@ -197,8 +186,7 @@ def from_config(c: ConfigDict) -> Settings:
         policy=Policy(params=p.params, activations=p.activations, kv_cache=p.kv_cache,
                       matmul=p.matmul, quantize=p.quantize, int4_activations=p.int4_activations,
                       kernels=bool(k.enabled),
-                      pallas_attention=bool(k.pallas_attention), pallas_prefill=bool(k.pallas_prefill),
-                      cudnn_prefill=bool(k.cudnn_prefill), pallas_moe=bool(k.pallas_moe),
+                      pallas_attention=bool(k.pallas_attention), pallas_moe=bool(k.pallas_moe),
                       greedy_screen=bool(k.greedy_screen), panel_weights=bool(k.panel_weights),
                       fuse_projections=bool(prog.fuse_projections), scan_layers=bool(prog.scan_layers),
                       donate_cache=bool(prog.donate_cache), huge_pages=bool(prog.huge_pages)),

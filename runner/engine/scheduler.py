@@ -1,263 +1,358 @@
-"""The host loop of continuous batching: which waiting request goes into which free row, and when.
+"""The host loop of the engine: admission by free pages, chunked prefill, preemption.
 
-    waiting requests --insert (prefill R prompts of one bucket)--> free rows
-    live rows --decode (steps_per_dispatch steps)--> tokens; a row whose request ended is free
+    waiting samples --admitted (pages for the prompt free)--> a row of a group
+    a prompt, chunk by chunk, in the same step as every decoding row --> its first token
+    decoding rows --decode calls (steps_per_dispatch steps)--> tokens; a row that ends frees its pages
 
-Requests are taken in their order. A row frees when its request ends: a stop id or max_tokens
-(on device too, where the row then emits nothing more), or a stop string (`stop_check`, on the
-host; the device row runs on unseen until it is refilled). Before each decode call every free
-row is refilled while requests wait: the oldest waiting request and the next ones in its prompt
-bucket, as many as the largest insert size that the free rows and those requests fill, so no
-prefill pays for padding rows or for a longer bucket than its prompts need. A request of n
-samples is prefilled once into as many free rows as it has samples left (its samples run in turns
-when fewer rows are free); each sample is a row of its own from then on.
+Samples are admitted in request order, or with longest_first by max_tokens, largest first (a
+request of n samples is n samples, one after the other), at most one at a time into each group's
+free row, and only while no other row of that group is still prefilling: one prompt per group is
+chunked at a time, so every later sample of the same prompt (or prompt of the same prefix) finds
+the full pages it shares already written and named, and takes them instead of computing them. A
+sample is admitted when the pool has pages for its whole prompt and one token, so a row that
+enters does not stall at once.
 
-A request under a format (Request.constraint) walks it on the host, a walk per sample: the walk
-gives the mask of each next token, which the device applies before sampling. While such a row is
-live, each decode call is one step (the next mask needs the token just taken); the other rows
-take that step too, unmasked. Stop strings do not apply to a row under a format: the format says
-where it ends.
-
-Once no request waits and at most half the rows are live, the live rows are gathered into a
-smaller cache (Engine.shrink: half the rows, or a quarter, ... down to Engine.tail_sizes' least),
-so the job's last requests run in decode steps of fewer rows.
+A row takes pages as it grows. When a decoding row needs a page and none is free, the newest row
+of its group gives its pages back (preemption) and its sample goes to the front of the waiting
+queue with the tokens it has: readmitted, it computes its prompt and those tokens again as one
+prompt, and samples on from its count of tokens, so its tokens are those of an uninterrupted run.
 
 Every process of a multi-host run runs this loop over the same requests and reads the same
-replicated tokens, so all take the same decisions and the devices see the same programs in the
-same order: nothing here depends on a clock or on which process it is.
+replicated tokens, so all take the same decisions: nothing here depends on a clock.
 """
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import numpy as np
 
-from runner.engine.engine import Completion, Engine, Request, TokenLogprobs
+from runner.engine.engine import Program, Runner
+from runner.engine.pages import PagePool, Table, digests
+from runner.engine.sampling import sample_seed
+from runner.engine.types import Completion, Request, Sample, Stats
 
 
-@dataclasses.dataclass
-class Stats:
-    """What a job did on the engine."""
+@dataclasses.dataclass(eq=False)  # a row's sample is itself alone: `in` and `index` by identity
+class _Seq:
+    """A sample in a row: what it computes before it samples (its prompt, then after a
+    preemption the tokens it had), its table of pages, and when it was admitted."""
 
-    rows: int = 0  # the engine's batch size
-    decode_calls: int = 0
-    decode_steps: int = 0  # decode_calls x steps per dispatch
-    row_steps: int = 0  # decode steps x the rows each ran with (fewer once the job's tail shrinks)
-    prefill_row_steps: int = 0  # the paged engine's row-steps computing a prompt's chunk, no token
-    shrinks: int = 0  # times the live rows were gathered into a smaller cache
-    inserts: int = 0  # prefill calls
-    prompt_slots: int = 0  # rows x bucket over every insert: the prompt tokens computed, padding in
-    prompt_tokens: int = 0  # prompt tokens of every sample that entered a row
-    prompt_tokens_computed: int = 0  # of those, the ones prefilled (a prompt once for its samples)
-    completion_tokens: int = 0
-    insert_s: float = 0.0  # wall time in insert calls (prefill; a first call's compilation too)
-    decode_s: float = 0.0  # wall time in decode calls
-    masked_calls: int = 0  # decode calls of one step, under some row's format
-    mask_s: float = 0.0  # host time computing the formats' token masks
-    # the paged engine (runner/engine/paged_scheduler.py):
-    pages: int = 0  # the pool's pages, every group's
-    pages_peak: int = 0  # the most pages that tables held at once
-    pages_mean: float = 0.0  # pages held, the mean over calls
-    rows_peak: int = 0  # the most rows live (decoding or prefilling) in one call
-    rows_mean: float = 0.0  # rows live, the mean over calls
-    preemptions: int = 0  # rows whose pages were taken back mid-request, to be recomputed
-    programs: int = 0  # distinct device programs called
-    compile_wait_s: float = 0.0  # calls' wall time waiting for their programs' compilation
+    live: Sample
+    input: list[int]
+    table: Table
+    order: int
+    window: Table | None = None  # the windowed layers' pages (a model with windows)
 
     @property
-    def utilisation(self) -> float:
-        """The row-steps in which a row worked (took a token, or computed a chunk of its prompt
-        in a paged engine's step) over all: 1 when no row ever idles."""
-        return ((self.completion_tokens + self.prefill_row_steps) / self.row_steps
-                if self.row_steps else 0.0)
+    def tables(self) -> list[Table]:
+        return [self.table] if self.window is None else [self.table, self.window]
 
-
-@dataclasses.dataclass
-class _Live:
-    index: int  # the request's index in the job
-    sample: int  # which of its samples
-    tokens: list[int]
-    queued_s: float  # from the start of the job to its insert
-    first_s: float  # from the start of the job to its first token
-    logprobs: list[TokenLogprobs] | None = None  # per token, when the request asks
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
-    walk: Any = None  # the walk through the request's format (Request.constraint), if it has one
-    broken: bool = False  # a token the format refused: it ends as incomplete
+    @property
+    def prefilling(self) -> bool:
+        return self.table.length < len(self.input)
 
 
 class Scheduler:
-    """Runs `requests` through `engine`, each row refilled as its request ends."""
+    """Runs `requests` through an engine (a Runner), rows refilled as their requests end."""
 
-    def __init__(self, engine: Engine, requests: Sequence[Request], stop_ids: Sequence[int] = (),
-                 stop_check: Callable[[int, list[int]], bool] | None = None):
+    def __init__(self, engine: Runner, requests: Sequence[Request], stop_ids: Sequence[int] = (),
+                 stop_check: Callable[[int, list[int]], bool] | None = None,
+                 longest_first: bool = False):
+        """longest_first: admit requests by max_tokens, largest first (request order among
+        equals): the job's longest answers do not start last, with every other row idle until
+        they end."""
         self.engine, self.requests = engine, requests
+        self.layout = L = engine.layout
+        self.order = sorted(range(len(requests)), key=lambda i: -requests[i].max_tokens
+                            ) if longest_first else range(len(requests))
         self.stop_ids, self.stop_check = tuple(stop_ids), stop_check
-        self.stats = Stats(rows=engine.batch_size)
-        # waiting request indices per prompt bucket, each in request order, and the samples each
-        # has yet to start
-        self._waiting: dict[int, deque[int]] = {}
-        self._unstarted = {i: deque(range(r.n)) for i, r in enumerate(requests)}
         for i, r in enumerate(requests):
             if r.n < 1:
                 raise ValueError(f"request {i}: n={r.n}; a request has one sample or more")
-            self._waiting.setdefault(engine.bucket_for(len(r.prompt)), deque()).append(i)
-        self._ended: dict[int, dict[int, Completion]] = {}  # finished samples of unfinished requests
+            if not 0 < len(r.prompt) <= L.max_prompt_len or r.max_tokens > L.max_new_tokens:
+                raise ValueError(f"request {i}: a prompt of {len(r.prompt)} tokens and max_tokens="
+                                 f"{r.max_tokens} exceed max_prompt_len={L.max_prompt_len} or "
+                                 f"max_new_tokens={L.max_new_tokens}")
+        self.pools = [PagePool(L.pages, L.page_size) for _ in range(L.groups)]
+        self.window_pools = [PagePool(L.window_pages, L.page_size) if L.window
+                             else None for _ in range(L.groups)]
+        self.stats = Stats(rows=L.batch_size, pages=L.pages * L.groups)
+        self._names: dict[int, list[bytes]] = {}  # each request's full prompt pages' digests
+        self._ended: dict[int, dict[int, Completion]] = {}
+        self._plan: list[tuple[int, int]] = [(0, 0)]  # _piece's costs, from 0 tokens up
+        self._prepared = False
+
+    def _digests(self, i: int) -> list[bytes]:
+        if i not in self._names:
+            self._names[i] = digests(self.requests[i].prompt, self.layout.page_size)
+        return self._names[i]
+
+    def _piece(self, n: int) -> int:
+        """The chunk bucket of the next step of a row with n prompt tokens left: the first of the
+        cheapest way to compute them in chunks, where a chunk of C slots costs C + the backend's
+        step_tokens (a step's own cost). So a prompt's end is padded up to a bucket where a step
+        costs much (TPU, GPU), and split into buckets it fills where a step costs little (CPU)."""
+        step, plan = self.layout.step_tokens, self._plan
+        for m in range(len(plan), n + 1):  # plan[m]: (cost, first bucket) for m tokens
+            plan.append(min((C + step + plan[max(0, m - C)][0], C) for C in self.layout.chunks))
+        return plan[n][1]
+
+    def programs(self) -> list[Program]:
+        """The programs this job's calls will likely run, in the order of their first calls: the
+        chunks of the prompts of the first rows, a decode call, then the later prompts' chunks
+        (prefix sharing and preemption can ask for others, compiled when first called)."""
+        L, out = self.layout, []
+        decode = [L.program(0, L.steps)] if any(r.max_tokens > 1 for r in self.requests) else []
+        for n, i in enumerate(self.order):
+            if n == L.batch_size:
+                out += decode
+            left = len(self.requests[i].prompt)
+            while left > 0:
+                C = self._piece(left)
+                out.append(L.program(C, 1))
+                left -= C
+        return list(dict.fromkeys(out + decode))
+
+    def prepare(self) -> None:
+        """Hands the programs this job will likely run to the engine's compiling thread, once
+        (a job does it before its weights restore; run does it otherwise)."""
+        if not self._prepared:
+            self._prepared = True
+            self.engine.prepare(self.programs())
 
     def run(self, on_done: Callable[[list[tuple[int, list[Completion]]]], None]) -> Stats:
-        """Generates every request; on_done gets the requests that ended in each insert or decode
-        call, as they end: (index, its samples' completions in sample order)."""
-        engine, t0 = self.engine, time.perf_counter()
-        engine.reset()
-        free = list(range(engine.batch_size))  # ascending
-        live: dict[int, _Live] = {}
-        while self._waiting or live:
+        """Generates every request; on_done gets the requests that ended in each call, as they
+        end: (index, its samples' completions in sample order)."""
+        self.prepare()
+        waited = self.engine.compile_wait_s
+        try:
+            return self._run(on_done)
+        finally:
+            self.engine.forget_prepared()
+            self.stats.compile_wait_s = self.engine.compile_wait_s - waited
+
+    def _run(self, on_done: Callable[[list[tuple[int, list[Completion]]]], None]) -> Stats:
+        engine, L, t0 = self.engine, self.layout, time.perf_counter()
+        G, R = L.groups, L.rows_per_group
+        waiting: deque[tuple[int, int, Sample | None]] = deque(
+            (i, k, None) for i in self.order for k in range(self.requests[i].n))
+        rows: list[list[_Seq | None]] = [[None] * R for _ in range(G)]
+        admitted = 0
+        calls = pages_held = rows_live = 0
+        while waiting or any(s for group in rows for s in group):
+            now = time.perf_counter() - t0
+            # admission: one sample a group, into a free row, while none of the group prefills
+            for g in sorted(range(G), key=lambda g: -self.pools[g].available):
+                if not waiting or any(s and s.prefilling for s in rows[g]) or None not in rows[g]:
+                    continue
+                seq = self._admit(waiting[0], g, admitted, now)
+                if seq is None:
+                    continue
+                waiting.popleft()
+                rows[g][rows[g].index(None)] = seq
+                admitted += 1
+            C = max((self._piece(len(s.input) - s.table.length)
+                     for group in rows for s in group if s and s.prefilling), default=0)
+            steps = 1 if C else L.steps
+            if any(s and s.live.walk is not None for group in rows for s in group):
+                steps = 1  # the next token's mask needs the one just taken
+            for g in range(G):
+                self._grow(rows[g], waiting, C, steps)
+            live = [s for group in rows for s in group if s]
+            if not live:  # everything admitted was preempted back: admit again
+                continue
+            step, sampling = self._step(rows, C)
+            step.refill[:] = bool(waiting)
+            walks = [s.live.walk if s and i in sampling else None
+                     for i, s in enumerate(x for group in rows for x in group)]
+            masks = None
+            if any(w is not None for w in walks):
+                m = time.perf_counter()
+                masks = np.full((L.batch_size, L.mask_words), -1, np.int32)
+                for b, w in enumerate(walks):
+                    if w is not None:
+                        w.mask(masks[b])
+                self.stats.mask_s += time.perf_counter() - m
+            logprobs = any(self.requests[s.live.index].logprobs for s in live)
+            scored = any(s.prefilling and s.live.prompt_logprobs is not None for s in live)
+            began = time.perf_counter() - t0
+            emitted, scores, prompt_scores = engine.call(step, self.stop_ids, steps, logprobs,
+                                                         masks, scored)
+            now = time.perf_counter() - t0
+            calls += 1
+            held = sum(p.in_use for p in self.pools)
+            pages_held += held
+            rows_live += len(live)
+            st = self.stats
+            st.pages_peak, st.rows_peak = max(st.pages_peak, held), max(st.rows_peak, len(live))
+            if C:
+                st.inserts += 1
+                st.insert_s += now - began
+                st.prompt_slots += C * G
+            else:
+                st.decode_calls += 1
+                st.decode_s += now - began
+            st.masked_calls += masks is not None
+            ran = int(np.max(np.nonzero((emitted >= 0).any(axis=0))[0], initial=0)) + 1  # an early end
+            st.decode_steps += ran
+            st.row_steps += ran * L.batch_size
+            st.prefill_row_steps += sum(1 for g, group in enumerate(rows) for r, s in enumerate(group)
+                                        if s and s.prefilling and g * R + r not in sampling)
             ended: list[tuple[int, list[Completion]]] = []
-            while free and self._waiting:
-                group, samples, shared = self._next_group(len(free))
-                targets = []
-                for k in samples:
-                    targets.append(free[: len(k)])
-                    free = free[len(k):]
-                queued = time.perf_counter() - t0
-                requests = [self.requests[i] for i in group]
-                walks = [r.constraint.start() if r.constraint is not None else None
-                         for r, rows in zip(requests, targets) for _ in rows]
-                masks = self._masks(walks) if any(walks) else None
-                got = engine.insert(targets, requests, self.stop_ids, samples, shared, masks=masks)
-                now = time.perf_counter() - t0
-                self.stats.insert_s += now - queued
-                self.stats.inserts += 1
-                computed = [len(r.prompt) - engine.shared_tokens(shared) for r in requests]
-                self.stats.prompt_slots += len(group) * engine.bucket_for(max(computed))
-                self.stats.prompt_tokens_computed += sum(computed)
-                at = 0
-                for g, (i, rows, k) in enumerate(zip(group, targets, samples)):
-                    r = self.requests[i]
-                    self.stats.prompt_tokens += len(r.prompt) * len(rows)
-                    for row, sample in zip(rows, k):
-                        token = int(got.first[at])
-                        live[row] = _Live(i, sample, [token], queued, now, walk=walks[at])
-                        if walks[at] is not None and r.max_tokens > 0:
-                            live[row].broken = not walks[at].take(token)
-                        if r.logprobs:
-                            live[row].logprobs = [got.logprobs.at(at)]
-                        if r.prompt_logprobs:
-                            live[row].prompt_logprobs = got.prompt_logprobs[g]
-                        if r.max_tokens == 0:  # scored, not generated
-                            live[row].tokens, live[row].logprobs = [], [] if r.logprobs else None
-                        at += 1
-                        self._end_if_done(row, live, free, ended, now)
-            if live:
-                walks = [live[row].walk if row in live else None for row in range(engine.rows)]
-                masks = self._masks(walks) if any(walks) else None
-                began = time.perf_counter() - t0
-                emitted, scores = engine.decode(
-                    self.stop_ids, logprobs=any(self.requests[x.index].logprobs for x in live.values()),
-                    masks=masks)
-                now = time.perf_counter() - t0
-                steps = emitted.shape[1]
-                self.stats.decode_s += now - began
-                self.stats.decode_calls += 1
-                self.stats.masked_calls += masks is not None
-                self.stats.decode_steps += steps
-                self.stats.row_steps += steps * engine.rows
-                for row in sorted(live):
-                    x = live[row]
-                    tokens, limit = x.tokens, self.requests[x.index].max_tokens
-                    for step, t in enumerate(emitted[row]):
-                        if t < 0 or len(tokens) >= limit or tokens[-1] in self.stop_ids:
-                            break
-                        tokens.append(int(t))
-                        if x.walk is not None:
-                            x.broken = x.broken or not x.walk.take(int(t))
-                        if x.logprobs is not None:
-                            x.logprobs.append(scores.at((row, step)))
-                    self._end_if_done(row, live, free, ended, now)
+            for g in range(G):
+                for r in range(R):
+                    if rows[g][r] is not None:
+                        self._advance(rows[g], g, r, emitted, scores, prompt_scores, C,
+                                      ended, now)
             if ended:
-                self.stats.completion_tokens += sum(len(c.token_ids) for _, cs in ended for c in cs)
+                st.completion_tokens += sum(len(c.token_ids) for _, cs in ended for c in cs)
                 on_done(ended)
-            if live and not self._waiting and len(live) <= engine.rows // 2:
-                order = sorted(live)
-                if engine.shrink(order) < len(free) + len(live):
-                    live = {new: live[old] for new, old in enumerate(order)}
-                    free = list(range(len(live), engine.rows))
-                    self.stats.shrinks += 1
+        self.stats.programs = len(engine.programs)
+        self.stats.pages_mean = pages_held / calls if calls else 0.0
+        self.stats.rows_mean = rows_live / calls if calls else 0.0
         return self.stats
 
-    def _masks(self, walks: list) -> np.ndarray:
-        """The next token's mask [len(walks), mask_words] of each walk (all bits set for None)."""
-        t = time.perf_counter()
-        masks = np.full((len(walks), self.engine.mask_words), -1, np.int32)
-        for k, walk in enumerate(walks):
-            if walk is not None:
-                walk.mask(masks[k])
-        self.stats.mask_s += time.perf_counter() - t
-        return masks
+    def _admit(self, entry: tuple[int, int, Sample | None], g: int, order: int,
+               now: float) -> _Seq | None:
+        """Sample `entry` into group g, with the prompt pages the pool already holds, when the
+        pool has pages for the rest of its prompt and one token; else None (nothing taken)."""
+        i, k, prior = entry
+        r, pool = self.requests[i], self.pools[g]
+        x = prior or Sample(i, k, [], now, 0.0, walk=r.constraint.start() if r.constraint else None,
+                           logprobs=[] if r.logprobs else None,
+                           prompt_logprobs=[None] * (len(r.prompt) - 1) if r.prompt_logprobs else None)
+        if prior is None:
+            self.stats.prompt_tokens += len(r.prompt)
+        tokens = list(r.prompt) + x.tokens
+        # never the last token (computed for the next one), nor one whose log-probability is asked
+        scored = r.prompt_logprobs_from if r.prompt_logprobs else len(tokens)
+        names = self._digests(i)[: (min(len(tokens), scored) - 1) // pool.page_size]
+        found, skip = self._shareable(names, g)
+        window = self.window_pools[g]
+        need = Table(pool).pages_for(len(tokens) + 1)
+        if need - found > pool.available or (
+                window is not None and self.layout.window_pages // self.layout.rows_per_group
+                > window.available):
+            return None
+        table = Table(pool, pool.match(names[:found]))
+        seq = _Seq(x, tokens, table, order)
+        if window is not None:
+            seq.window = Table(window, window.match(names[skip:found]), skipped=skip)
+        return seq
 
-    def _next_group(self, free: int) -> tuple[list[int], list[list[int]], int]:
-        """(requests, the samples each starts, the prompt blocks they share from the prefix pool):
-        the oldest waiting request and the next ones of its bucket that share as many blocks and
-        leave as long a rest to compute, the largest insert size that both the free rows and
-        those requests fill; or a request with several samples left alone, with as many of them
-        as rows are free. A request whose first block others waiting share too, and that the
-        pool lacks, goes alone: once it is kept, the others take it from the pool."""
-        engine = self.engine
-        bucket = min(self._waiting, key=lambda b: self._waiting[b][0])
-        queue = self._waiting[bucket]
-        oldest = self.requests[queue[0]]
-        shared = engine.prefix_match(oldest)
-        first = self._unstarted[queue[0]]
-        if len(first) > 1:
-            group = [queue[0]]
-            samples = [[first.popleft() for _ in range(min(free, len(first)))]]
-            if not first:
-                queue.popleft()
-        elif not shared and any(engine.shares_first_block(oldest, self.requests[i])
-                                for i in list(queue)[1:]):
-            group = [queue.popleft()]
-            samples = [[first.popleft()]]
-        else:
-            key = self._rest_bucket(oldest, shared)
-            sizes = engine.insert_sizes
-            most = sizes[max(0, bisect.bisect_right(sizes, free) - 1)]
-            group = []
-            for i in list(queue):  # one-sample requests of the same shared blocks and rest
-                if len(group) == most:
+    def _shareable(self, names: list[bytes], g: int) -> tuple[int, int]:
+        """(pages of a prompt, by their names, that a sample admitted into group g takes from the
+        pool rather than computes; of those, the first that the windowed layers need): the most
+        that the full layers' pool holds, and of those the windowed layers' pool holds the ones
+        the first computed token's window reaches."""
+        pool, window, S = self.pools[g], self.window_pools[g], self.layout.page_size
+        found = pool.matchable(names)
+        skip = lambda n: max(0, n * S - self.layout.window + 1) // S
+        while window is not None and found and not window.holds_all(names[skip(found):found]):
+            found -= 1
+        return found, skip(found) if window is not None else 0
+
+    def _grow(self, group: list[_Seq | None], waiting: deque, C: int, steps: int) -> None:
+        """Pages for what each row of the group computes in the next call (a decoding row's
+        steps, a prefilling row's chunk), the newest rows preempted, oldest first served, where
+        the pool runs short."""
+        for s in sorted((s for s in group if s), key=lambda s: s.order):
+            if s not in group:
+                continue  # preempted for an older row
+            if s.prefilling:
+                need = s.table.length + min(C, len(s.input) - s.table.length)
+            else:
+                left = self.requests[s.live.index].max_tokens - len(s.live.tokens)
+                need = s.table.length + max(1, min(steps, left))
+            if s.window is not None:  # what no query of this call or later can see
+                s.window.release_before(s.table.length - self.layout.window + 1)
+            while not all(table.grow(need) for table in s.tables):
+                newest = max((x for x in group if x), key=lambda x: x.order)
+                self._preempt(group, newest, waiting)
+                if newest is s:
                     break
-                r = self.requests[i]
-                if len(self._unstarted[i]) == 1 and (
-                        i == queue[0] or (engine.prefix_match(r) >= shared
-                                          and self._rest_bucket(r, shared) == key)):
-                    group.append(i)
-            group = group[: sizes[max(0, bisect.bisect_right(sizes, len(group)) - 1)]]
-            for i in group:
-                queue.remove(i)
-            samples = [[self._unstarted[i].popleft()] for i in group]
-        if not queue:
-            del self._waiting[bucket]
-        return group, samples, shared
 
-    def _rest_bucket(self, r: Request, shared: int) -> int:
-        """The bucket of what r's prompt leaves to compute after `shared` pool blocks."""
-        return self.engine.bucket_for(len(r.prompt) - self.engine.shared_tokens(shared))
+    def _preempt(self, group: list[_Seq | None], s: _Seq, waiting: deque) -> None:
+        for table in s.tables:
+            table.release()
+        group[group.index(s)] = None
+        waiting.appendleft((s.live.index, s.live.sample, s.live))
+        self.stats.preemptions += 1
 
-    def _end_if_done(self, row: int, live: dict[int, _Live], free: list[int],
-                     ended: list[tuple[int, list[Completion]]], now: float) -> None:
-        """Ends the row's sample when a stop id, its max_tokens or the stop check says so; the row
-        is then free. A request ends with its last sample."""
-        x = live[row]
-        request = self.requests[x.index]
-        completion = finished(x, request, self.stop_ids, self.stop_check, now)
+    def _step(self, rows: list[list[_Seq | None]], C: int):
+        """The call's host arrays, and the rows (by index) that sample in it."""
+        R = self.layout.rows_per_group
+        b = self.layout.empty_step(C)
+        sampling = set()
+        for g, group in enumerate(rows):
+            for r, s in enumerate(group):
+                if s is None:
+                    continue
+                row, request, table = g * R + r, self.requests[s.live.index], s.table
+                b.tables[g, r, : len(table.pages)] = table.pages
+                if s.window is not None:  # a hole reads page 0, which the window masks
+                    b.window_tables[g, r, : len(s.window.pages)] = np.maximum(s.window.pages, 0)
+                b.count[row], b.max_tokens[row] = len(s.live.tokens), request.max_tokens
+                b.seed[row] = sample_seed(request.seed, s.live.sample)
+                b.temperature[row], b.top_k[row] = request.temperature, request.top_k
+                b.top_p[row] = request.top_p
+                if not s.prefilling:
+                    b.tokens[g, r], b.positions[g, r] = s.live.tokens[-1], table.length
+                    b.live[row] = True
+                    sampling.add(row)
+                    continue
+                n = min(C, len(s.input) - table.length)
+                b.tokens[g, R: R + n] = s.input[table.length: table.length + n]
+                after = s.input[table.length + 1: table.length + n + 1]
+                b.targets[g, R: R + len(after)] = after
+                b.positions[g, R: R + n] = np.arange(table.length, table.length + n)
+                b.rows[g, R:] = r
+                if table.length + n == len(s.input) and request.max_tokens > 0:  # sample after it
+                    b.sample_at[g, r] = R + n - 1
+                    b.live[row] = True
+                    sampling.add(row)
+        return b, sampling
+
+    def _advance(self, group: list[_Seq | None], g: int, r: int, emitted: np.ndarray, scores,
+                 prompt_scores, C: int, ended: list, now: float) -> None:
+        """Row r of group g after a call: its chunk (and its prompt tokens' log-probabilities) or
+        its tokens taken in, and the row freed when its sample ends."""
+        s, row = group[r], g * self.layout.rows_per_group + r
+        x, request = s.live, self.requests[s.live.index]
+        decoding = not s.prefilling  # each token it takes follows one it fed (and wrote)
+        if not decoding:
+            n = min(C, len(s.input) - s.table.length)
+            if x.prompt_logprobs is not None:  # position p's is prompt token p + 1's
+                for i, p in enumerate(range(s.table.length, min(s.table.length + n, len(x.prompt_logprobs)))):
+                    x.prompt_logprobs[p] = prompt_scores.at((g, i))
+            for table in s.tables:
+                table.length += n
+                table.name_full_pages(self._digests(x.index))
+            self.stats.prompt_tokens_computed += n
+            if s.prefilling:
+                return
+            if not x.tokens:
+                x.first_s = now
+        for step, t in enumerate(emitted[row]):
+            if t < 0 or len(x.tokens) >= request.max_tokens or (x.tokens and x.tokens[-1] in self.stop_ids):
+                break
+            for table in s.tables:
+                table.length += decoding
+            x.tokens.append(int(t))
+            if x.walk is not None:
+                x.broken = x.broken or not x.walk.take(int(t))
+            if x.logprobs is not None:
+                x.logprobs.append(scores.at((row, step)))
+        completion = x.finished(request, self.stop_ids, self.stop_check, now)
         if completion is None:
             return
-        del live[row]
-        bisect.insort(free, row)
+        for table in s.tables:
+            table.release()
+        group[r] = None
         done = self._ended.setdefault(x.index, {})
         done[x.sample] = completion
         if len(done) == request.n:
@@ -265,37 +360,17 @@ class Scheduler:
             ended.append((x.index, [done[k] for k in range(request.n)]))
 
 
-def finished(x: _Live, request: Request, stop_ids: tuple[int, ...],
-             stop_check: Callable[[int, list[int]], bool] | None, now: float) -> Completion | None:
-    """The completion of sample x when a stop id, its max_tokens, a refused token of its format
-    or the stop check ends it (`now`: the time since the job began), else None."""
-    tokens = x.tokens
-    if tokens and tokens[-1] in stop_ids and not x.broken:
-        reason = "stop"
-    elif tokens and x.walk is None and stop_check is not None and stop_check(x.index, tokens):
-        reason = "stop"
-    elif len(tokens) >= request.max_tokens or x.broken:
-        reason = "length"
-    else:
-        return None
-    return Completion(tokens, reason, ttft_s=x.first_s - x.queued_s, decode_s=now - x.first_s,
-                      logprobs=x.logprobs, prompt_logprobs=x.prompt_logprobs,
-                      incomplete_format=x.walk is not None and (
-                          x.broken or reason == "length" and not x.walk.complete))
-
-
-def generate(engine: Engine, requests: Sequence[Request], stop_ids: Sequence[int] = (),
-             stop_check: Callable[[int, list[int]], bool] | None = None) -> list:
-    """Generates for any number of requests, `engine.batch_size` rows at a time, each row refilled
-    as its request ends, in the order of `requests`: a Completion per request, or for a request of
-    n > 1 samples a list of n. `stop_check(i, tokens)` lets the caller end request i on the host
-    (stop strings); stop_ids end a row on device."""
+def generate(engine: Runner, requests: Sequence[Request], stop_ids: Sequence[int] = (),
+             stop_check: Callable[[int, list[int]], bool] | None = None,
+             longest_first: bool = False) -> list:
+    """Every request through `engine`, in the order of `requests`: a Completion per request, or
+    for a request of n > 1 samples a list of n. stop_ids end a sample on the device;
+    `stop_check(i, tokens)` lets the caller end request i's on the host (stop strings)."""
     out: list = [None] * len(requests)
 
     def done(ended: list[tuple[int, list[Completion]]]) -> None:
         for i, samples in ended:
             out[i] = samples[0] if requests[i].n == 1 else samples
 
-    Scheduler(engine, requests, stop_ids, stop_check).run(done)
+    Scheduler(engine, requests, stop_ids, stop_check, longest_first).run(done)
     return out
-

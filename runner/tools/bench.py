@@ -10,18 +10,18 @@ step comes to the machine's memory bandwidth (MBU) and peak flops (MFU), and a p
 the checkpoint: an 8B model's 16 GB are made where they are used, and nothing is read.
 
 Same config files and overrides as runner.main; the config's generation.batch_size,
-max_prompt_len, max_new_tokens and prefill_buckets are replaced by the workload: for each batch
-size B one engine of B rows (rounded up to the `data` axis as always), its prefill compiled for
-exactly the measured prompt lengths. Prompts are seeded random ids of exactly prompt_len tokens and
-no id stops a row, so every row decodes all new_tokens.
+max_prompt_len and max_new_tokens are replaced by the workload: for each batch size B one engine
+of B rows (rounded up to the `data` axis as always), its pool holding every row at its longest
+(no preemption). Prompts are seeded random ids of exactly prompt_len tokens and no id stops a row,
+so every row decodes all new_tokens.
 
 Measured (medians over --reps, after a warm-up that compiles every timed shape):
-  prefill_s        wall time of a 1-token generation (prefill + first token on the host)
+  prefill_s        wall time of a 1-token generation (every prompt computed in chunks, one row a
+                   group at a time, and its first token on the host)
   ttft_s           time to first token inside the new_tokens generation (the engine's own clock)
-  decode tokens/s  B*(N-1) / decode_s; decode_step_s = decode_s / (N-1), where decode_s is the time
-                   from the first tokens to the last inside the new_tokens generation (the engine's
-                   clock), not T(N) - T(1) of two separate generations, which carries the noise
-                   of two prefills.
+  decode tokens/s  B / decode_step_s, where decode_step_s is the wall time of the generation's
+                   decode calls over their steps (the scheduler's own clock: no prompt's chunk in
+                   them); decode_s = decode_step_s * (N - 1).
   compile_s        warm-up wall time less one timed run of each shape (compilation, or loading it
                    from the persistent compilation cache)
 Roofline of one decode step: bytes_per_step = weights a token must read (all of them, except that
@@ -50,6 +50,7 @@ import os
 import resource
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -57,17 +58,19 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 from models import quant, weights
-from models.kv_cache import KVCache
+from models.kernels import cpu
 from models.registry import Model
 from models.weights import check_divisible, is_lookup_table, is_weight
+from runner import job, log
 from runner.checkpoints import store
+from runner.checkpoints.load import load_model
 from runner.cli import parse_flags, read_config, setup_devices
-from runner.engine import Completion, Engine, Request, generate, hugepages
-from runner.job import load_model
+from runner.engine import Completion, Engine, Request, Scheduler, Stats, hugepages
+from runner.errors import USER_ERRORS
 from runner.settings import Settings, from_config
 from sharding.mesh import make_mesh
 from sharding.rules import Rules
@@ -230,8 +233,6 @@ class BandwidthProbe:
             self.movers["copy"] = (jax.jit(lambda a: a + 1), 2)
         else:
             hugepages.collapse(x)
-            from models.kernels import cpu
-
             if n % 4096 == 0 and cpu.available():
                 P = jax.sharding.PartitionSpec
 
@@ -350,10 +351,17 @@ def random_weights(s: Settings, seed: int = 0) -> tuple[store.Metadata, Rules, C
 
 def make_engine(s: Settings, model: Model, params, rules: Rules, batch: int,
                 prompt_lens: Sequence[int], new_tokens: int) -> Engine:
-    """An engine compiled for exactly these prompt lengths and new_tokens."""
-    buckets = tuple(sorted(set(prompt_lens)))
-    return Engine(model, params, rules, s.policy, batch, buckets[-1], new_tokens,
-                  s.generation.steps_per_dispatch, buckets, prefill_rows=s.generation.prefill_rows)
+    """An engine of `batch` rows for these prompt lengths and new_tokens, its pool holding every
+    row at its longest."""
+    g = s.generation
+    return Engine(model, params, rules, s.policy, batch, max(prompt_lens), new_tokens, g.page_size,
+                  steps_per_dispatch=g.steps_per_dispatch, chunk=g.chunk_tokens)
+
+
+def kv_bytes_per_element(dtype: Any, head_dim: int) -> float:
+    """Bytes a cached k or v element takes: an int8 cache adds its per-slot scale."""
+    size = jnp.dtype(dtype).itemsize
+    return size + 4 / head_dim if jnp.dtype(dtype) == jnp.int8 else size
 
 
 def greedy_requests(prompts: np.ndarray, new_tokens: int, s: Settings) -> list[Request]:
@@ -362,21 +370,28 @@ def greedy_requests(prompts: np.ndarray, new_tokens: int, s: Settings) -> list[R
                     smp.seed + i) for i, row in enumerate(prompts)]
 
 
-def _timed(engine: Engine, requests: list[Request], n: int) -> tuple[float, list[Completion]]:
+def _timed(engine: Engine, requests: list[Request], n: int
+           ) -> tuple[float, list[Completion], Stats]:
+    out: list[Completion] = [None] * len(requests)
+
+    def done(ended) -> None:
+        for i, samples in ended:
+            out[i] = samples[0]
+
     t0 = time.perf_counter()
-    out = generate(engine, [dataclasses.replace(r, max_tokens=n) for r in requests], stop_ids=())
+    stats = Scheduler(engine, [dataclasses.replace(r, max_tokens=n) for r in requests]).run(done)
     seconds = time.perf_counter() - t0
     got = sum(len(c.token_ids) for c in out)
     if got != len(requests) * n:
         raise BenchError(f"batch {len(requests)}: generated {got} tokens, expected "
                          f"{len(requests)} * {n}; a row stopped early")
-    return seconds, out
+    return seconds, out, stats
 
 
 def decode_memory(engine) -> dict:
     """The compiled decode step's buffers, per device, from XLA's memory analysis, beside the KV
     cache it updates in place: temporaries as large as a layer's cache mean XLA copies it."""
-    m = engine.lower(prefills=False)["decode"].compile().memory_analysis()
+    m = engine.lower()[f"decode_{engine.layout.steps}"].compile().memory_analysis()
     cache = jax.tree.leaves(engine.cache)
     return {"decode_temp_bytes": m.temp_size_in_bytes, "decode_argument_bytes": m.argument_size_in_bytes,
             "decode_alias_bytes": m.alias_size_in_bytes,
@@ -395,7 +410,7 @@ def measure(s: Settings, model: Model, params, rules: Rules, w: Workload,
     every prompt length (the probe's array comes after)."""
     w.check(model)
     p_size = jnp.dtype(s.policy.params).itemsize
-    kv_size = KVCache.bytes_per_element(s.policy.kv_cache, model.module.cache_spec(model.config)[2])
+    kv_size = kv_bytes_per_element(s.policy.kv_cache, model.module.cache_spec(model.config)[2])
     prompts = {P: w.prompts(P, model.config.vocab_size) for P in w.prompt_lens}
     N, records = w.new_tokens, []
     for B in w.batch_sizes:
@@ -421,10 +436,10 @@ def measure(s: Settings, model: Model, params, rules: Rules, w: Workload,
                         bandwidths.append(probe())
                         readings.append(probe.readings)
                     t1s.append(_timed(engine, requests_p, 1)[0])
-                    seconds, out = _timed(engine, requests_p, N)
+                    seconds, out, stats = _timed(engine, requests_p, N)
                     tns.append(seconds)
                     ttfts.append(out[0].ttft_s)
-                    decodes.append(out[0].decode_s)
+                    decodes.append(stats.decode_s / stats.decode_steps * (N - 1))
                 if probe:
                     bandwidths.append(probe())
                     readings.append(probe.readings)
@@ -433,8 +448,8 @@ def measure(s: Settings, model: Model, params, rules: Rules, w: Workload,
             cost = decode_cost(model, B, P, N, p_size, kv_size, s.policy.quantize,
                                engine.greedy_screen_bytes)
             records.append({
-                "batch_size": B, "rows": engine.batch_size, "prompt_len": P, "new_tokens": N,
-                "steps_per_dispatch": engine.steps, "reps": w.reps,
+                "batch_size": B, "rows": engine.layout.batch_size, "prompt_len": P,
+                "new_tokens": N, "steps_per_dispatch": engine.layout.steps, "reps": w.reps,
                 "prefill_s": t1, "ttft_s": statistics.median(ttfts),
                 "total_s": tn, "decode_s": decode, "decode_step_s": decode / (N - 1),
                 "decode_tokens_per_s": B * (N - 1) / decode, "e2e_tokens_per_s": B * N / tn,
@@ -508,10 +523,6 @@ def run_job(s: Settings, requests: str, loaded=None) -> dict:
     """Job mode: `requests` through runner.main's whole job (parsing, scheduling, generation,
     results written to a throwaway file) on the config's own engine settings; its figures.
     `loaded`: the model already on the devices (random_model), whose requests give token ids."""
-    import tempfile
-
-    from runner import job
-
     with tempfile.TemporaryDirectory() as d:
         summary = job.answer(dataclasses.replace(s, input=requests, output=os.path.join(d, "out.jsonl")),
                              loaded)
@@ -535,11 +546,6 @@ def _ints(values: Sequence[str], flag: str) -> tuple[int, ...]:
 
 
 def main(argv: list[str]) -> None:
-    from absl import logging
-
-    from runner import log
-    from runner.errors import USER_ERRORS
-
     logging.set_verbosity(logging.WARNING)
     if len(argv) > 1:
         sys.exit(f"podrun bench: error: unexpected arguments {argv[1:]}")
@@ -605,8 +611,6 @@ def main(argv: list[str]) -> None:
 
 def _write(records) -> None:
     """--output: the records as JSON, written whole or not at all."""
-    from runner import log
-
     if _OUTPUT.value:
         tmp = _OUTPUT.value + ".tmp"
         with open(tmp, "w") as f:

@@ -3,17 +3,14 @@
     python -m runner.tools.compile --config=configs/gptoss_v5e.py
 
 Builds the config's mesh over libtpu's description of `mesh.tpu_topology` (e.g. v5e:2x4; one slice,
-times the slices that mesh.dcn asks for), lowers
-and compiles every prefill bucket and the decode step against abstract weights (and the variants a
-request compiles when it asks for log-probabilities or shares a prefix), or for a paged deployment
-(generation.page_size > 0) the mixed step of every chunk bucket and the decode call, and prints
-per-chip memory (weights, KV cache, temporaries) against the chip's HBM and the step's flops and
-bytes accessed from XLA's cost analysis. Needs libtpu (`pip install libtpu==0.0.42.1`, the version
+times the slices that mesh.dcn asks for), lowers and compiles against abstract weights the mixed
+step of every chunk bucket and the decode call (and the variants a request compiles when it asks
+for log-probabilities), and prints per-chip memory (weights, KV cache, temporaries) against the
+chip's HBM and the step's flops and bytes accessed from XLA's cost analysis. Needs libtpu (`pip install libtpu==0.0.42.1`, the version
 jax[tpu] 0.10.2 pins); JAX itself stays on CPU (JAX_PLATFORMS=cpu is set here when unset).
 
 XLA's cost analysis counts the body of a loop once: the decode figures are one decode step's (the
-body of the steps-per-dispatch loop), and with generation.prefill_rows the prefill figures are one
-group's.
+body of the steps-per-dispatch loop).
 """
 
 from __future__ import annotations
@@ -28,12 +25,12 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # topology description
 
 import jax
 from absl import app
+from jax.experimental import topologies
 from ml_collections import config_flags
 
 from models.registry import Model
 from runner.engine import Engine
-from runner.engine.paged_engine import PagedEngine
-from runner.job import build_engine
+from runner.engine.build import build_engine
 from runner.settings import Settings, from_config
 from runner.tools.memory import GiB, footprint
 from sharding.mesh import make_mesh
@@ -60,14 +57,11 @@ class Compiled:
 
 
 def compile_deployment(s: Settings, model: Model | None = None, only: tuple[str, ...] = (),
-                       variants: bool = False) -> tuple[Engine | PagedEngine, dict[str, Compiled]]:
-    """Compiles for s.tpu_topology the engine the job builds (runner.job.build_engine: paged when
-    generation.page_size > 0); the model is checkpoint.model's preset unless given. `only` names
-    the programs to compile (e.g. "prefill_512", "decode"; paged "mixed_256", "decode_8"); ()
-    compiles them all. variants: also those that compile only when a request asks for them
-    (log-probabilities, a shared prefix; Engine.lower, PagedEngine.lower)."""
-    from jax.experimental import topologies
-
+                       variants: bool = False) -> tuple[Engine, dict[str, Compiled]]:
+    """Compiles for s.tpu_topology the engine the job builds (build_engine); the model is
+    checkpoint.model's preset unless given. `only` names the programs to compile (e.g.
+    "mixed_256", "decode_8"); () compiles them all. variants: also those that compile only when a
+    request asks for them (log-probabilities; Engine.lower)."""
     if not s.tpu_topology:
         raise ValueError("the config sets no mesh.tpu_topology (e.g. v5e:2x4) to compile for")
     if model is None and not s.checkpoint_model:
@@ -104,21 +98,14 @@ def compile_deployment(s: Settings, model: Model | None = None, only: tuple[str,
     return engine, out
 
 
-def report(s: Settings, engine: Engine | PagedEngine, compiled: dict[str, Compiled]) -> str:
+def report(s: Settings, engine: Engine, compiled: dict[str, Compiled]) -> str:
     f = footprint(s, engine.model)
-    hbm = f.device_memory
-    paged = isinstance(engine, PagedEngine)
+    hbm, L = f.device_memory, engine.layout
     w = max([len("program")] + [len(c.name) for c in compiled.values()]) + 2
-    if paged:
-        pages = (f"{engine.pages} + {engine.window_pages} window" if engine.window_pages
-                 else f"{engine.pages}")
-        cache = f"pool of {pages} pages x {engine.page_size} tokens per group"
-    else:
-        cache = f"cache {engine.cache_len} tokens"
+    pages = f"{L.pages} + {L.window_pages} window" if L.window_pages else f"{L.pages}"
     lines = [f"{s.checkpoint_model} on {s.tpu_topology} ({f.devices} chips, mesh {dict(engine.rules.mesh.shape)}), "
-             f"batch {engine.batch_size}, {cache}:",
-             f"  declared per chip: weights {f.weights / GiB:.2f} GiB, KV cache {f.kv_cache / GiB:.2f} GiB"
-             + (f", prefix pool {f.prefix_pool / GiB:.2f} GiB" if f.prefix_pool else ""),
+             f"batch {L.batch_size}, pool of {pages} pages x {L.page_size} tokens per group:",
+             f"  declared per chip: weights {f.weights / GiB:.2f} GiB, KV cache {f.kv_cache / GiB:.2f} GiB",
              f"  {'program':<{w}}{'args GiB':>10}{'temp GiB':>10}{'peak GiB':>10}{'of HBM':>8}"
              f"{'GFLOP':>12}{'GB accessed':>13}"]
     for c in compiled.values():
@@ -129,9 +116,8 @@ def report(s: Settings, engine: Engine | PagedEngine, compiled: dict[str, Compil
         lines.append(f"  {c.name:<{w}}{c.argument_bytes / GiB:>10.2f}{c.temp_bytes / GiB:>10.2f}"
                      f"{c.peak_bytes / GiB:>10.2f}{share:>8}{c.flops / 1e9:>12.1f}{c.bytes_accessed / 1e9:>13.2f}")
     lines.append(f"  GFLOP and GB accessed per chip, a loop's body counted once: decode per step "
-                 f"({engine.steps} per call), "
-                 + (f"mixed per call (the rows' next tokens and a chunk of up to {engine.chunk} "
-                    "prompt tokens)" if paged else f"prefill per group of {engine.prefill_rows} rows"))
+                 f"({L.steps} per call), mixed per call (the rows' next tokens and a chunk of up to "
+                 f"{L.chunk} prompt tokens)")
     return "\n".join(lines)
 
 

@@ -3,12 +3,10 @@
     python -m runner.tools.memory --config=configs/gptoss_v5e.py [--mean_tokens=3000]
 
 Nothing is allocated: shapes come from the model's weight declarations (checkpoint.model) and the
-engine's cache, their shards from the config's mesh and rules. The unpaged engine's cache is
-batch_size rows of max_prompt_len + max_new_tokens slots (a window's ring on sliding-window
-layers); the paged engine's (generation.page_size > 0) is its page pools (the full-attention
-layers', and the windowed layers' with room for every row's window), a device holding its group's
-pages. --mean_tokens=L also reports how many rows the KV memory admits when a request
-holds L tokens on average (paged) or, unpaged, how many rows fit at their worst case.
+engine's page pools (the full-attention layers', and the windowed layers' with room for every
+row's window), their shards from the config's mesh and rules, a device holding its group's pages.
+--mean_tokens=L also reports how many rows the KV memory admits when a request holds L tokens on
+average.
 """
 
 from __future__ import annotations
@@ -19,11 +17,10 @@ import sys
 
 import jax
 import numpy as np
-from absl import app
+from absl import app, flags
 from ml_collections import config_flags
 
 from models import quant
-from models.kv_cache import KVCache
 from models.paged import PagedCache
 from models.registry import Model
 from models.weights import check_divisible, is_weight
@@ -32,8 +29,6 @@ from sharding.mesh import abstract_mesh
 from sharding.rules import Rules
 
 if __name__ == "__main__":  # a flag of this command only, so the module can be imported
-    from absl import flags
-
     _CONFIG = config_flags.DEFINE_config_file("config", None, "deployment config file", lock_config=True)
     _MEAN_TOKENS = flags.DEFINE_integer(
         "mean_tokens", 0, "also report the rows the KV memory admits when requests hold this many "
@@ -48,14 +43,12 @@ class Footprint:
     kv_cache: int
     total_weights: int  # bytes over all devices, replicas included once
     device_memory: int  # 0 = unknown
-    prefix_pool: int = 0  # the prefix pool's keys and values (generation.prefix_tokens)
     batch_size: int = 0  # rows, rounded up to a multiple of the batch's shards
-    data_shards: int = 1  # the batch's shards: the paged engine's groups
-    row_kv: int = 0  # unpaged: the bytes one row's cache takes on a device, at its longest
-    # paged (page_size > 0; 0: the unpaged engine): per group, the full-attention layers' pool of
-    # `pages` and the windowed layers' of `window_pages` (room for every row's window at once),
-    # a page's bytes on a device in each; a row holds at most window_row_pages of the latter,
-    # and the longest request max_pages of the former
+    data_shards: int = 1  # the batch's shards: the engine's groups
+    # Per group, the full-attention layers' pool of `pages` and the windowed layers' of
+    # `window_pages` (room for every row's window at once), a page's bytes on a device in each; a
+    # row holds at most window_row_pages of the latter, and the longest request max_pages of the
+    # former.
     page_size: int = 0
     pages: int = 0
     page_bytes: int = 0
@@ -66,33 +59,28 @@ class Footprint:
 
     @property
     def per_device(self) -> int:
-        return self.weights + self.kv_cache + self.prefix_pool
+        return self.weights + self.kv_cache
 
     @property
     def free(self) -> int:
-        """Device memory beside the weights (and the unpaged engine's prefix pool)."""
-        return self.device_memory - self.weights - self.prefix_pool
-
-    def worst_case_rows(self) -> int:
-        """Unpaged: the rows whose caches, each of its longest request, fit in device memory
-        beside the weights and prefix pool, over all data shards."""
-        return max(0, self.free // self.row_kv) * self.data_shards if self.row_kv else 0
+        """Device memory beside the weights."""
+        return self.device_memory - self.weights
 
     def pages_per_row(self, mean_tokens: int) -> int:
         return -(-mean_tokens // self.page_size)
 
     def pool_rows(self, mean_tokens: int) -> int:
-        """Paged: the rows the pool admits when each holds mean_tokens tokens (at most the
+        """The rows the pool admits when each holds mean_tokens tokens (at most the
         batch; the window pool has room for every row)."""
         return min(self.batch_size, self.data_shards * (self.pages // self.pages_per_row(mean_tokens)))
 
     def row_bytes(self, mean_tokens: int) -> int:
-        """Paged: a row's pages of mean_tokens tokens on a device, its window's included."""
+        """A row's pages of mean_tokens tokens on a device, its window's included."""
         return (self.pages_per_row(mean_tokens) * self.page_bytes
                 + self.window_row_pages * self.window_page_bytes)
 
     def memory_rows(self, mean_tokens: int) -> int:
-        """Paged: the rows of mean_tokens tokens whose pages fit in device memory beside the
+        """The rows of mean_tokens tokens whose pages fit in device memory beside the
         weights, over all groups (whatever kv_cache_gib and batch_size say)."""
         return max(0, self.free // self.row_bytes(mean_tokens)) * self.data_shards
 
@@ -101,7 +89,7 @@ def _shard_bytes(shape, axes, rules: Rules, itemsize: int) -> int:
     return math.prod(math.ceil(n / rules.shards(a)) for n, a in zip(shape, axes)) * itemsize
 
 
-# The paged engine's pools, sized as runner/engine/paged_engine.py's PagedEngine sizes them from
+# The engine's pools, sized as runner/engine/engine.py's Engine sizes them from
 # generation.kv_cache_gib (kv_bytes there); tests/test_compile.py checks the two agree.
 
 def page_bytes(s: Settings, model: Model, rules: Rules) -> tuple[int, int]:
@@ -128,7 +116,7 @@ def window_row_pages(s: Settings, model: Model) -> int:
 
 
 def pool_pages(s: Settings, model: Model, rules: Rules) -> tuple[int, int]:
-    """The paged engine's pages per group (a device holds its group's): the full-attention
+    """The engine's pages per group (a device holds its group's): the full-attention
     layers' and the windowed layers'. The window pool has room for every row of the group; the
     full layers' pool takes what generation.kv_cache_gib leaves, or with 0 room for every row of
     the group at its longest (max_prompt_len + max_new_tokens)."""
@@ -159,63 +147,42 @@ def footprint(s: Settings, model: Model) -> Footprint:
     data = rules.shards("batch")
     batch = -(-g.batch_size // data) * data
     memory = int(s.device_memory_gib * GiB)
-    if g.page_size:  # the page pools [G, P, K, S, H] per layer, G over cache_batch
-        (pages, window_pages), (page, window_page) = pool_pages(s, model, rules), page_bytes(s, model, rules)
-        groups = -(-data // rules.shards("cache_batch"))  # a device's groups: 1 by default
-        kv = groups * (pages * page + window_pages * window_page)
-        return Footprint(devices, w_bytes, kv, total, memory, 0, batch, data, page_size=g.page_size,
-                         pages=pages, page_bytes=page, window_pages=window_pages,
-                         window_page_bytes=window_page, window_row_pages=window_row_pages(s, model),
-                         max_pages=-(-(g.max_prompt_len + g.max_new_tokens) // g.page_size))
-    length = max(g.prefill_buckets or (g.max_prompt_len,)) + g.max_new_tokens
-    windows, kv_heads, head_dim = model.module.cache_spec(model.config)
-    c_size = KVCache.bytes_per_element(s.policy.kv_cache, head_dim)
-    axes = ("cache_batch", "cache_kv_heads", "cache_seq", None)
-
-    def cache(rows):
-        return sum(int(2 * _shard_bytes((rows, kv_heads, n, head_dim), axes, rules, 1) * c_size)
-                   for n in KVCache.lengths(length, windows))
-
-    pool = 0  # as runner/engine keeps it: blocks as rows of prefix_block columns, every layer
-    if g.prefix_tokens >= g.prefix_block > 0:
-        blocks = g.prefix_tokens // g.prefix_block
-        pool = len(windows) * int(2 * _shard_bytes((blocks, kv_heads, g.prefix_block, head_dim),
-                                                   axes, rules, 1) * c_size)
-    return Footprint(devices, w_bytes, cache(batch), total, memory, pool, batch,
-                     rules.shards("cache_batch"), row_kv=cache(1))
+    # the page pools [G, P, K, S, H] per layer, G over cache_batch
+    (pages, window_pages), (page, window_page) = pool_pages(s, model, rules), page_bytes(s, model, rules)
+    groups = -(-data // rules.shards("cache_batch"))  # a device's groups: 1 by default
+    kv = groups * (pages * page + window_pages * window_page)
+    return Footprint(devices, w_bytes, kv, total, memory, batch, data, page_size=g.page_size,
+                     pages=pages, page_bytes=page, window_pages=window_pages,
+                     window_page_bytes=window_page, window_row_pages=window_row_pages(s, model),
+                     max_pages=-(-(g.max_prompt_len + g.max_new_tokens) // g.page_size))
 
 
 def describe(f: Footprint, model: Model, mean_tokens: int = 0) -> str:
     """The report; mean_tokens > 0 adds the rows the KV memory admits (see the module's doc)."""
-    pool = ""
-    if f.page_size:
-        pages = f"{f.pages} + {f.window_pages} window" if f.window_pages else f"{f.pages}"
-        pool = f" (pool of {pages} pages x {f.page_size} tokens per group)"
+    pages = f"{f.pages} + {f.window_pages} window" if f.window_pages else f"{f.pages}"
+    pool = f" (pool of {pages} pages x {f.page_size} tokens per group)"
     lines = [
         f"model {model.family} ({f.total_weights / GiB:.2f} GiB of weights in all) on {f.devices} devices:",
         f"  weights   {f.weights / GiB:8.3f} GiB per device",
         f"  KV cache  {f.kv_cache / GiB:8.3f} GiB per device{pool}",
-        *([f"  prefixes  {f.prefix_pool / GiB:8.3f} GiB per device (generation.prefix_tokens)"]
-          if f.prefix_pool else []),
         f"  total     {f.per_device / GiB:8.3f} GiB per device",
     ]
     if f.device_memory:
         verdict = "fits" if f.per_device <= f.device_memory else "DOES NOT FIT"
         lines.append(f"  device memory {f.device_memory / GiB:.1f} GiB: {verdict} "
                      f"({100 * f.per_device / f.device_memory:.0f}% before activations and temporaries)")
-    if f.page_size:
-        groups = f"{f.data_shards} group" + ("s" if f.data_shards > 1 else "")
-        lines.append(f"  page pool {f.pages} pages per group, {f.pages * f.data_shards} in all "
-                     f"({groups}): {f.pages * f.page_size} tokens per group, "
-                     f"{f.pages * f.page_size * f.data_shards} in all "
-                     f"({f.page_bytes / 2**20:.3f} MiB a page of the full-attention layers)")
-        if f.window_pages:
-            lines.append(f"  window pool {f.window_pages} pages per group, {f.window_row_pages} a "
-                         f"row ({f.window_page_bytes / 2**20:.3f} MiB a page of the windowed layers)")
-        if f.pages < f.max_pages:
-            lines.append(f"  the pool holds fewer pages than the {f.max_pages} of one request of "
-                         "max_prompt_len + max_new_tokens: the engine refuses it (raise kv_cache_gib)")
-    if mean_tokens and f.page_size:
+    groups = f"{f.data_shards} group" + ("s" if f.data_shards > 1 else "")
+    lines.append(f"  page pool {f.pages} pages per group, {f.pages * f.data_shards} in all "
+                 f"({groups}): {f.pages * f.page_size} tokens per group, "
+                 f"{f.pages * f.page_size * f.data_shards} in all "
+                 f"({f.page_bytes / 2**20:.3f} MiB a page of the full-attention layers)")
+    if f.window_pages:
+        lines.append(f"  window pool {f.window_pages} pages per group, {f.window_row_pages} a "
+                     f"row ({f.window_page_bytes / 2**20:.3f} MiB a page of the windowed layers)")
+    if f.pages < f.max_pages:
+        lines.append(f"  the pool holds fewer pages than the {f.max_pages} of one request of "
+                     "max_prompt_len + max_new_tokens: the engine refuses it (raise kv_cache_gib)")
+    if mean_tokens:
         per = f.pages_per_row(mean_tokens)
         window = f", + {f.window_row_pages} window pages" if f.window_row_pages else ""
         lines.append(f"  rows admitted at a mean of {mean_tokens} tokens ({per} pages a row{window}): "
@@ -224,11 +191,6 @@ def describe(f: Footprint, model: Model, mean_tokens: int = 0) -> str:
             lines.append(f"  rows admitted in device memory at a mean of {mean_tokens} tokens: "
                          f"{f.memory_rows(mean_tokens)} ({f.row_bytes(mean_tokens) / 2**20:.2f} "
                          "MiB a row per device beside the weights, all groups)")
-    elif mean_tokens and f.device_memory:
-        lines.append(f"  rows that fit in device memory at their worst case: {f.worst_case_rows()} "
-                     f"({f.row_kv / 2**20:.2f} MiB a row per device beside the weights and prefix "
-                     "pool, all data shards; unpaged rows reserve their longest request whatever "
-                     "--mean_tokens)")
     return "\n".join(lines)
 
 

@@ -8,7 +8,8 @@ weights, a bf16 cache) keeps the model's quality.
 The text's first max_tokens + 1 tokens (the checkpoint's tokenizer, no special tokens) are cut into
 windows of `window` tokens that overlap by one, so every token after the first is predicted exactly
 once, from the tokens of its own window before it. Perplexity = exp(mean negative log-likelihood).
-The windows run as a batch through the model's forward pass on the config's mesh.
+The windows run through the model's forward pass on the config's mesh, one a shard of the batch
+at a time, each as a sequence of its own in a fresh pool of pages.
 """
 
 from __future__ import annotations
@@ -20,13 +21,14 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
-from models.decoder import Mode
+from models.decoder import Output
+from models.paged import PagedCache
+from runner.checkpoints.load import load_model
 from runner.cli import parse_flags, read_config, setup_devices
 from runner.errors import USER_ERRORS
-from runner.job import load_model
 from runner.settings import Settings, from_config
 from runner.text.tokenizer import load_tokenizer
 
@@ -66,7 +68,7 @@ def nll(s: Settings, meta, rules, params, win: np.ndarray, chunk: int = 0) -> tu
 
     chunk > 0 feeds each window `chunk` tokens at a time: every chunk after the first attends to
     the earlier ones through the KV cache, as decoding does, so a cache's precision shows."""
-    model = meta.model
+    model, policy = meta.model, s.policy.on(rules)
     data = rules.shards("batch")
     rows = -(-len(win) // data) * data
     padded = np.full((rows, win.shape[1]), -1, np.int64)
@@ -77,24 +79,32 @@ def nll(s: Settings, meta, rules, params, win: np.ndarray, chunk: int = 0) -> tu
     W = win.shape[1]
     if chunk < 0 or (chunk and W % chunk):
         raise PerplexityError(f"chunk={chunk} must divide the window of {W} tokens")
-    if chunk and any(model.module.cache_spec(model.config)[0]):
-        # A chunk overwrites ring slots that its own first queries should still see.
-        raise PerplexityError("--chunk needs a model without sliding-window layers")
     C = chunk or W
+    windows, kv_heads, head_dim = model.module.cache_spec(model.config)
+    S = s.generation.page_size
+    pages = -(-W // S)  # a window's, in each pool: every layer keeps all of its positions
+    dtype = jnp.dtype(s.policy.kv_cache)
 
     @jax.jit
     def score(params, tokens, positions):
-        cache = model.new_cache(tokens.shape[0], W, jnp.dtype(s.policy.kv_cache), rules)
-        if C == W:  # the whole window at once: it attends to its own keys alone
-            logits, _ = model.forward(params, tokens, positions, cache, rules, s.policy, Mode.PREFILL)
-        else:  # one compiled chunk in a loop; each attends to the cache, where later slots are empty
-            def feed(cache, a):
-                window = partial(jax.lax.dynamic_slice_in_dim, start_index=a, slice_size=C, axis=1)
-                out, cache = model.forward(params, window(tokens), window(positions), cache, rules,
-                                           s.policy, Mode.APPEND, a)
-                return cache, out
-            _, parts = jax.lax.scan(feed, cache, jnp.arange(0, W, C))  # [W / C, B, C, V]
-            logits = jnp.moveaxis(parts, 0, 1).reshape(tokens.shape[0], W, -1)
+        """Each of the G windows [G, W] a sequence of its own group, with one row: a step's
+        tokens are the row's decode slot (padding here), then a chunk of C of its tokens."""
+        G = tokens.shape[0]
+        cache = PagedCache.create(G, pages, pages if any(windows) else 0, S, windows, kv_heads,
+                                  head_dim, dtype, rules, fold=PagedCache.fold(policy, dtype, head_dim),
+                                  period=model.scan_period if policy.scan_layers else 0)
+        tables = jnp.broadcast_to(jnp.arange(pages, dtype=jnp.int32), (G, 1, pages))
+        rows = jnp.zeros((G, 1 + C), jnp.int32)
+
+        def feed(cache, a):
+            window = partial(jax.lax.dynamic_slice_in_dim, start_index=a, slice_size=C, axis=1)
+            step = lambda x, pad: jnp.concatenate([jnp.full((G, 1), pad, jnp.int32), window(x)], 1)
+            out, cache = model.forward(params, step(tokens, 0), step(positions, -1),
+                                       cache.at(tables, tables, rows), rules, policy, Output.LOGITS)
+            return cache.pool(), out[:, 1:]
+
+        _, parts = jax.lax.scan(feed, cache, jnp.arange(0, W, C))  # [W / C, G, C, V]
+        logits = jnp.moveaxis(parts, 0, 1).reshape(G, W, -1)
         logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
         target = tokens[:, 1:]
         picked = jnp.take_along_axis(logp, target[..., None], axis=-1)[..., 0]
@@ -109,8 +119,6 @@ def nll(s: Settings, meta, rules, params, win: np.ndarray, chunk: int = 0) -> tu
 
 
 def main(argv: list[str]) -> None:
-    from absl import logging
-
     logging.set_verbosity(logging.WARNING)
     if len(argv) > 1:
         sys.exit(f"podrun perplexity: error: unexpected arguments {argv[1:]}")

@@ -9,7 +9,7 @@
         --tokenizer=DIR --gpu=h100                                       # predicted, no GPU here
 
 The request file is read and tokenized as runner.main reads it, and the job is simulated through
-the real PagedScheduler on a stand-in engine (runner/tools/simulate.py): each sample's completion
+the real Scheduler on a stand-in engine (runner/tools/simulate.py): each sample's completion
 length is an assumption (its max_tokens by default, --completion_tokens, or a results file of an
 earlier run), each call costs its program's time, and the scheduler's own host work between calls
 is timed as it runs here. A program's time per call is either
@@ -30,6 +30,7 @@ from __future__ import annotations
 import ast
 import copy
 import dataclasses
+import json
 import os
 import statistics
 import sys
@@ -37,14 +38,28 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from runner.engine.engine import Request
-from runner.engine.paged_engine import PagedEngine, Program
+from models.registry import Model
+from runner.api import batch
+from runner.api.requests import read_lines
+from runner.checkpoints.load import open_checkpoint, restore
+from runner.cli import parse_flags, read_config, setup_devices
+from runner.engine import Engine, Request, Scheduler
+from runner.engine.build import build_engine
+from runner.engine.engine import Layout, Program
 from runner.engine.sampling import CANDIDATES
+from runner.errors import USER_ERRORS
+from runner.job import request_parser
 from runner.settings import Settings, from_config
+from runner.text.tokenizer import load_tokenizer, read_chat_template
+from runner.tools.bench import random_weights
+from runner.tools.memory import describe, footprint, page_bytes
+from sharding.mesh import make_mesh
+from sharding.rules import Rules
 from runner.tools.simulate import (
     Costs,
     Outcome,
@@ -84,7 +99,7 @@ SPENT: dict[str, float] = {}  # the plan's own time, by part
 
 
 @dataclasses.dataclass
-class Weights:
+class Loader:
     """The model measured plans run on: its metadata and rules at once, its weights read (or
     drawn) when first asked for, so that the first plan's programs compile meanwhile, as the
     job's do while its weights restore."""
@@ -117,11 +132,6 @@ class Job:
 
 def read_job(s: Settings, model, tokenizer_dir: str = "") -> Job:
     """s.input tokenized and parsed exactly as runner.job.answer does, the errors kept apart."""
-    from runner.api import batch
-    from runner.api.requests import read_lines
-    from runner.job import request_parser
-    from runner.text.tokenizer import load_tokenizer, read_chat_template
-
     t0 = time.perf_counter()
     lines = read_lines(s.input)
     fmt = batch.file_format(lines)
@@ -139,18 +149,18 @@ def read_job(s: Settings, model, tokenizer_dir: str = "") -> Job:
                time.perf_counter() - t0)
 
 
-def never_admitted(engine: PagedEngine, requests: list[Request]) -> list[str]:
+def never_admitted(L: Layout, requests: list[Request]) -> list[str]:
     """The requests no state of the pool admits: a prompt and one token need more pages than a
-    group's pool holds (PagedScheduler._admit), or the engine refuses their lengths."""
+    group's pool holds (Scheduler._admit), or the engine refuses their lengths."""
     out = []
     for i, r in enumerate(requests):
-        need = -(-(len(r.prompt) + 1) // engine.page_size)
-        if need > engine.pages:
+        need = -(-(len(r.prompt) + 1) // L.page_size)
+        if need > L.pages:
             out.append(f"request {i}: {len(r.prompt)} prompt tokens need {need} pages, the pool holds "
-                       f"{engine.pages}")
-        elif not 0 < len(r.prompt) <= engine.max_prompt_len or r.max_tokens > engine.max_new_tokens:
+                       f"{L.pages}")
+        elif not 0 < len(r.prompt) <= L.max_prompt_len or r.max_tokens > L.max_new_tokens:
             out.append(f"request {i}: {len(r.prompt)} prompt tokens, max_tokens={r.max_tokens} exceed "
-                       f"max_prompt_len={engine.max_prompt_len} or max_new_tokens={engine.max_new_tokens}")
+                       f"max_prompt_len={L.max_prompt_len} or max_new_tokens={L.max_new_tokens}")
     return out
 
 
@@ -184,22 +194,23 @@ class Measured(Costs):
                  f"positions); {mixed} with every other row decoding, each +/- the same per position")]
 
 
-def _probe(engine: PagedEngine, C: int, fill: int, like: Request):
+def _probe(engine: Engine, C: int, fill: int, like: Request):
     """A call's batch: every row decoding at `fill` positions, except with C > 0 the last row of
     each group, which computes a chunk of C tokens from `fill` on and samples after it."""
-    b = engine.empty_batch(C)
-    G, R = engine.groups, engine.rows_per_group
+    L = engine.layout
+    b = L.empty_step(C)
+    G, R = L.groups, L.rows_per_group
     # A sampled row draws among the CANDIDATES largest logits, or over the whole vocabulary when
     # its nucleus reaches past them (flat logits: what a probe's made-up tokens give, and text
     # rarely does): a top_k below CANDIDATES keeps the probe on the first, text's usual way.
     top_k = like.top_k if 0 < like.top_k < CANDIDATES else CANDIDATES // 2
-    per_row = engine.pages // R
+    per_row = L.pages // R
     for g in range(G):
         for r in range(R):
             row = g * R + r
-            n = min(per_row, engine.max_pages)  # the row's own pages: rows never share one
+            n = min(per_row, L.max_pages)  # the row's own pages: rows never share one
             b.tables[g, r, :n] = np.arange(r * per_row, r * per_row + n)
-            b.max_tokens[row], b.count[row] = engine.max_new_tokens, 0
+            b.max_tokens[row], b.count[row] = L.max_new_tokens, 0
             b.temperature[row], b.top_k[row], b.top_p[row] = like.temperature, top_k, like.top_p
             b.live[row] = True
             if C and r == R - 1:
@@ -212,7 +223,7 @@ def _probe(engine: PagedEngine, C: int, fill: int, like: Request):
     return b
 
 
-def measure(engine: PagedEngine, programs: list[Program], like: Request, fills: tuple[int, int],
+def measure(engine: Engine, programs: list[Program], like: Request, fills: tuple[int, int],
             reps: int) -> Measured:
     """Every program compiled (timed: the compilation, or its load from the persistent cache;
     prepared ones may be compiling already) and called: one untimed call, then `reps` timed ones
@@ -220,14 +231,14 @@ def measure(engine: PagedEngine, programs: list[Program], like: Request, fills: 
     times = {}
     t0 = time.perf_counter()
     for p in programs:
-        engine._executable(p)
+        engine.executable(p)
     SPENT["compile"] = SPENT.get("compile", 0.0) + time.perf_counter() - t0
     compiles = {p: engine.compile_s[p] for p in programs}
     began = time.perf_counter()
     # The weights and pool move onto 2 MiB pages on a thread while the programs compile (CPU): a
     # job runs its calls on them but for its first few, so the calls are timed once they are.
     engine.huge_pages  # noqa: B018
-    base = list(dict.fromkeys(engine.program(p.chunk, p.steps) for p in programs))
+    base = list(dict.fromkeys(engine.layout.program(p.chunk, p.steps) for p in programs))
     for p in base:
         for n, fill in enumerate(fills if not p.chunk else fills[:1]):
             b = _probe(engine, p.chunk, fill, like)
@@ -240,8 +251,8 @@ def measure(engine: PagedEngine, programs: list[Program], like: Request, fills: 
                 ts.append(time.perf_counter() - t0)
             times[p, fill] = statistics.median(ts)
     SPENT["timed calls"] = SPENT.get("timed calls", 0.0) + time.perf_counter() - began
-    B, steps = engine.batch_size, engine.steps
-    decode = engine.program(0, engine.steps)
+    B, steps = engine.layout.batch_size, engine.layout.steps
+    decode = engine.layout.program(0, engine.layout.steps)
     kv = lambda fill: B * (fill + 1 + (steps - 1) / 2)  # positions attended per step, on average
     if (decode, fills[0]) in times:
         per = [times[decode, f] / steps for f in fills]
@@ -249,9 +260,9 @@ def measure(engine: PagedEngine, programs: list[Program], like: Request, fills: 
         a = max(0.0, per[0] - b * kv(fills[0]))
     else:
         a = b = 0.0
-    R = engine.rows_per_group
+    R = engine.layout.rows_per_group
     mixed = {p.chunk: t for (p, _), t in times.items() if p.chunk}
-    return Measured(a, b, mixed, engine.groups * (R - 1) * (fills[0] + 1), compiles, fills)
+    return Measured(a, b, mixed, engine.layout.groups * (R - 1) * (fills[0] + 1), compiles, fills)
 
 
 # --- predicted: time per call from XLA's cost analysis -----------------------------------------
@@ -301,17 +312,12 @@ class Predicted(Costs):
                 f"XLA's cost analysis per chip (a decode call: one step; bytes not used, see docs/plan.md): {xla}"]
 
 
-def lowered_costs(s: Settings, model) -> tuple[PagedEngine, dict]:
+def lowered_costs(s: Settings, model) -> tuple[Engine, dict]:
     """A GPU deployment's programs, none of its GPUs here: its engine built for the GPU's kernels
     (XLA's, kernels.* off, as the shipped GPU configs run the paged engine) on this machine's CPU
     devices as its mesh, each program lowered (not compiled) and XLA's cost analysis of it per
     device (the lowered program is the whole mesh's: its flops over the devices)."""
-    import jax
-
-    from runner.job import build_engine
-    from runner.tools.compile import Compiled
-    from sharding.mesh import make_mesh
-    from sharding.rules import Rules
+    from runner.tools.compile import Compiled  # sets up libtpu's topologies: predicted plans only
 
     s = dataclasses.replace(s, policy=dataclasses.replace(s.policy, kernels=False))
     devices = jax.devices("cpu")
@@ -370,15 +376,11 @@ class Plan:
                 f"{o.stats.preemptions:>7}{100 * o.stats.utilisation:>6.0f}%")
 
 
-def plan_one(s: Settings, label: str, mode: str, loaded: Weights | None, job: Job | None,
+def plan_one(s: Settings, label: str, mode: str, loaded: Loader | None, job: Job | None,
              completion: tuple, reps: int, startup: dict[str, float], tokenizer_dir: str = "",
              gpu: str = "") -> tuple[Plan, Job]:
     """The plan of one deployment: its engine, its fit, its costs, its simulated job; predicted
     for its TPU topology, or for `gpu` (a chip of CHIPS) when it has none."""
-    from models.registry import Model
-    from runner.job import build_engine
-    from runner.tools.memory import describe, footprint
-
     model = loaded.meta.model if loaded else Model.named(s.checkpoint_model)
     problems, startup = [], dict(startup)
     f = footprint(s, model)
@@ -398,7 +400,7 @@ def plan_one(s: Settings, label: str, mode: str, loaded: Weights | None, job: Jo
         chips = rules.mesh.size
     else:
         if s.tpu_topology:
-            from runner.tools.compile import compile_deployment
+            from runner.tools.compile import compile_deployment  # libtpu's topologies
 
             engine, compiled = compile_deployment(s, model)
             SPENT["AOT compile"] = SPENT.get("AOT compile", 0.0) + time.perf_counter() - t0
@@ -407,17 +409,14 @@ def plan_one(s: Settings, label: str, mode: str, loaded: Weights | None, job: Jo
             SPENT["lowering"] = SPENT.get("lowering", 0.0) + time.perf_counter() - t0
         chips = engine.rules.mesh.size
         problems += [f"{c.name} does not fit a chip: {c.error}" for c in compiled.values() if c.error]
-    if not isinstance(engine, PagedEngine):
-        raise ValueError("runner.tools.plan simulates the paged engine: set generation.page_size > 0")  # noqa: TRY004
     startup["engine"] = time.perf_counter() - t0
-    problems += never_admitted(engine, job.requests)
+    L = engine.layout
+    problems += never_admitted(L, job.requests)
     if problems:
         return Plan(label, chips, None, startup, None, problems), job
     kind, mean, results = completion
     lengths = lengths_from(job.requests, job.ids, kind, mean, results)
-    from runner.engine.paged_scheduler import PagedScheduler
-
-    programs = PagedScheduler(engine, job.requests, longest_first=s.generation.longest_first).programs()
+    programs = Scheduler(engine, job.requests, longest_first=s.generation.longest_first).programs()
     head = 0.0  # how long the programs compile before the scheduler starts
     if mode == "measure":
         if loaded.params is None:  # the programs compile while the weights are read
@@ -426,19 +425,18 @@ def plan_one(s: Settings, label: str, mode: str, loaded: Weights | None, job: Jo
         # the job's programs compile while its weights load, as the first plan's did
         startup[loaded.label] = head = loaded.load_s
         prompt_and_answer = sorted(len(r.prompt) + n for r, ls in zip(job.requests, lengths) for n in ls)
-        top = engine.pages // engine.rows_per_group * engine.page_size - engine.chunk - engine.steps - 1
+        top = L.pages // L.rows_per_group * L.page_size - L.chunk - L.steps - 1
         fills = (16, max(32, min(top, prompt_and_answer[int(0.9 * (len(prompt_and_answer) - 1))])))
         costs = measure(engine, programs, job.requests[0], fills, reps)
     else:
-        from runner.tools.memory import page_bytes
         full, windowed = page_bytes(s, model, engine.rules)
         S = s.generation.page_size
         chip = chip_of(s.tpu_topology) if s.tpu_topology else gpu
-        costs = Predicted(chip, compiled, f.weights, full / S, windowed / S, engine.window)
+        costs = Predicted(chip, compiled, f.weights, full / S, windowed / S, L.window)
         startup.pop("engine")  # this machine's AOT compile: the job's compiles are assumed cached
         startup["load (stated: weights at 2 GB/s)"] = f.total_weights / (LOAD_GBPS * 1e9)
     began = time.perf_counter()
-    outcome = simulate(engine, job.requests, lengths, costs, s.generation.longest_first, head)
+    outcome = simulate(L, job.requests, lengths, costs, s.generation.longest_first, head)
     SPENT["simulation"] = SPENT.get("simulation", 0.0) + time.perf_counter() - began
     return Plan(label, chips, outcome, startup, costs, []), job
 
@@ -501,9 +499,6 @@ def _process_age() -> float:
 
 
 def main(argv: list[str]) -> None:
-    from runner.cli import read_config, setup_devices
-    from runner.errors import USER_ERRORS
-
     started = _process_age()
     if len(argv) > 1:
         sys.exit(f"podrun plan: error: unexpected arguments {argv[1:]}")
@@ -541,28 +536,21 @@ def main(argv: list[str]) -> None:
         if mode == "predict":  # before the backend starts: CPU, libtpu for topologies only
             import runner.tools.compile  # noqa: F401
         if mode == "predict" and gpu:  # the GPUs' meshes simulated on CPU devices, the largest compared
-            import jax
-
             jax.config.update("jax_platforms", "cpu")
             largest = max(from_config(c).mesh.size() or 1 for _, c in alternatives)
             s = dataclasses.replace(s, num_cpu_devices=largest)
         setup_devices(s)
         startup, loaded = {}, None
         if mode == "measure":
-            import jax
-
-            from runner.job import open_checkpoint, restore
-            from runner.tools.bench import random_weights
-
             startup["start"] = started  # this process' imports, as runner.main's
             t0 = time.perf_counter()
             jax.devices()
             startup["devices"] = time.perf_counter() - t0
             if os.path.exists(os.path.expanduser(s.checkpoint_path)):
                 meta, rules = open_checkpoint(s)
-                loaded = Weights(meta, rules, lambda: restore(s, meta, rules), "load")
+                loaded = Loader(meta, rules, lambda: restore(s, meta, rules), "load")
             else:
-                loaded = Weights(*random_weights(s), "load (random weights: not the job's)")
+                loaded = Loader(*random_weights(s), "load (random weights: not the job's)")
         plans, job = [], None
         for label, c in alternatives:
             si = from_config(c)
@@ -573,8 +561,6 @@ def main(argv: list[str]) -> None:
         sys.exit(f"podrun plan: error: {e}")
     print(report(plans, job, assumption, _PRICE.value))
     if _JSON.value:
-        import json
-
         with open(_JSON.value, "w") as f:
             json.dump([p.record(_PRICE.value) for p in plans], f, indent=1)
     parts = ", ".join(f"{k} {v:.1f} s" for k, v in SPENT.items())
@@ -582,6 +568,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    from runner.cli import parse_flags
-
     app.run(main, flags_parser=parse_flags)

@@ -1,7 +1,7 @@
 """A job run through the real host scheduler with no model: runner.tools.plan's simulation.
 
-PagedScheduler (runner/engine/paged_scheduler.py) drives a stand-in for PagedEngine whose calls
-compute nothing. A call returns the tokens the completion-length assumption dictates (a sample
+The Scheduler (runner/engine/scheduler.py) drives a stand-in for the Engine (both Runners) whose
+calls compute nothing. A call returns the tokens the completion-length assumption dictates (a sample
 of L tokens takes L - 1 tokens that stop nothing, then a stop id) and advances a simulated clock
 by the program's time per call (a Costs: measured on the devices present, or predicted). Every
 admission, chunk, page, preemption, early end of a decode call and program choice is the
@@ -21,11 +21,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from runner.engine.engine import Request
-from runner.engine.paged_engine import Batch, PagedEngine, Program
-from runner.engine.paged_scheduler import PagedScheduler
+from runner.engine import Layout, Request, Scheduler, Stats
+from runner.engine.engine import Program, Step, goes_on
 from runner.engine.sampling import sample_seed
-from runner.engine.scheduler import Stats
 
 STOP, GO = 0, 1  # the stand-in's stop id and a token that stops nothing
 
@@ -69,12 +67,11 @@ class _Nothing:
 
 
 class StandIn:
-    """PagedEngine's interface to PagedScheduler over a real (possibly unallocated) PagedEngine's
-    shapes, with calls that run no model. Attributes not set here are the engine's own."""
+    """A Runner (runner/engine/engine.py) of an engine's layout whose calls run no model."""
 
-    def __init__(self, engine: PagedEngine, requests: Sequence[Request], lengths: Sequence[Sequence[int]],
+    def __init__(self, layout: Layout, requests: Sequence[Request], lengths: Sequence[Sequence[int]],
                  costs: Costs, head: float = 0.0):
-        self._engine, self._costs, self._lengths = engine, costs, lengths
+        self.layout, self._costs, self._lengths = layout, costs, lengths
         self._who: dict[int, tuple[int, int]] = {}
         for i, r in enumerate(requests):
             for k in range(r.n):
@@ -91,11 +88,8 @@ class StandIn:
         self._compiled_from = -head  # when the compiling thread starts (before the scheduler)
         self._host_from = None  # perf_counter at the end of the last call
 
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
-
     def prepare(self, programs: Sequence[Program]) -> None:
-        """As PagedEngine.prepare: compiled one after another on one thread, from when the
+        """As Engine.prepare: compiled one after another on one thread, from when the
         job's first prepare is (`head` seconds before the scheduler starts: while the weights
         load), or now."""
         t = self._compiled_from if not self._ready else max(self.clock, *self._ready.values())
@@ -108,22 +102,22 @@ class StandIn:
     def forget_prepared(self) -> None:
         pass
 
-    def call(self, batch: Batch, stop_ids: Sequence[int] = (), steps: int = 1, logprobs: bool = False,
+    def call(self, step: Step, stop_ids: Sequence[int] = (), steps: int = 1, logprobs: bool = False,
              masks: np.ndarray | None = None, prompt_logprobs: bool = False):
         now = time.perf_counter()
         if self._host_from is not None:  # the scheduler's work since the last call, as it ran here
             self.clock += now - self._host_from
-        R = self._engine.rows_per_group
-        p = self._engine.program(batch.tokens.shape[1] - R, steps, logprobs, masks is not None,
-                                 prompt_logprobs)
+        R = self.layout.rows_per_group
+        p = self.layout.program(step.tokens.shape[1] - R, steps, logprobs, masks is not None,
+                                prompt_logprobs)
         ready = self._ready.get(p)
         if ready is None:  # not prepared: compiled when first called
             ready = self._ready[p] = self.clock + self._costs.compile(p)
         wait = max(0.0, ready - self.clock)
         self.compile_wait_s += wait
         self.clock += wait
-        emitted, contexts = self._emit(batch, p.steps, set(stop_ids))
-        chunk_at = int(batch.positions[:, R].max()) if p.chunk else 0
+        emitted, contexts = self._emit(step, p.steps, set(stop_ids))
+        chunk_at = int(step.positions[:, R].max()) if p.chunk else 0
         t = self._costs.call(p, contexts, chunk_at)
         self.clock += t
         self.device_s += t
@@ -139,9 +133,10 @@ class StandIn:
         i, k = self._who[seed]
         return STOP if count + 1 >= self._lengths[i][k] else GO
 
-    def _emit(self, b: Batch, steps: int, stops: set[int]) -> tuple[np.ndarray, list[np.ndarray]]:
-        """The tokens [B, steps] the device would return (-1 where a row did not sample), as
-        PagedEngine._step_fn's loop ends them, and each step's live decoding rows' contexts."""
+    def _emit(self, b: Step, steps: int, stops: set[int]) -> tuple[np.ndarray, list[np.ndarray]]:
+        """The tokens [B, steps] the device would return (-1 where a row did not sample), the
+        call ended where the engine's loop ends it (`goes_on`), and each step's live decoding
+        rows' contexts."""
         G, R = b.sample_at.shape
         B = G * R
         out = np.full((B, steps), -1, np.int32)
@@ -150,7 +145,7 @@ class StandIn:
         decoding = live & (pos >= 0)
         contexts = [pos[decoding] + 1]
         for i in range(steps):
-            if i and (not live.any() or ((b.live & ~live).reshape(G, R).any(axis=1) & b.refill).any()):
+            if i and not goes_on(i, steps, b.live, live, b.refill):
                 break
             if i:
                 contexts.append(pos[live] + 1)
@@ -170,20 +165,20 @@ def sim_requests(requests: Sequence[Request]) -> list[Request]:
     return [dataclasses.replace(r, seed=i, constraint=None) for i, r in enumerate(requests)]
 
 
-def simulate(engine: PagedEngine, requests: Sequence[Request], lengths: Sequence[Sequence[int]],
+def simulate(layout: Layout, requests: Sequence[Request], lengths: Sequence[Sequence[int]],
              costs: Costs, longest_first: bool, head: float = 0.0) -> Outcome:
     """requests (each sample's completion `lengths[i][k]` tokens, at least 1, at most its
-    max_tokens) through PagedScheduler on a stand-in for `engine`, whose programs begin to
-    compile `head` seconds before the scheduler starts (the job's weights' load)."""
+    max_tokens) through the Scheduler on a stand-in for an engine of `layout`, whose programs
+    begin to compile `head` seconds before the scheduler starts (the job's weights' load)."""
     sim = sim_requests(requests)
-    stand = StandIn(engine, sim, lengths, costs, head)
+    stand = StandIn(layout, sim, lengths, costs, head)
     first, tokens = [], [0]
 
     def done(ended) -> None:
         first.append(stand.clock) if not first else None
         tokens[0] += sum(len(c.token_ids) for _, cs in ended for c in cs)
 
-    stats = PagedScheduler(stand, sim, (STOP,), None, longest_first).run(done)
+    stats = Scheduler(stand, sim, (STOP,), None, longest_first).run(done)
     stand.clock += time.perf_counter() - stand._host_from  # the last call's aftermath
     host = stand.clock - stand.device_s - stand.compile_wait_s  # the stand-in's own work excluded
     per = {n: (len(ts), sum(ts)) for n, ts in stand.per_program.items()}
