@@ -1,10 +1,10 @@
 """The kernels a mesh runs, chosen once per mesh: podrun's C++ kernels on CPU (models/kernels/cpu.py),
-the Pallas kernels on TPU (models/kernels/tpu.py), cuDNN's prefill attention and Pallas (Triton)
-attention over a cache or pages on NVIDIA GPUs (models/kernels/gpu.py), and XLA for everything else.
+the Pallas kernels on TPU (models/kernels/tpu.py), Pallas (Triton) attention over pages on NVIDIA
+GPUs (models/kernels/gpu.py), and XLA for everything else.
 
 `Backend.resolve` reads the config's switches (kernels.*) once per mesh. The models and the engine
-then ask their policy's Backend for the kernel of an operation (`cache_attention`,
-`paged_attention`, `matmul_f32`, ...): it hands back the function to call, or None where XLA's
+then ask their policy's Backend for the kernel of an operation (`paged_attention`, `write_pages`,
+`matmul_f32`, ...): it hands back the function to call, or None where XLA's
 path runs. None of them imports a kernel module or tests the platform. A kernel that declines
 some calls (a dtype, a row count, a query count) says so here, where it is chosen: the caller
 passes the operands it has.
@@ -37,13 +37,10 @@ class Backend:
     # From this many rows on, the int4 product rounds x and W to bfloat16 (AVX-512 BF16, with
     # precision.int4_activations=bfloat16); 0: float32 whatever the rows
     int4_bf16_rows: int = 0
-    attention_kernel: bool = False  # attention of a decode step's few queries, or of a prompt
+    attention_kernel: bool = False  # attention over the page pools
     panels: bool = False  # float32 projections held in column panels (models/panels.py)
     int8_screen: bool = False  # greedy tokens through an int8 screen of a float32 unembedding
     huge_pages: bool = False  # weights and KV cache on 2 MiB pages (runner/engine/hugepages.py)
-    # A decode step's attention in Pallas (kernels.pallas_attention): "tpu" (Mosaic) or "gpu"
-    # (Triton), or "" (XLA's attention)
-    pallas_decode: str = ""
     # TPU:
     ragged_experts: bool = False  # GPT-OSS's experts as ragged groups of megablox' gmm
     # VMEM that GPT-OSS's experts kernel may take (models/kernels/tpu.experts: a step's experts in
@@ -51,9 +48,6 @@ class Backend:
     # f32 experts on v5e and v6e); 0: XLA's experts
     experts_vmem: int = 0
     row_major_tables: bool = False  # lookup tables pinned row-major (models/weights.py)
-    # A prompt's attention over its own keys in a flash kernel: "pallas" (TPU), "cudnn" (NVIDIA;
-    # not with attention sinks) or "" (XLA's attention)
-    flash_prefill: str = ""
     # The paged engine's kernels: "tpu" (kernels.enabled), its cache writes and attention in
     # Pallas (Mosaic) over pools stored folded (models/paged.py, models/kernels/tpu.py; int8 pools
     # stay XLA's); "gpu" (kernels.pallas_attention), its attention in Pallas (Triton) over any
@@ -71,7 +65,6 @@ class Backend:
         """The backend of `policy`'s kernel switches (kernels.*) on `rules`' mesh."""
         platform = rules.platform
         unsplit_cache = rules.shards("cache_seq") == 1  # the attention kernels take whole rows
-        pallas_decode = policy.kernels and policy.pallas_attention and unsplit_cache
         if platform == "cpu":
             from models.kernels import cpu
 
@@ -87,15 +80,12 @@ class Backend:
         if platform == "tpu":
             from models.kernels import tpu
 
-            return cls(platform, pallas_decode="tpu" if pallas_decode else "",
-                       ragged_experts=policy.pallas_moe, row_major_tables=True,
+            return cls(platform, ragged_experts=policy.pallas_moe, row_major_tables=True,
                        experts_vmem=tpu.EXPERTS_VMEM_BYTES.get(rules.device_kind, 0)
                        if policy.kernels and not policy.pallas_moe and policy.quantize == "none" else 0,
-                       flash_prefill="pallas" if policy.pallas_prefill and unsplit_cache else "",
                        pallas_paged="tpu" if policy.kernels and unsplit_cache else "")
-        return cls(platform, pallas_decode="gpu" if pallas_decode else "",
-                   flash_prefill="cudnn" if policy.cudnn_prefill and unsplit_cache else "",
-                   pallas_paged="gpu" if pallas_decode else "")
+        gpu_paged = policy.kernels and policy.pallas_attention and unsplit_cache
+        return cls(platform, pallas_paged="gpu" if gpu_paged else "")
 
     @property
     def compiler_options(self) -> dict[str, Any] | None:
@@ -145,40 +135,6 @@ class Backend:
         from models.kernels import cpu
         return functools.partial(cpu.matmul_nk_s4, bf16_rows=self.int4_bf16_rows) if int4 \
             else cpu.matmul_nk_s8
-
-    def cache_attention(self, q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Array,
-                        k_scale: jax.Array | None) -> Callable | None:
-        """Attention of q [B, T, N, H] over a row's cache [B, K, S, H] and the new k, v
-        [B, T, K, H], as models/kernels/cpu.decode_attention takes them. On CPU: float32
-        queries, up to 128 of them over the cache (a decode step's, the rest of a prompt after a
-        shared prefix) or a whole prompt over none, over a float32 or int8 cache. Pallas (Mosaic
-        on TPU, Triton on GPU; kernels.pallas_attention): one query per row over the cache, in
-        any precision."""
-        S = k_cache.shape[2]
-        if self.attention_kernel:
-            cache_ok = k_cache.dtype == jnp.float32 or (k_cache.dtype == jnp.int8 and k_scale is not None)
-            if (q.shape[1] <= 128 or S == 0) and cache_ok and q.dtype == k.dtype == v.dtype == jnp.float32:
-                from models.kernels import cpu
-                return cpu.decode_attention
-            return None
-        if self.pallas_decode and q.shape[1] == 1 and S > 0:
-            if self.pallas_decode == "tpu":
-                from models.kernels import tpu as kernels
-            else:
-                from models.kernels import gpu as kernels
-            return _new_keys_by_head(kernels.decode_attention)
-        return None
-
-    def prompt_attention(self, sinks: jax.Array | None) -> Callable | None:
-        """A flash kernel for a prompt's attention over its own keys, which keeps the [T, T]
-        scores out of HBM: Pallas' on TPU, cuDNN's on NVIDIA GPUs (which takes no sinks)."""
-        if self.flash_prefill == "pallas":
-            from models.kernels import tpu
-            return tpu.flash_prefill
-        if self.flash_prefill == "cudnn" and sinks is None:
-            from models.kernels import gpu
-            return gpu.flash_prefill
-        return None
 
     def paged_attention(self, q: jax.Array, pool: jax.Array, scale: jax.Array | None
                         ) -> Callable | None:
@@ -232,11 +188,3 @@ class Backend:
         from jax.experimental.pallas.ops.tpu.megablox import gmm
         return gmm
 
-
-def _new_keys_by_head(kernel: Callable) -> Callable:
-    """A Pallas decode kernel, which takes this step's keys [B, K, 1, H], called with them as the
-    projections give them, [B, 1, K, H]."""
-    def call(q, k_cache, v_cache, k_pos, k_new, v_new, *rest):
-        return kernel(q, k_cache, v_cache, k_pos, jnp.swapaxes(k_new, 1, 2),
-                      jnp.swapaxes(v_new, 1, 2), *rest)
-    return call

@@ -22,14 +22,12 @@ import jax
 import jax.numpy as jnp
 
 from models import scan
-from models.attention import cached_attention
-from models.kv_cache import KVCache, Mode
 from models.paged import PagedCache, paged_attention
 from models.policy import Policy
 from models.rope import Rope, RopeTable, apply_rope, rope_table
 from sharding.rules import Rules, constrain
 
-__all__ = ["Family", "Mode", "Output", "Unembedding", "add_bias", "forward"]
+__all__ = ["Family", "Output", "Unembedding", "add_bias", "forward"]
 
 
 class Output(enum.Enum):
@@ -98,19 +96,17 @@ def add_bias(x: jax.Array, b: jax.Array | None) -> jax.Array:
 
 
 def forward(family: Family | ModuleType, params: dict, tokens: jax.Array, positions: jax.Array,
-            cache: KVCache | PagedCache, c: Any, rules: Rules, policy: Policy, mode: Mode,
-            column: jax.Array | int = 0, output: Output = Output.LOGITS
-            ) -> tuple[jax.Array, KVCache]:
-    """tokens, positions [B, T] (position -1 marks padding) through the decoder.
+            cache: PagedCache, c: Any, rules: Rules, policy: Policy, output: Output = Output.LOGITS
+            ) -> tuple[jax.Array, PagedCache]:
+    """A step's tokens, positions [B, T] (B: the pools' groups; position -1 marks padding) through
+    the decoder, over the page pools of `cache` (models/paged.py: `at` gives each token's sequence).
 
-    mode says how the pass meets the cache (Mode.PREFILL: an empty one, written from column 0;
-    Mode.APPEND: written from `column` on, one column for every row or one per row [B]).
-    Returns `output` and the cache with this pass's keys and values written. For a last-position
-    output the final layer's output projection and MLP run for the last position alone.
+    Every layer writes the step's keys and values into their pages, then attends each query over
+    its sequence's positions up to its own. Returns `output` and the cache with this step's keys
+    and values written. For a last-position output the final layer's output projection and MLP
+    run for the last position alone.
     """
-    if mode is Mode.PREFILL and not (isinstance(column, int) and column == 0):
-        raise ValueError(f"a prefill writes an empty cache from column 0, not {column!r}")
-    cache = cache.write_positions(positions, column)
+    cache = cache.write_positions(positions)
     positions = jnp.maximum(positions, 0)
     rope = family.rope(c)
     table = rope_table(positions, rope, policy.dtype) if rope else None
@@ -118,37 +114,32 @@ def forward(family: Family | ModuleType, params: dict, tokens: jax.Array, positi
 
     def layer(p, x, cache, i, final_position_only):
         """Layer i (scanned: its place in the period, which fixes its window) on x [B, T, D]."""
-        h, cache = attention_block(family, p, family.attn_norm(p, x, c, policy), positions, table,
-                                   cache, i, mode, column, c, rules, policy, final_position_only)
+        h, cache = attention_block(family, p, family.attn_norm(p, x, c, policy), table, cache, i,
+                                   c, rules, policy, final_position_only)
         x = act((x[:, -1:] if final_position_only else x) + h, rules)
         return act(x + family.mlp(p, family.mlp_norm(p, x, c, policy), c, rules, policy), rules), cache
 
-    x, cache = scan.run_layers(params, x, cache, column, rules, layer, output.last)
+    x, cache = scan.run_layers(params, x, cache, layer, output.last)
     x = family.final_norm(params, x[:, -1:] if output.last else x, c, policy)
     if output.logits:
         x = family.unembedding(params).logits(x, rules, policy)
     return (x[:, 0] if output.last else x), cache
 
 
-def attention_block(family: Family | ModuleType, p: dict, x: jax.Array, positions: jax.Array,
-                    table: RopeTable | None, cache: KVCache | PagedCache, layer: int, mode: Mode,
-                    column: jax.Array | int, c: Any, rules: Rules, policy: Policy,
-                    final_position_only: bool) -> tuple[jax.Array, KVCache]:
-    """Self-attention of x [B, T, D] over the cache. final_position_only: every position's keys
-    and values still go to the cache and every query attends (as the prompt kernels take them);
-    the output projection runs for the last position alone, giving [B, 1, D]."""
+def attention_block(family: Family | ModuleType, p: dict, x: jax.Array, table: RopeTable | None,
+                    cache: PagedCache, layer: int, c: Any, rules: Rules, policy: Policy,
+                    final_position_only: bool) -> tuple[jax.Array, PagedCache]:
+    """Self-attention of x [B, T, D] over the pages: the step's keys written first, then read
+    with the rest. final_position_only: every query still attends; the output projection runs
+    for the last position alone, giving [B, 1, D]."""
     q, k, v = family.qkv(p, x, c, policy)  # [B, T, N, H], [B, T, K, H] twice
     rotate = (lambda x: x) if table is None else (lambda x: apply_rope(x, table))
     q = constrain(rotate(q), rules, "batch", "seq", "act_heads", None)
     k = constrain(rotate(k), rules, "batch", "seq", "act_kv_heads", None)
     v = constrain(v, rules, "batch", "seq", "act_kv_heads", None)
     options = family.attention_options(p, layer, c)
-    if isinstance(cache, PagedCache):  # the step's keys written first, then read with the rest
-        cache = cache.write(layer, k, v, column, rules, options.get("window"), policy)
-        out = paged_attention(q, cache, layer, rules, policy, **options)
-    else:
-        out, cache = cached_attention(q, k, v, positions, cache, layer, mode, column, rules,
-                                      policy, **options)
+    cache = cache.write(layer, k, v, rules, options.get("window"), policy)
+    out = paged_attention(q, cache, layer, rules, policy, **options)
     out = out[:, -1:] if final_position_only else out
     return family.attention_out(p, out, policy), cache
 

@@ -33,7 +33,8 @@ With the TPU kernels (Backend.pallas_paged) a pool is stored folded, [G, P, K, S
 f = models/kernels/tpu.fold(H) slots side by side in 128 lanes, the layout those kernels read
 without a copy (see there). Everything else reads [G, P, K, S, H] (f = 1).
 
-Einsum legend as models/attention.py: B rows, T queries, S slots, N query heads, K kv heads, H.
+Einsum legend: G groups, P pages, Q sequences, T queries, S slots, K kv heads, g query heads per kv
+head (N = K * g), H head_dim.
 """
 
 from __future__ import annotations
@@ -44,11 +45,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as Spec
 
-from models.attention import MASKED
-from models.kv_cache import quantize_rows
 from models.policy import Policy
 from sharding.rules import Rules, constrain
 
+MASKED = -1e30  # finite, so a query with nothing to attend to (padding) gives no NaN
 POOL_AXES = ("cache_batch", None, "cache_kv_heads", None, None)  # k, v [G, P, K, S, H]
 
 
@@ -143,9 +143,9 @@ class PagedCache(NamedTuple):
         tables = self.tables if window is None else self.window_tables
         return tables if self.first_page is None else tables + self.first_page[layer]
 
-    def write_positions(self, positions: jax.Array, column: Any = 0) -> PagedCache:
-        """Keeps the step's positions [G, T] (-1: padding) for the writes; `column` is unused (a
-        token's slot follows from its position)."""
+    def write_positions(self, positions: jax.Array) -> PagedCache:
+        """Keeps the step's positions [G, T] (-1: padding) for the writes: a token's slot follows
+        from its position."""
         return self._replace(positions=positions.astype(jnp.int32))
 
     def slots(self, tables: jax.Array, pages: int, S: int) -> jax.Array:
@@ -157,7 +157,7 @@ class PagedCache(NamedTuple):
         page = jnp.take_along_axis(table, (pos // S)[:, :, None], axis=2, mode="clip")[:, :, 0]
         return jnp.where(self.positions >= 0, page * S + pos % S, P * S)
 
-    def write(self, layer: int, k: jax.Array, v: jax.Array, column: Any, rules: Rules,
+    def write(self, layer: int, k: jax.Array, v: jax.Array, rules: Rules,
               window: int | None = None, policy: Policy | None = None) -> PagedCache:
         """Writes one layer's new k, v [G, T, K, H] into their slots (the layer's window picks
         its pool's tables): in the backend's kernel (Backend.write_pages), else a scatter."""
@@ -178,6 +178,14 @@ class PagedCache(NamedTuple):
                 store[layer] = constrain(_scatter(store[layer], new.astype(store[layer].dtype), slots),
                                          rules, *POOL_AXES)
             return self._replace(k=ks, v=vs, k_scale=kss, v_scale=vss)
+
+
+def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [..., H] -> int8 [..., H] and float32 scales [...] = max |x| / 127 (symmetric)."""
+    x = x.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(x), axis=-1) / 127.0
+    safe = jnp.where(scale > 0, scale, 1.0)
+    return jnp.clip(jnp.round(x / safe[..., None]), -127, 127).astype(jnp.int8), scale
 
 
 def _scatter(pool: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:

@@ -34,23 +34,17 @@ class Policy:
     int4_activations: str = "bfloat16"
     # The kernel switches (models/backend.py says what each gives on which platform):
     kernels: bool = True  # podrun's own kernels (models/kernels) where they apply, else XLA's
-    # Decode attention in Pallas: TPU (models/kernels/tpu.py), off by default as XLA then copies
-    # each layer's cache on every step, the kernel reading it while the write updates it in place
-    # (GPT-OSS-20B on v5e: 3.8 GiB of decode temporaries against 0.6 with XLA's attention); NVIDIA
-    # GPUs (models/kernels/gpu.py, Triton), off until measured on a GPU.
+    # NVIDIA GPUs: attention over the page pools in Pallas (Triton, models/kernels/gpu.py), each
+    # row reading only the pages it holds; off until measured on a GPU.
     pallas_attention: bool = False
     # q/k/v as one product and gate/up as another (models/fused.py), fused after restore.
     fuse_projections: bool = False
-    # One loop over stacked layers instead of unrolled ones (models/scan.py), the cache stacked too.
+    # One loop over stacked layers instead of unrolled ones (models/scan.py), the pools stacked too.
     scan_layers: bool = False
-    # TPU prefill attention in the Pallas flash kernel (models/kernels/tpu.flash_prefill).
-    pallas_prefill: bool = True
-    # NVIDIA GPUs: prefill attention in cuDNN's flash kernel (models/kernels/gpu.py); not with sinks.
-    cudnn_prefill: bool = False
     # TPU: GPT-OSS's experts over many tokens as ragged groups of a Pallas grouped matmul.
     pallas_moe: bool = False
-    # The engine donates the KV cache to every prefill and decode call, which then update it in
-    # place; without, each call writes a new cache and the old one lives until it returns.
+    # The engine donates the page pools to every call, which then updates them in place; without,
+    # each call writes new pools and the old ones live until it returns.
     donate_cache: bool = True
     # CPU: the engine moves its weights and KV cache onto 2 MiB pages (runner/engine/hugepages.py).
     huge_pages: bool = True

@@ -6,11 +6,12 @@ import dataclasses
 from types import ModuleType
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from models import decoder, fused, gpt2, gptoss, llama, panels, quant, scan, weights
-from models.decoder import Mode, Output, Unembedding
-from models.kv_cache import KVCache
+from models.decoder import Output, Unembedding
+from models.paged import PagedCache
 from models.policy import Policy
 from sharding.rules import Rules
 
@@ -69,18 +70,23 @@ class Model:
         """Layers repeat with this period (their attention windows): what a scan loops over."""
         return scan.period(self.module.cache_spec(self.config)[0])
 
-    def new_cache(self, batch: int, length: int, dtype, rules, stacked: bool = False,
-                  rings: bool = True) -> KVCache:
-        """An empty KV cache for `length` columns, sharded by the rules (stacked: for a scan).
-        rings=False: windowed layers keep every column too, as full layers do (their window is
-        the attention's mask either way), so that any block of them can be taken out."""
+    def paged_cache(self, groups: int, rows: int, length: int, rules: Rules, policy: Policy,
+                    page_size: int = 16) -> tuple[PagedCache, jax.Array]:
+        """An empty page pool (models/paged.py; policy's cache dtype, stacked where it scans) for
+        `rows` sequences of up to `length` tokens in each of `groups` groups, and the tables
+        [groups, rows, M] that give each sequence M pages of its own, in order (the windowed
+        layers too: their window masks what they keep). Forward passes outside the engine
+        (perplexity, the tests) run over it: `cache.at(tables, tables, rows)`."""
         windows, kv_heads, head_dim = self.module.cache_spec(self.config)
-        windows = windows if rings else (None,) * len(windows)
-        return KVCache.create(batch, length, windows, kv_heads, head_dim, dtype, rules,
-                              self.scan_period if stacked else 0)
-
-    def cache_shardings(self, rules, quantized: bool, stacked: bool = False) -> KVCache:
-        return KVCache.shardings(rules, self.num_layers, quantized, self.scan_period if stacked else 0)
+        M = -(-length // page_size)
+        dtype = jnp.dtype(policy.kv_cache)
+        cache = PagedCache.create(groups, rows * M, rows * M if any(windows) else 0, page_size,
+                                  windows, kv_heads, head_dim, dtype, rules,
+                                  fold=PagedCache.fold(policy.on(rules), dtype, head_dim),
+                                  period=self.scan_period if policy.scan_layers else 0)
+        tables = jnp.broadcast_to(jnp.arange(rows * M, dtype=jnp.int32).reshape(rows, M),
+                                  (groups, rows, M))
+        return cache, tables
 
     @property
     def vocab_size(self) -> int:
@@ -90,13 +96,13 @@ class Model:
     def num_layers(self) -> int:
         return len(self.module.cache_spec(self.config)[0])
 
-    def forward(self, params, tokens, positions, cache, rules, policy, mode: Mode,
-                column=0, output: Output = Output.LOGITS):
+    def forward(self, params, tokens, positions, cache, rules, policy,
+                output: Output = Output.LOGITS):
         """The decoder (models/decoder.forward) of this family, with `policy`'s backend resolved on
         `rules`' mesh: every caller (the engine, perplexity, the tests) runs the kernels serving
         runs."""
         return decoder.forward(self.module, params, tokens, positions, cache, self.config, rules,
-                               policy.on(rules), mode, column, output)
+                               policy.on(rules), output)
 
     def unembedding(self, params) -> Unembedding:
         """The weight that turns the final hidden state into logits (Output.LAST_HIDDEN's)."""

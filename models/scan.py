@@ -4,11 +4,9 @@ Unrolled, XLA compiles every layer's ops separately; scanned, it compiles one pe
 once and loops over it, so compile time no longer grows with depth. The layers must repeat with a
 period P (Llama: every layer alike, P = 1; GPT-OSS alternates sliding-window and full attention,
 P = 2): params["layer_stack"] is a list of P trees whose leaves hold layers j, j + P, ... stacked
-on a leading axis of L / P (never sharded), and the KV cache is stacked the same way
-(models/kv_cache.KVCache). Inside the loop, each period attends over its layers' caches as they were;
-the new keys and values come out of the loop and are written once after it. The paged engine's
-pools (models/paged.PagedCache), which every layer writes before it attends, ride the loop's carry
-instead: each period writes and reads its own pages of them in place.
+on a leading axis of L / P (never sharded), and the page pools are stacked the same way
+(models/paged.PagedCache). The pools ride the loop's carry: each period writes and reads its own
+pages of them in place.
 
 Weights are restored, fused and quantised per layer as always, then stacked (`stack`), one weight
 name at a time, so the stacking needs memory for one name's layers, not a second model.
@@ -23,9 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from models.kv_cache import KVCache
 from models.paged import PagedCache
-from sharding.rules import Rules
 
 
 def period(windows: tuple[int | None, ...]) -> int:
@@ -74,15 +70,16 @@ def stack(params: dict, P: int) -> dict:
     return {**{k: v for k, v in params.items() if k != "layers"}, "layer_stack": out}
 
 
-def run_layers(params: dict, x: jax.Array, cache: KVCache | PagedCache, column: Any, rules: Rules,
+def run_layers(params: dict, x: jax.Array, cache: PagedCache,
                layer: Callable[[Any, jax.Array, Any, int, bool], tuple[jax.Array, Any]],
-               final_position_only: bool = False) -> tuple[jax.Array, KVCache | PagedCache]:
+               final_position_only: bool = False) -> tuple[jax.Array, PagedCache]:
     """x through every layer: layer(p, x, cache, i, final_position_only) -> (x, cache) applies
-    layer i's weights p; `column` is where the pass writes the cache (models/kv_cache.py).
+    layer i's weights p.
 
     Unrolled (params["layers"]) i runs over the layers. Scanned (params["layer_stack"]) i runs over
-    one period, 0..P-1, and `cache` is a view of that period's layers: the windows of layers i and
-    i + P agree, so whatever `layer` derives from i statically holds for every period.
+    one period, 0..P-1, the loop carries the stacked pools, and `cache` is a view of them in which
+    period d's layers write and read their own pages (PagedCache.layer_view): the windows of
+    layers i and i + P agree, so whatever `layer` derives from i statically holds for every period.
 
     final_position_only: only the last position's output is wanted (a prompt's first token). The
     final layer is then called with it set: it writes every position's keys and values to the
@@ -100,39 +97,10 @@ def run_layers(params: dict, x: jax.Array, cache: KVCache | PagedCache, column: 
     groups = params["layer_stack"]
     depth = jax.tree.leaves(groups[0])[0].shape[0]
 
-    def period_at(i):  # period i's weights, one tree per layer of the period
-        return [jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), g)
-                for g in groups]
-
-    looped = depth - 1 if final_position_only else depth
-    if isinstance(cache, PagedCache):
-        return _run_in_place(x, cache, period_at, layer, depth, looped, final_position_only)
-
-    def body(x, i):
-        view = cache.layer_view(i)
-        for j, p in enumerate(period_at(i)):
-            x, view = layer(p, x, view, j, False)
-        return x, view.pending
-
-    x, pending = jax.lax.scan(body, x, jnp.arange(looped))
-    if final_position_only:
-        view = cache.layer_view(looped)
-        ps = period_at(looped)
-        for j, p in enumerate(ps):
-            x, view = layer(p, x, view, j, j == len(ps) - 1)
-        pending = jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), pending, view.pending)
-    return x, cache.write_layers(pending, column, rules)
-
-
-def _run_in_place(x: jax.Array, cache: PagedCache, period_at: Callable, layer: Callable,
-                  depth: int, looped: int, final_position_only: bool
-                  ) -> tuple[jax.Array, PagedCache]:
-    """run_layers over stacked page pools: the loop carries them, and each period writes its
-    pages and attends over them in place (PagedCache.layer_view); a final period after the loop
-    where final_position_only."""
-    def run_period(x, cache, i, final):
+    def run_period(x, cache, i, final):  # period i's weights, one tree per layer of the period
         view = cache.layer_view(i, depth)
-        ps = period_at(i)
+        ps = [jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), g)
+              for g in groups]
         for j, p in enumerate(ps):
             x, view = layer(p, x, view, j, final and j == len(ps) - 1)
         return x, view._replace(first_page=None)
@@ -140,6 +108,7 @@ def _run_in_place(x: jax.Array, cache: PagedCache, period_at: Callable, layer: C
     def body(carry, i):
         return run_period(*carry, i, False), None
 
+    looped = depth - 1 if final_position_only else depth
     (x, cache), _ = jax.lax.scan(body, (x, cache), jnp.arange(looped))
     if final_position_only:
         x, cache = run_period(x, cache, looped, True)

@@ -9,8 +9,6 @@
         weights in groups of 32 (models/quant.py's layout: d * u + m)
     greedy_screened(x [M, D], w [D, V] (or [V, D]), screen) -> [M] int32, the argmax of x . w
         without reading most of w: through an int8 copy with error bounds (greedy_screen)
-    decode_attention(q, cache k/v and positions, this step's k/v and positions) -> [B, T, N, H],
-        for decode steps and for prefills (an empty cache)
     paged_attention(q [T, N, H], pages k/v [P, K, S, H], tables [R, M], rows, q_pos [T])
         -> [T, N, H], a ragged step's queries over a pool of KV pages through page tables
     rms_norm(x [..., D], w [D], eps) -> [..., D], float32: x / sqrt(mean(x^2) + eps) * w in one call
@@ -53,8 +51,8 @@ import numpy as np
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_matmul.cc", "cpu_attention.cc"))
 HEADERS = (Path(__file__).with_name("cpu_kernels.h"),)
 TARGETS = ("podrun_matmul_f32", "podrun_matmul_panels", "podrun_matmul_nk_s8", "podrun_matmul_nk_s4",
-           "podrun_greedy_screened", "podrun_decode_attention", "podrun_decode_attention_s8",
-           "podrun_paged_attention", "podrun_paged_attention_s8", "podrun_rms_norm")
+           "podrun_greedy_screened", "podrun_paged_attention", "podrun_paged_attention_s8",
+           "podrun_rms_norm")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 
 
@@ -251,27 +249,6 @@ def greedy_screened(x: jax.Array, w: jax.Array, screen: Screen, w_nk: bool = Fal
     out = jax.ShapeDtypeStruct((x.shape[0],), jnp.int32)
     return jax.ffi.ffi_call("podrun_greedy_screened", out)(
         x.astype(jnp.float32), w, screen.q, screen.scale, screen.radius, w_nk=bool(w_nk))
-
-
-def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, k_pos: jax.Array,
-                     k_new: jax.Array, v_new: jax.Array, new_pos: jax.Array, q_pos: jax.Array,
-                     sinks: jax.Array | None, window: int | None, scale: float,
-                     k_scale: jax.Array | None = None, v_scale: jax.Array | None = None
-                     ) -> jax.Array:
-    """One softmax over the cache (k, v [B, K, S, H], k_pos [B, S]) and this step's keys (k_new,
-    v_new [B, T, K, H] as the projections give them, new_pos [B, T]) for q [B, T, N, H] at q_pos
-    [B, T]; float32, or an int8 cache with k_scale, v_scale [B, K, S]. Visibility and sinks as
-    models/attention.attention; a query that sees nothing gives zeros. A decode step has a few
-    queries per row; a prefill passes an empty cache (S = 0) and the whole prompt."""
-    register()
-    has_sinks = sinks is not None
-    sinks = jnp.zeros(q.shape[2:3], jnp.float32) if sinks is None else sinks.astype(jnp.float32)
-    i32 = jnp.int32
-    cache = (k_cache, v_cache) if k_scale is None else (k_cache, v_cache, k_scale, v_scale)
-    target = "podrun_decode_attention" if k_scale is None else "podrun_decode_attention_s8"
-    return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
-        q, *cache, k_pos.astype(i32), k_new, v_new, new_pos.astype(i32), q_pos.astype(i32),
-        sinks, has_sinks=np.int64(has_sinks), scale=np.float32(scale), window=np.int64(window or 0))
 
 
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, tables: jax.Array,

@@ -1,5 +1,5 @@
-// Attention on CPU, for decode (a step's few queries over the KV cache) and prefill (a prompt over
-// its own keys), registered with XLA's FFI beside the products of cpu_matmul.cc.
+// Attention on CPU over the paged engine's pools of KV pages (a decode step's few queries, a
+// prompt's chunk), registered with XLA's FFI beside the products of cpu_matmul.cc.
 
 #include <algorithm>
 #include <climits>
@@ -15,18 +15,9 @@ namespace {
 
 using namespace podrun;
 
-// --- decode attention -------------------------------------------------------------------------
-//
-// q [B, T, N, H] attends over two blocks of keys in one softmax: the cache k, v [B, K, S, H] with
-// its slots' positions k_pos [B, S] (-1 = empty), and this step's keys k_new, v_new [B, T, K, H]
-// (as the projections give them: no transpose) at new_pos [B, T]. A key is visible when
-// 0 <= k_pos <= q_pos and, with a window, q_pos - k_pos < window. With sinks, each query head n
-// adds one logit sinks[n] that takes probability mass and contributes no value (GPT-OSS). Query
-// heads n = k * G + g share kv head k (grouped-query).
-// One task per (b, k) and run of up to kQueries query positions: in decode it reads that head's
-// keys and values once for all G * T queries; a prefill (a prompt over its own keys, S = 0) splits
-// into runs so that both cores share even one row's one kv head, each run's queries together
-// (prefill_run, below).
+// A query attends over the key rows it sees in one softmax. With sinks, each query head n adds one
+// logit sinks[n] that takes probability mass and contributes no value (GPT-OSS). Query heads
+// n = k * G + g share kv head k (grouped-query).
 
 constexpr float kMasked = -1e30f;
 
@@ -77,43 +68,6 @@ inline void add_row(float w, const C* v, float* out, int64_t H) {
   for (; h < H; ++h) out[h] += w * float(v[h]);
 }
 
-// One query over the cache's S slots (C = float, or int8 with per-slot scales ks, vs) and this
-// step's T keys (float, nstride floats apart). scores, w: room for S + T rounded up to kLanes.
-template <typename C>
-void attend_one(const float* q, const C* kc, const C* vc, const float* ks, const float* vs,
-                const int32_t* kpos, const float* kn, const float* vn, int64_t nstride,
-                const int32_t* npos, int32_t qpos, int64_t S, int64_t T, int64_t H,
-                int64_t window, float scale, const float* sink, float* scores, float* w,
-                float* out) {
-  auto visible = [&](int32_t p) {
-    return p >= 0 && p <= qpos && (window <= 0 || int64_t(qpos) - p < window);
-  };
-  int64_t n = S + T, padded = (n + kLanes - 1) / kLanes * kLanes;
-  float m = sink ? *sink : kMasked;
-  for (int64_t j = 0; j < S; ++j) {
-    scores[j] = visible(kpos[j]) ? dot_row(q, kc + j * H, H) * scale * (ks ? ks[j] : 1.f) : kMasked;
-    m = std::max(m, scores[j]);
-  }
-  for (int64_t j = 0; j < T; ++j) {
-    scores[S + j] = visible(npos[j]) ? dot_row(q, kn + j * nstride, H) * scale : kMasked;
-    m = std::max(m, scores[S + j]);
-  }
-  for (int64_t h = 0; h < H; ++h) out[h] = 0.f;
-  if (m == kMasked) return;  // nothing visible and no sink: a padding query; its output is unused
-  for (int64_t j = n; j < padded; ++j) scores[j] = kMasked;
-  float total = sink ? std::exp(*sink - m) : 0.f;
-  for (int64_t j = 0; j < padded; ++j) w[j] = scores[j] == kMasked ? -100.f : scores[j] - m;
-  for (int64_t j = 0; j < padded; j += kLanes) exp_lanes(w + j);  // w = exp(scores - m)
-  for (int64_t j = 0; j < n; ++j) {
-    if (scores[j] == kMasked) continue;
-    total += w[j];
-    if (j < S) add_row(w[j] * (vs ? vs[j] : 1.f), vc + j * H, out, H);
-    else add_row(w[j], vn + (j - S) * nstride, out, H);
-  }
-  float inv = 1.f / total;
-  for (int64_t h = 0; h < H; ++h) out[h] *= inv;
-}
-
 // One query over the n rows idx[0 .. n) of kc, vc (in units of H; the scales ks, vs in units of 1),
 // every one of them visible: paged attention's path for a head_dim the grouped one does not take.
 // scores, w: room for n rounded up to kLanes.
@@ -145,7 +99,7 @@ void attend_rows(const float* q, const C* kc, const C* vc, const float* ks, cons
 
 // The G query heads of one kv head together, for head_dim = kLanes * HV: each visible key and value
 // row is loaded once for NG queries at a time, their dot products and weighted sums kept in
-// registers, where attend_one re-reads every row for every query. Only the visible rows (idx) are
+// registers, where attend_rows re-reads every row for every query. Only the visible rows (idx) are
 // read.
 
 // Rows are read kAhead rows ahead of use: at batch 1 a layer's cache arrives cold from DRAM on a
@@ -282,32 +236,27 @@ void wide_scores(const float* q, const C* rows, const float* row_scale, const in
   }
 }
 
-// NG query heads (q, out: [NG, H]) over the visible cache rows (cidx, nc of them) and new rows
-// (nidx, nn). s: room for NG rows of ld >= nc + nn rounded up to kLanes. Wide: wide_scores, and the
+// NG query heads (q, out: [NG, H]) over the visible rows (cidx, nc of them). s: room for NG rows
+// of ld >= nc rounded up to kLanes. Wide: wide_scores, and the
 // values in column blocks of HB vectors (NG x HB sums within half the registers, HB dividing HV);
 // else the queries and all of head_dim's sums in registers.
 template <typename C, int HV, int NG, bool Wide>
 void attend_group(const float* q, const C* kc, const C* vc, const float* ks, const float* vs,
-                  const int32_t* cidx, int64_t nc, const float* kn, const float* vn,
-                  const int32_t* nidx, int64_t nn, float scale, const float* sinks, float* s,
+                  const int32_t* cidx, int64_t nc, float scale, const float* sinks, float* s,
                   int64_t ld, float* out) {
   constexpr int64_t H = HV * kLanes;
   constexpr int fit = std::max(1, kVecRegs / 2 / NG);
   constexpr int HB = !Wide ? HV : fit >= 4 && HV % 4 == 0 ? 4 : fit >= 2 && HV % 2 == 0 ? 2 : 1;
-  if constexpr (Wide) {
+  if constexpr (Wide)
     wide_scores<C, HV, NG>(q, kc, ks, cidx, nc, scale, s, ld, vc);  // and asks for the values
-    wide_scores<float, HV, NG>(q, kn, nullptr, nidx, nn, scale, s + nc, ld);
-  } else {
+  else
     group_scores<C, HV, NG>(q, kc, ks, cidx, nc, scale, s, ld, vc);  // and asks for the values
-    group_scores<float, HV, NG>(q, kn, nullptr, nidx, nn, scale, s + nc, ld);
-  }
   float inv[NG];
-  softmax_rows<NG>(s, ld, nc + nn, sinks, inv);
+  softmax_rows<NG>(s, ld, nc, sinks, inv);
   for (int h0 = 0; h0 < HV; h0 += HB) {
     vf acc[NG][HB];
     for (auto& a : acc) for (auto& v : a) v = zero();
     group_values<C, HV, NG, HB>(s, ld, vc, vs, cidx, nc, h0, acc);
-    group_values<float, HV, NG, HB>(s + nc, ld, vn, nullptr, nidx, nn, h0, acc);
     for (int g = 0; g < NG; ++g)
       for (int h = 0; h < HB; ++h)
         store(out + g * H + (h0 + h) * kLanes, fma(acc[g][h], splat(inv[g]), zero()));
@@ -318,9 +267,8 @@ void attend_group(const float* q, const C* kc, const C* vc, const float* ks, con
 // block that fits what is left.
 template <typename C, int HV>
 void attend_heads(int64_t G, const float* q, const C* kc, const C* vc, const float* ks,
-                  const float* vs, const int32_t* cidx, int64_t nc, const float* kn, const float* vn,
-                  const int32_t* nidx, int64_t nn, float scale, const float* sinks, float* s,
-                  int64_t ld, float* out) {
+                  const float* vs, const int32_t* cidx, int64_t nc, float scale,
+                  const float* sinks, float* s, int64_t ld, float* out) {
   constexpr int64_t H = HV * kLanes;
   // accumulators NG * HV within half the registers
   constexpr int NG = kVecRegs >= 32 ? (HV <= 2 ? 8 : HV <= 4 ? 4 : 2)
@@ -331,9 +279,8 @@ void attend_heads(int64_t G, const float* q, const C* kc, const C* vc, const flo
   auto run = [&](auto ng, int64_t g) {
     constexpr int B = decltype(ng)::value;
     auto go = [&](auto w) {
-      attend_group<C, HV, B, decltype(w)::value>(q + g * H, kc, vc, ks, vs, cidx, nc, kn, vn, nidx,
-                                                nn, scale, sinks ? sinks + g : nullptr, s, ld,
-                                                out + g * H);
+      attend_group<C, HV, B, decltype(w)::value>(q + g * H, kc, vc, ks, vs, cidx, nc, scale,
+                                                sinks ? sinks + g : nullptr, s, ld, out + g * H);
     };
     if constexpr (B <= NG)
       if (!wide) return go(std::false_type{});
@@ -349,285 +296,6 @@ void attend_heads(int64_t G, const float* q, const C* kc, const C* vc, const flo
   }
 }
 
-// --- a prompt over its own keys (prefill: no cache) -------------------------------------------
-//
-// The queries of one run (up to kQueries positions x G heads of kv head k) against the keys they
-// can see, as small matrix products rather than one query at a time: the keys transposed into
-// kt [H, n] so that scores for 4 queries x 3 vectors of keys accumulate in 12 registers with no
-// horizontal sums, then the values weighted for 4 queries x 2 vectors of head_dim at a time.
-// Rows of the run's range that a query cannot see (causal, window, padding) are masked after.
-// Peer model, a 2048-token prompt at batch 1 (two alternated runs each): 1.59 / 1.33 s against
-// 1.77 / 1.90 s through the grouped one-query-at-a-time path below, and 4.0 s in XLA's attention.
-
-template <int QB>
-void run_scores(const float* const* q, const float* kt, int64_t ld, int64_t n, int64_t H,
-                float scale, float* s) {
-  constexpr int RB = 3;  // vectors of keys
-  for (int64_t r = 0; r < n; r += RB * kLanes) {
-    vf acc[QB][RB];
-    for (auto& a : acc) for (auto& v : a) v = zero();
-    for (int64_t h = 0; h < H; ++h) {
-      vf kv[RB];
-      for (int j = 0; j < RB; ++j) kv[j] = load(kt + h * ld + r + j * kLanes);
-      for (int i = 0; i < QB; ++i) {
-        vf qv = splat(q[i][h]);
-        for (int j = 0; j < RB; ++j) acc[i][j] = fma(qv, kv[j], acc[i][j]);
-      }
-    }
-    vf sc = splat(scale);
-    for (int i = 0; i < QB; ++i)
-      for (int j = 0; j < RB; ++j) store(s + i * ld + r + j * kLanes, fma(acc[i][j], sc, zero()));
-  }
-}
-
-template <int QB>
-void run_values(const float* p, int64_t ld, const float* v, int64_t stride, int64_t n, int64_t H,
-                float* const* out) {
-  int64_t h = 0;
-  auto chunk = [&](auto hb) {
-    constexpr int HB = decltype(hb)::value;
-    vf acc[QB][HB];
-    for (auto& a : acc) for (auto& x : a) x = zero();
-    for (int64_t r = 0; r < n; ++r) {
-      vf vv[HB];
-      for (int j = 0; j < HB; ++j) vv[j] = load(v + r * stride + h + j * kLanes);
-      for (int i = 0; i < QB; ++i) {
-        vf w = splat(p[i * ld + r]);
-        for (int j = 0; j < HB; ++j) acc[i][j] = fma(w, vv[j], acc[i][j]);
-      }
-    }
-    for (int i = 0; i < QB; ++i)
-      for (int j = 0; j < HB; ++j) store(out[i] + h + j * kLanes, acc[i][j]);
-    h += HB * kLanes;
-  };
-  while (h + 2 * kLanes <= H) chunk(std::integral_constant<int, 2>{});
-  if (h < H) chunk(std::integral_constant<int, 1>{});
-}
-
-// s[j] = fill where key j (at position pos[j]) is hidden from a query at `at`.
-inline void mask(float* s, const int32_t* pos, int64_t n, int32_t at, int32_t window, float fill) {
-  for (int64_t j = 0; j < n; ++j) {
-    int32_t p = pos[j];
-    bool seen = (p >= 0) & (p <= at) & (at - p < window);
-    s[j] = seen ? s[j] : fill;
-  }
-}
-
-// Queries (Q of them: q[i], at positions qpos[i], sink[i] or none, writing out[i]) over the new
-// keys k, v (row j at j * stride, position npos[j], T rows); kt, s: scratch the caller keeps.
-void prefill_run(int64_t Q, const float* const* q, const int32_t* qpos, const float* const* sink,
-                 float* const* out, const float* k, const float* v, int64_t stride,
-                 const int32_t* npos, int64_t T, int64_t H, int64_t window, float scale,
-                 std::vector<float>& kt, std::vector<float>& s) {
-  int32_t win = window > 0 ? int32_t(std::min<int64_t>(window, INT32_MAX)) : INT32_MAX;
-  int32_t first = *std::min_element(qpos, qpos + Q), last = *std::max_element(qpos, qpos + Q);
-  int64_t lo = T, hi = 0;  // rows from the first to the last any query may see (mask() is exact)
-  for (int64_t j = 0; j < T; ++j)
-    if (npos[j] >= 0 && npos[j] <= last && first - npos[j] < win) lo = std::min(lo, j), hi = j + 1;
-  int64_t n = hi > lo ? hi - lo : 0;
-  int64_t ld = std::max<int64_t>((n + 3 * kLanes - 1) / (3 * kLanes) * (3 * kLanes), 3 * kLanes);
-  kt.resize(H * ld);
-  for (int64_t j = 0; j < n; ++j)
-    for (int64_t h = 0; h < H; ++h) kt[h * ld + j] = k[(lo + j) * stride + h];
-  for (int64_t h = 0; h < H; ++h)  // the padding columns
-    std::fill(kt.begin() + h * ld + n, kt.begin() + (h + 1) * ld, 0.f);
-  s.resize(4 * ld);
-  for (int64_t i0 = 0; i0 < Q; i0 += 4) {
-    int64_t qb = std::min<int64_t>(4, Q - i0);
-    switch (qb) {
-      case 4: run_scores<4>(q + i0, kt.data(), ld, n, H, scale, s.data()); break;
-      case 3: run_scores<3>(q + i0, kt.data(), ld, n, H, scale, s.data()); break;
-      case 2: run_scores<2>(q + i0, kt.data(), ld, n, H, scale, s.data()); break;
-      default: run_scores<1>(q + i0, kt.data(), ld, n, H, scale, s.data());
-    }
-    float total[4];
-    for (int64_t i = 0; i < qb; ++i) {  // each query's softmax over what it sees, and its sink
-      float* si = s.data() + i * ld;
-      int32_t at = qpos[i0 + i];
-      const float* sk = sink[i0 + i];
-      mask(si, npos + lo, n, at, win, kMasked);  // branch-free loops, vectorised by the compiler
-      for (int64_t j = n; j < ld; ++j) si[j] = kMasked;
-      vf mv = splat(sk ? *sk : kMasked);
-      for (int64_t j = 0; j < ld; j += kLanes) mv = vmax(mv, load(si + j));
-      float lanes[kLanes];
-      store(lanes, mv);
-      float m = *std::max_element(lanes, lanes + kLanes);
-      if (m == kMasked) m = 0.f;  // nothing visible, no sink: a padding query, output zero
-      vf mneg = splat(-m), floor = splat(-100.f), one = splat(1.f);
-      for (int64_t j = 0; j < ld; j += kLanes) {
-        store(si + j, vmax(fma(load(si + j), one, mneg), floor));
-        exp_lanes(si + j);
-      }
-      mask(si, npos + lo, n, at, win, 0.f);  // exactly no weight on what it does not see
-      vf tv = zero();
-      int64_t whole = n / kLanes * kLanes;
-      for (int64_t j = 0; j < whole; j += kLanes) tv = fma(load(si + j), one, tv);
-      float t = hsum(tv) + (sk ? std::exp(*sk - m) : 0.f);
-      for (int64_t j = whole; j < n; ++j) t += si[j];
-      total[i] = t;
-    }
-    const float* vlo = v + lo * stride;
-    switch (qb) {
-      case 4: run_values<4>(s.data(), ld, vlo, stride, n, H, out + i0); break;
-      case 3: run_values<3>(s.data(), ld, vlo, stride, n, H, out + i0); break;
-      case 2: run_values<2>(s.data(), ld, vlo, stride, n, H, out + i0); break;
-      default: run_values<1>(s.data(), ld, vlo, stride, n, H, out + i0);
-    }
-    for (int64_t i = 0; i < qb; ++i) {
-      vf inv = splat(total[i] > 0.f ? 1.f / total[i] : 0.f);
-      float* o = out[i0 + i];
-      for (int64_t h = 0; h < H; h += kLanes) store(o + h, fma(load(o + h), inv, zero()));
-    }
-  }
-}
-
-template <typename C>
-ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, const C* kcp,
-                           const C* vcp, const float* ksp, const float* vsp,
-                           ffi::Span<const int64_t> cd, ffi::Buffer<ffi::S32> kpos,
-                           ffi::Buffer<ffi::F32> kn, ffi::Buffer<ffi::F32> vn,
-                           ffi::Buffer<ffi::S32> npos, ffi::Buffer<ffi::S32> qpos,
-                           ffi::Buffer<ffi::F32> sinks, ffi::ResultBuffer<ffi::F32> out,
-                           int64_t has_sinks, float scale, int64_t window) {
-  auto qd = q.dimensions();
-  if (qd.size() != 4 || cd.size() != 4)
-    return ffi::Error::InvalidArgument("podrun_decode_attention: q and the cache must be 4-d");
-  int64_t B = qd[0], T = qd[1], N = qd[2], H = qd[3], K = cd[1], S = cd[2];
-  auto nd = kn.dimensions();
-  if (cd[0] != B || cd[3] != H || N % K || nd.size() != 4 || nd[0] != B || nd[1] != T ||
-      nd[2] != K || nd[3] != H || sinks.dimensions()[0] != N)
-    return ffi::Error::InvalidArgument("podrun_decode_attention: inconsistent shapes");
-  int64_t G = N / K;
-  const float *qp = q.typed_data(), *knp = kn.typed_data(), *vnp = vn.typed_data();
-  const float* sp = sinks.typed_data();
-  const int32_t *kpp = kpos.typed_data(), *npp = npos.typed_data(), *qpp = qpos.typed_data();
-  float* op = out->typed_data();
-  // head_dim kLanes * HV (HV <= 8): the grouped path; any other head_dim: query by query
-  using Heads = void (*)(int64_t, const float*, const C*, const C*, const float*, const float*,
-                         const int32_t*, int64_t, const float*, const float*, const int32_t*,
-                         int64_t, float, const float*, float*, int64_t, float*);
-  static constexpr Heads kGrouped[] = {nullptr, attend_heads<C, 1>, attend_heads<C, 2>,
-                                       attend_heads<C, 3>, attend_heads<C, 4>, attend_heads<C, 5>,
-                                       attend_heads<C, 6>, attend_heads<C, 7>, attend_heads<C, 8>};
-  Heads grouped = H % kLanes == 0 && H / kLanes <= 8 ? kGrouped[H / kLanes] : nullptr;
-  constexpr int64_t kQueries = 16;
-  int64_t runs = (T + kQueries - 1) / kQueries, per = T <= kQueries ? T : kQueries;
-  bool prompt = S == 0 && H % kLanes == 0;  // every task a prompt's run (prefill_run)
-  auto heads = [=](int64_t begin, int64_t end) {
-    int64_t ld = prompt ? 0 : (S + T + kLanes - 1) / kLanes * kLanes;  // the per-query scratch
-    // scratch kept by each thread from call to call (a decode step's calls take a few us each)
-    thread_local std::vector<float> scores, w;
-    thread_local std::vector<int32_t> cidx, nidx;
-    thread_local std::vector<const float*> qs, sks;  // a prompt's run: its queries, sinks,
-    thread_local std::vector<float*> outs;           // outputs, positions
-    thread_local std::vector<int32_t> qps;
-    thread_local std::vector<float> kt, ps;  // its keys transposed, its scores
-    scores.resize(grouped ? 8 * ld : ld), w.resize(ld), cidx.resize(S), nidx.resize(prompt ? 0 : T);
-    for (int64_t task = begin; task < end; ++task) {
-      int64_t bk = task / runs, t0 = task % runs * per, t1 = std::min(T, t0 + per);
-      int64_t b = bk / K, k = bk % K;
-      const C* kcb = kcp + (b * K + k) * S * H;
-      const C* vcb = vcp + (b * K + k) * S * H;
-      const float* ksb = ksp ? ksp + (b * K + k) * S : nullptr;
-      const float* vsb = vsp ? vsp + (b * K + k) * S : nullptr;
-      const float* knb = knp + (b * T * K + k) * H;  // key j at knb + j * K * H
-      const float* vnb = vnp + (b * T * K + k) * H;
-      if (prompt) {  // the run's queries as small products
-        int64_t Q = (t1 - t0) * G;
-        qs.resize(Q), outs.resize(Q), sks.resize(Q), qps.resize(Q);
-        for (int64_t t = t0; t < t1; ++t)
-          for (int64_t g = 0; g < G; ++g) {
-            int64_t i = (t - t0) * G + g, at = ((b * T + t) * N + k * G + g) * H;
-            qs[i] = qp + at, outs[i] = op + at, qps[i] = qpp[b * T + t];
-            sks[i] = has_sinks ? sp + k * G + g : nullptr;
-          }
-        prefill_run(Q, qs.data(), qps.data(), sks.data(), outs.data(), knb, vnb, K * H,
-                    npp + b * T, T, H, window, scale, kt, ps);
-        continue;
-      }
-      for (int64_t t = t0; t < t1; ++t) {
-        const float* qt = qp + ((b * T + t) * N + k * G) * H;
-        float* ot = op + ((b * T + t) * N + k * G) * H;
-        const float* sinks = has_sinks ? sp + k * G : nullptr;
-        int32_t qpos = qpp[b * T + t];
-        if (!grouped) {
-          for (int64_t g = 0; g < G; ++g)
-            attend_one<C>(qt + g * H, kcb, vcb, ksb, vsb, kpp + b * S, knb, vnb, K * H,
-                          npp + b * T, qpos, S, T, H, window, scale, sinks ? sinks + g : nullptr,
-                          scores.data(), w.data(), ot + g * H);
-          continue;
-        }
-        auto visible = [&](int32_t p) {
-          return p >= 0 && p <= qpos && (window <= 0 || int64_t(qpos) - p < window);
-        };
-        int64_t nc = 0, nn = 0;
-        for (int64_t j = 0; j < S; ++j) if (visible(kpp[b * S + j])) cidx[nc++] = int32_t(j);
-        for (int64_t j = 0; j < T; ++j)  // rows of knb in units of H: key j is row j * K
-          if (visible(npp[b * T + j])) nidx[nn++] = int32_t(j * K);
-        grouped(G, qt, kcb, vcb, ksb, vsb, cidx.data(), nc, knb, vnb, nidx.data(), nn, scale,
-                sinks, scores.data(), ld, ot);
-      }
-    }
-  };
-  // A decode step's (row, kv head) tasks go to the team, which the products keep awake, the
-  // threads claiming them as they go; XLA's pool takes longer to wake than the work is worth, so
-  // there they would run on this thread alone, or mostly.
-  // A prefill's runs go to XLA's pool, taken one at a time (later runs see more keys).
-  // In the product chain (cpu_kernels.h's Chain), a step's call tells the product before it
-  // which rows of the cache it reads (the slots in use, and this step's), for the helpers to ask
-  // for first, and gets the next product's weights to ask for in turn.
-  int64_t tasks = B * K * runs;
-  if (tasks < 4 || (S > 0 && T <= kQueries)) {
-    Team& team = Team::get();
-    auto body = [&](int t, int n) {
-      if (n == 1) return heads(0, tasks);
-      for (int64_t c; (c = team.claim(t)) >= 0;) heads(c, c + 1);
-    };
-    Team::Ahead ahead;
-    if (S > 0) {
-      int64_t used = 0;  // slots up to the last in use, over the rows
-      for (int64_t b = 0; b < B; ++b) {
-        int64_t j = S;
-        while (j > used && kpp[b * S + j - 1] < 0) --j;
-        used = j;
-      }
-      const int64_t row = S * H * int64_t(sizeof(C));
-      ahead = Chain::next({reinterpret_cast<const char*>(kcp), B * K, 1, row,
-                           reinterpret_cast<const char*>(vcp),
-                           std::min(S, used + T) * H * int64_t(sizeof(C))});
-    }
-    team.run(body, ahead, tasks);
-  } else {
-    parallel_for(pool, tasks, 1, heads);
-  }
-  return ffi::Error::Success();
-}
-
-ffi::Error DecodeAttentionF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                              ffi::Buffer<ffi::F32> kc, ffi::Buffer<ffi::F32> vc,
-                              ffi::Buffer<ffi::S32> kpos, ffi::Buffer<ffi::F32> kn,
-                              ffi::Buffer<ffi::F32> vn, ffi::Buffer<ffi::S32> npos,
-                              ffi::Buffer<ffi::S32> qpos, ffi::Buffer<ffi::F32> sinks,
-                              ffi::ResultBuffer<ffi::F32> out, int64_t has_sinks, float scale,
-                              int64_t window) {
-  return DecodeAttention<float>(pool, q, kc.typed_data(), vc.typed_data(), nullptr, nullptr,
-                                kc.dimensions(), kpos, kn, vn, npos, qpos, sinks, out, has_sinks,
-                                scale, window);
-}
-
-ffi::Error DecodeAttentionS8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                             ffi::Buffer<ffi::S8> kc, ffi::Buffer<ffi::S8> vc,
-                             ffi::Buffer<ffi::F32> ks, ffi::Buffer<ffi::F32> vs,
-                             ffi::Buffer<ffi::S32> kpos, ffi::Buffer<ffi::F32> kn,
-                             ffi::Buffer<ffi::F32> vn, ffi::Buffer<ffi::S32> npos,
-                             ffi::Buffer<ffi::S32> qpos, ffi::Buffer<ffi::F32> sinks,
-                             ffi::ResultBuffer<ffi::F32> out, int64_t has_sinks, float scale,
-                             int64_t window) {
-  return DecodeAttention<int8_t>(pool, q, kc.typed_data(), vc.typed_data(), ks.typed_data(),
-                                 vs.typed_data(), kc.dimensions(), kpos, kn, vn, npos, qpos, sinks,
-                                 out, has_sinks, scale, window);
-}
-
 // --- paged attention ----------------------------------------------------------------------------
 //
 // q [T, N, H]: the T query tokens of a ragged step, query t of sequence rows[t] at position
@@ -635,9 +303,8 @@ ffi::Error DecodeAttentionS8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
 // k, v [P, K, S, H] (float32, or int8 with per-slot scales [P, K, S]): position p of sequence r is
 // slot p % S of page tables[r, p / S]. Query t sees positions max(0, qpos - window + 1) .. qpos
 // (0 .. qpos without a window), every one of them assumed written; only the table entries those
-// positions name are read, each checked to lie in [0, P) before any page is. Sinks and
-// grouped-query heads as decode attention's. One task per (query, kv head k), its G query heads
-// together through the grouped path (attend_heads over cache rows only): relative to kv head k's
+// positions name are read, each checked to lie in [0, P) before any page is. One task per (query, kv head k), its G query heads
+// together through the grouped path (attend_heads): relative to kv head k's
 // base (k * S rows in), position p is row page * K * S + p % S, in units of H for the keys and
 // values and of 1 for the scales. A head_dim the grouped path does not take goes query head by
 // query head (attend_rows).
@@ -703,14 +370,13 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, const C
   }
   const int64_t ld = std::max<int64_t>((most + kLanes - 1) / kLanes * kLanes, kLanes);
   using Heads = void (*)(int64_t, const float*, const C*, const C*, const float*, const float*,
-                         const int32_t*, int64_t, const float*, const float*, const int32_t*,
-                         int64_t, float, const float*, float*, int64_t, float*);
+                         const int32_t*, int64_t, float, const float*, float*, int64_t, float*);
   static constexpr Heads kGrouped[] = {nullptr, attend_heads<C, 1>, attend_heads<C, 2>,
                                        attend_heads<C, 3>, attend_heads<C, 4>, attend_heads<C, 5>,
                                        attend_heads<C, 6>, attend_heads<C, 7>, attend_heads<C, 8>};
   const Heads grouped = H % kLanes == 0 && H / kLanes <= 8 ? kGrouped[H / kLanes] : nullptr;
   auto body = [=](int64_t begin, int64_t end) {
-    thread_local std::vector<float> scores, w;  // kept from call to call, as decode attention's
+    thread_local std::vector<float> scores, w;  // kept from call to call (a decode step's: a few us)
     thread_local std::vector<int32_t> cidx;
     scores.resize(grouped ? 8 * ld : ld), w.resize(ld), cidx.resize(ld);
     for (int64_t task = begin; task < end; ++task) {
@@ -732,8 +398,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, const C
       const float* vsb = vsp ? vsp + k * S : nullptr;
       const float* sk = has_sinks ? sp + k * G : nullptr;
       if (grouped) {
-        grouped(G, qt, kb, vb, ksb, vsb, cidx.data(), n, nullptr, nullptr, nullptr, 0, scale, sk,
-                scores.data(), ld, ot);
+        grouped(G, qt, kb, vb, ksb, vsb, cidx.data(), n, scale, sk, scores.data(), ld, ot);
         continue;
       }
       for (int64_t g = 0; g < G; ++g)
@@ -741,8 +406,8 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, const C
                        sk ? sk + g : nullptr, scores.data(), w.data(), ot + g * H);
     }
   };
-  // A decode step's few queries (a token a row) go to the team, as decode attention's do, and
-  // join the product chain: nothing of the pages is asked for ahead (they lie anywhere in the
+  // A decode step's few queries (a token a row) go to the team, which the products keep awake
+  // (XLA's pool takes longer to wake than the work is worth), and join the product chain: nothing of the pages is asked for ahead (they lie anywhere in the
   // pool), but while the last heads run the helpers ask for the next product's weights. A
   // prompt's chunk goes to XLA's pool.
   const int64_t tasks = T * K;
@@ -784,42 +449,6 @@ ffi::Error PagedAttentionS8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
 }
 
 }  // namespace
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(podrun_decode_attention, DecodeAttentionF32,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k cache
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v cache
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // k_pos
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k new
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v new
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // new_pos
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_pos
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // sinks
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("has_sinks")
-                                  .Attr<float>("scale")
-                                  .Attr<int64_t>("window"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(podrun_decode_attention_s8, DecodeAttentionS8,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::Buffer<ffi::S8>>()  // k cache, int8
-                                  .Arg<ffi::Buffer<ffi::S8>>()  // v cache, int8
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k scales [B, K, S]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v scales
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // k_pos
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k new
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v new
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // new_pos
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_pos
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // sinks
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("has_sinks")
-                                  .Attr<float>("scale")
-                                  .Attr<int64_t>("window"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(podrun_paged_attention, PagedAttentionF32,
                               ffi::Ffi::Bind()

@@ -197,13 +197,9 @@ class Team {
 
   // Memory for the helpers to read ahead once their share of a call is done: `rows` rows of
   // `row_bytes` from `base`, split among the team as part(rows, unit, t, T) splits a product.
-  // With `second`, every row is read there too (a cache's keys and values), and with `used`, only
-  // the first `used` bytes of each row (the slots of a cache in use).
   struct Ahead {
     const char* base = nullptr;
     int64_t rows = 0, unit = 1, row_bytes = 0;
-    const char* second = nullptr;
-    int64_t used = 0;
   };
 
   // body(t, T) for every t in [0, T): this thread takes t = 0, each helper one other t. Helpers
@@ -225,8 +221,6 @@ class Team {
     ahead_rows_.store(ahead.rows, std::memory_order_relaxed);
     ahead_unit_.store(ahead.unit, std::memory_order_relaxed);
     ahead_row_bytes_.store(ahead.row_bytes, std::memory_order_relaxed);
-    ahead_second_.store(ahead.second, std::memory_order_relaxed);
-    ahead_used_.store(ahead.used, std::memory_order_relaxed);
     pending_.store(int(threads_));
     gen_.fetch_add(1);  // seq_cst, as the sleepers' count below (see wait)
     if (sleepers_.load() > 0) {
@@ -281,9 +275,8 @@ class Team {
       seen = wait(seen);
       fn_(ctx_, id, int(threads_) + 1);
       constexpr auto relaxed = std::memory_order_relaxed;
-      Ahead a{ahead_base_.load(relaxed),      ahead_rows_.load(relaxed),
-              ahead_unit_.load(relaxed),      ahead_row_bytes_.load(relaxed),
-              ahead_second_.load(relaxed),    ahead_used_.load(relaxed)};
+      Ahead a{ahead_base_.load(relaxed), ahead_rows_.load(relaxed), ahead_unit_.load(relaxed),
+              ahead_row_bytes_.load(relaxed)};
       pending_.fetch_sub(1, std::memory_order_release);
       if (a.base) read_ahead(a, seen, id);
     }
@@ -296,20 +289,11 @@ class Team {
   // lines from another's L2.
   void read_ahead(const Ahead& a, uint64_t seen, int id) {
     auto [begin, end] = part(a.rows, a.unit, id, int(threads_) + 1);
-    // The share as runs of `len` bytes from the start of its rows: with `used` or `second`, each
-    // row's used bytes in `base`, then in `second`; otherwise the whole share as one run.
-    const bool whole = !a.second && (a.used <= 0 || a.used >= a.row_bytes);
-    const int64_t len = whole ? (end - begin) * a.row_bytes
-                              : a.used > 0 ? std::min(a.used, a.row_bytes) : a.row_bytes;
-    if (whole) end = std::min(end, begin + 1);
-    bool second = false;
-    for (int64_t i = 0, row = begin, at = 0; row < end && i * 64 < kAheadBytes; ++i) {
+    const char* share = a.base + begin * a.row_bytes;
+    const int64_t len = std::min((end - begin) * a.row_bytes, kAheadBytes);
+    for (int64_t i = 0, at = 0; at < len; ++i, at += 64) {
       if ((i & 15) == 0 && gen_.load(std::memory_order_relaxed) != seen) return;
-      __builtin_prefetch((second ? a.second : a.base) + row * a.row_bytes + at, 0, 3);
-      if ((at += 64) < len) continue;
-      at = 0;
-      if (a.second && !second) second = true;
-      else second = false, ++row;
+      __builtin_prefetch(share + at, 0, 3);
     }
   }
 
@@ -337,8 +321,8 @@ class Team {
   std::atomic<int> pending_{0}, sleepers_{0};
   void (*fn_)(void*, int, int) = nullptr;
   void* ctx_ = nullptr;
-  std::atomic<const char*> ahead_base_{nullptr}, ahead_second_{nullptr};
-  std::atomic<int64_t> ahead_rows_{0}, ahead_unit_{1}, ahead_row_bytes_{0}, ahead_used_{0};
+  std::atomic<const char*> ahead_base_{nullptr};
+  std::atomic<int64_t> ahead_rows_{0}, ahead_unit_{1}, ahead_row_bytes_{0};
   struct alignas(64) Range {  // chunks [lo, hi) left of a thread's share, lo << 32 | hi
     std::atomic<uint64_t> lohi{0};
   };
@@ -350,10 +334,9 @@ class Team {
 // followed its own last time (Team::Ahead), whose first bytes the helpers ask for once done, while
 // XLA runs the operations between two products and memory would idle. A wrong guess (a first
 // step, another device's calls in between) only reads memory in vain; calls that find the chain in
-// use skip it. Decode attention (cpu_attention.cc) joins the chain: the product before it hands
-// the helpers its cache rows in use (keys and values), which arrive cold from DRAM every step and
-// which the attention's few streams read at one or two threads' bandwidth, and while the caller
-// finishes its heads the helpers ask for the next product's weights.
+// use skip it. Paged attention (cpu_attention.cc) joins the chain: its pages lie anywhere in the
+// pool, so nothing of them is asked for ahead, but while the caller finishes its heads the helpers
+// ask for the next product's weights.
 class Chain {
  public:
   static Team::Ahead next(const Team::Ahead& self) {
