@@ -14,7 +14,7 @@ time is the file's alone: the job's wall time (runner.job.answer) and, inside it
 in the I/O path: reading the file, the format check and duplicate custom_ids, parsing each line,
 reading each request's completions into its answer, writing that as its Batch line, appending the
 partial file and writing the final one. `--parse_only`: no model, no job; the microseconds a line
-that parsing the file's lines takes (runner.api.batch.parse_line, with the job's Harmony rendering
+that parsing the file's lines takes (runner.api.formats.parse_line, with the job's Harmony rendering
 for --chat), per round.
 """
 
@@ -53,18 +53,18 @@ def _timed(name: str, fn, into: collections.Counter = SPENT):
 def _instrument() -> None:
     """Timers around every step of the I/O path, where runner.job calls it."""
     from runner import job
-    from runner.api import batch as openai_batch
-    from runner.api import responses, results
+    from runner.api import common, formats, openai_batch
+    from runner.results import writer
 
     job.read_lines = _timed("read the file", job.read_lines)
-    openai_batch.file_format = _timed("format, duplicate custom_ids", openai_batch.file_format)
-    openai_batch.parse_line = _timed("parse lines", openai_batch.parse_line)
-    responses.build_answer = _timed("answers (decoded, chat format read)", responses.build_answer)
+    formats.file_format = _timed("format, duplicate custom_ids", formats.file_format)
+    formats.parse_line = _timed("parse lines", formats.parse_line)
+    common.build_answer = _timed("answers (decoded, chat format read)", common.build_answer)
     openai_batch.result_line = _timed("Batch result lines", openai_batch.result_line)
     openai_batch.error_line = _timed("Batch result lines", openai_batch.error_line)
     for method in ("__init__", "open", "add", "write_final"):
         name = "append the partial file" if method == "add" else "partial file read, final file written"
-        setattr(results.Results, method, _timed(name, getattr(results.Results, method)))
+        setattr(writer.Results, method, _timed(name, getattr(writer.Results, method)))
 
 
 WORDS = "to be or not that is the question whether tis nobler in mind suffer slings arrows".split()
@@ -147,8 +147,8 @@ def main() -> None:
 def _parse_only(a) -> None:
 
     from configs.cpu import get_config
-    from runner.api import batch as openai_batch
-    from runner.api.requests import read_lines
+    from runner.api import formats
+    from runner.api.common import read_lines
     from runner.text.chat import chat_format
     from runner.settings import from_config
     from runner.text import o200k
@@ -164,10 +164,10 @@ def _parse_only(a) -> None:
         tokenizer, vocab = load_tokenizer(folder), o200k.VOCAB_SIZE
         render = chat_format("gptoss", tokenizer, s.generation.reasoning_effort)
     lines = read_lines(_write(os.path.join(folder, "in.jsonl"), a.requests, a.max_tokens, vocab, a.chat))
-    fmt = openai_batch.file_format(lines)
+    fmt = formats.file_format(lines)
     for _ in range(a.rounds):
         t0 = time.perf_counter()
-        parsed = [openai_batch.parse_line(i, x, fmt, tokenizer, s, vocab, render) for i, x in enumerate(lines)]
+        parsed = [formats.parse_line(i, x, fmt, tokenizer, s, vocab, render) for i, x in enumerate(lines)]
         us = 1e6 * (time.perf_counter() - t0) / len(lines)
         assert not any(p.error for p in parsed), next(p.error for p in parsed if p.error)
         print(f"{len(lines)} {'chat' if a.chat else 'completions'} Batch lines parsed: {us:.1f} us a line")

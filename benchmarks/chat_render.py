@@ -1,4 +1,4 @@
-"""Host time to read one chat request line into prompt ids (runner.api.requests.parse_request), with
+"""Host time to read one chat request line into prompt ids (runner.api.podrun.parse_line), with
 and without tools, in the Harmony format on o200k_harmony (GPT-OSS's), as runner.job reads them.
 
     python benchmarks/chat_render.py [--reps=300] [--rounds=5]
@@ -30,7 +30,8 @@ def main() -> None:
 
     from configs.cpu import get_config
     from runner.text.chat import chat_format
-    from runner.api.requests import Line, parse_request
+    from runner.api.common import Line
+    from runner.api.podrun import parse_line
     from runner.settings import from_config
     from runner.text import o200k
     from runner.text.tokenizer import load_tokenizer
@@ -48,13 +49,13 @@ def main() -> None:
              "3 tools, tool_choice required": {"messages": chat, "tools": TOOLS, "tool_choice": "required"}}
     for name, request in cases.items():
         line = Line(1, json.dumps(request))
-        p = parse_request(0, line, tok, s, o200k.VOCAB_SIZE, render)
+        p = parse_line(0, line, tok, s, o200k.VOCAB_SIZE, render)
         assert not p.error, p.error
         means = []
         for _ in range(args.rounds):
             t0 = time.perf_counter()
             for _ in range(args.reps):
-                parse_request(0, line, tok, s, o200k.VOCAB_SIZE, render)
+                parse_line(0, line, tok, s, o200k.VOCAB_SIZE, render)
             means.append((time.perf_counter() - t0) / args.reps * 1e3)
         print(f"{name}: {statistics.median(means):.3f} ms per line ({len(p.prompt_ids)} prompt tokens)")
 

@@ -1,4 +1,4 @@
-"""The merge of a split job (runner/api/parts.py): its time and memory on one core.
+"""The merge of a split job (runner/results/parts.py): its time and memory on one core.
 
     python benchmarks/merge.py [--lines=1000000] [--parts=64] [--dir=/tmp/podrun-merge]
 
@@ -29,10 +29,10 @@ CONFIG = {"benchmark": "merge"}
 
 def write_job(folder: str, lines: int, count: int) -> tuple[str, str]:
     """The request file and the part files of a job of `lines` requests in `count` parts."""
-    from runner.api import parts
-    from runner.api.batch import FileFormat
-    from runner.api.requests import Line
-    from runner.api.results import input_digest
+    from runner.api.common import Line
+    from runner.api.formats import FileFormat
+    from runner.results import parts
+    from runner.results.writer import input_digest
 
     os.makedirs(folder, exist_ok=True)
     inp, out = os.path.join(folder, f"in-{lines}.jsonl"), os.path.join(folder, f"out-{lines}.jsonl")
@@ -64,7 +64,7 @@ def write_job(folder: str, lines: int, count: int) -> tuple[str, str]:
 def merge_here(inp: str, out: str, count: int) -> None:
     """One merge in this process, pinned to one core: its wall time and this process's peak RSS."""
     os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
-    from runner.api import parts
+    from runner.results import parts
 
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0 = time.perf_counter()

@@ -2,7 +2,7 @@
 
     python benchmarks/parts_balance.py REQUESTS.jsonl [--parts=16] [--max_new_tokens=256]
 
-The cut and the estimate are runner/api/parts.py's (docs/parts.md); --max_new_tokens stands for
+The cut and the estimate are runner/results/parts.py's (docs/parts.md); --max_new_tokens stands for
 the deployment's generation.max_new_tokens, the max_tokens of a request that gives none.
 """
 
@@ -15,9 +15,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from runner.api import parts  # noqa: E402
-from runner.api.batch import file_format  # noqa: E402
-from runner.api.requests import read_lines  # noqa: E402
+from runner.api.common import read_lines  # noqa: E402
+from runner.api.formats import file_format  # noqa: E402
+from runner.results import parts  # noqa: E402
 
 
 def main() -> None:

@@ -11,7 +11,7 @@ extraction job (a name, a summary of 60-240 characters, 3-5 facts, a rating), wh
 as long as the free answers; heldout: the held-out schemas of tests/data/structured_cases.jsonl
 in turn (1-4 small fields: their JSON ends after ~20 tokens, the free answers at max_tokens, so
 the job with formats also spends more of its time in prefill per token). The unconstrained job
-is the same lines without their formats. Both are parsed as runner.job does (runner.api.requests.parse_request) and run through
+is the same lines without their formats. Both are parsed as runner.job does (runner.api.podrun.parse_line) and run through
 one engine (runner.engine.Scheduler), so that after a first run of each no program compiles
 (prefix sharing off: a pool kept from one run would change the next one's programs; each run
 reports the programs it compiled, 0 after the first).
@@ -44,7 +44,8 @@ from ml_collections import config_flags  # noqa: E402
 from runner.cli import setup_devices  # noqa: E402
 from runner.engine import Engine, Request, Scheduler  # noqa: E402
 from runner.job import load_model  # noqa: E402
-from runner.api.requests import Line, parse_request  # noqa: E402
+from runner.api.common import Line  # noqa: E402
+from runner.api.podrun import parse_line  # noqa: E402
 from runner.settings import from_config  # noqa: E402
 from runner.text import structured  # noqa: E402
 from runner.text.tokenizer import load_tokenizer  # noqa: E402
@@ -102,7 +103,7 @@ def main(argv: list[str]) -> None:
         rows[True].append(line)
     jobs = {}
     for k, lines in rows.items():
-        parsed = [parse_request(i, Line(i + 1, json.dumps(r)), tokenizer, s, vocab, None, grammars)
+        parsed = [parse_line(i, Line(i + 1, json.dumps(r)), tokenizer, s, vocab, None, grammars)
                   for i, r in enumerate(lines)]
         if bad := [p.error for p in parsed if p.error]:
             raise SystemExit(f"structured: a request failed: {bad[0]}")

@@ -5,7 +5,6 @@ interrupted job ends with."""
 from __future__ import annotations
 
 import collections
-import json
 import os
 import socket
 import sys
@@ -14,8 +13,9 @@ import time
 import jax
 from etils import epath
 
-from runner.api.parts import part_path
-from runner.api.results import check_bucket, is_remote, partial_objects, read_partial
+from runner.results.parts import part_path
+from runner.results.writer import partial_objects, read_partial
+from runner.storage import check_bucket, is_remote
 
 
 def setup_devices(s) -> None:
@@ -86,20 +86,13 @@ def interrupted(s, tool: str = "podrun") -> str:
     output = part_path(s.output, s.part, s.parts) if s.parts > 1 and s.part >= 0 else s.output
     partial = epath.Path(output + ".partial")
     try:
-        lines = read_partial(partial, partial_objects(partial) if is_remote(output) else None)
+        found = read_partial(partial, partial_objects(partial) if is_remote(output) else None)
     except ValueError as e:  # read_partial's RequestFileError: the partial file cannot be read
         return f"{tool}: interrupted; {e}; the same command resumes from what it holds"
-    if not lines:
+    if found is None:
         return f"{tool}: interrupted before any result was written; the same command starts again"
-    kept = set()
-    for line in lines[1:]:  # after the header: results (with an "_index") and attempt records
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:  # a line cut short is no result: the rerun redoes it
-            continue
-        if isinstance(record, dict) and "_index" in record:
-            kept.add(record["_index"])
-    return f"{tool}: interrupted: {len(kept)} results kept in {partial}; the same command resumes from them"
+    return (f"{tool}: interrupted: {len(found.done)} results kept in {partial}; the same command resumes "
+            "from them")
 
 
 def read_config(flag, tool: str):

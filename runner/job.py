@@ -11,14 +11,15 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from runner import log
-from runner.api import batch, parts, responses
-from runner.api.errors import AllFailedError
-from runner.api.requests import read_lines
-from runner.api.results import Results, error_message
+from runner.api import common, formats, openai_batch, podrun
+from runner.api.common import read_lines
 from runner.checkpoints.load import open_checkpoint, restore
 from runner.engine import Completion, Scheduler
 from runner.engine.build import build_engine
+from runner.errors import AllFailedError
 from runner.report import Summary, log_stats, progress_bar
+from runner.results import parts
+from runner.results.writer import Results, error_message
 from runner.settings import Settings, SettingsError
 from runner.text.chat import ChatFormat, chat_format
 from runner.text.structured import Grammars
@@ -34,12 +35,12 @@ def answer(s: Settings, loaded: tuple | None = None) -> Summary:
     began = time.time()
     # a bad request file or output path fails before the checkpoint is touched
     lines = read_lines(s.input)
-    fmt = batch.file_format(lines)
+    fmt = formats.file_format(lines)
     if s.parts > 1:
         return _answer_part(s, lines, fmt, began, loaded)
     results = Results(s.output, lines, writer=jax.process_index() == 0)
     chat_template = read_chat_template(s.chat_template)  # a mistyped path fails here, loading nothing
-    if not s.overwrite and results.finished(*batch.ids(lines, fmt)):
+    if not s.overwrite and results.finished(*formats.ids(lines, fmt)):
         if results.failed:  # as the run that wrote it ended: every request failed
             raise AllFailedError(f"every one of the {len(lines)} requests failed (in {s.output}, an earlier "
                                  f"run's); line {lines[0].number}: {results.failed}; fix the cause and "
@@ -51,14 +52,14 @@ def answer(s: Settings, loaded: tuple | None = None) -> Summary:
 
 
 def _answer_part(s: Settings, lines: list, fmt, began: float, loaded) -> Summary:
-    """Part io.part of io.parts (runner/api/parts.py): its lines answered into its own file, or
+    """Part io.part of io.parts (runner/results/parts.py): its lines answered into its own file, or
     found done there; then the merge into io.output where this run finds every part done."""
     if s.part < 0:
         raise SettingsError(f"io.parts={s.parts} splits the input: give --config.io.part=<0 to "
                             f"{s.parts - 1}>, or run it as a Kubernetes Indexed Job (JOB_COMPLETION_INDEX)")
     writer = jax.process_index() == 0
     if not s.overwrite and epath.Path(s.output).exists() and Results(s.output, lines, writer=False).finished(
-            *batch.ids(lines, fmt)):
+            *formats.ids(lines, fmt)):
         log.info(f"{s.output} already holds the results of {s.input}'s {len(lines)} requests: nothing to do")
         return Summary(requests=len(lines), already_done=len(lines))
     part = parts.select(lines, fmt, s.part, s.parts, s.generation.max_new_tokens, s.output, s.result_config)
@@ -154,7 +155,7 @@ def _generate(s: Settings, lines: list, fmt, results: Results, chat_template, lo
         rows = []
         for i, samples in ended:
             p = todo[i]
-            a = responses.build_answer(p, samples, tokenizer, s.echo_prompt, chat)
+            a = common.build_answer(p, samples, tokenizer, s.echo_prompt, chat)
             summary.count(a.prompt_tokens, a.completion_tokens, samples)
             rows.append((p.index, result_line(p, a)))
         results.add(rows)
@@ -177,7 +178,7 @@ def _generate(s: Settings, lines: list, fmt, results: Results, chat_template, lo
     return summary
 
 
-def request_parser(s: Settings, model, tokenizer, fmt: batch.FileFormat
+def request_parser(s: Settings, model, tokenizer, fmt: formats.FileFormat
                    ) -> tuple[ChatFormat | None, tuple[int, ...], Callable]:
     """How the job reads its file's lines: (the model's chat format, the ids that end a completion,
     parse(index, line) -> Parsed). runner.tools.plan reads a file through the same."""
@@ -185,16 +186,16 @@ def request_parser(s: Settings, model, tokenizer, fmt: batch.FileFormat
     stop_ids = tuple(dict.fromkeys((chat.stop_ids if chat else ()) + s.generation.stop_token_ids))
     grammars = (Grammars(tokenizer, model.vocab_size, chat.format_stop_ids(stop_ids), chat.grammar_start)
                 if chat else None)
-    return chat, stop_ids, lambda i, line: batch.parse_line(i, line, fmt, tokenizer, s, model.vocab_size,
+    return chat, stop_ids, lambda i, line: formats.parse_line(i, line, fmt, tokenizer, s, model.vocab_size,
                                                             chat, grammars)
 
 
-def _writers(fmt: batch.FileFormat, model_name: str) -> tuple[Callable, Callable]:
+def _writers(fmt: formats.FileFormat, model_name: str) -> tuple[Callable, Callable]:
     """The file's format's writers: (the line of a request that cannot be served, the line of a
     request p and its answer a); a Batch result is `created` when written."""
-    if fmt.batch:
-        return batch.error_line, lambda p, a: batch.result_line(p, a, model_name, int(time.time()))
-    return responses.error_line, lambda p, a: responses.podrun_line(a)
+    if fmt.openai_batch:
+        return openai_batch.error_line, lambda p, a: openai_batch.result_line(p, a, model_name, int(time.time()))
+    return podrun.error_line, lambda p, a: podrun.result_line(a)
 
 
 def _open(results: Results) -> None:

@@ -20,13 +20,12 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion
 from scipy.special import log_softmax
 
-from runner.api import batch as openai_batch
+from runner.api import common, openai_batch
+from runner.api import podrun as podrun_format
+from runner.api.common import Answer, Choice, Line, Parsed, Token
+from runner.api.formats import FileFormat, file_format, parse_line
 from runner.engine.engine import MAX_LOGPROBS, Completion as Sample, TokenLogprobs
-from runner.api import responses
-from runner.api.responses import Answer, Choice, Token
-from runner.api.batch import FileFormat, file_format, parse_line
-from runner.api.errors import RequestFileError
-from runner.api.requests import Line, Parsed, parse_request
+from runner.errors import RequestFileError
 from runner.text.tokenizer import load_tokenizer
 from tests.reference import VOCAB, hf_greedy, hf_logits, tiny_hf
 from tests.test_end_to_end import ROOT, podrun, read_jsonl, write_jsonl
@@ -90,7 +89,7 @@ def fields(p: Parsed) -> dict:
 ])
 def test_chat_bodies_make_the_requests_podrun_lines_make(tok, s, body, equivalent):
     p = parsed(tok, s, batch_line(body))
-    want = parse_request(0, Line(4, json.dumps(equivalent)), tok, s, VOCAB_SIZE)
+    want = podrun_format.parse_line(0, Line(4, json.dumps(equivalent)), tok, s, VOCAB_SIZE)
     assert not p.error and not want.error, (p.error, want.error)
     assert (p.id, p.api) == ("c1", "chat.completion")
     assert fields(p) == fields(want)
@@ -105,7 +104,7 @@ def test_chat_bodies_make_the_requests_podrun_lines_make(tok, s, body, equivalen
 ])
 def test_completion_bodies_make_the_requests_podrun_lines_make(tok, s, body, equivalent):
     p = parsed(tok, s, batch_line(body, url="/v1/completions"))
-    want = parse_request(0, Line(4, json.dumps(equivalent)), tok, s, VOCAB_SIZE)
+    want = podrun_format.parse_line(0, Line(4, json.dumps(equivalent)), tok, s, VOCAB_SIZE)
     assert not p.error and not want.error, (p.error, want.error)
     assert (p.id, p.api) == ("c1", "text_completion")
     assert fields(p) == fields(want)
@@ -284,7 +283,7 @@ def test_chat_results_are_chat_completions(tok, s):
     p = parsed(tok, s, batch_line(body, custom_id="q-1"))
     ids = [tok.encode("To be or not", add_special_tokens=False)[:5], tok.encode("that is", add_special_tokens=False)]
     samples = [sample(ids[0], "length", 1), sample(ids[1], "stop", 2)]
-    a = responses.build_answer(p, samples, tok, False)
+    a = common.build_answer(p, samples, tok, False)
     out = openai_batch.result_line(p, a, "smollm2", 1_800_000_000)
     body = check_envelope(json.loads(json.dumps(out)), "q-1")
     c = ChatCompletion.model_validate(body)
@@ -367,7 +366,7 @@ def test_completion_results_are_text_completions_with_legacy_logprobs(tok, s):
     p = parsed(tok, s, batch_line({"prompt": "To be", "logprobs": 2, "max_tokens": 6}, url=TEXT_URL, custom_id="x"))
     ids = tok.encode(" or not to be", add_special_tokens=False)[:6]
     sm = sample(ids, "length", 3)
-    out = openai_batch.result_line(p, responses.build_answer(p, [sm], tok, False), "m", 5)
+    out = openai_batch.result_line(p, common.build_answer(p, [sm], tok, False), "m", 5)
     c = Completion.model_validate(check_envelope(out, "x"))
     assert c.object == "text_completion" and c.usage.total_tokens == len(p.prompt_ids) + len(ids)
     (x,) = c.choices

@@ -11,11 +11,11 @@ from collections import deque
 
 import pytest
 
-from runner.api import parts
-from runner.api.batch import file_format, line_id
-from runner.api.errors import RequestFileError
-from runner.api.requests import iter_lines, read_lines
-from runner.api.results import Results
+from runner.api.common import iter_lines, read_lines
+from runner.api.formats import file_format, line_id
+from runner.errors import RequestFileError
+from runner.results import parts
+from runner.results.writer import Results
 from runner.settings import SettingsError, from_config
 from runner.tools.merge import describe
 from tests.reference import tiny_hf
@@ -151,7 +151,7 @@ def answer_parts(path: str, output: str, count: int, only=None, config=CONFIG, l
         mine = lines[part.start:part.end]
         rows = [(k, {"id": line_id(x, fmt), "text": f"answer {x.number}",
                      "usage": {"prompt_tokens": x.number, "completion_tokens": 2}}) for k, x in enumerate(mine)]
-        if fmt.batch:
+        if fmt.openai_batch:
             rows = [(k, {"id": f"batch_req_{r['id']}", "custom_id": r["id"],
                          "response": {"status_code": 200, "body": {"usage": r["usage"]}}, "error": None})
                     for k, r in rows]

@@ -10,9 +10,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runner.api.errors import RequestFileError
-from runner.api.requests import FIELDS, INT32_MAX, Line, parse_request, read_lines
-from runner.api.results import Results
+from runner.api.common import INT32_MAX, Line, read_lines
+from runner.api.podrun import FIELDS, parse_line
+from runner.errors import RequestFileError
+from runner.results.writer import Results
 from runner.text.structured import Grammars
 from runner.text.tokenizer import load_tokenizer
 from tests import test_tokenizer
@@ -116,20 +117,20 @@ def problems(p, s) -> list[str]:
 @settings(max_examples=400, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(line=lines, number=st.integers(1, 10**6))
 def test_any_line_gets_one_result(tok, s, grammars, line, number):
-    p = parse_request(0, Line(number, line), tok, s, VOCAB_SIZE, grammars=grammars)
+    p = parse_line(0, Line(number, line), tok, s, VOCAB_SIZE, grammars=grammars)
     assert not problems(p, s), (p, problems(p, s))
 
 
 @settings(max_examples=300, deadline=None, derandomize=True)
 @given(request=requests)
 def test_requests_without_a_tokenizer(s, request):
-    p = parse_request(0, Line(1, json.dumps(request)), None, s, VOCAB_SIZE)
+    p = parse_line(0, Line(1, json.dumps(request)), None, s, VOCAB_SIZE)
     assert not problems(p, s), (p, problems(p, s))
 
 
 def test_fields_and_typos_are_named(tok, s):
     def error(d):
-        return parse_request(0, Line(3, json.dumps(d)), tok, s, VOCAB_SIZE).error
+        return parse_line(0, Line(3, json.dumps(d)), tok, s, VOCAB_SIZE).error
 
     assert error({"prompt": "hi", "max_tokenz": 3}) == "unknown field 'max_tokenz': did you mean 'max_tokens'?"
     assert error({"prompt": "hi", "xyzzy": 3}) == "unknown field 'xyzzy': request fields are " + ", ".join(FIELDS)
@@ -176,7 +177,7 @@ def test_the_writer_keeps_every_line_in_order_across_a_restart(tok, s, tmp_path_
     def answer(results, indices):
         rows = []
         for i in indices:
-            p = parse_request(i, got[i], tok, s, VOCAB_SIZE)
+            p = parse_line(i, got[i], tok, s, VOCAB_SIZE)
             assert not problems(p, s), (p, problems(p, s))
             text = tok.decode(list(p.prompt_ids)) if not p.error else ""
             rows.append((i, {"id": p.id, "error": p.error} if p.error else {"id": p.id, "text": text}))
@@ -194,6 +195,6 @@ def test_the_writer_keeps_every_line_in_order_across_a_restart(tok, s, tmp_path_
         written = [json.loads(x) for x in f.read().split("\n") if x]
     assert len(written) == len(got)
     for line, r in zip(got, written):
-        p = parse_request(0, line, tok, s, VOCAB_SIZE)
+        p = parse_line(0, line, tok, s, VOCAB_SIZE)
         assert json.dumps(r["id"]) == json.dumps(p.id)  # NaN too
         assert ("error" in r) == bool(p.error)

@@ -29,9 +29,9 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from runner.engine import Completion
-from runner.api import responses
+from runner.api import common, podrun
+from runner.api.common import Line
 from runner.text.chat import HarmonyChat, chat_format
-from runner.api.requests import Line, parse_request
 from runner.text.harmony import HarmonyOptions, parse, render
 from runner.text.tokenizer import load_tokenizer, read_chat_template
 from tests import test_harmony
@@ -42,7 +42,7 @@ from tests.test_tokenizer import ids_of, shakespeare_lines, write_folder
 
 def _result_line(p, samples, tok, echo, chat=None) -> dict:
     """podrun's result line of request p and its samples, as runner.job writes it."""
-    return responses.podrun_line(responses.build_answer(p, samples, tok, echo, chat))
+    return podrun.result_line(common.build_answer(p, samples, tok, echo, chat))
 
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
@@ -231,7 +231,7 @@ def test_harmony_cut_off_calls_are_what_openai_harmony_finished(tok, enc, name):
 
 def harmony_request(tok, s, request: dict):
     """A request line parsed as a GPT-OSS deployment parses it (runner.job.chat_format's Harmony)."""
-    return parse_request(0, Line(1, json.dumps(request)), tok, s, 201_088,
+    return podrun.parse_line(0, Line(1, json.dumps(request)), tok, s, 201_088,
                          chat_format("gptoss", tok, s.generation.reasoning_effort))
 
 
@@ -337,7 +337,7 @@ def s():
 
 
 def request(tok, s, d: dict):
-    return parse_request(0, Line(1, json.dumps(d)), tok, s, tok.vocab_size)
+    return podrun.parse_line(0, Line(1, json.dumps(d)), tok, s, tok.vocab_size)
 
 
 @pytest.mark.parametrize("name", [*CONVERSATIONS, "several_calls"])

@@ -20,7 +20,7 @@ from etils import epath
 
 from models.registry import Model
 from models.weights import Weight, is_weight
-from runner.api.results import check_bucket
+from runner.storage import check_bucket
 from sharding.rules import Rules
 
 FORMAT = 1

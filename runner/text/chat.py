@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from runner.api.errors import RequestError
+from runner.errors import RequestError
 from runner.text import harmony
 from runner.text import tools as chat_tools
 

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import jsonschema
 
-from runner.api.errors import quote
+from runner.errors import quote
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 TOOL_CHOICES = ("auto", "none", "required")

@@ -5,7 +5,7 @@
 
 With the config the parts ran with (the same overrides: a part written with other settings that
 change results is refused, naming them), the parts' files beside io.output are streamed into
-io.output in input order, each result checked against its request line (runner/api/parts.py);
+io.output in input order, each result checked against its request line (runner/results/parts.py);
 io.output appears whole or not at all. --status reads the parts' files alone (not the input) and
 prints each part's state: done (requests, errors, tokens, attempts, wall time), started (results
 so far, attempts, its last write), failed (the error its last attempt recorded) or pending; then
@@ -20,7 +20,7 @@ import time
 from absl import app, flags
 from ml_collections import config_flags
 
-from runner.api import parts
+from runner.results import parts
 from runner.cli import parse_flags, read_config
 
 if __name__ == "__main__":  # flags of this command only, so the module can be imported

@@ -44,8 +44,8 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from models.registry import Model
-from runner.api import batch
-from runner.api.requests import read_lines
+from runner.api import formats
+from runner.api.common import read_lines
 from runner.checkpoints.load import open_checkpoint, restore
 from runner.cli import parse_flags, read_config, setup_devices
 from runner.engine import Engine, Request, Scheduler
@@ -134,7 +134,7 @@ def read_job(s: Settings, model, tokenizer_dir: str = "") -> Job:
     """s.input tokenized and parsed exactly as runner.job.answer does, the errors kept apart."""
     t0 = time.perf_counter()
     lines = read_lines(s.input)
-    fmt = batch.file_format(lines)
+    fmt = formats.file_format(lines)
     where = tokenizer_dir or s.checkpoint_path
     if "://" in where and not tokenizer_dir:
         raise ValueError(f"checkpoint.path={where} is not on this machine: give --tokenizer=DIR, a "

@@ -2,7 +2,7 @@
 
 With io.parts=N the request file is cut into N contiguous ranges of lines of about equal estimated
 work (`split`); run i answers its range into `<output>.part-<i:05d>-of-<N:05d>.jsonl` through
-results.Results, as a whole run answers the file (its own `.partial`, exactly once across kills).
+writer.Results, as a whole run answers the file (its own `.partial`, exactly once across kills).
 A part file's first line says what it was written for, its results follow in input order:
 
     {"podrun_part": {"index", "parts", "lines": [start, end), "input_sha256", "config",
@@ -13,9 +13,11 @@ A part file's first line says what it was written for, its results follow in inp
 against its input line; `states` reads what each part has done from the parts' files alone.
 
 The estimate of a line's work is its prompt's tokens and the tokens it may generate: prompt ids
-counted where given, else the line's characters / CHARS_PER_TOKEN; plus n x max_tokens (the
-request's, else generation.max_new_tokens). It reads no tokenizer, only the line, so every host
-and every rerun cuts the file the same way, whatever its devices.
+counted where given (a Batch completion's too), else the line's characters / CHARS_PER_TOKEN; plus
+n x max_tokens as the request parser reads them from the line's fields (common.sizes: the
+request's, else generation.max_new_tokens); a line whose result is an error counts 1. It reads no
+tokenizer, only the line, so every host and every rerun cuts the file the same way, whatever its
+devices.
 """
 
 from __future__ import annotations
@@ -34,11 +36,12 @@ from typing import Any
 import fsspec
 from etils import epath
 
-from runner.api.batch import FileFormat, deciding, id_key, line_id
-from runner.api.errors import RequestFileError
-from runner.api.requests import Line, decode, iter_lines
-from runner.api.results import Results, differences, error_message, input_digest, is_remote, read_partial, \
-    partial_objects
+from runner.api.common import Line, iter_lines, sizes
+from runner.api.formats import FileFormat, deciding, id_key, line_id, request_fields
+from runner.errors import RequestFileError
+from runner.results.writer import Results, differences, error_message, input_digest, partial_objects, \
+    read_partial
+from runner.storage import is_remote
 
 CHARS_PER_TOKEN = 4  # English text in a BPE vocabulary: about 4 characters a token
 HEADER = "podrun_part"
@@ -51,21 +54,13 @@ def part_path(output: str, index: int, parts: int) -> str:
 
 def estimate(line: Line, fmt: FileFormat, max_new_tokens: int) -> int:
     """The work of one request line, in tokens (at least 1): prompt plus n x max_tokens."""
-    d, _ = decode(line)
+    d = request_fields(line, fmt)
     if d is None:
         return 1  # an error result
-    if fmt.batch:
-        d = d.get("body") if isinstance(d.get("body"), dict) else {}
-        given = d.get("max_completion_tokens", d.get("max_tokens"))
-        ids = d.get("prompt")
-    else:
-        given = d.get("max_tokens")
-        ids = d.get("prompt_token_ids")
+    ids = d.get("prompt_token_ids")
     prompt = len(ids) if isinstance(ids, list) and all(isinstance(i, int) for i in ids) \
         else len(line.text) // CHARS_PER_TOKEN
-    default = 0 if "continuation" in d else max_new_tokens
-    max_tokens = given if isinstance(given, int) and 0 <= given <= max_new_tokens else default
-    n = d.get("n") if isinstance(d.get("n"), int) and 1 <= d["n"] <= 128 else 1
+    n, max_tokens = sizes(d, max_new_tokens)
     return max(1, prompt + n * max_tokens)
 
 
@@ -376,30 +371,16 @@ def states(output: str, parts: int) -> list[State]:
 def _state(output: str, index: int, parts: int) -> State:
     partial = epath.Path(part_path(output, index, parts) + ".partial")
     objects = partial_objects(partial) if is_remote(output) else None
-    lines = read_partial(partial, objects)
-    if not lines:
+    found = read_partial(partial, objects)
+    if found is None:
         return State(index, "pending", {})
-    records = []
-    results = 0
-    for text in lines[1:]:
-        if text.startswith('{"_index"'):
-            results += text.endswith("}")  # one cut short by a kill is not a result
-        elif text.startswith(('{"_start"', '{"_failed"')):
-            records.append(_loads(text))
-    header = _loads(lines[0]).get("part") or {}
-    last = records[-1] if records else {}
-    error = (last.get("_failed") or {}).get("error", "") if isinstance(last, dict) else ""
-    starts = sum(1 for r in records if "_start" in r)
+    header = found.header.get("part") or {}
+    last = found.attempts[-1] if found.attempts else {}
+    error = (last.get("_failed") or {}).get("error", "")
+    starts = sum(1 for r in found.attempts if "_start" in r)
     try:
         updated = (objects[-1] if objects else partial).stat().mtime
     except (OSError, AttributeError, NotImplementedError):
         updated = None
-    return State(index, "failed" if error else "started", header, results, starts, error, updated)
-
-
-def _loads(text: str) -> dict[str, Any]:
-    try:
-        d = json.loads(text)
-        return d if isinstance(d, dict) else {}
-    except json.JSONDecodeError:
-        return {}
+    return State(index, "failed" if error else "started", header, len(found.done), starts, error,
+                 updated)

@@ -1,34 +1,35 @@
-"""OpenAI Batch files, as `vllm run-batch` reads and writes them, beside podrun's own format.
+"""OpenAI Batch files, as `vllm run-batch` and OpenAI's Batch API read and write them: a request
+line read into a request (`parse_line`), its result written from its answer (`result_line`) or
+from its error (`error_line`).
 
 A request line: {"custom_id": str, "method": "POST", "url": "/v1/chat/completions" |
-"/v1/completions", "body": {...}}; its body becomes a podrun request (`request_fields`), which
-podrun's own parser (requests.py) then checks. A result line, written from the request's answer
-(responses.Answer): {"id": "batch_req_...", "custom_id", "response": {"status_code": 200,
+"/v1/completions", "body": {...}}; its body becomes podrun's request fields (`request_fields`),
+which common.parse_fields then checks. A result line, written from the request's answer
+(common.Answer): {"id": "batch_req_...", "custom_id", "response": {"status_code": 200,
 "request_id": "req_...", "body": <chat.completion | text_completion>}, "error": null}, or for a
 request that cannot be served {..., "response": {"status_code": 400, "request_id", "body": null},
 "error": {"object": "error", "message", "type": "BadRequestError", "param", "code", "line"}}:
 vLLM's ErrorResponse, with OpenAI's BatchError's string `code` (invalid_request, invalid_json,
 unknown_parameter, context_length_exceeded) and input `line`.
 
-The format is the file's: its first JSON object decides, and a line of the other format gets an
-error naming both lines. One results file then has one format, and a rerun resumes it exactly as
-podrun's own (results.Results: keyed by line index and the input's hash; custom_ids are unique,
-so the index stands for the custom_id). Ids are hashes of the custom_id, so a rerun gives the same.
+custom_ids are unique in a file (`check_ids`), so a rerun resumes a Batch file's results exactly
+as podrun's own (the results file is keyed by line index and the input's hash, and the index
+stands for the custom_id). Ids are hashes of the custom_id, so a rerun gives the same.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import hashlib
 import json
 from typing import Any
 
-from runner.api.errors import RequestError, RequestFileError, quote
-from runner.api.requests import BATCH, Line, Parsed, decode, parse_fields
-from runner.api.responses import Answer, Choice, Token
+from runner.api.common import Answer, Choice, Line, Parsed, Token, decode, parse_fields, refuse_repeated
+from runner.errors import RequestError, quote
 from runner.settings import Settings
 
+KEYS = ("custom_id", "method", "url", "body")  # a Batch line's: any of them marks a line as one
+ID_KEY = "custom_id"  # the result line's field that names its request
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 OBJECTS = {CHAT_URL: "chat.completion", COMPLETIONS_URL: "text_completion"}
 
@@ -50,84 +51,28 @@ DEFAULT_ONLY = {CHAT_URL: {"stream": False, "frequency_penalty": 0, "presence_pe
 MIN_LOGPROB = -9999.0  # OpenAI's stand-in for a token too unlikely to have a finite log-probability
 
 
-@dataclasses.dataclass(frozen=True)
-class FileFormat:
-    batch: bool  # OpenAI Batch lines (else podrun's own)
-    first: int  # the line that decided: the file's first JSON object
-
-
-def file_format(lines: list[Line]) -> FileFormat:
-    """The request file's format, from its first JSON object. A file whose ids repeat (custom_ids
-    in a Batch file, given ids in podrun's) is refused whole (RequestFileError naming them and
-    their lines), before any model loads: results are matched to requests by id."""
-    fmt = next(filter(None, map(deciding, lines)), None)
-    if fmt is None:
-        return FileFormat(False, lines[0].number)
-    _check_unique(lines, "custom_id" if fmt.batch else "id")
-    return fmt
-
-
-def deciding(line: Line) -> FileFormat | None:
-    """The format `line` decides when it is the file's first JSON object; None for a line that is
-    not one."""
+def line_id(line: Line) -> str | None:
+    """The custom_id the result of `line` carries (None for a line without a string one)."""
     d, _ = decode(line)
-    return None if d is None else FileFormat(any(k in d for k in BATCH), line.number)
+    return d.get("custom_id") if d is not None and isinstance(d.get("custom_id"), str) else None
 
 
-def ids(lines: list[Line], fmt: FileFormat) -> tuple[list[Any], str]:
-    """The ids the file's results carry, in order, and their key: custom_ids (None for a line
-    without one) in a Batch file, else the given ids or the line numbers."""
-    return [line_id(line, fmt) for line in lines], id_key(fmt)
-
-
-def id_key(fmt: FileFormat) -> str:
-    """The key of a result line's id: "custom_id" in a Batch file's results, else "id"."""
-    return "custom_id" if fmt.batch else "id"
-
-
-def line_id(line: Line, fmt: FileFormat) -> Any:
-    """The id the result of `line` carries (ids)."""
-    d, _ = decode(line)
-    if fmt.batch:
-        return d.get("custom_id") if d is not None and isinstance(d.get("custom_id"), str) else None
-    return line.number if d is None else d.get("id", line.number)
-
-
-def _check_unique(lines: list[Line], key: str) -> None:
-    """Refuses a file in which two lines give the same `key` (ids compared as JSON values)."""
-    where: dict[str, list[int]] = {}
+def check_ids(lines: list[Line]) -> None:
+    """Refuses a file (RequestFileError) in which two lines give the same custom_id."""
+    where: dict[str, list[str]] = {}
     for line in lines:
-        d, _ = decode(line)
-        if d is not None and d.get(key) is not None and (key == "id" or isinstance(d[key], str)):
-            where.setdefault(json.dumps(d[key], sort_keys=True), []).append(line.number)
-    repeated = [(c, ns) for c, ns in where.items() if len(ns) > 1]
-    if repeated:
-        shown = "; ".join(f"{quote(json.loads(c))} on lines {', '.join(map(str, ns[:10]))}"
-                          for c, ns in repeated[:5])
-        more = f"; and {len(repeated) - 5} more" if len(repeated) > 5 else ""
-        what = "Batch request" if key == "custom_id" else "request"
-        raise RequestFileError(f"io.input: {len(repeated)} {key}(s) given more than once, but each "
-                               f"{what} needs its own: {shown}{more}")
+        if (cid := line_id(line)) is not None:
+            where.setdefault(json.dumps(cid), []).append(str(line.number))
+    refuse_repeated(where, ID_KEY, "Batch request")
 
 
-def parse_line(index: int, line: Line, fmt: FileFormat, tokenizer, s: Settings, vocab_size: int,
-               chat=None, grammars=None) -> Parsed:
-    """One line of a file of format `fmt` -> a request, or one carrying the reason it cannot be
-    served (requests.parse_request for podrun's own lines; `grammars` compiles formats).
-    Never raises."""
+def parse_line(index: int, line: Line, tokenizer, s: Settings, vocab_size: int, chat=None,
+               grammars=None) -> Parsed:
+    """One Batch line -> a request (its body renamed into podrun's fields, which
+    common.parse_fields checks), or one carrying the reason it cannot be served. Never raises."""
     d, error = decode(line)
     if d is None:
-        return Parsed(index, None if fmt.batch else line.number, error=error, code="invalid_json",
-                      line=line.number)
-    if any(k in d for k in BATCH) != fmt.batch:
-        kinds = ("podrun's format", "an OpenAI Batch request (custom_id, method, url, body)")
-        return Parsed(index, None if fmt.batch else d.get("id", line.number), error=(
-            f"line {line.number} is {kinds[not fmt.batch]}, but the file's first request (line "
-            f"{fmt.first}) is {kinds[fmt.batch]}: give one format per file"), code="invalid_request",
-            line=line.number)
-    if not fmt.batch:
-        return parse_fields(index, line.number, d, d.get("id", line.number), tokenizer, s, vocab_size,
-                            chat, grammars)
+        return Parsed(index, None, error=error, code="invalid_json", line=line.number)
     custom_id = d.get("custom_id")
     try:
         url, fields, renamed = request_fields(d)
@@ -154,7 +99,7 @@ def request_fields(d: dict) -> tuple[str, dict, dict[str, str]]:
     if not isinstance(d["custom_id"], str):
         raise RequestError(f"custom_id={quote(d['custom_id'])} is not a string", "custom_id")
     for key in d:
-        if key not in BATCH:
+        if key not in KEYS:
             raise RequestError(f"unknown field {quote(key)}: a Batch line has custom_id, method, url and body",
                                key, "unknown_parameter")
     if d.get("method") != "POST":

@@ -1,19 +1,20 @@
-"""Requests in: podrun's request lines read into requests the engine runs, or the error each one
-gets.
+"""What podrun's own format (podrun.py) and OpenAI Batch (openai_batch.py) share: a request file's
+lines, the request a line's fields make (`Parsed`, by `parse_fields`, or the error it gets as a
+value: errors.RequestError naming its field), and a request's answer, its completions read once
+(`Answer`, by `build_answer`: the tokens decoded, cut at stop strings, a chat's completion read
+by its chat format, runner/text/chat.py), which each format writes as its own result line.
 
-A request line: {"id": ..., "prompt": "..."} | {"id": ..., "messages": [{"role", "content"}]} |
-{"id": ..., "prompt_token_ids": [...]}, with optional max_tokens, temperature, top_p, top_k, stop,
-seed, n, logprobs (top_logprobs), prompt_logprobs, continuation, for chats tools and tool_choice
+A request's fields, in podrun's names (an OpenAI Batch body is renamed into them): one of prompt,
+messages, prompt_token_ids; max_tokens, temperature, top_p, top_k, stop, seed, n, logprobs
+(top_logprobs), prompt_logprobs, continuation, for chats tools and tool_choice
 (runner/text/tools.py), and a format (response_format, guided_json, guided_regex, guided_choice:
-runner/text/structured.py). OpenAI Batch lines (batch.py) become such requests. Each line is
-decoded once; a line that cannot be served becomes an error value (errors.RequestError) naming
-its field, never an exception that ends the run.
+runner/text/structured.py). Each line is decoded once; a line that cannot be served becomes an
+error value, never an exception that ends the run.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import json
 import math
@@ -21,15 +22,21 @@ from typing import Any
 
 from etils import epath
 
-from runner.api.errors import RequestError, RequestFileError, quote
-from runner.api.results import check_bucket
-from runner.engine import Request
-from runner.engine.engine import MAX_LOGPROBS  # alternatives per token the programs compute
+from runner.engine import Completion, Request
+from runner.engine.sampling import MAX_LOGPROBS  # alternatives per token the programs compute
+from runner.errors import RequestError, RequestFileError, quote
 from runner.settings import Settings
+from runner.storage import check_bucket
 from runner.text import structured
 from runner.text import tools as chat_tools
 from runner.text.chat import ChatFormat, TemplateChat
+from runner.text.tools import tool_call
 
+INT32_MAX = 2**31 - 1
+MAX_N = 128  # samples per request
+
+
+# --- the request file's lines ----------------------------------------------------------------------
 
 @dataclasses.dataclass(eq=False)
 class Line:
@@ -49,8 +56,67 @@ class Line:
         self.__dict__.pop("decoded", None)
 
 
+def decode(line: Line) -> tuple[dict | None, str]:
+    """A line's JSON object, or None and the one-line reason it is not one (decoded once a line)."""
+    return line.decoded
+
+
+def _decode(line: Line) -> tuple[dict | None, str]:
+    where = f"line {line.number}"
+    try:
+        line.text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        byte = len(line.text[: e.start].encode("utf-8", "surrogateescape")) + 1
+        return None, f"{where} is not UTF-8 (byte {byte} of the line)"
+    try:
+        d = json.loads(line.text)
+    except json.JSONDecodeError as e:
+        return None, f"{where} is not valid JSON: {e.msg} (column {e.colno})"
+    except RecursionError:
+        return None, f"{where} is JSON nested too deeply to read"
+    if not isinstance(d, dict):
+        return None, f"{where} is not a JSON object"
+    return d, ""
+
+
+def iter_lines(path: str):
+    """The file's non-blank lines, read as they come (constant memory): a generator, whose errors
+    come as it is read (RequestFileError). Lines end at \\n alone (a \\r before it is dropped):
+    JSON text may hold U+2028 and other characters that str.splitlines would break at. A line that
+    is not UTF-8 is kept, so that it gets its own error result and the others are answered."""
+    if not path:
+        raise RequestFileError("io.input is empty: pass --config.io.input=<requests.jsonl>")
+    check_bucket(path, "io.input", RequestFileError)
+    try:
+        with epath.Path(path).open("rb") as f:
+            for n, raw in enumerate(f, 1):
+                raw = raw.removesuffix(b"\n").removesuffix(b"\r")
+                text = (raw.removeprefix(b"\xef\xbb\xbf") if n == 1 else raw).decode("utf-8", "surrogateescape")
+                if text.strip():
+                    yield Line(n, text)
+    except FileNotFoundError as e:
+        raise RequestFileError(f"io.input={path}: no such file") from e
+    except IsADirectoryError as e:
+        raise RequestFileError(f"io.input={path} is a folder, not a file of requests") from e
+    except OSError as e:
+        raise RequestFileError(f"io.input={path}: cannot read it ({type(e).__name__}: {e})") from e
+
+
+def read_lines(path: str) -> list[Line]:
+    """The file's non-blank lines (iter_lines'), all of them: a file of none is an error."""
+    out = list(iter_lines(path))
+    if not out:
+        raise RequestFileError(f"io.input={path} holds no requests (every line is blank)")
+    return out
+
+
+# --- a request's fields -> the request it makes ----------------------------------------------------
+
 @dataclasses.dataclass
 class Parsed:
+    """A request as its line's fields make it: what the engine runs (`request`) and what its answer
+    needs, or (`error`) why it cannot be served."""
+
     index: int  # 0-based among the file's non-blank lines: the output order
     id: Any
     prompt_ids: tuple[int, ...] = ()
@@ -86,15 +152,6 @@ class Parsed:
                        n=self.n, constraint=self.constraint)
 
 
-# A request line's fields; BATCH are an OpenAI Batch line's (batch.py).
-FIELDS = ("id", "prompt", "messages", "prompt_token_ids", "max_tokens", "temperature", "top_p",
-          "top_k", "stop", "seed", "reasoning_effort", "n", "logprobs", "top_logprobs",
-          "prompt_logprobs", "continuation", "tools", "tool_choice", *structured.FIELDS)
-BATCH = ("custom_id", "method", "url", "body")
-INT32_MAX = 2**31 - 1
-MAX_N = 128  # samples per request
-
-
 def _number(d: dict, key: str, default: Any, kind: type, lo: float | None = None,
             hi: float | None = None, above: bool = False, name: str = "") -> Any:
     """d[key] as a `kind` in [lo, hi] (lo excluded when `above`), default when absent or null; a
@@ -118,59 +175,6 @@ def _number(d: dict, key: str, default: Any, kind: type, lo: float | None = None
     return kind(v)
 
 
-def _check_known(d: dict) -> None:
-    """A RequestError for the first field that is not a request field."""
-    for key in d:
-        if key in FIELDS:
-            continue
-        if key in BATCH:
-            raise RequestError(f"field {key!r} belongs to OpenAI Batch lines ({', '.join(BATCH)}), and "
-                               "this line is in podrun's format: give one format per file", key,
-                               "unknown_parameter")
-        near = difflib.get_close_matches(key, FIELDS, n=1)
-        name = key if len(key) <= 40 else key[:37] + "..."
-        raise RequestError(f"unknown field {name!r}: " + (f"did you mean {near[0]!r}?" if near else
-                                                            f"request fields are {', '.join(FIELDS)}"),
-                           key, "unknown_parameter")
-
-
-def decode(line: Line) -> tuple[dict | None, str]:
-    """A line's JSON object, or None and the one-line reason it is not one (decoded once a line)."""
-    return line.decoded
-
-
-def _decode(line: Line) -> tuple[dict | None, str]:
-    where = f"line {line.number}"
-    try:
-        line.text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        byte = len(line.text[: e.start].encode("utf-8", "surrogateescape")) + 1
-        return None, f"{where} is not UTF-8 (byte {byte} of the line)"
-    try:
-        d = json.loads(line.text)
-    except json.JSONDecodeError as e:
-        return None, f"{where} is not valid JSON: {e.msg} (column {e.colno})"
-    except RecursionError:
-        return None, f"{where} is JSON nested too deeply to read"
-    if not isinstance(d, dict):
-        return None, f"{where} is not a JSON object"
-    return d, ""
-
-
-def parse_request(index: int, line: Line, tokenizer, s: Settings, vocab_size: int,
-                  chat: ChatFormat | None = None, grammars: structured.Grammars | None = None) -> Parsed:
-    """One line -> a request ready to generate, or one carrying the reason it cannot be served.
-    Never raises: whatever the line holds, it gets its own result.
-
-    `chat` renders chat requests (default: the tokenizer's own chat template); `grammars`
-    compiles the request's format, if it has one."""
-    d, error = decode(line)
-    if d is None:
-        return Parsed(index, line.number, error=error, code="invalid_json", line=line.number)
-    return parse_fields(index, line.number, d, d.get("id", line.number), tokenizer, s, vocab_size,
-                        chat, grammars)
-
-
 def parse_fields(index: int, number: int, d: dict, rid: Any, tokenizer, s: Settings, vocab_size: int,
                  chat: ChatFormat | None = None, grammars: structured.Grammars | None = None,
                  names: dict[str, str] | None = None) -> Parsed:
@@ -180,7 +184,6 @@ def parse_fields(index: int, number: int, d: dict, rid: Any, tokenizer, s: Setti
     g, samp = s.generation, s.sampling
     max_tokens_name = (names or {}).get("max_tokens", "max_tokens")
     try:
-        _check_known(d)
         n = _number(d, "n", 1, int, 1, MAX_N)
         logprobs, prompt_logprobs = _logprobs(d)
         scoring = prompt_logprobs is not None or d.get("continuation") is not None
@@ -220,11 +223,7 @@ def parse_fields(index: int, number: int, d: dict, rid: Any, tokenizer, s: Setti
             raise RequestError(f"the prompt has {len(ids)} tokens, more than generation.max_prompt_len="
                                f"{g.max_prompt_len}", code="context_length_exceeded")
     except Exception as e:  # whatever the line holds, its own error result and not the run's end
-        message = str(e) if isinstance(e, ValueError | TypeError) else f"{type(e).__name__}: {e}"
-        message = " ".join(message.split())  # one line, whatever the library wrote
-        return Parsed(index, rid, error=message if len(message) <= 400 else message[:397] + "...",
-                      code=getattr(e, "code", "invalid_request"), param=getattr(e, "field", None),
-                      line=number)
+        return failed(index, rid, number, e)
     # A request's random stream is its own seed's, wherever it stands in the file and whatever
     # runs beside it; without one, sampling.seed's mixed with the request's line number.
     row_seed = (seed if "seed" in d and d["seed"] is not None
@@ -234,6 +233,41 @@ def parse_fields(index: int, number: int, d: dict, rid: Any, tokenizer, s: Setti
                   logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                   continuation=len(continuation), tools=offered, call_prefix=tuple(prefix),
                   constraint=constraint, line=number)
+
+
+def failed(index: int, rid: Any, number: int, e: Exception) -> Parsed:
+    """Request `rid` (line `number`'s) carrying error e as its result: one line of at most 400
+    characters, whatever the library that raised it wrote."""
+    message = str(e) if isinstance(e, ValueError | TypeError) else f"{type(e).__name__}: {e}"
+    message = " ".join(message.split())
+    return Parsed(index, rid, error=message if len(message) <= 400 else message[:397] + "...",
+                  code=getattr(e, "code", "invalid_request"), param=getattr(e, "field", None), line=number)
+
+
+def sizes(d: dict, max_new_tokens: int) -> tuple[int, int]:
+    """(n, max_tokens) of a request's fields `d` as parse_fields reads them (max_new_tokens:
+    generation's), without tokenising anything; the defaults where a value is not one it serves."""
+    def read(key: str, default: int, lo: int, hi: int) -> int:
+        try:
+            return _number(d, key, default, int, lo, hi)
+        except RequestError:  # the request gets an error result; the default stands for it
+            return default
+
+    return read("n", 1, 1, MAX_N), read("max_tokens", 0 if "continuation" in d else max_new_tokens, 0,
+                                          max_new_tokens)
+
+
+def refuse_repeated(where: dict[str, list[int]], key: str, what: str) -> None:
+    """A RequestFileError naming the ids of `where` ({an id as JSON: the lines that carry it})
+    that more than one line carries, and their lines: results are matched to requests by id.
+    `key`: the results' field of the id; `what`: a request of the file's format."""
+    repeated = [(c, ns) for c, ns in where.items() if len(ns) > 1]
+    if repeated:
+        shown = "; ".join(f"{quote(json.loads(c))} on lines {', '.join(map(str, ns[:10]))}"
+                          for c, ns in repeated[:5])
+        more = f"; and {len(repeated) - 5} more" if len(repeated) > 5 else ""
+        raise RequestFileError(f"io.input: {len(repeated)} {key}(s) given more than once, but each "
+                               f"{what} needs its own: {shown}{more}")
 
 
 def _about(field: str | tuple[str, ...], f, *args, **kwargs):
@@ -323,32 +357,130 @@ def _prompt_ids(d: dict, tokenizer, vocab_size: int, chat: ChatFormat | None,
     return ids, tools is not None, prefix
 
 
-def iter_lines(path: str):
-    """The file's non-blank lines, read as they come (constant memory): a generator, whose errors
-    come as it is read (RequestFileError). Lines end at \\n alone (a \\r before it is dropped):
-    JSON text may hold U+2028 and other characters that str.splitlines would break at. A line that
-    is not UTF-8 is kept, so that it gets its own error result and the others are answered."""
-    if not path:
-        raise RequestFileError("io.input is empty: pass --config.io.input=<requests.jsonl>")
-    check_bucket(path, "io.input")
-    try:
-        with epath.Path(path).open("rb") as f:
-            for n, raw in enumerate(f, 1):
-                raw = raw.removesuffix(b"\n").removesuffix(b"\r")
-                text = (raw.removeprefix(b"\xef\xbb\xbf") if n == 1 else raw).decode("utf-8", "surrogateescape")
-                if text.strip():
-                    yield Line(n, text)
-    except FileNotFoundError as e:
-        raise RequestFileError(f"io.input={path}: no such file") from e
-    except IsADirectoryError as e:
-        raise RequestFileError(f"io.input={path} is a folder, not a file of requests") from e
-    except OSError as e:
-        raise RequestFileError(f"io.input={path}: cannot read it ({type(e).__name__}: {e})") from e
+
+# --- a request's answer ------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Token:
+    """A token's log-probability under the model, and (`top`) the most likely tokens in its place,
+    most likely first, each a Token without alternatives of its own."""
+
+    id: int
+    text: str | None  # decoded alone, special tokens spelt out; None without a tokenizer
+    logprob: float
+    top: tuple[Token, ...] = ()
 
 
-def read_lines(path: str) -> list[Line]:
-    """The file's non-blank lines (iter_lines'), all of them: a file of none is an error."""
-    out = list(iter_lines(path))
-    if not out:
-        raise RequestFileError(f"io.input={path} holds no requests (every line is blank)")
-    return out
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """One sample's completion, as read: what every wire format writes of it."""
+
+    text: str  # cut before a stop string; a chat's: the answer outside any calls
+    token_ids: tuple[int, ...]  # ending with the token that completed a stop string
+    finish_reason: str  # stop | length | tool_calls (calls read from a completion that ended)
+    incomplete_format: bool = False  # max_tokens came before the format was whole
+    reasoning: str | None = None  # Harmony's analysis channel
+    commentary: str | None = None  # Harmony's commentary channel
+    # the completion broke its chat format; raw: its text, special tokens and all (both or neither)
+    chat_format_error: str | None = None
+    raw: str | None = None
+    # OpenAI's tool call objects (tools.tool_call), the shape both formats write calls in
+    tool_calls: tuple[dict, ...] = ()
+    logprobs: tuple[Token, ...] | None = None  # per token, when asked
+
+
+@dataclasses.dataclass(frozen=True)
+class Continuation:
+    """A scored continuation (lm-eval-harness' loglikelihood): the sum of its tokens'
+    log-probabilities, and whether greedy decoding would have produced it."""
+
+    logprob: float
+    is_greedy: bool
+    token_ids: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    """A request's answer, independent of the wire format: one Choice per sample (n of them)."""
+
+    id: Any  # the request's (a Batch line's custom_id)
+    choices: tuple[Choice, ...]
+    prompt_tokens: int
+    prompt_logprobs: tuple[Token, ...] | None = None  # prompt tokens after the first, when asked
+    continuation: Continuation | None = None
+    prompt_token_ids: tuple[int, ...] | None = None  # io.echo_prompt
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices)
+
+
+def build_answer(p: Parsed, samples: list[Completion], tokenizer, echo: bool,
+                 chat: ChatFormat | None = None) -> Answer:
+    """Request p's answer from its samples' completions. `chat` reads chat completions (default:
+    the tokenizer's template)."""
+    chat = chat or (TemplateChat(tokenizer) if tokenizer is not None else None)
+    choices = tuple(_choice(p, c, tokenizer, chat, sample=k) for k, c in enumerate(samples))
+    scores = samples[0].prompt_logprobs
+    prompt_logprobs = continuation = None
+    if p.prompt_logprobs is not None:  # the first prompt token has nothing before it
+        prompt_logprobs = tuple(_token(t, x, p.prompt_logprobs, tokenizer)
+                                for t, x in zip(p.prompt_ids[1:], scores))
+    if p.continuation:
+        tail = scores[len(scores) - p.continuation:]
+        ids = p.prompt_ids[len(p.prompt_ids) - p.continuation:]
+        continuation = Continuation(float(sum(float(x.logprob) for x in tail)),
+                                    all(int(x.top_ids[0]) == t for x, t in zip(tail, ids)), tuple(ids))
+    return Answer(p.id, choices, len(p.prompt_ids), prompt_logprobs, continuation,
+                  tuple(p.prompt_ids) if echo else None)
+
+
+def _choice(p: Parsed, c: Completion, tokenizer, chat: ChatFormat | None, sample: int = 0) -> Choice:
+    """One sample's text, tokens, finish reason (and log-probabilities when asked); a chat's
+    completion as its format reads it: with tools offered, the calls it made (text: what it wrote
+    outside them) and finish_reason "tool_calls"."""
+    # stop strings do not cut a completion under a format: the format says where it ends
+    text, ids, stopped = cut_at_stop(tokenizer, c.token_ids, () if p.constraint else p.stop)
+    finish = "stop" if stopped else c.finish_reason
+    chat_fields: dict[str, Any] = {}
+    if p.chat and chat is not None:
+        reply = chat.reply(ids, text, p.call_prefix, p.tools, finish == "stop")
+        text = reply.text
+        chat_fields = dict(reasoning=reply.reasoning, commentary=reply.commentary,
+                           chat_format_error=reply.error, raw=reply.raw if reply.error is not None else None)
+        if reply.calls:  # read only from a completion that ended, not one cut off (its text stays as is)
+            # a call's id hashes this key (the ids' list repr included): changing it changes call ids
+            chat_fields["tool_calls"] = tuple(tool_call(name, args, f"{p.id!r}/{sample}/{k}/{ids}", valid)
+                                              for k, (name, args, valid) in enumerate(reply.calls))
+            finish = "tool_calls"
+    logprobs = None
+    if p.logprobs is not None:
+        logprobs = tuple(_token(t, x, p.logprobs, tokenizer) for t, x in zip(ids, c.logprobs))
+    return Choice(text, tuple(ids), finish, bool(c.incomplete_format), logprobs=logprobs, **chat_fields)
+
+
+def _token(token: int, x, k: int, tokenizer) -> Token:
+    """Token `token` with its log-probability and the k most likely in its place (x: its
+    TokenLogprobs)."""
+    def text(i: int) -> str | None:
+        return tokenizer.decode([i], skip_special_tokens=False) if tokenizer else None
+
+    return Token(int(token), text(int(token)), float(x.logprob),
+                 tuple(Token(int(i), text(int(i)), float(lp))
+                       for i, lp in zip(x.top_ids[:k], x.top_logprobs[:k])))
+
+
+def cut_at_stop(tokenizer, ids: list[int], stops: tuple[str, ...]) -> tuple[str, list[int], bool]:
+    """Decoded text, cut before the first stop string (ids cut after the token completing it)."""
+    if tokenizer is None:
+        return "", ids, False
+    text = tokenizer.decode(ids)
+    hits = [text.find(st) for st in stops if st in text]
+    if not hits:
+        return text, ids, False
+    for k in range(1, len(ids) + 1):
+        if any(st in tokenizer.decode(ids[:k]) for st in stops):
+            ids = ids[:k]
+            break
+    return text[: min(hits)], ids, True
+

@@ -15,6 +15,7 @@ objects are deleted, the header last.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -24,35 +25,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import fsspec
 from etils import epath
 
-from runner.api.errors import RequestFileError
+from runner.errors import RequestFileError
+from runner.storage import check_bucket, is_remote
 
 SYNC_EVERY_S = 1.0  # fsync costs up to tens of ms on a busy disk: once per batch would cost more
-
-
-def is_remote(path: str) -> bool:
-    """An object store (gs://, ...): no directories, no append, no rename."""
-    return "://" in path
-
-
-def check_bucket(path: str, what: str, error: type[Exception] = RequestFileError) -> None:
-    """A missing bucket fails here, in one line, rather than being created (as gcsfs's mkdir would)."""
-    if not is_remote(path):
-        return
-    scheme, rest = path.split("://", 1)
-    name = rest.split("/", 1)[0]
-    bucket = f"{scheme}://{name}"
-    try:
-        if scheme == "gs":  # listing needs object access only (objectViewer), not buckets.get
-            fsspec.filesystem("gs").call("GET", "b/{}/o", name, maxResults=1, json_out=True)
-        elif not epath.Path(bucket).exists():
-            raise FileNotFoundError(bucket)
-    except FileNotFoundError:
-        raise error(f"{what}={path}: bucket {bucket} does not exist") from None
-    except Exception as e:  # auth or network: gcsfs raises several kinds
-        raise error(f"{what}={path}: cannot reach {bucket} ({type(e).__name__}: {e})") from e
 
 
 def error_message(r: dict) -> str | None:
@@ -119,9 +97,8 @@ def partial_objects(partial: epath.Path) -> list[epath.Path]:
         raise RequestFileError(f"{partial}: cannot list it ({type(e).__name__}: {e})") from e
 
 
-def read_partial(partial: epath.Path, objects: list[epath.Path] | None = None) -> list[str]:
-    """A partial file's lines, the header first ([] when there is none); `objects`: its objects
-    in an object store (partial_objects), else a local file."""
+def _partial_lines(partial: epath.Path, objects: list[epath.Path] | None) -> list[str]:
+    """A partial file's lines, the header first ([] when there is none)."""
     try:
         if objects is None:
             if not partial.exists():
@@ -136,19 +113,55 @@ def read_partial(partial: epath.Path, objects: list[epath.Path] | None = None) -
         raise RequestFileError(f"{partial}: cannot read it ({type(e).__name__}: {e})") from e
 
 
+@dataclasses.dataclass
+class Partial:
+    """What a partial file holds, as Results writes it: its header ({} where a crash cut it short),
+    the results by line index, and the start and failure records of its attempts, in order."""
+
+    header: dict
+    done: dict[int, dict]
+    attempts: list[dict]
+
+
+def read_partial(partial: epath.Path, objects: list[epath.Path] | None = None) -> Partial | None:
+    """The partial file `partial` read (None where there is none); `objects`: its objects in an
+    object store (partial_objects), else it is a local file. A line cut short by a crash is left
+    out: its result is simply redone."""
+    lines = _partial_lines(partial, objects)
+    if not lines:
+        return None
+    try:
+        header = json.loads(lines[0])
+    except json.JSONDecodeError:
+        header = {}
+    out = Partial(header if isinstance(header, dict) else {}, {}, [])
+    for line in lines[1:]:
+        try:
+            r = json.loads(line)
+            if not isinstance(r, dict):
+                continue
+            if "_index" not in r and ("_start" in r or "_failed" in r):
+                out.attempts.append(r)
+                continue
+            out.done[r.pop("_index")] = r
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            continue
+    return out
+
+
 class Results:
     """Appends finished results to `<output>.partial`; `write_final` writes `<output>` in input order.
 
     Every process reads what is already done; only the writer (process 0) writes, after `open`.
     `header`: more for the partial file's header to record beside the input's digest (a part's
-    identity: runner/api/parts.py); a partial file whose header holds other values is refused,
+    identity: parts.py); a partial file whose header holds other values is refused,
     and each `open` appends a start record, so that the partial file counts its attempts.
     """
 
     def __init__(self, output: str, input_lines: list, writer: bool = True, header: dict | None = None):
         if not output:
             raise RequestFileError("io.output is empty: pass --config.io.output=<results.jsonl>")
-        check_bucket(output, "io.output")
+        check_bucket(output, "io.output", RequestFileError)
         self.output = epath.Path(output)
         self.partial = epath.Path(output + ".partial")
         self.remote = is_remote(output)
@@ -160,28 +173,16 @@ class Results:
         self.done: dict[int, dict] = {}
         self._lines: dict[int, str] = {}  # this run's results as encoded for the partial file
         self._objects = partial_objects(self.partial) if self.remote else []
-        lines = read_partial(self.partial, self._objects if self.remote else None)
-        if lines:
-            try:
-                header = json.loads(lines[0])
-            except json.JSONDecodeError:  # a header cut short by a crash
-                header = {}
-            if differ := differences({k: header.get(k) for k in self.header}, self.header):
+        found = read_partial(self.partial, self._objects if self.remote else None)
+        if found is not None:
+            if differ := differences({k: found.header.get(k) for k in self.header}, self.header):
                 raise RequestFileError(f"{self.partial} was written with {'; '.join(differ)}: delete "
                                        "it, or run with the settings it was written with")
-            if header.get("input_sha256") != self.digest:
+            if found.header.get("input_sha256") != self.digest:
                 raise RequestFileError(
                     f"{self.partial} belongs to a different input file; delete it or choose another io.output"
                 )
-            for line in lines[1:]:
-                try:  # a line cut short by a crash is simply redone
-                    r = json.loads(line)
-                    if "_index" not in r and ("_start" in r or "_failed" in r):
-                        self.attempts.append(r)
-                        continue
-                    self.done[r.pop("_index")] = r
-                except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
-                    continue
+            self.done, self.attempts = found.done, found.attempts
         self.writer = writer
         self.failed = ""  # finished(): the first error of an output whose every line is one
         self._f = None
