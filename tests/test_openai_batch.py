@@ -20,7 +20,7 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion
 from scipy.special import log_softmax
 
-from runner.api import common, openai_batch
+from runner.api import common, formats, openai_batch
 from runner.api import podrun as podrun_format
 from runner.api.common import Answer, Choice, Line, Parsed, Token
 from runner.api.formats import FileFormat, file_format, parse_line
@@ -198,6 +198,27 @@ def test_repeated_ids_in_podrun_format_are_refused_like_custom_ids():
     free = [Line(1, json.dumps({"prompt": "x"})), Line(2, json.dumps({"prompt": "y"})),
             Line(3, json.dumps({"id": "7", "prompt": "x"})), Line(4, json.dumps({"id": 7, "prompt": "x"}))]
     assert file_format(free) == FileFormat(False, 1)
+
+
+def test_an_id_equal_to_the_line_number_another_line_takes_is_refused_in_either_order():
+    """A line without an id (or that is not a JSON object) is answered under its line number: an
+    id given on another line equal to it would answer two requests under one id."""
+    rows = {"x": json.dumps({"prompt": "x"}), 2: json.dumps({"id": 2, "prompt": "y"})}
+    first_given = [Line(1, rows[2]), Line(2, rows["x"])]
+    with pytest.raises(RequestFileError) as e:
+        file_format(first_given)
+    assert str(e.value) == ("io.input: 1 id(s) given more than once, but each request needs its own: 2 on "
+                            "lines 1, 2 (no id: its line number)")
+    first_taken = [Line(2, "not JSON"), Line(3, rows["x"]), Line(5, json.dumps({"id": 3})), Line(6, rows[2])]
+    with pytest.raises(RequestFileError) as e:
+        file_format(first_taken)
+    assert str(e.value) == ("io.input: 2 id(s) given more than once, but each request needs its own: 2 on "
+                            "lines 2 (no id: its line number), 6; 3 on lines 3 (no id: its line number), 5")
+    # no collision: "2" the string is not line 2's number, nor is 2.5; a null id is left as given
+    fine = [Line(1, json.dumps({"id": 5})), Line(2, rows["x"]), Line(3, json.dumps({"id": "2"})),
+            Line(4, json.dumps({"id": 2.5})), Line(6, json.dumps({"id": None})), Line(7, json.dumps({"id": None}))]
+    assert file_format(fine) == FileFormat(False, 1)
+    assert [formats.line_id(x, FileFormat(False, 1)) for x in fine] == [5, 2, "2", 2.5, None, None]
 
 
 batch_lines = st.fixed_dictionaries(

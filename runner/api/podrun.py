@@ -40,13 +40,17 @@ def line_id(line: Line) -> Any:
 
 
 def check_ids(lines: list[Line]) -> None:
-    """Refuses a file (RequestFileError) in which two lines give the same id (compared as JSON
-    values: "7" is not 7)."""
+    """Refuses a file (RequestFileError) in which two lines' results would carry one id (compared
+    as JSON values: "7" is not 7): one given twice, or given where a line without one takes its
+    line number. A null id is left as given."""
     where: dict[str, list[str]] = {}
     for line in lines:
         d, _ = decode(line)
-        if d is not None and d.get("id") is not None:
-            where.setdefault(json.dumps(d["id"], sort_keys=True), []).append(str(line.number))
+        given = d is not None and "id" in d
+        rid = line_id(line)
+        if rid is not None:
+            where.setdefault(json.dumps(rid, sort_keys=True), []).append(
+                str(line.number) if given else f"{line.number} (no id: its line number)")
     refuse_repeated(where, ID_KEY, "request")
 
 
