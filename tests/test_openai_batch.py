@@ -658,7 +658,7 @@ def test_tool_chats_on_gptoss_render_as_openai_harmony(enc, tmp_path):
     out = tmp_path / "out.jsonl"
     run_main(tmp_path / "ck", write_jsonl(tmp_path / "in.jsonl", requests), out, "--config.io.echo_prompt=true",
              "--config.generation.max_new_tokens=2", "--config.generation.max_prompt_len=512",
-             "--config.generation.prefill_buckets=(512,)", "--config.generation.batch_size=8")
+             "--config.generation.batch_size=8")
     results = read_jsonl(out)
     for req, res, c in zip(requests, results, chat_completions(results, requests)):
         body, name = req["body"], req["custom_id"]
@@ -734,7 +734,7 @@ def test_tool_chats_on_a_chat_template_match_transformers(qwen_writer, tmp_path)
     out = tmp_path / "out.jsonl"
     run_main(ck, write_jsonl(tmp_path / "in.jsonl", requests), out, "--config.io.echo_prompt=true",
              "--config.generation.max_new_tokens=1000", "--config.generation.max_prompt_len=2048",
-             "--config.generation.prefill_buckets=(2048,)", "--config.generation.batch_size=8")
+             "--config.generation.batch_size=8")
     results = read_jsonl(out)
     eos = hf.convert_tokens_to_ids("<|im_end|>")
     for req, res, c in zip(requests, results, chat_completions(results, requests)):
