@@ -2,8 +2,6 @@
 top_p, a format's token mask), drawn from the row's own key so that a request's tokens never
 depend on its neighbours; and the tokens' log-probabilities.
 
-Both engines sample here: runner/engine/engine.py (rows of a pre-allocated cache) and
-runner/engine/paged_engine.py (a paged cache and one ragged step).
 """
 
 from __future__ import annotations
