@@ -108,7 +108,7 @@ def llama_ckpt(tmp_path_factory):
 def test_bench_writes_a_record_per_batch_and_prompt_len_and_decodes_every_token(llama_ckpt):
     m, root = llama_ckpt
     out = root / "bench.json"
-    p = podrun("runner.tools.bench", f"--config=configs/cpu.py:{root / 'ck'}",
+    p = podrun("runner.tools.bench", f"--config=configs/cpu.py:{root / 'ck'}:mesh8",
                f"--config.compilation_cache.dir={root / 'xla'}",
                "--config.generation.stop_token_ids=(0,1,2,3)",  # the bench stops on no id
                f"--batch_sizes={','.join(map(str, BATCHES))}",

@@ -51,6 +51,17 @@ def test_the_default_runs_on_one_device_and_mesh8_on_eight():
         config.get_config("mesh4")
 
 
+@pytest.mark.parametrize("path", ["/a/checkpoint", "gs://bucket/checkpoint", "relative/ck"])
+def test_any_checkpoint_runs_on_one_device_and_mesh8_on_eight(path):
+    """configs/cpu.py:<dir> takes the fast path too (one device); `<dir>:mesh8` fills a data axis
+    of 8 simulated devices; a path's own ":" (gs://) is not taken for a variant."""
+    config = load(os.path.join(ROOT, "configs", "cpu.py"))
+    one, eight = from_config(config.get_config(path)), from_config(config.get_config(f"{path}:mesh8"))
+    data = lambda s: abstract_mesh(s.mesh, s.num_cpu_devices).shape["data"]
+    assert (one.checkpoint_path, one.num_cpu_devices, data(one)) == (path, 1, 1)
+    assert (eight.checkpoint_path, eight.num_cpu_devices, data(eight)) == (path, 8, 8)
+
+
 def test_memory_report_of_the_gptoss_deployments():
     """Weights per the model cards (gpt-oss-20b: 20.9B parameters, 120b: 116.8B), and both fit
     a v5e chip's 16 GiB with room for activations."""

@@ -49,14 +49,18 @@ def run_main(root, input_path, output, *overrides, check=True):
                   f"--config.compilation_cache.dir={root / 'xla'}", *overrides, check=check)
 
 
+# configs/cpu.py runs one device; the sharded meshes ask for 8 simulated devices.
+EIGHT = "--config.mesh.num_cpu_devices=8"
+
+
 # A sharded mesh with scan over layers and fused projections; and (slow: the same paths as
 # test_engine and test_models check in-process, and the other tests here run one device through
 # runner.main) one device, and data x model alone.
 @pytest.mark.parametrize("mesh", [pytest.param((), marks=pytest.mark.slow),
-                                  ("--config.mesh.data=2", "--config.mesh.expert=2", "--config.mesh.model=2",
+                                  (EIGHT, "--config.mesh.data=2", "--config.mesh.expert=2", "--config.mesh.model=2",
                                    "--config.programs.scan_layers=true",
                                    "--config.programs.fuse_projections=true"),
-                                  pytest.param(("--config.mesh.data=2", "--config.mesh.model=4"),
+                                  pytest.param((EIGHT, "--config.mesh.data=2", "--config.mesh.model=4"),
                                                marks=pytest.mark.slow)])
 def test_greedy_generation_matches_transformers(model_dir, mesh, tmp_path):
     m, root = model_dir
@@ -78,10 +82,9 @@ def test_greedy_generation_matches_transformers(model_dir, mesh, tmp_path):
 # GPT-OSS (windows, sinks) and Llama by default, the other two under -m slow
 @pytest.mark.parametrize("model_dir", ["gptoss", "llama", *(pytest.param(k, marks=pytest.mark.slow)
                                                              for k in ("qwen2", "gpt2"))], indirect=True)
-@pytest.mark.parametrize("mesh", [("--config.mesh.data=2", "--config.mesh.model=4"),
-                                  pytest.param(("--config.mesh.data=1", "--config.mesh.num_cpu_devices=1"),
-                                               marks=pytest.mark.slow),
-                                  pytest.param(("--config.mesh.data=2", "--config.mesh.model=4",
+@pytest.mark.parametrize("mesh", [(EIGHT, "--config.mesh.data=2", "--config.mesh.model=4"),
+                                  pytest.param((), marks=pytest.mark.slow),
+                                  pytest.param((EIGHT, "--config.mesh.data=2", "--config.mesh.model=4",
                                                 "--config.programs.scan_layers=true"),
                                                marks=pytest.mark.slow)])
 def test_paged_greedy_through_chunks_and_preemption_matches_transformers(model_dir, mesh, tmp_path):
@@ -337,8 +340,9 @@ def test_bad_setups_fail_in_one_line_and_write_nothing(kind, tmp_path_factory, t
     cases = {
         "checkpoint.path=/nonexistent: no such directory": ("--config.checkpoint.path=/nonexistent",),
         f"io.input={tmp_path}/blank.jsonl holds no requests": (f"--config.io.input={tmp_path}/blank.jsonl",),
-        "= 6 devices but 8 are visible": ("--config.mesh.data=6",),
-        "'kv_heads' of size 4 does not divide over mesh axes model (8 shards)": ("--config.mesh.data=1", "--config.mesh.model=8"),
+        "= 6 devices but 8 are visible": (EIGHT, "--config.mesh.data=6"),
+        "'kv_heads' of size 4 does not divide over mesh axes model (8 shards)": (EIGHT, "--config.mesh.data=1",
+                                                                                 "--config.mesh.model=8"),
         "--config.generation.batchsize: the config has no field 'generation.batchsize'; did you mean "
         "'batch_size'?": ("--config.generation.batchsize=2",),
         "--config.foo.bar: the config has no field 'foo'": ("--config.foo.bar=1",),

@@ -152,7 +152,7 @@ def setup(gcs, tmp_path_factory) -> Setup:
 
 
 def args(ck, inp, out, cache, *extra):
-    return [f"--config=configs/cpu.py:{ck}", f"--config.io.input={inp}", f"--config.io.output={out}",
+    return [f"--config=configs/cpu.py:{ck}:mesh8", f"--config.io.input={inp}", f"--config.io.output={out}",
             "--config.generation.max_prompt_len=16", "--config.generation.max_new_tokens=10",
             "--config.generation.batch_size=4", f"--config.compilation_cache.dir={cache}", *MESH, *extra]
 

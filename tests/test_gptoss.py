@@ -161,7 +161,7 @@ def test_an_mxfp4_checkpoint_converts_and_generates_as_transformers_does(tmp_pat
     podrun("runner.tools.convert", f"--source={tmp_path / 'hf'}", f"--output={tmp_path / 'ck'}")
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8], [7]]
     inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt_token_ids": p} for p in prompts])
-    podrun("runner.main", f"--config=configs/cpu.py:{tmp_path / 'ck'}", f"--config.io.input={inp}",
+    podrun("runner.main", f"--config=configs/cpu.py:{tmp_path / 'ck'}:mesh8", f"--config.io.input={inp}",
            f"--config.io.output={tmp_path / 'out.jsonl'}", "--config.generation.max_new_tokens=16",
            "--config.generation.max_prompt_len=16", "--config.mesh.expert=2", "--config.mesh.model=2",
            f"--config.compilation_cache.dir={tmp_path / 'xla'}")

@@ -31,7 +31,7 @@ def setup(tmp_path_factory):
 
 
 def args(root, inp, out, *extra):
-    return ["--config=configs/cpu.py:" + str(root / "ck"), f"--config.io.input={inp}",
+    return [f"--config=configs/cpu.py:{root / 'ck'}:mesh8", f"--config.io.input={inp}",
             f"--config.io.output={out}", "--config.generation.max_prompt_len=16",
             "--config.generation.max_new_tokens=10", "--config.generation.batch_size=4",
             "--config.mesh.expert=2", "--config.compilation_cache.dir=", *extra]
