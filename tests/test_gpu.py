@@ -265,7 +265,7 @@ def test_the_h100_paged_programs_lower_for_cuda_with_the_triton_kernel(name, fun
     chunk. What XLA:GPU then compiles needs the GPU (benchmarks/gpu_check.py)."""
     import dataclasses
 
-    from runner.job import build_engine
+    from runner.engine.build import build_engine
     from sharding.mesh import make_mesh
 
     s = from_config(load(os.path.join(ROOT, "configs", name)).get_config())
@@ -274,7 +274,7 @@ def test_the_h100_paged_programs_lower_for_cuda_with_the_triton_kernel(name, fun
     rules = dataclasses.replace(Rules.make(make_mesh(s.mesh, jax.devices("cpu")[:1]), s.rules),
                                 target="gpu")
     engine = build_engine(s, model, model.abstract_params(rules, s.policy), rules, allocate=False)
-    assert engine.policy.backend.pallas_paged == "gpu" and engine.batch_size == 256
+    assert engine.policy.backend.pallas_paged == "gpu" and engine.layout.batch_size == 256
     lowered = engine.lower(platforms=("cuda",))
     assert any(p.startswith("mixed_") for p in lowered) and any(p.startswith("decode_") for p in lowered)
     for program, low in lowered.items():
