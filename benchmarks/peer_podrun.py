@@ -34,9 +34,9 @@ from absl import app  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from runner.checkpoints import convert  # noqa: E402
+from runner.checkpoints.load import load_model  # noqa: E402
 from runner.cli import parse_flags, setup_devices  # noqa: E402
 from runner.engine import Request, generate  # noqa: E402
-from runner.job import load_model  # noqa: E402
 from runner.settings import from_config  # noqa: E402
 from runner.tools import bench  # noqa: E402
 

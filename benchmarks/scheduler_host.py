@@ -1,9 +1,9 @@
-"""The paged scheduler's own host time per call, where a fast accelerator's step takes a few ms.
+"""The scheduler's own host time per call, where a fast accelerator's step takes a few ms.
 
     python benchmarks/scheduler_host.py [--rows=256] [--requests=1000] [--prompt=256] [--new=256]
 
 vLLM's throughput workload by default (1,000 requests of 256 prompt and 256 new tokens) through
-the real PagedScheduler (runner/engine/paged_scheduler.py) on runner/tools/simulate.py's stand-in,
+the real Scheduler (runner/engine/scheduler.py) on runner/tools/simulate.py's stand-in,
 whose calls cost nothing: what is left is the scheduler's work between calls (admission, pages,
 the batch's host arrays, taking each row's tokens in), which a job adds to every device call.
 The engine is llama:tiny's, unallocated, with --rows rows and room for every row at its longest.
@@ -17,14 +17,14 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # nothing runs on a device: the engine is abstract
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from models.policy import Policy  # noqa: E402
 from models.registry import Model  # noqa: E402
-from runner.engine.engine import Request  # noqa: E402
-from runner.engine.paged_engine import PagedEngine  # noqa: E402
+from runner.engine import Engine, Request  # noqa: E402
 from runner.tools.simulate import Costs, simulate  # noqa: E402
 from sharding.mesh import MeshShape, make_mesh  # noqa: E402
 from sharding.rules import Rules  # noqa: E402
@@ -46,14 +46,14 @@ def main() -> None:
     model = Model.named("llama:tiny")
     rules = Rules.make(make_mesh(MeshShape(data=1), jax.devices()[:1]))
     policy = Policy(kernels=False)
-    engine = PagedEngine(model, model.abstract_params(rules, policy), rules, policy, a.rows,
-                         a.prompt, a.new, 16, allocate=False)
+    engine = Engine(model, model.abstract_params(rules, policy), rules, policy, a.rows, a.prompt,
+                    a.new, 16, allocate=False)
     rng = np.random.RandomState(0)
     requests = [Request(tuple(int(t) for t in rng.randint(1, 100, a.prompt)), a.new)
                 for _ in range(a.requests)]
     for rep in range(a.reps):
         t0 = time.perf_counter()
-        out = simulate(engine, requests, [[a.new]] * a.requests, Free(), True)
+        out = simulate(engine.layout, requests, [[a.new]] * a.requests, Free(), True)
         took = time.perf_counter() - t0
         print(f"{a.rows} rows, {len(out.calls)} calls: the scheduler's host time {1e3 * out.host_s / len(out.calls):.2f} "
               f"ms a call ({out.host_s:.2f} s in all; the simulation {took:.2f} s)")
