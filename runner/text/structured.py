@@ -28,6 +28,7 @@ import re
 import urllib.parse
 from typing import Any
 
+import llguidance
 import numpy as np
 
 # JSON without optional whitespace: ", " and ": " between items, nothing else, so a completion
@@ -47,8 +48,6 @@ class Format:
 
     def lark(self) -> str:
         """The grammar's rule `body`: the completion's text under this format."""
-        import llguidance
-
         if self.kind in ("json_schema", "json_object"):
             schema = json.loads(self.spec) if self.kind == "json_schema" else {"type": "object"}
             if not isinstance(schema, dict):
@@ -648,8 +647,6 @@ class Grammars:
 
     def _lltokenizer(self):
         if self._ll is None:
-            import llguidance
-
             source = self.tokenizer.grammar_source()
             if not isinstance(source, str):
                 source = llguidance.TokenizerWrapper(source)
@@ -660,8 +657,6 @@ class Grammars:
     def compile(self, fmt: Format, chat: bool = False) -> Grammar:
         """The format's grammar (cached); a ValueError naming the field and the library's
         complaint when it cannot be compiled. chat: a chat request (chat_start applies)."""
-        import llguidance
-
         key = (fmt, self.chat_start if chat else "start: body\n")
         if key in self._compiled:
             self._compiled.move_to_end(key)

@@ -25,10 +25,14 @@ from typing import ClassVar
 import jinja2
 import jinja2.ext
 import jinja2.nodes
+import sentencepiece as spm
 from etils import epath
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from sentencepiece import sentencepiece_model_pb2
 from tokenizers import Tokenizer as HFTokenizer
+
+from runner.checkpoints.gguf_file import GGUFFile
 
 
 class TokenizerError(ValueError):
@@ -133,9 +137,6 @@ class _SentencePieceTokenizer(Tokenizer):
     LlamaTokenizer does: text after a special token gets no dummy-prefix space."""
 
     def __init__(self, proto: bytes, config: dict, generation_config: dict):
-        import sentencepiece as spm
-        from sentencepiece import sentencepiece_model_pb2
-
         sp = self._sp = spm.SentencePieceProcessor(model_proto=proto)
         bare = sentencepiece_model_pb2.ModelProto.FromString(proto)
         bare.normalizer_spec.add_dummy_prefix = False
@@ -437,8 +438,6 @@ def tokenizer_json_from_gguf(gguf_path: str) -> tuple[str, dict]:
 
 
 def _gguf_metadata(path: str) -> dict:
-    from runner.checkpoints.gguf_file import GGUFFile
-
     try:
         return {k: v for k, v in GGUFFile(path).metadata.items() if k.startswith("tokenizer.")}
     except (OSError, ValueError, IndexError, KeyError, struct.error) as e:

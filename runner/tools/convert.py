@@ -15,13 +15,12 @@ from absl import app, flags
 from runner.checkpoints import store
 from runner.checkpoints.convert import convert, random_checkpoint
 from runner.checkpoints.source import SourceError
+from runner.log import quiet
 from runner.text import tokenizer
 
 
 def main(argv: list[str]) -> None:
     del argv
-    from runner.log import quiet
-
     quiet()
     if not (_SOURCE.value or _RANDOM.value) or not _OUTPUT.value:
         sys.exit("podrun convert: error: --source (or --random) and --output are required")

@@ -25,7 +25,6 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from models.decoder import Output
-from models.paged import PagedCache
 from runner.checkpoints.load import load_model
 from runner.cli import parse_flags, read_config, setup_devices
 from runner.errors import USER_ERRORS
@@ -80,20 +79,13 @@ def nll(s: Settings, meta, rules, params, win: np.ndarray, chunk: int = 0) -> tu
     if chunk < 0 or (chunk and W % chunk):
         raise PerplexityError(f"chunk={chunk} must divide the window of {W} tokens")
     C = chunk or W
-    windows, kv_heads, head_dim = model.module.cache_spec(model.config)
-    S = s.generation.page_size
-    pages = -(-W // S)  # a window's, in each pool: every layer keeps all of its positions
-    dtype = jnp.dtype(s.policy.kv_cache)
 
     @jax.jit
     def score(params, tokens, positions):
         """Each of the G windows [G, W] a sequence of its own group, with one row: a step's
         tokens are the row's decode slot (padding here), then a chunk of C of its tokens."""
         G = tokens.shape[0]
-        cache = PagedCache.create(G, pages, pages if any(windows) else 0, S, windows, kv_heads,
-                                  head_dim, dtype, rules, fold=PagedCache.fold(policy, dtype, head_dim),
-                                  period=model.scan_period if policy.scan_layers else 0)
-        tables = jnp.broadcast_to(jnp.arange(pages, dtype=jnp.int32), (G, 1, pages))
+        cache, tables = model.paged_cache(G, 1, W, rules, policy, s.generation.page_size)
         rows = jnp.zeros((G, 1 + C), jnp.int32)
 
         def feed(cache, a):

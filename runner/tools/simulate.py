@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import json
 import time
 from collections.abc import Sequence
 
 import numpy as np
+from etils import epath
 
 from runner.engine import Layout, Request, Scheduler, Stats
 from runner.engine.engine import Program, Step, goes_on
@@ -216,10 +218,6 @@ def lengths_from(requests: Sequence[Request], ids: Sequence, mode: str, mean: in
 def read_results(path: str) -> dict:
     """{request id: [completion tokens per sample]} from a results file (podrun's lines or a
     Batch output's); lines with an error are left out."""
-    import json
-
-    from etils import epath
-
     out = {}
     for line in epath.Path(path).read_text().splitlines():
         if not line.strip():
