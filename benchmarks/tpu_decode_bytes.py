@@ -1,28 +1,24 @@
 """Per-chip HBM traffic of one decode step of a TPU deployment, from XLA's AOT cost analysis,
-against the floor a step must read (the declared weights and KV cache per chip, runner.tools.memory).
+against the floor a step must read (the declared weights and KV pool per chip, runner.tools.memory).
 
     JAX_PLATFORMS=cpu python benchmarks/tpu_decode_bytes.py configs/gptoss_v5e.py \
-        [kernels.pallas_attention=True ...]
+        [generation.batch_size=64 generation.kv_cache_gib=2.5 ...]
 
-Compiles the decode step alone, one step per call (no loop), for the config's mesh.tpu_topology
-(libtpu needed, as for runner.tools.compile), and prints temporaries, bytes accessed and their ratio to
-the floor. Overrides are `section.key=value`. With generation.page_size > 0 it compiles the paged
-engine's decode_1, and the floor's KV part is the pool's pages (what the rows hold when the pool is
-full, as the scheduler keeps it); XLA cannot see into a Pallas kernel, whose bytes are those it
-declares (the pages its sequences hold, models/kernels/tpu.paged_attention).
+Compiles the engine the config builds (runner.engine.build) with one step a decode call, and of its
+programs the decode call alone (decode_1: no loop), for the config's mesh.tpu_topology (libtpu
+needed, as for runner.tools.compile), and prints temporaries, bytes accessed and their ratio to the
+floor. Overrides are `section.key=value`. The floor's KV part is the pool's pages (what the rows
+hold when the pool is full, as the scheduler keeps it); XLA cannot see into a Pallas kernel, whose
+bytes are those it declares (the pages its rows hold, models/kernels/tpu's paged attention).
 
 On v5e it compiles twice. XLA's "bytes accessed" counts each prefetch of an operand into VMEM
 (memory-space assignment) as a read and a write, on top of the consumer's read, so the second
 compile turns those prefetches off: that figure is nearer the HBM traffic. It still over-counts
 gathers: alone, a gather of 64 rows from a 576 MB table on v5e is counted as 1169 MB.
 
-Measured (GPT-OSS-20B on v5e:2x4 as configs/gptoss_v5e.py ships it, XLA attention, floor 5.66 GB):
-13.35 GB as deployed (2.36x), 6.38 GB without VMEM prefetches (1.13x); with
-precision.quantize=int8 3.84 GB against 3.12 (1.23x). The cost analysis counts a conditional as
-its costliest branch (for the experts, the fallback for overloaded routing): 13.79 and 6.82 GB,
-and 4.27 GB in int8, while that fallback ran through buckets of M rows per expert. Before heads
-and the vocabulary were split over all 8 chips, the experts' tokens moved by one-hot products
-and the sampler stopped sorting the vocabulary (floor then 8.29 GB): 19.55 and 13.92 GB.
+Measured (GPT-OSS-20B on v5e:2x4, configs/gptoss_v5e.py, without VMEM prefetches; the command of
+docs/benchmarks/paged-engine.md's round 9): at 256 rows and a pool of 2.5 GiB, 9.07 GB against a
+floor of 7.92 GB (1.145x); at the shipped pool of 6 GiB, 12.83 GB against 11.68 GB (1.10x).
 """
 
 import importlib.util
@@ -37,8 +33,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jax.experimental import topologies
 
 from models.registry import Model
-from runner.engine import Engine, sampling
-from runner.job import build_engine
+from runner.engine import sampling
+from runner.engine.build import build_engine
 from runner.settings import from_config
 from runner.tools.memory import footprint
 from sharding.mesh import make_mesh
@@ -67,8 +63,7 @@ def with_overrides(path: str, *overrides: str):
 
 def main(path: str, *overrides: str) -> None:
     c = with_overrides(path, *overrides)
-    if c.generation.page_size:  # the paged engine's decode call of one step
-        c.generation.steps_per_dispatch = 1
+    c.generation.steps_per_dispatch = 1  # the decode call of one step: a step's bytes, no loop
     s = from_config(c)
     if s.policy.scan_layers:  # XLA's cost analysis counts a loop's body once, not once per trip
         sys.exit("tpu_decode_bytes: programs.scan_layers=True puts the layers in a loop whose body "
@@ -76,21 +71,12 @@ def main(path: str, *overrides: str) -> None:
     topo = topologies.get_topology_desc(platform="tpu", topology_name=s.tpu_topology)
     model = Model.named(s.checkpoint_model)
     rules = Rules.make(make_mesh(s.mesh, topo.devices), s.rules)
-    params = model.abstract_params(rules, s.policy)
-    g = s.generation
-    if g.page_size:
-        engine = build_engine(s, model, params, rules, allocate=False)
-        lowered = engine.lower()["decode_1"]
-    else:
-        engine = Engine(model, params, rules, s.policy, g.batch_size, g.max_prompt_len,
-                        g.max_new_tokens, 1, g.prefill_buckets, allocate=False,
-                        prefill_rows=g.prefill_rows)
-        lowered = engine.lower()["decode"]
+    engine = build_engine(s, model, model.abstract_params(rules, s.policy), rules, allocate=False)
+    lowered = engine.lower()["decode_1"]
     f = footprint(s, model)
     floor = f.weights + f.kv_cache
-    what = "KV pool, every page held" if g.page_size else "KV cache"
     print(f"{s.checkpoint_model} on {s.tpu_topology}: floor {floor / 1e9:.2f} GB per chip per step "
-          f"(weights {f.weights / 2**30:.2f} GiB + {what} {f.kv_cache / 2**30:.2f} GiB)")
+          f"(weights {f.weights / 2**30:.2f} GiB + KV pool, every page held {f.kv_cache / 2**30:.2f} GiB)")
     runs = [("as deployed", {})]
     if s.tpu_topology.startswith("v5e"):  # v5e's flag for XLA's prefetches into VMEM
         runs.append(("no VMEM prefetch", {"xla_vf_vmem_memory_space_assignment": False}))
