@@ -5,15 +5,17 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 
 import jax
 from absl import app
 from ml_collections import config_flags
 
-from runner.cli import DistributedError, cache_counts, parse_flags, read_config, setup_devices
+from runner.cli import DistributedError, cache_counts, interrupted, parse_flags, read_config, setup_devices
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "deployment config file", lock_config=True)
+INTERRUPTED = 130  # a shell's status for a command that SIGINT ended (128 + 2)
 
 
 def main(argv: list[str]) -> None:
@@ -22,6 +24,18 @@ def main(argv: list[str]) -> None:
     config = read_config(_CONFIG, "podrun")
     if config is None:
         sys.exit("podrun: error: --config=configs/<deployment>.py is required")
+    read: list = []  # the job's settings, once read: what an interruption reports on
+    try:
+        return answer(config, read)
+    except KeyboardInterrupt:
+        pass  # leaving the handler drops the traceback, and with it the job's frames
+    gc.collect()  # the job's progress bar, freed with them, ends its line before this one
+    print(interrupted(read[0] if read else None), file=sys.stderr, flush=True)
+    sys.exit(INTERRUPTED)
+
+
+def answer(config, read: list) -> None:
+    """The job of `config`, its settings appended to `read` once they are."""
     # Imported here so that absl has parsed flags before the library pulls in the backend.
     from runner import job, log
     from runner.errors import USER_ERRORS
@@ -29,6 +43,7 @@ def main(argv: list[str]) -> None:
 
     try:
         settings = from_config(config)
+        read.append(settings)
         setup_devices(settings)
         log.info(f"{jax.device_count()} {jax.devices()[0].platform} devices, {jax.process_count()} process(es)")
         job.answer(settings)

@@ -1,10 +1,14 @@
-"""Runs killed with SIGKILL at random points and restarted: every request exactly once."""
+"""Runs killed with SIGKILL at random points, or stopped by Ctrl-C, and restarted: every request
+exactly once."""
 
+import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -52,3 +56,54 @@ def test_sigkill_at_random_points_then_restart_loses_and_repeats_nothing(tmp_pat
     assert [r["id"] for r in results] == list(range(2000))  # none lost, none twice, in order
     podrun("runner.main", *args(tmp_path / "uninterrupted.jsonl"))
     assert read_jsonl(tmp_path / "uninterrupted.jsonl") == results
+
+
+def test_ctrl_c_exits_130_with_one_line_and_the_same_command_resumes(tmp_path):
+    """SIGINT once the partial file holds a result: exit status 130, no traceback, and one last
+    line of its own (not on the progress bar's) giving the results the partial file keeps, as the
+    test counts them there; the same command then answers the rest, each request exactly once."""
+    tiny_hf("llama", seed=2).save_pretrained(tmp_path / "hf")
+    podrun("runner.tools.convert", f"--source={tmp_path / 'hf'}", f"--output={tmp_path / 'ck'}")
+    n = 300  # far more than finish between the first result and the signal
+    inp = write_jsonl(tmp_path / "in.jsonl",
+                      [{"id": i, "prompt_token_ids": [i % 90 + 1, 5], "max_tokens": 32} for i in range(n)])
+    out = tmp_path / "out.jsonl"
+    partial = tmp_path / "out.jsonl.partial"
+    cmd = [sys.executable, "-m", "runner.main", f"--config=configs/cpu.py:{tmp_path / 'ck'}",
+           f"--config.io.input={inp}", f"--config.io.output={out}", "--config.generation.batch_size=2",
+           "--config.generation.max_new_tokens=32", "--config.generation.max_prompt_len=16",
+           f"--config.compilation_cache.dir={tmp_path / 'xla'}"]
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop("XLA_FLAGS", None)
+
+    def results_in_partial() -> list[int]:  # the indexes of its whole result lines
+        if not partial.exists():
+            return []
+        lines = partial.read_text().split("\n")
+        whole = [line for line in lines[1:-1] if line]  # the last piece: an unfinished line, or ""
+        return [r["_index"] for r in map(json.loads, whole) if "_index" in r]
+
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300  # a bound on a hung run, not a measurement
+    while not results_in_partial() and p.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert p.poll() is None, "the run ended before it could be interrupted"
+    p.send_signal(signal.SIGINT)
+    _, stderr = p.communicate(timeout=300)
+    assert p.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
+    assert stderr.endswith("\n")
+    *before, last = stderr[:-1].split("\n")
+    said = re.fullmatch(r"podrun: interrupted: (\d+) results kept in (\S+); the same command resumes from them",
+                        last)
+    assert said and said.group(2) == str(partial), stderr[-3000:]
+    assert not any("interrupted" in line for line in before)
+    kept = results_in_partial()
+    assert int(said.group(1)) == len(kept) == len(set(kept)) and 0 < len(kept) < n
+    assert not out.exists()
+
+    again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"{n} requests: {len(kept)} already done" in again.stderr
+    assert [r["id"] for r in read_jsonl(out)] == list(range(n))  # each once, in order
+    assert not partial.exists()
