@@ -47,8 +47,8 @@ def answer(config, read: list) -> None:
         setup_devices(settings)
         log.info(f"{jax.device_count()} {jax.devices()[0].platform} devices, {jax.process_count()} process(es)")
         job.answer(settings)
-        if settings.compilation_cache_dir:  # misses: compiled by XLA because the cache had no entry
-            hits, misses = cache_counts()
+        hits, misses = cache_counts()
+        if settings.compilation_cache_dir and hits + misses:  # misses: compiled by XLA, not in the cache
             log.info(f"compilation cache: {hits} hits, {misses} misses")
     except (*USER_ERRORS, DistributedError) as e:
         sys.exit(f"podrun: error: {e}")

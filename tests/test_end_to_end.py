@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -283,8 +284,9 @@ def test_a_rerun_skips_what_is_already_done(model_dir, tmp_path):
 
 @pytest.mark.parametrize("model_dir", ONE_MODEL, indirect=True)
 def test_a_finished_output_is_left_as_it_is_unless_overwrite_is_asked(model_dir, tmp_path):
-    """A rerun of a finished job says so and exits 0 without touching the results; another
-    input's results are refused in one line; io.overwrite=True generates them again."""
+    """A rerun of a finished job says so and exits 0 without touching the results (and with no
+    compilation cache line: it asked the cache nothing); another input's results are refused in
+    one line; io.overwrite=True generates them again."""
     _, root = model_dir
     rows = [{"id": f"r{i}", "prompt_token_ids": [i + 1, i + 2], "max_tokens": 3} for i in range(4)]
     inp = write_jsonl(tmp_path / "in.jsonl", rows)
@@ -296,6 +298,7 @@ def test_a_finished_output_is_left_as_it_is_unless_overwrite_is_asked(model_dir,
     again = run_main(root, inp, out)
     assert out.read_text() == marked
     assert f"{out} already holds the results of {inp}'s 4 requests: nothing to do" in again.stderr
+    assert "compilation cache" not in again.stderr
     other = write_jsonl(tmp_path / "other.jsonl", rows[:3])
     refused = run_main(root, other, out, check=False)
     assert refused.returncode != 0 and out.read_text() == marked
@@ -305,6 +308,8 @@ def test_a_finished_output_is_left_as_it_is_unless_overwrite_is_asked(model_dir,
     regenerated = run_main(root, inp, out, "--config.io.overwrite=True")
     assert out.read_text() == first
     assert "4 requests (0 errors, 4 generated)" in regenerated.stderr
+    assert re.fullmatch(r"podrun\[0\]: compilation cache: [1-9]\d* hits, 0 misses",
+                        regenerated.stderr.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("model_dir", ONE_MODEL, indirect=True)
