@@ -30,7 +30,6 @@ from runner.storage import check_bucket
 from runner.text import structured
 from runner.text import tools as chat_tools
 from runner.text.chat import ChatFormat, TemplateChat
-from runner.text.tools import tool_call
 
 INT32_MAX = 2**31 - 1
 MAX_N = 128  # samples per request
@@ -450,8 +449,9 @@ def _choice(p: Parsed, c: Completion, tokenizer, chat: ChatFormat | None, sample
                            chat_format_error=reply.error, raw=reply.raw if reply.error is not None else None)
         if reply.calls:  # read only from a completion that ended, not one cut off (its text stays as is)
             # a call's id hashes this key (the ids' list repr included): changing it changes call ids
-            chat_fields["tool_calls"] = tuple(tool_call(name, args, f"{p.id!r}/{sample}/{k}/{ids}", valid)
-                                              for k, (name, args, valid) in enumerate(reply.calls))
+            chat_fields["tool_calls"] = tuple(
+                chat_tools.tool_call(name, args, f"{p.id!r}/{sample}/{k}/{ids}", valid)
+                for k, (name, args, valid) in enumerate(reply.calls))
             finish = "tool_calls"
     logprobs = None
     if p.logprobs is not None:
