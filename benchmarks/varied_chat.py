@@ -1,5 +1,5 @@
-"""A chat job of widely varied prompt and answer lengths, for whole-job comparisons (the paged
-engine against the unpaged one, podrun against llama-server), never used to tune either.
+"""A chat job of widely varied prompt and answer lengths, for whole-job comparisons (one commit of
+podrun against another, podrun against llama-server), never used to tune either.
 
     python benchmarks/varied_chat.py TEXT.txt OUT.jsonl [N=128] [SEED=23]
 
