@@ -2,6 +2,7 @@
 the completion-length assumptions, requests that cannot run reported, and the command's table."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -153,12 +154,13 @@ def test_the_command_prints_a_table_of_alternatives(tmp_path):
     assert "decode_8" in out and "mixed_16" in out
     want = sum(min(10, m) for m in max_tokens)
     assert f"{want} completion tokens" in out
-    table = out[out.index("deployment"):].splitlines()[1:]
-    assert [line.split()[0] for line in table[:3]] == ["config", "batch_size=1", "batch_size=4"]
+    _, rows = table(out)
+    assert [row["deployment"] for row in rows] == ["config", "batch_size=1", "batch_size=4"]
     records = json.loads((tmp_path / "plan.json").read_text())
     assert [r["label"] for r in records] == ["config", "batch_size=1", "batch_size=4"]
-    for line, r in zip(table[:3], records):
-        wall, _, _, hours, cost = (float(x) for x in line.split()[1:6])
+    for row, r in zip(rows, records):
+        wall, hours, cost = (float(row[k]) for k in ("wall s", "chip-hours", "cost"))
+        assert row["wall range"] == "-" and r["wall_s_range"] is None  # lengths assumed, not sampled
         assert wall > 0 and cost == pytest.approx(hours * 3.5, abs=0.01)
         assert r["wall_s"] == pytest.approx(wall, abs=0.05) and r["completion_tokens"] == want
 
@@ -226,3 +228,121 @@ def test_a_gpu_deployment_is_predicted_on_this_cpu(tmp_path):
                  "--config.mesh.data=1", "--config.mesh.num_cpu_devices=1").stdout
     programs = cpu[cpu.index("programs"):cpu.index("host (scheduler)")]
     assert "measured here" in cpu and "mixed_16 " in programs and "mixed_64 " in programs
+
+def test_a_pilots_interval_of_the_jobs_mean_length_covers_it_as_often_as_it_says():
+    """Spread's 95% interval of the mean length of a job's samples the pilot does not hold: on
+    4,000 synthetic jobs (a pilot of 16, 112 other samples, lengths drawn from one normal
+    distribution), the others' mean falls inside it 95% of the time, and its ends are scipy's
+    t interval of a future mean of 112 draws."""
+    from scipy import stats
+
+    from runner.tools.simulate import Spread
+
+    rng = np.random.default_rng(0)
+    n, u, trials = 16, 112, 4000
+    pilots, others = rng.normal(100, 30, (trials, n)), rng.normal(100, 30, (trials, u))
+    inside = 0
+    for pilot, rest in zip(pilots, others):
+        sp = Spread(n + u, u, n, float(pilot.mean()), float(pilot.std(ddof=1)))
+        inside += sp.low <= rest.mean() <= sp.high
+    assert 0.935 < inside / trials < 0.965
+    want = stats.t.interval(0.95, n - 1, loc=pilot.mean(), scale=pilot.std(ddof=1) * np.sqrt(1 / n + 1 / u))
+    assert (sp.low, sp.high) == pytest.approx(want, rel=1e-9)
+
+
+def test_a_spread_counts_the_samples_the_pilot_holds_and_the_pilot_that_would_narrow_it():
+    """Spread.of: the pilot's lengths (every sample of its results), the job's samples and those
+    not in the pilot; pilot_for: the smallest pilot of the job's own samples whose interval of the
+    job's mean length, (N - n) / N x the others' (scipy's t interval), shrinks a wall range of
+    +/- r in proportion to +/-10%, found here by trying every size."""
+    from scipy import stats
+
+    from runner.tools.simulate import Spread
+
+    rng = np.random.default_rng(1)
+    requests = [Request((1,), 256, n=1 + (i % 3 == 0)) for i in range(200)]
+    ids = list(range(200))
+    results = {i: [int(x) for x in rng.integers(8, 256, r.n)] for i, r in zip(ids[:20], requests)}
+    results["elsewhere"] = [40, 90]  # a pilot request the job does not have: its lengths count
+    pool = [x for ls in results.values() for x in ls]
+    sp = Spread.of(requests, ids, results)
+    N = sum(r.n for r in requests)
+    assert (sp.samples, sp.unknown, sp.pilot) == (N, N - sum(len(results[i]) for i in ids[:20]), len(pool))
+    assert (sp.mean, sp.sd) == pytest.approx((np.mean(pool), np.std(pool, ddof=1)))
+
+    def job_half(n, unknown):  # the job's mean: the others' interval, weighted by their share
+        lo, hi = stats.t.interval(0.95, n - 1, scale=sp.sd * np.sqrt(1 / n + 1 / unknown))
+        return unknown / N * (hi - lo) / 2
+
+    now = job_half(sp.pilot, sp.unknown)
+    for r in (0.05, 0.25, 0.6):
+        want = next((n for n in range(2, N) if r * job_half(n, N - n) / now <= 0.10), N) if r > 0.10 else 0
+        assert sp.pilot_for(r) == want, r
+    assert Spread(N, 0, 10, 50.0, 9.0).half == 0 and Spread(N, 5, 1, 50.0, 0.0).half == np.inf
+
+
+def test_drawn_lengths_scale_to_a_mean_and_known_ones_stay():
+    """lengths_from(drawn_mean=m): the lengths drawn from the pilot (the same draws) scaled to a
+    mean of m, then capped by max_tokens; the pilot's own requests keep their lengths."""
+    requests = [Request((1,), 300)] * 51
+    ids = list(range(51))
+    results = {0: [30], 1: [50], 2: [70]}
+    drawn = np.array([x for [x] in lengths_from(requests, ids, "results", results=results)[3:]])
+    requests[50] = Request((1,), 12)  # its draw is the same; its scaled length is capped
+    scaled = lengths_from(requests, ids, "results", results=results, drawn_mean=100.0)
+    assert [x for [x] in scaled[:3]] == [30, 50, 70]
+    assert [x for [x] in scaled[3:50]] == [round(x * 100 / drawn.mean()) for x in drawn[:-1]]
+    assert scaled[50] == [min(12, round(drawn[-1] * 100 / drawn.mean()))]
+
+
+def table(out: str) -> tuple[list[str], list[dict[str, str]]]:
+    """The plan's table read back: its headers, which must stand two spaces or more apart (one
+    may hold a space), and each row's cells by header, each cell right-aligned under its header
+    (the deployment's left-aligned)."""
+    lines = out[out.index("  deployment"):].splitlines()
+    spans = [(m.start(), m.end()) for m in re.finditer(r"\S+(?: \S+)*", lines[0])]
+    names = [lines[0][a:b] for a, b in spans]
+    rows = []
+    for line in lines[1:]:
+        if not line.startswith("  ") or "does not run" in line:
+            break
+        cells = [(m.start(), m.end(), m.group()) for m in re.finditer(r"\S+", line)]
+        assert len(cells) == len(spans), line
+        assert cells[0][0] == spans[0][0] and all(c[1] == s[1] for c, s in zip(cells[1:], spans[1:])), line
+        rows.append({name: c[2] for name, c in zip(names, cells)})
+    return names, rows
+
+
+def test_a_pilots_lengths_give_the_wall_time_a_range_in_a_table_whose_columns_stay_apart(tmp_path):
+    """--completion_from a pilot of 8 of the job's 30 requests: the table's headers and cells
+    stand apart, and the wall time comes with its range at the ends of the pilot's interval of
+    the other 22 requests' mean length (scipy's), as the JSON gives it."""
+    from scipy import stats
+
+    from tests.test_end_to_end import podrun, write_jsonl
+
+    rng = np.random.RandomState(2)
+    rows = [{"id": i, "prompt_token_ids": rng.randint(1, 100, int(n)).tolist(), "max_tokens": 30}
+            for i, n in enumerate(rng.randint(3, 30, 30))]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    lengths = [3, 9, 14, 20, 28, 6, 17, 11]
+    pilot = write_jsonl(tmp_path / "pilot.jsonl", [{"id": i, "token_ids": [1] * n} for i, n in enumerate(lengths)])
+    p = podrun("runner.tools.plan", "--config=configs/cpu.py:/no/such/checkpoint",
+               "--config.checkpoint.model=llama:tiny", f"--config.io.input={inp}", "--config.generation.page_size=4",
+               "--config.generation.batch_size=2", "--config.generation.max_prompt_len=32",
+               "--config.generation.max_new_tokens=32", f"--config.compilation_cache.dir={tmp_path / 'xla'}",
+               f"--completion_from={pilot}", "--price_per_chip_hour=2", f"--json={tmp_path / 'plan.json'}")
+    names, [row] = table(p.stdout)
+    assert names == ["deployment", "wall s", "wall range", "tok/s", "first s", "chip-hours", "cost", "preempt",
+                     "rows"]
+    [record] = json.loads((tmp_path / "plan.json").read_text())
+    lo, hi = record["wall_s_range"]
+    assert lo < hi and row["wall range"] == f"{lo:.1f}-{hi:.1f}" and row["wall s"] == f"{record['wall_s']:.1f}"
+    low, high = stats.t.interval(0.95, 7, loc=np.mean(lengths),
+                                 scale=np.std(lengths, ddof=1) * np.sqrt(1 / 8 + 1 / 22))
+    said = re.search(r"wall time ([\d.]+)-([\d.]+) s at the ends of a 95% interval of the mean length of the "
+                     r"22 samples not in the pilot, ([\d.]+)-([\d.]+) tokens", p.stdout)
+    assert said and [float(x) for x in said.groups()] == pytest.approx(
+        [lo, hi, max(1.0, low), high], abs=0.051), p.stdout
+    n = record["pilot_for_10pct"]
+    assert (f"a pilot of {n} of the job's requests would narrow it to +/-10%" if n else "within +/-10%") in p.stdout

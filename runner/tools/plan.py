@@ -31,6 +31,7 @@ import ast
 import copy
 import dataclasses
 import json
+import math
 import os
 import statistics
 import sys
@@ -63,6 +64,7 @@ from sharding.rules import Rules
 from runner.tools.simulate import (
     Costs,
     Outcome,
+    Spread,
     lengths_from,
     nearest,
     read_results,
@@ -349,10 +351,28 @@ class Plan:
     startup: dict[str, float]  # the job's time before its first call, by part
     costs: Costs | None
     problems: list[str]
+    spread: Spread | None = None  # what a pilot's lengths say of the job's
+    ends: tuple[Outcome, Outcome] | None = None  # the job simulated at the spread's low and high
 
     @property
     def wall_s(self) -> float:
         return sum(self.startup.values()) + self.outcome.generate_s
+
+    @property
+    def wall_range(self) -> tuple[float, float] | None:
+        """The wall time at the ends of the pilot's interval of the job's lengths."""
+        if self.ends is None:
+            return None
+        lo, hi = sorted(sum(self.startup.values()) + o.generate_s for o in self.ends)
+        return lo, hi
+
+    @property
+    def pilot_for(self) -> int | None:
+        """The pilot that would narrow the wall time's range to +/-10% (0: it is already)."""
+        if self.wall_range is None:
+            return None
+        lo, hi = self.wall_range
+        return self.spread.pilot_for((hi - lo) / 2 / self.wall_s)
 
     def record(self, price: float) -> dict:
         """The row's figures, for --json."""
@@ -363,17 +383,31 @@ class Plan:
                 "startup_s": sum(self.startup.values()), "first_result_s": o.first_result_s,
                 "completion_tokens": o.completion_tokens, "prompt_tokens": o.stats.prompt_tokens,
                 "calls": len(o.calls), "chips": self.chips, "chip_hours": hours,
-                "cost": hours * price if price else None, "preemptions": o.stats.preemptions}
+                "cost": hours * price if price else None, "preemptions": o.stats.preemptions,
+                "wall_s_range": self.wall_range, "pilot_for_10pct": self.pilot_for}
 
     def row(self, price: float) -> str:
         if self.problems or self.outcome is None:
-            return f"  {self.label:<28} does not run: {self.problems[0].splitlines()[0]}"
+            return f"  {self.label:<{COLUMNS[0][1]}} does not run: {self.problems[0].splitlines()[0]}"
         o = self.outcome
         hours = self.wall_s * self.chips / 3600
-        cost = f"{hours * price:>9.2f}" if price else f"{'-':>9}"
-        return (f"  {self.label:<28}{self.wall_s:>9.1f}{o.completion_tokens / o.generate_s:>10.1f}"
-                f"{sum(self.startup.values()) + o.first_result_s:>9.1f}{hours:>11.4f}{cost}"
-                f"{o.stats.preemptions:>7}{100 * o.stats.utilisation:>6.0f}%")
+        span = "{:.1f}-{:.1f}".format(*self.wall_range) if self.wall_range else "-"
+        return table_line([self.label, f"{self.wall_s:.1f}", span, f"{o.completion_tokens / o.generate_s:.1f}",
+                           f"{sum(self.startup.values()) + o.first_result_s:.1f}", f"{hours:.4f}",
+                           f"{hours * price:.2f}" if price else "-", str(o.stats.preemptions),
+                           f"{100 * o.stats.utilisation:.0f}%"])
+
+
+# The table's columns (header, width): each at least 2 wider than its header, so that no header
+# (some hold a space) or value runs into the next.
+COLUMNS = (("deployment", 28), ("wall s", 9), ("wall range", 15), ("tok/s", 10), ("first s", 9),
+           ("chip-hours", 12), ("cost", 9), ("preempt", 9), ("rows", 7))
+
+
+def table_line(cells: list[str]) -> str:
+    """A line of the table: the label left-aligned, the other cells right-aligned in COLUMNS."""
+    (_, first), *rest = COLUMNS
+    return f"  {cells[0]:<{first}}" + "".join(f"{c:>{w}}" for c, (_, w) in zip(cells[1:], rest))
 
 
 def plan_one(s: Settings, label: str, mode: str, loaded: Loader | None, job: Job | None,
@@ -437,8 +471,15 @@ def plan_one(s: Settings, label: str, mode: str, loaded: Loader | None, job: Job
         startup["load (stated: weights at 2 GB/s)"] = f.total_weights / (LOAD_GBPS * 1e9)
     began = time.perf_counter()
     outcome = simulate(L, job.requests, lengths, costs, s.generation.longest_first, head)
+    spread = ends = None
+    if kind == "results":  # the job again at the ends of the pilot's interval of its lengths
+        spread = Spread.of(job.requests, job.ids, results)
+        if 0 < spread.half < math.inf:
+            ends = tuple(simulate(L, job.requests, lengths_from(job.requests, job.ids, kind, mean, results,
+                                                                drawn_mean=m),
+                                  costs, s.generation.longest_first, head) for m in (spread.low, spread.high))
     SPENT["simulation"] = SPENT.get("simulation", 0.0) + time.perf_counter() - began
-    return Plan(label, chips, outcome, startup, costs, []), job
+    return Plan(label, chips, outcome, startup, costs, [], spread, ends), job
 
 
 def override(config, key: str, value: str):
@@ -480,10 +521,27 @@ def report(plans: list[Plan], job: Job, assumption: str, price: float) -> str:
                      f"{st.decode_steps} steps), {st.completion_tokens} completion tokens, "
                      f"{st.prompt_tokens_computed} prompt tokens computed, pages {st.pages_peak} peak of "
                      f"{st.pages}, {st.preemptions} preemptions")
-    lines.append(f"  {'deployment':<28}{'wall s':>9}{'tok/s':>10}{'first s':>9}{'chip-hours':>11}"
-                 f"{'cost':>9}{'preempt':>7}{'rows':>7}")
+        if first.spread is not None:
+            lines.append("  " + spread_line(first, len(job.requests)))
+    lines.append(table_line([name for name, _ in COLUMNS]))
     lines += [p.row(price) for p in plans]
     return "\n".join(lines)
+
+
+def spread_line(p: Plan, requests: int) -> str:
+    """What the pilot's lengths make of plan p's wall time: its range, or why there is none."""
+    sp = p.spread
+    if p.wall_range is None:
+        why = ("every sample's length is the pilot's own" if not sp.unknown else
+               "the pilot holds one length" if sp.pilot < 2 else f"the pilot's lengths are all {sp.mean:.0f}")
+        return f"wall time: no range ({why})"
+    lo, hi = p.wall_range
+    what = "requests" if sp.samples == requests else "samples"
+    more = (f"a pilot of {p.pilot_for} of the job's {what} would narrow it to +/-10%" if p.pilot_for
+            else "within +/-10%")
+    return (f"wall time {lo:.1f}-{hi:.1f} s at the ends of a {100 * sp.level:.0f}% interval of the mean "
+            f"length of the {sp.unknown} samples not in the pilot, {sp.low:.1f}-{sp.high:.1f} tokens (the "
+            f"pilot's {sp.pilot} lengths: mean {sp.mean:.1f}, sd {sp.sd:.1f}); {more}")
 
 
 def _process_age() -> float:

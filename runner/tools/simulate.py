@@ -17,10 +17,12 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import json
+import math
 import time
 from collections.abc import Sequence
 
 import numpy as np
+import scipy.stats
 from etils import epath
 
 from runner.engine import Layout, Request, Scheduler, Stats
@@ -191,18 +193,19 @@ def simulate(layout: Layout, requests: Sequence[Request], lengths: Sequence[Sequ
 # --- completion lengths -----------------------------------------------------------------------
 
 def lengths_from(requests: Sequence[Request], ids: Sequence, mode: str, mean: int = 0,
-                 results: dict | None = None, seed: int = 0) -> list[list[int]]:
+                 results: dict | None = None, seed: int = 0, drawn_mean: float = 0.0) -> list[list[int]]:
     """Each sample's completion length under an assumption: "max_tokens" (its max_tokens),
     "mean" (min(max_tokens, mean)), or "results" (the length the results file `results` gives
     its id, {id: [a length per sample]}; a request not there draws one of the file's lengths,
-    deterministically by `seed`), each capped by its max_tokens and at least 1."""
+    deterministically by `seed`, the draws scaled to a mean of `drawn_mean` where one is given),
+    each capped by its max_tokens and at least 1."""
     if mode == "results":
         pool = sorted(n for ls in (results or {}).values() for n in ls)
         if not pool:
             raise ValueError("the results file holds no completion lengths")
         rng = np.random.default_rng(seed)
-    out = []
-    for r, i in zip(requests, ids):
+    out, drawn = [], []  # drawn: (request, sample) of each length drawn from the file's
+    for j, (r, i) in enumerate(zip(requests, ids)):
         if mode == "max_tokens":
             want = [r.max_tokens] * r.n
         elif mode == "mean":
@@ -211,8 +214,71 @@ def lengths_from(requests: Sequence[Request], ids: Sequence, mode: str, mean: in
             known = results.get(i)
             want = [known[k % len(known)] if known else int(pool[rng.integers(len(pool))])
                     for k in range(r.n)]
-        out.append([max(1, min(r.max_tokens, n)) for n in want])
-    return out
+            drawn += [] if known else [(j, k) for k in range(r.n)]
+        out.append(want)
+    if drawn and drawn_mean:
+        scale = drawn_mean / np.mean([out[j][k] for j, k in drawn])
+        for j, k in drawn:
+            out[j][k] = round(out[j][k] * scale)
+    return [[max(1, min(r.max_tokens, n)) for n in want] for r, want in zip(requests, out)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Spread:
+    """What a pilot's completion lengths say of a job's: the job has `samples` samples, of which
+    `unknown` are not in the pilot (they draw its lengths); the pilot holds `pilot` lengths, of
+    mean `mean` and standard deviation `sd`. [low, high] is a `level` interval of the unknown
+    samples' mean length: Student's t prediction interval of the mean of `unknown` more draws
+    from what the pilot is a sample of, mean +/- t x sd x sqrt(1/pilot + 1/unknown)."""
+
+    samples: int
+    unknown: int
+    pilot: int
+    mean: float
+    sd: float
+    level: float = 0.95
+
+    @classmethod
+    def of(cls, requests: Sequence[Request], ids: Sequence, results: dict, level: float = 0.95) -> Spread:
+        pool = [n for ls in results.values() for n in ls]
+        unknown = sum(r.n for r, i in zip(requests, ids) if not results.get(i))
+        return cls(sum(r.n for r in requests), unknown, len(pool), float(np.mean(pool)),
+                   float(np.std(pool, ddof=1)) if len(pool) > 1 else 0.0, level)
+
+    @property
+    def half(self) -> float:
+        """The interval's half-width (0 where nothing is unknown; infinite with a pilot of one)."""
+        if not self.unknown:
+            return 0.0
+        if self.pilot < 2:
+            return math.inf
+        t = scipy.stats.t.ppf((1 + self.level) / 2, self.pilot - 1)
+        return float(t * self.sd * math.sqrt(1 / self.pilot + 1 / self.unknown))
+
+    @property
+    def low(self) -> float:
+        return max(1.0, self.mean - self.half)
+
+    @property
+    def high(self) -> float:
+        return self.mean + self.half
+
+    def pilot_for(self, relative: float, goal: float = 0.10) -> int:
+        """The size of a pilot of the job's own samples, its lengths as spread as this pilot's,
+        whose interval of the wall time would be +/- `goal` where this one's is +/- `relative`
+        (0 where it is already). Of the job's mean length, a pilot of n of its N samples leaves
+        the other N - n unknown: the interval's half-width is (N - n) / N x t(n - 1) x sd x
+        sqrt(1/n + 1/(N - n)) = t(n - 1) x sd x sqrt(1/n - 1/N), which the wall's follows."""
+        N = self.samples
+        now = self.unknown / N * self.half
+        if relative <= goal or not 0 < now < math.inf:
+            return 0
+        width = lambda n: scipy.stats.t.ppf((1 + self.level) / 2, n - 1) * self.sd * math.sqrt(1 / n - 1 / N)
+        lo, hi = 2, N  # width(N) = 0 <= goal; the width falls as n grows
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if relative * width(mid) / now <= goal else (mid + 1, hi)
+        return lo
 
 
 def read_results(path: str) -> dict:
