@@ -76,19 +76,13 @@ def to_podrun(m, rules: Rules, fuse: bool = False, policy: Policy | None = None,
     return model, model.prepare(params, rules, policy or Policy(fuse_projections=fuse))
 
 
-def left_padded_batch(seed: int, B: int, P: int, steps: int, shortest: int):
-    """A ragged batch as the engine prefills it: B sequences of P + steps random tokens, row b's
-    prompt its first lengths[b] (shortest..P) tokens, left-padded to P (positions -1). Returns
-    lengths [B], seqs [B, P + steps], tokens [B, P], positions [B, P]."""
+def ragged_batch(seed: int, B: int, P: int, steps: int, shortest: int):
+    """B sequences of P + steps random tokens, sequence b's prompt its first lengths[b]
+    (shortest..P) tokens: lengths [B], seqs [B, P + steps]."""
     rng = np.random.RandomState(seed)
     lengths = rng.randint(shortest, P + 1, B)
     seqs = rng.randint(0, VOCAB, (B, P + steps)).astype(np.int32)
-    tokens = np.zeros((B, P), np.int32)
-    positions = np.full((B, P), -1, np.int32)
-    for b, n in enumerate(lengths):
-        tokens[b, P - n:] = seqs[b, :n]
-        positions[b, P - n:] = np.arange(n)
-    return lengths, seqs, tokens, positions
+    return lengths, seqs
 
 
 def hf_greedy(m, prompt, n: int) -> list[int]:

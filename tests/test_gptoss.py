@@ -1,18 +1,16 @@
 """GPT-OSS against transformers' GptOssForCausalLM (eager attention): prompts longer than the
 window, several experts, non-zero sinks; meshes that shard experts, heads and batch."""
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import transformers
 
-from models.decoder import Mode, Output
 from models.policy import Policy
-from runner.engine import Engine, Request, generate
+from runner.engine import Engine, Request, Scheduler, generate
 from tests.conftest import MOE_MESHES, rules_for
+from tests.forward import Rows, prompt_logits
 from tests.reference import VOCAB, hf_greedy, hf_logits, tiny_hf, to_podrun
-from tests.test_models import full_forward
 
 MESH_NAMES = ["1dev", "data8", "data2_model4", *MOE_MESHES]
 
@@ -38,8 +36,8 @@ def test_logits_match_transformers(gptoss, mesh_name, fuse, scatter, monkeypatch
     rules = rules_for(mesh_name)
     model, params = to_podrun(gptoss, rules, fuse)
     tokens = np.random.RandomState(1).randint(0, VOCAB, (8, 30)).astype(np.int32)  # 30 > window 8
-    logits, _ = full_forward(model, params, tokens, rules)
-    np.testing.assert_allclose(np.asarray(logits), hf_logits(gptoss, tokens), atol=2e-4, rtol=1e-4)
+    logits = prompt_logits(model, params, rules, Policy(), tokens)
+    np.testing.assert_allclose(np.stack(logits), hf_logits(gptoss, tokens), atol=2e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("dispatch", ["one_hot", "scatter"])
@@ -56,59 +54,50 @@ def test_moe_stays_exact_when_routing_overflows_the_capacity(mesh_rules, dispatc
             layer.mlp.router.bias[:2] += 50.0
     model, params = to_podrun(m, mesh_rules)
     tokens = np.random.RandomState(2).randint(0, VOCAB, (8, 20)).astype(np.int32)
-    logits, _ = full_forward(model, params, tokens, mesh_rules)
-    np.testing.assert_allclose(np.asarray(logits), hf_logits(m, tokens), atol=2e-4, rtol=1e-4)
+    logits = prompt_logits(model, params, mesh_rules, Policy(), tokens)
+    np.testing.assert_allclose(np.stack(logits), hf_logits(m, tokens), atol=2e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("mesh_name", ["data8", "expert2_model2_data2", "heads_over_model_expert"])
-def test_decode_with_the_ring_cache_matches_full_forward(gptoss, mesh_name):
-    """Ragged prompts around the window size, then decode far past it: the ring wraps several
-    times and every step's logits equal a full forward pass (q/k/v fused on the sharded mesh)."""
+def test_decode_past_the_window_matches_full_forward(gptoss, mesh_name):
+    """Ragged prompts around the window size, in chunks of 6 over pages of 4, then decoded far past
+    it: every prompt position's and every step's logits equal a full forward pass (q/k/v fused on
+    the sharded meshes)."""
     rules = rules_for(mesh_name)
     model, params = to_podrun(gptoss, rules, fuse=mesh_name != "data8")
     rng = np.random.RandomState(3)
     B, P, steps = 8, 16, 20
     lengths = np.array([1, 5, 7, 8, 9, 12, 15, 16])
     seqs = rng.randint(0, VOCAB, (B, P + steps)).astype(np.int32)
-    cache = model.new_cache(B, P + steps, jnp.float32, rules)
-    assert cache.k[0].shape[2] == 8 and cache.k[1].shape[2] == P + steps  # the window's ring vs full
-    tokens = np.zeros((B, P), np.int32)
-    positions = np.full((B, P), -1, np.int32)
-    for b, n in enumerate(lengths):
-        tokens[b, P - n:] = seqs[b, :n]
-        positions[b, P - n:] = np.arange(n)
-    import jax
-    prefill = jax.jit(lambda p, t, pos, c: model.forward(p, t, pos, c, rules, Policy(), Mode.PREFILL, 0, Output.LAST_LOGITS))
-    step = jax.jit(lambda p, t, pos, c, s: model.forward(p, t, pos, c, rules, Policy(), Mode.APPEND, s, Output.LAST_LOGITS))
-    logits, cache = prefill(params, tokens, positions, cache)
-    got = [np.asarray(logits)]
+    rows = Rows(model, params, rules, Policy(), B, P + steps)
+    prompts = rows.prefill([seqs[b, :n] for b, n in enumerate(lengths)], chunk=6)
+    got = [np.stack([p[-1] for p in prompts])]
     for i in range(steps):
-        tok = np.array([seqs[b, n + i] for b, n in enumerate(lengths)], np.int32)[:, None]
-        logits, cache = step(params, tok, (lengths + i)[:, None].astype(np.int32), cache, np.int32(P + i))
-        got.append(np.asarray(logits))
+        got.append(rows.step([seqs[b, n + i] for b, n in enumerate(lengths)]))
     for b, n in enumerate(lengths):
         ref = hf_logits(gptoss, seqs[b : b + 1, : n + steps])[0]
+        np.testing.assert_allclose(prompts[b], ref[:n], atol=2e-4, rtol=1e-4)
         for i in range(steps + 1):
             np.testing.assert_allclose(got[i][b], ref[n - 1 + i], atol=2e-4, rtol=1e-4)
 
 
-# (slow: expert4_data2 prefilled all at once, which the grouped case below also reaches through the
+# (slow: expert4_data2 with whole prompts, which the chunked case below also reaches through the
 # same experts; data x model, which test_end_to_end runs through runner.main with the expert axis;
-# heads over model and expert, the grouped case's experts with heads split too)
-@pytest.mark.parametrize("mesh_name,batch,rows", [("1dev", 1, 0),
-                                                  pytest.param("expert4_data2", 4, 0, marks=pytest.mark.slow),
-                                                  pytest.param("data2_model4", 4, 0, marks=pytest.mark.slow),
-                                                  ("expert4_data2", 4, 2),
-                                                  pytest.param("heads_over_model_expert", 4, 2,
-                                                               marks=pytest.mark.slow)])
-def test_greedy_generation_matches_transformers(gptoss, mesh_name, batch, rows):
-    """Six requests of different lengths through `batch` rows, so most enter a row mid-run, into
-    the ring caches of rows that held other requests; rows > 0: at most that many prompts
-    prefilled at once."""
+# heads over model and expert, the chunked case's experts with heads split too)
+@pytest.mark.parametrize("mesh_name,batch,chunk,page_size", [
+    ("1dev", 1, 16, 4),
+    pytest.param("expert4_data2", 4, 256, 16, marks=pytest.mark.slow),
+    pytest.param("data2_model4", 4, 256, 16, marks=pytest.mark.slow),
+    ("expert4_data2", 4, 16, 4),
+    pytest.param("heads_over_model_expert", 4, 16, 16, marks=pytest.mark.slow)])
+def test_greedy_generation_matches_transformers(gptoss, mesh_name, batch, chunk, page_size):
+    """Six requests of different lengths through `batch` rows, so most enter a row mid-run, onto
+    pages that rows which held other requests gave back; prompts longer than `chunk` computed a
+    chunk a step beside the decoding rows, the windowed layers giving back pages as they pass."""
     rules = rules_for(mesh_name)
     model, params = to_podrun(gptoss, rules)
-    engine = Engine(model, params, rules, Policy(), batch_size=batch, max_prompt_len=32, max_new_tokens=32,
-                    prefill_rows=rows)
+    engine = Engine(model, params, rules, Policy(), batch_size=batch, max_prompt_len=32,
+                    max_new_tokens=32, page_size=page_size, chunk=chunk)
     rng = np.random.RandomState(4)
     prompts = [tuple(int(t) for t in rng.randint(0, VOCAB, n)) for n in (3, 20, 11, 30, 7, 25)]
     lengths = (32, 9, 20, 32, 14, 26)
@@ -117,34 +106,30 @@ def test_greedy_generation_matches_transformers(gptoss, mesh_name, batch, rows):
         assert c.token_ids == hf_greedy(gptoss, p, 32)[:n]
 
 
-# Prompt tokens served from the pool (buckets 16, 32, 64): block 12 shares 36 tokens of the
-# 40-token prefix, but none with the 60-token prompt (after 36, 24 or 12 shared tokens the rest's
-# bucket, 32, 64 or 64, overflows the 64 prompt columns a row keeps); block 16 shares 32 with
-# every prompt after the first.
-# (slow: the sharded, scanned case, whose pool and rings test_engine's Llama case also stacks)
-@pytest.mark.parametrize("mesh_name,block,policy,shared", [
-    ("1dev", 12, Policy(), 36 * 3),
-    pytest.param("data2_model4", 16, Policy(scan_layers=True), 32 * 4, marks=pytest.mark.slow)])
+# Pages of 16 behind a 40-token prefix: each prompt after the first takes the prefix's 2 full pages
+# (32 tokens) from the pool, the windowed layers' among them, and computes the rest.
+# (slow: the sharded, scanned case, whose scanned pools test_engine's cases also run)
+@pytest.mark.parametrize("mesh_name,policy", [
+    ("1dev", Policy()),
+    pytest.param("data2_model4", Policy(scan_layers=True), marks=pytest.mark.slow)])
 def test_prompts_that_share_a_prefix_compute_it_once_through_the_windowed_layers(
-        gptoss, mesh_name, block, policy, shared):
+        gptoss, mesh_name, policy):
     """Prompts behind one 40-token prefix, with a window of 8 on half the layers: what follows the
-    shared blocks attends to the pool's copy of the windowed layers' last columns before it, and
-    the rows' rings take their last 8 columns. Greedy tokens equal transformers' for each prompt
-    alone; the prefix is computed once."""
-    from runner.engine import Scheduler
-
+    shared pages attends to the windowed layers' pages of the prefix that its window reaches.
+    Greedy tokens equal transformers' for each prompt alone; the prefix is computed once a group."""
     rng = np.random.RandomState(13)
     prefix = tuple(int(t) for t in rng.randint(0, VOCAB, 40))
     prompts = [prefix + tuple(int(t) for t in rng.randint(0, VOCAB, n)) for n in (3, 9, 1, 20, 6)]
     rules = rules_for(mesh_name)
     model, params = to_podrun(gptoss, rules, policy=policy)
     engine = Engine(model, params, rules, policy, batch_size=4, max_prompt_len=64, max_new_tokens=8,
-                    prefix_tokens=256, prefix_block=block)
+                    page_size=16)
     ended = []
     stats = Scheduler(engine, [Request(p, 8) for p in prompts]).run(ended.extend)
     got = {i: cs[0].token_ids for i, cs in ended}
     assert [got[i] for i in range(len(prompts))] == [hf_greedy(gptoss, p, 8) for p in prompts]
-    assert stats.prompt_tokens - stats.prompt_tokens_computed == shared
+    groups = rules.shards("batch")
+    assert stats.prompt_tokens - stats.prompt_tokens_computed == 32 * (len(prompts) - groups)
 
 
 def test_an_mxfp4_checkpoint_converts_and_generates_as_transformers_does(tmp_path):

@@ -1,7 +1,7 @@
 """What of the GPU deployment a CPU can check: the platform chosen on an NVIDIA machine, the
-kernels a GPU mesh runs (traced over stand-in GPU devices: cuDNN's prefill attention, the Pallas
-(Triton) decode attention, nothing CPU- or TPU-only), the H100 configs' fit, and the transformers peer's architecture. The speed is
-benchmarks/gpu_check.py's, on a real GPU (docs/benchmarks/gpu-h100.md)."""
+kernels a GPU mesh runs (traced over stand-in GPU devices: the Pallas (Triton) attention over
+pages, nothing CPU- or TPU-only), the H100 configs' fit, and the transformers peer's architecture.
+The speed is benchmarks/gpu_check.py's, on a real GPU (docs/benchmarks/gpu-h100.md)."""
 
 import os
 import sys
@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 
 from models import weights
 from models.backend import Backend
-from models.decoder import Mode, Output
+from models.decoder import Output
 from models.kernels import cpu, gpu, tpu
 from models.policy import Policy
 from models.registry import Model
@@ -23,6 +23,9 @@ from runner.settings import from_config
 from runner.tools.memory import footprint
 from sharding.mesh import MESH_AXES
 from sharding.rules import Rules
+from tests.conftest import rules_for
+from tests.forward import Rows
+from tests.reference import hf_logits, ragged_batch, tiny_hf, to_podrun
 from tests.test_configs import ROOT, load
 
 
@@ -56,26 +59,22 @@ def gpu_rules() -> Rules:
 
 @pytest.fixture
 def tripwires(monkeypatch):
-    """Every CPU- and TPU-only kernel fails if a GPU program reaches it; the GPU kernels' calls
-    are counted by name (cuDNN's attention traced through XLA's implementation of the same call,
-    as there is no cuDNN on a CPU)."""
+    """Every CPU- and TPU-only kernel fails if a GPU program reaches it; the GPU kernel's calls
+    are counted."""
     def forbidden(*a, **k):
         raise AssertionError("a CPU- or TPU-only kernel on a GPU mesh")
 
     monkeypatch.setattr(cpu, "available", forbidden)
-    for name in ("flash_prefill", "decode_attention"):
+    for name in ("ragged_paged_attention", "paged_attention", "write_pages", "experts"):
         monkeypatch.setattr(tpu, name, forbidden)
-    calls = {"flash_prefill": 0, "decode_attention": 0}
+    calls = {"paged_attention": 0}
+    real = gpu.paged_attention
 
-    def counted(name, real, **fixed):
-        def call(*args, **kw):
-            calls[name] += 1
-            return real(*args, **kw, **fixed)
-        return call
+    def counted(*args, **kw):
+        calls["paged_attention"] += 1
+        return real(*args, **kw)
 
-    monkeypatch.setattr(gpu, "flash_prefill", counted("flash_prefill", gpu.flash_prefill,
-                                                      implementation="xla"))
-    monkeypatch.setattr(gpu, "decode_attention", counted("decode_attention", gpu.decode_attention))
+    monkeypatch.setattr(gpu, "paged_attention", counted)
     return calls
 
 
@@ -86,38 +85,32 @@ def tripwires(monkeypatch):
 @pytest.mark.parametrize("pallas", [True, False], ids=["pallas_attention", "xla_attention"])
 def test_a_gpu_mesh_runs_its_kernels_and_nothing_cpu_or_tpu_only(tripwires, spec, quantize, kv,
                                                                   pallas):
-    """Every switch of the CPU and TPU kernels on, as a config could leave them: on a GPU mesh a
-    prefill's attention goes to cuDNN (except with GPT-OSS's sinks), a decode step's to the Triton
-    kernel with kernels.pallas_attention (sinks, windows and an int8 cache included) and to XLA
-    without, the products to XLA (quantised ones too)."""
+    """Every switch of the CPU and TPU kernels on, as a config could leave them: on a GPU mesh the
+    attention over pages of a mixed step (decode rows and a prompt's chunk) and of a decode step
+    goes to the Triton kernel with kernels.pallas_attention (sinks, windows and an int8 pool
+    included) and to XLA without, the page writes and the products to XLA (quantised ones too)."""
     rules = gpu_rules()
     model = Model.named(spec)
     policy = Policy(params="bfloat16", activations="bfloat16", kv_cache=kv, matmul="default",
-                    quantize=quantize, kernels=True, pallas_attention=pallas, pallas_prefill=True,
-                    pallas_moe=True, cudnn_prefill=True).on(rules)
-    assert policy.backend == Backend("gpu", pallas_decode="gpu" if pallas else "",
-                                     flash_prefill="cudnn", pallas_paged="gpu" if pallas else "")
+                    quantize=quantize, kernels=True, pallas_attention=pallas,
+                    pallas_moe=True).on(rules)
+    assert policy.backend == Backend("gpu", pallas_paged="gpu" if pallas else "")
     decl = model.declare()
     params = jax.eval_shape(lambda: weights.init(decl, jax.random.key(0), rules, jnp.bfloat16))
     if quantize != "none":  # the quantised layout, without quantising anything
         from models import quant
         params = quant.abstract_tree(decl, rules, jnp.dtype(jnp.bfloat16), quantize)
-    cache = jax.eval_shape(lambda: model.new_cache(2, 24, jnp.dtype(kv), rules))
-    ids = jax.ShapeDtypeStruct((2, 16), jnp.int32)
+    pool, tables = jax.eval_shape(lambda: model.paged_cache(1, 2, 24, rules, policy))
 
-    def prefill(params, tokens, positions, cache):
-        return model.forward(params, tokens, positions, cache, rules, policy, Mode.PREFILL, 0, Output.LAST_LOGITS)
+    def run(params, tokens, positions, rows, pool, tables):
+        return model.forward(params, tokens, positions, pool.at(tables, tables, rows), rules,
+                             policy, Output.LOGITS)
 
-    def step(params, tokens, positions, cache, slots):
-        return model.forward(params, tokens, positions, cache, rules, policy, Mode.APPEND, slots, Output.LAST_LOGITS)
-
-    jax.make_jaxpr(prefill)(params, ids, ids, cache)
     layers = model.num_layers
-    flash = 0 if spec.startswith("gptoss") else layers
-    assert tripwires == {"flash_prefill": flash, "decode_attention": 0}
-    one = jax.ShapeDtypeStruct((2, 1), jnp.int32)
-    jax.make_jaxpr(step)(params, one, one, cache, jax.ShapeDtypeStruct((2,), jnp.int32))
-    assert tripwires == {"flash_prefill": flash, "decode_attention": layers if pallas else 0}
+    for calls, T in ((1, 2 + 16), (2, 2)):  # a mixed step's 2 decode rows and 16 chunk tokens
+        ids = jax.ShapeDtypeStruct((1, T), jnp.int32)
+        jax.make_jaxpr(run)(params, ids, ids, ids, pool, tables)
+        assert tripwires == {"paged_attention": calls * layers if pallas else 0}
 
 
 @pytest.mark.parametrize("name", ["llama3_h100.py", "gptoss_h100.py"])
@@ -185,74 +178,35 @@ def test_the_device_check_runs_its_steps_on_a_tiny_model(tmp_path):
 @pytest.mark.parametrize("kind", ["llama", "gptoss"])
 @pytest.mark.parametrize("mesh", ["1dev", "data2_model4"])
 def test_decode_through_the_triton_kernel_matches_transformers(monkeypatch, kind, mesh):
-    """A GPU backend's decode step (kernels.pallas_attention) on CPU devices, the Triton kernel
-    run by Pallas' interpreter inside the model's shard_map: a ragged, left-padded batch prefilled,
-    then decoded token by token; every step's logits against transformers' over the unpadded
-    sequence. GPT-OSS brings sinks and windowed layers (rings of 8 slots, passed by the decode)."""
-    from tests.conftest import rules_for
-    from tests.reference import hf_logits, left_padded_batch, tiny_hf, to_podrun
-
+    """A GPU backend's attention over pages (kernels.pallas_attention) on CPU devices, the Triton
+    kernel run by Pallas' interpreter inside the model's shard_map: ragged prompts in chunks of 5
+    over pages of 4, then decoded token by token; every prompt position's and every step's logits
+    against transformers'. GPT-OSS brings sinks and windowed layers (a window of 8)."""
     calls = []
-    real = gpu.decode_attention
+    real = gpu.paged_attention
 
     def interpreted(*args, **kw):
         calls.append(args[1].shape)
         return real(*args, **kw, interpret=True)
 
-    monkeypatch.setattr(gpu, "decode_attention", interpreted)
+    monkeypatch.setattr(gpu, "paged_attention", interpreted)
     # the backend a GPU mesh resolves, on this mesh of CPU devices
     monkeypatch.setattr(Backend, "resolve", classmethod(lambda cls, policy, rules: cls(
-        "gpu", pallas_decode="gpu")))
+        "gpu", pallas_paged="gpu")))
     rules = rules_for(mesh)
-    policy = Policy()
     m = tiny_hf(kind)
     model, params = to_podrun(m, rules)
     B, P, steps = 8, 12, 6
-    lengths, seqs, tokens, positions = left_padded_batch(4, B, P, steps, shortest=2)
-    cache = model.new_cache(B, P + steps, jnp.float32, rules)
-    prefill = jax.jit(lambda p, t, pos, c: model.forward(p, t, pos, c, rules, policy, Mode.PREFILL,
-                                                         0, Output.LAST_LOGITS))
-    step = jax.jit(lambda p, t, pos, c, s: model.forward(p, t, pos, c, rules, policy, Mode.APPEND,
-                                                         s, Output.LAST_LOGITS))
-    _, cache = prefill(params, tokens, positions, cache)
-    got = []
-    for i in range(steps):
-        tok = np.array([seqs[b, n + i] for b, n in enumerate(lengths)], np.int32)[:, None]
-        logits, cache = step(params, tok, (lengths + i)[:, None].astype(np.int32), cache,
-                             np.int32(P + i))
-        got.append(np.asarray(logits))
-    assert len(calls) == model.num_layers  # traced once, every layer through the kernel
+    lengths, seqs = ragged_batch(4, B, P, steps, shortest=2)
+    rows = Rows(model, params, rules, Policy(), B, P + steps)
+    prompts = rows.prefill([seqs[b, :n] for b, n in enumerate(lengths)], chunk=5)
+    got = [rows.step([seqs[b, n + i] for b, n in enumerate(lengths)]) for i in range(steps)]
+    assert len(calls) == 2 * model.num_layers  # a mixed step and a decode step, each layer's
     for b, n in enumerate(lengths):
         ref = hf_logits(m, seqs[b: b + 1, : n + steps])[0]
+        np.testing.assert_allclose(prompts[b], ref[:n], atol=3e-4, rtol=1e-4)
         for i in range(steps):
             np.testing.assert_allclose(got[i][b], ref[n + i], atol=3e-4, rtol=1e-4)
-
-
-@pytest.mark.parametrize("spec,kernels", [("llama:llama3.1-8b", 1), ("gptoss:20b", 2)])
-def test_the_h100_decode_step_lowers_for_cuda_with_the_triton_kernel(monkeypatch, spec, kernels):
-    """The H100 deployments' decode step at full size (abstract weights: nothing allocated), a GPU
-    backend with kernels.pallas_attention, lowered for CUDA on this CPU: every layer's attention
-    is a call of the Triton kernel (one kernel for Llama's layers, GPT-OSS's windowed and full
-    layers one each), with the cache donated. What XLA:GPU then compiles needs the GPU
-    (benchmarks/gpu_check.py). The mesh is one CPU device's, as lowering wants a real device."""
-    from tests.conftest import rules_for
-
-    monkeypatch.setattr(Backend, "resolve", classmethod(lambda cls, policy, rules: cls(
-        "gpu", pallas_decode="gpu")))
-    rules = rules_for("1dev")
-    model = Model.named(spec)
-    policy = Policy(params="bfloat16", activations="bfloat16", kv_cache="bfloat16", matmul="default")
-    params = jax.eval_shape(lambda: weights.init(model.declare(), jax.random.key(0), rules,
-                                                 jnp.bfloat16))
-    B = 64
-    cache = jax.eval_shape(lambda: model.new_cache(B, 2048, jnp.bfloat16, rules))
-    rows = jax.ShapeDtypeStruct((B, 1), jnp.int32)
-    step = jax.jit(lambda p, t, pos, c, s: model.forward(p, t, pos, c, rules, policy, Mode.APPEND,
-                                                         s, Output.LAST_LOGITS), donate_argnums=3)
-    text = step.trace(params, rows, rows, cache, jax.ShapeDtypeStruct((B,), jnp.int32)).lower(
-        lowering_platforms=("cuda",)).as_text()
-    assert text.count("__gpu$xla.gpu.triton") == kernels
-    assert text.count("call @decode_attention") == model.num_layers
 
 
 @pytest.mark.parametrize("name,functions", [("llama3_h100.py", 1), ("gptoss_h100.py", 2)])

@@ -1,6 +1,7 @@
-"""The CPU kernels against numpy: the float32 product of a decode step's few rows, and decode
-attention with sinks, windows, empty slots and queries that see only this step's keys. (Whole
-models through them: test_models, test_gptoss.)"""
+"""The kernels against numpy: the CPU kernels (the float32 product of a decode step's few rows,
+the quantised products, the greedy screen, attention over pages with sinks, windows and padding
+queries), and the TPU and GPU ones in Pallas' interpreter. (Whole models through them:
+test_models, test_gptoss.)"""
 
 import functools
 import os
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.kernels import cpu, tpu
+from models.kernels import cpu, gpu, tpu
 
 
 @pytest.mark.parametrize("w_nk", [False, True], ids=["w_KN", "w_NK"])
@@ -158,27 +159,24 @@ def test_greedy_screen_for_flat_and_non_finite_rows():
     assert got[0] == 0
     assert got[1] == _exact_argmax(x[1:2], w, False)[0]
     assert got[2] == V - 1
-    from runner.engine.engine import greedy_tokens
+    from runner.engine.sampling import greedy_tokens
     assert got[3] == int(greedy_tokens(jnp.asarray(x[3:4]) @ jnp.asarray(w))[0])
 
 
 def test_chained_products_match_numpy():
-    """A step's products and decode attention called again and again, as decode calls them: the
+    """A step's products and paged attention called again and again, as decode calls them: the
     kernels learn their order and the helpers read ahead what comes next (cpu_kernels.h's Chain:
-    the next product's weights and the attention's cache rows in use, each helper its own share),
-    one row over short rows of W sweeps them a row at a time, the threads claim parts of W as they
-    go, and lines ask for those a few KB on; the results are numpy's, and the same bits every call
-    whichever thread took which part."""
+    the next product's weights, each helper its own share), one row over short rows of W sweeps
+    them a row at a time, the threads claim parts of W as they go, and lines ask for those a few
+    KB on; the results are numpy's, and the same bits every call whichever thread took which
+    part."""
     rng = np.random.default_rng(7)
     kn = [rng.standard_normal((K, N), dtype=np.float32) for K, N in [(64, 96), (96, 520), (520, 64)]]
-    K, G, H, S = 2, 2, 64, 40  # attention: 4 query heads over 2 kv heads, a 40-slot cache
+    K, G, H, P, S = 2, 2, 64, 4, 16  # attention: 4 query heads over 2 kv heads, 4 pages of 16
     wq = rng.standard_normal((64, K * G * H), dtype=np.float32) / 8
     wo = rng.standard_normal((K * G * H, 64), dtype=np.float32) / 16
-    kc, vc = (rng.standard_normal((1, K, S, H)).astype(np.float32) for _ in range(2))
-    k_new, v_new = (rng.standard_normal((1, K, 1, H)).astype(np.float32) for _ in range(2))
-    k_pos = np.full((1, S), -1, np.int32)
-    k_pos[0, :29] = np.arange(29)
-    q_pos = np.array([[29]], np.int32)
+    kc, vc = (rng.standard_normal((P, K, S, H)).astype(np.float32) for _ in range(2))
+    tables, rows, q_pos = np.array([[3, 1]], np.int32), np.zeros(1, np.int32), np.array([29], np.int32)
     nk = rng.standard_normal((200, 64), dtype=np.float32)  # [N, K]
     q = rng.integers(-127, 128, size=(300, 200), dtype=np.int8)
     scale = rng.uniform(0.01, 0.02, size=300).astype(np.float32)
@@ -186,9 +184,8 @@ def test_chained_products_match_numpy():
     def step(x):
         for w in kn:
             x = cpu.matmul_f32(x, w)
-        heads = cpu.matmul_f32(x, wq).reshape(1, 1, K * G, H)
-        x = cpu.decode_attention(heads, kc, vc, k_pos, as_projected(k_new), as_projected(v_new),
-                                 q_pos, q_pos, None, None, 0.125)
+        heads = cpu.matmul_f32(x, wq).reshape(1, K * G, H)
+        x = cpu.paged_attention(heads, kc, vc, tables, rows, q_pos, None, None, 0.125)
         x = cpu.matmul_f32(x.reshape(1, K * G * H), wo)
         x = cpu.matmul_f32(x, nk, w_nk=True)
         return cpu.matmul_nk_s8(x, q, scale)
@@ -197,8 +194,8 @@ def test_chained_products_match_numpy():
         x = x.astype(np.float64)
         for w in kn:
             x = x @ w
-        heads = (x @ wq).reshape(1, 1, K * G, H)
-        x = np_attention(heads, kc, vc, k_pos, k_new, v_new, q_pos, q_pos, None, None, 0.125)
+        heads = (x @ wq).reshape(1, K * G, H)
+        x = np_paged_attention(heads, kc, vc, tables, rows, q_pos, None, None, 0.125)
         x = x.reshape(1, K * G * H) @ wo
         return (x @ nk.T) @ (q * scale[:, None]).T.astype(np.float64)
 
@@ -211,372 +208,54 @@ def test_chained_products_match_numpy():
         np.testing.assert_array_equal(got, first)
 
 
-def np_attention(q, kc, vc, k_pos, kn, vn, new_pos, q_pos, sinks, window, scale):
+def np_attention(q, k, v, k_pos, q_pos, sinks, window, scale):
+    """q [B, T, N, H] at q_pos [B, T] over k, v [B, K, S, H] at k_pos [B, S] (-1: empty), the
+    softmax in float64; a query that sees nothing and has no sink gives zeros."""
     B, T, N, H = q.shape
-    K = kc.shape[1]
+    K = k.shape[1]
     G = N // K
-    k_all = np.concatenate([kc, kn], axis=2).astype(np.float64)  # [B, K, S + T, H]
-    v_all = np.concatenate([vc, vn], axis=2).astype(np.float64)
-    pos = np.concatenate([k_pos, new_pos], axis=1)  # [B, S + T]
+    k, v = k.astype(np.float64), v.astype(np.float64)
     out = np.zeros((B, T, N, H))
     for b in range(B):
         for t in range(T):
             qp = q_pos[b, t]
-            seen = (pos[b] >= 0) & (pos[b] <= qp)
+            seen = (k_pos[b] >= 0) & (k_pos[b] <= qp)
             if window:
-                seen &= qp - pos[b] < window
+                seen &= qp - k_pos[b] < window
             for n in range(N):
-                s = k_all[b, n // G] @ q[b, t, n].astype(np.float64) * scale
+                s = k[b, n // G] @ q[b, t, n].astype(np.float64) * scale
                 logits = list(s[seen]) + ([sinks[n]] if sinks is not None else [])
                 if not logits:
                     continue
                 m = max(logits)
                 w = np.exp(s[seen] - m)
                 total = w.sum() + (np.exp(sinks[n] - m) if sinks is not None else 0.0)
-                out[b, t, n] = (w[:, None] * v_all[b, n // G][seen]).sum(0) / total
+                out[b, t, n] = (w[:, None] * v[b, n // G][seen]).sum(0) / total
     return out
 
 
-@pytest.mark.parametrize("G,H", [(3, 40), (4, 64), (8, 64), (7, 64), (5, 128), (3, 16), (5, 16)],
-                         ids=["H40-query_by_query", "G4-H64", "G8-H64", "G7-H64", "G5-H128", "G3-H16",
-                              "G5-H16"])
-@pytest.mark.parametrize("T,window,with_sinks", [(1, None, False), (1, 5, True), (3, None, True),
-                                                 (2, 7, False)])
-def test_decode_attention_matches_numpy(T, window, with_sinks, G, H):
-    """head_dim a multiple of 16 takes the grouped path (query heads in blocks of up to 8, 4 or 2
-    as head_dim allows, then what is left; scores four rows at a time where the registers allow,
-    which G5-H16 reaches on AVX2 too); H = 40 the query-by-query one with its tail loops."""
-    rng = np.random.default_rng(T * 10 + (window or 0))
-    B, K, S = 3, 2, 20
-    N = K * G
-    f32 = np.float32
-    q = rng.standard_normal((B, T, N, H)).astype(f32)
-    kc, vc = (rng.standard_normal((B, K, S, H)).astype(f32) for _ in range(2))
-    kn, vn = (rng.standard_normal((B, K, T, H)).astype(f32) for _ in range(2))
-    k_pos = np.full((B, S), -1, np.int32)
-    k_pos[0, :12] = np.arange(12)  # a row with 12 positions filled
-    k_pos[1, 3:9] = np.arange(6)  # left padding, and empty slots after
-    k_pos[1, 5] = -1  # an overwritten slot in the middle
-    q_pos = np.array([[12 + t for t in range(T)], [6 + t for t in range(T)], [t for t in range(T)]],
-                     np.int32)
-    new_pos = q_pos.copy()
-    new_pos[0, -1] = -1  # a finished row writes nothing visible
-    sinks = rng.standard_normal(N).astype(f32) if with_sinks else None
-    scale = 0.3
-    got = jax.jit(lambda *a: cpu.decode_attention(*a, window, scale))(
-        q, kc, vc, k_pos, as_projected(kn), as_projected(vn), new_pos, q_pos, sinks)
-    want = np_attention(q, kc, vc, k_pos, kn, vn, new_pos, q_pos, sinks, window, scale)
-    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("G,H,T,window", [(4, 64, 1, None), (8, 64, 2, 50), (3, 128, 1, None),
-                                           (5, 32, 3, 70)])
-def test_decode_attention_over_a_long_cache_matches_numpy(G, H, T, window):
-    """A long cache (up to 140 visible slots, one overwritten), several query heads per kv head,
-    one to three query positions."""
-    rng = np.random.default_rng(G * H + T)
-    B, K, S, f32 = 2, 2, 150, np.float32
-    N = K * G
-    q = rng.standard_normal((B, T, N, H)).astype(f32)
-    kc, vc = (rng.standard_normal((B, K, S, H)).astype(f32) for _ in range(2))
-    kn, vn = (rng.standard_normal((B, K, T, H)).astype(f32) for _ in range(2))
-    k_pos = np.full((B, S), -1, np.int32)
-    k_pos[0, :140] = np.arange(140)
-    k_pos[1, 20:120] = np.arange(100)
-    k_pos[1, 60] = -1  # an overwritten slot among them
-    q_pos = np.array([[140 + t for t in range(T)], [100 + t for t in range(T)]], np.int32)
-    sinks = rng.standard_normal(N).astype(f32)
-    got = jax.jit(lambda *a: cpu.decode_attention(*a, window, 0.125))(
-        q, kc, vc, k_pos, as_projected(kn), as_projected(vn), q_pos, q_pos, sinks)
-    want = np_attention(q, kc, vc, k_pos, kn, vn, q_pos, q_pos, sinks, window, 0.125)
-    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("K,window,with_sinks,int8", [(3, None, False, False), (3, 40, True, False),
-                                                   (1, None, True, False), (3, None, True, True)],
-                         ids=["3kv", "3kv-window-sinks", "1kv-sinks", "3kv-int8-sinks"])
-def test_decode_attention_at_batch_one_matches_numpy(K, window, with_sinks, int8):
-    """One row's decode step as SmolLM2's (3 kv heads of 3 query heads) or with one kv head:
-    150 visible slots (the softmax's vectors and their padded tail), one, and none (a padding
-    query: zeros, or the sink's share alone)."""
-    rng = np.random.default_rng(K * 7 + int(int8) + (window or 0))
-    G, H, S, f32 = 3, 64, 192, np.float32
-    N = K * G
-    for case in ("long", "one", "none"):
-        q = rng.standard_normal((1, 1, N, H)).astype(f32)
-        kc, vc = (rng.standard_normal((1, K, S, H)).astype(f32) for _ in range(2))
-        kn, vn = (rng.standard_normal((1, K, 1, H)).astype(f32) for _ in range(2))
-        k_pos = np.full((1, S), -1, np.int32)
-        q_pos = np.array([[150]], np.int32)
-        new_pos = q_pos.copy()
-        if case == "long":
-            k_pos[0, :150] = np.arange(150)
-            k_pos[0, 70] = -1  # an overwritten slot
-        elif case == "one":
-            k_pos[0, 0] = 149
-        else:
-            new_pos[0, 0] = -1
-        sinks = rng.standard_normal(N).astype(f32) if with_sinks else None
-        scales = ()
-        if int8:
-            (kc, ks), (vc, vs) = quantize_slots(kc), quantize_slots(vc)
-            scales = (ks, vs)
-        got = jax.jit(lambda *a: cpu.decode_attention(*a[:9], window, 0.125, *a[9:]))(
-            q, kc, vc, k_pos, as_projected(kn), as_projected(vn), new_pos, q_pos, sinks, *scales)
-        kf, vf = (kc * scales[0][..., None], vc * scales[1][..., None]) if int8 else (kc, vc)
-        want = np_attention(q, kf, vf, k_pos, kn, vn, new_pos, q_pos, sinks, window, 0.125)
-        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5, err_msg=case)
-
-
-def as_projected(x):
-    """[B, K, T, H] (np_attention's layout) -> [B, T, K, H], as the CPU kernel takes new keys."""
-    return np.ascontiguousarray(x.transpose(0, 2, 1, 3))
-
-
-@pytest.mark.parametrize("B,K,G,H,T,window,with_sinks", [
-    (2, 2, 4, 64, 37, None, False), (2, 2, 4, 64, 130, 24, True), (1, 1, 3, 40, 20, None, True),
-    (1, 2, 7, 64, 100, 9, False)],
-    ids=["runs_of_16", "window_sinks", "one_kv_head-H40-team", "G7-window"])
-def test_prefill_attention_matches_numpy(B, K, G, H, T, window, with_sinks):
-    """A prompt over its own keys, no cache (S = 0): causal by position, left padding (-1)
-    attended by nothing, split into runs of up to 16 query positions per kv head."""
-    rng = np.random.default_rng(T + K)
-    N, f32 = K * G, np.float32
-    q = rng.standard_normal((B, T, N, H)).astype(f32)
-    k, v = (rng.standard_normal((B, K, T, H)).astype(f32) for _ in range(2))
-    pos = np.tile(np.arange(T, dtype=np.int32), (B, 1))
-    pos[-1, :5] = -1  # the last row left-padded by 5
-    pos[-1, 5:] = np.arange(T - 5)
-    none, no_pos = np.zeros((B, K, 0, H), f32), np.zeros((B, 0), np.int32)
-    sinks = rng.standard_normal(N).astype(f32) if with_sinks else None
-    got = jax.jit(lambda *a: cpu.decode_attention(*a, window, 0.2))(
-        q, none, none, no_pos, as_projected(k), as_projected(v), pos, np.maximum(pos, 0), sinks)
-    want = np_attention(q, none, none, no_pos, k, v, pos, np.maximum(pos, 0), sinks, window, 0.2)
-    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("S,window,with_sinks", [(256, None, False), (384, 100, True), (40, 9, True)])
-def test_pallas_decode_attention_matches_numpy_in_interpret_mode(S, window, with_sinks):
-    """The TPU kernel, run by Pallas' interpreter on CPU: several cache blocks (S = 384 is three
-    blocks of 128), a cache shorter than a block (40), windows, sinks, empty and masked slots."""
-    from models.kernels import tpu
-
-    rng = np.random.default_rng(S)
-    B, K, G, H = 3, 2, 4, 64
-    N = K * G
-    f32 = np.float32
-    q = rng.standard_normal((B, 1, N, H)).astype(f32)
-    kc, vc = (rng.standard_normal((B, K, S, H)).astype(f32) for _ in range(2))
-    kn, vn = (rng.standard_normal((B, K, 1, H)).astype(f32) for _ in range(2))
-    k_pos = np.full((B, S), -1, np.int32)
-    k_pos[0, : S - 3] = np.arange(S - 3)
-    k_pos[1, 5: 25] = np.arange(20)
-    k_pos[1, 7] = -1
-    q_pos = np.array([[S - 3], [20], [0]], np.int32)
-    new_pos = q_pos.copy()
-    new_pos[1, 0] = -1  # a finished row
-    sinks = rng.standard_normal(N).astype(f32) if with_sinks else None
-    got = tpu.decode_attention(q, kc, vc, k_pos, kn, vn, new_pos, q_pos, sinks, window, 0.125,
-                               interpret=True)
-    want = np_attention(q, kc, vc, k_pos, kn, vn, new_pos, q_pos, sinks, window, 0.125)
-    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
-
-
-def decode_case(S: int, G: int, H: int, seed: int):
-    """Four rows over a cache of S slots (K = 2 kv heads): a full row, one with a hole and a short
-    bound, a row that sees nothing but its new key, and a finished row (new_pos -1) with left
-    padding whose last slot is the first of a block of 64 (129 slots, where S allows). Returns q,
-    cache k, v, k_pos, new k, v, new_pos, q_pos."""
-    rng = np.random.default_rng(seed)
-    B, K, f32 = 4, 2, np.float32
-    q = rng.standard_normal((B, 1, K * G, H)).astype(f32)
-    kc, vc = (rng.standard_normal((B, K, S, H)).astype(f32) for _ in range(2))
-    kn, vn = (rng.standard_normal((B, K, 1, H)).astype(f32) for _ in range(2))
-    k_pos = np.full((B, S), -1, np.int32)
-    k_pos[0, : S - 3] = np.arange(S - 3)
-    k_pos[1, 5: 25] = np.arange(20)
-    k_pos[1, 7] = -1  # a hole: padding between a shared prefix and the rest of a prompt
-    end = min(S - 1, 129)
-    k_pos[3, 10: end] = np.arange(end - 10)
-    q_pos = np.array([[S - 3], [20], [0], [end - 10]], np.int32)
-    new_pos = q_pos.copy()
-    new_pos[3, 0] = -1
-    return q, kc, vc, k_pos, kn, vn, new_pos, q_pos
-
-
-@pytest.mark.parametrize("S,G,H,window,with_sinks", [
-    (256, 4, 128, None, False), (200, 8, 64, 100, True), (40, 4, 64, 9, True), (1000, 3, 64, None, True)],
-    ids=["S256-G4", "S200-G8-window-sinks", "S40-one_block", "S1000-G3"])
-@pytest.mark.parametrize("programs", [512, 1], ids=["a_block_a_program", "one_program_a_head"])
-def test_gpu_decode_attention_matches_numpy_in_interpret_mode(S, G, H, window, with_sinks,
-                                                              programs):
-    """The GPU (Triton) kernel, run by Pallas' interpreter on CPU: caches of one block, several,
-    and a part of one (S = 200, 1000 are no multiple of 64), each row read up to its own last
-    filled slot; holes, windows, sinks, G not a power of two. Split so that each program takes one
-    block (the merge of splits), or not at all (a program's loop over every block of a row)."""
-    from models.kernels import gpu
-
-    q, kc, vc, k_pos, kn, vn, new_pos, q_pos = decode_case(S, G, H, S + G)
-    sinks = np.random.default_rng(S).standard_normal(q.shape[2]).astype(np.float32) if with_sinks else None
-    got = gpu.decode_attention(q, kc, vc, k_pos, kn, vn, new_pos, q_pos, sinks, window, 0.125,
-                               interpret=True, programs=programs)
-    want = np_attention(q, kc, vc, k_pos, kn, vn, new_pos, q_pos, sinks, window, 0.125)
-    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.parametrize("kv", ["bfloat16", "int8"])
-def test_gpu_decode_attention_over_bf16_and_int8_caches(kv):
-    """bfloat16 queries over a bfloat16 cache, or an int8 one with a scale per slot and head
-    (precision.kv_cache), in Pallas' interpreter, against numpy over the same (dequantised) values."""
-    from models.kernels import gpu
-
-    q, kc, vc, k_pos, kn, vn, new_pos, q_pos = decode_case(300, 4, 64, 7)
-    bf = lambda x: np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
-    q, kn, vn = bf(q), bf(kn), bf(vn)
-    if kv == "int8":
-        ks, vs = (np.abs(x).max(-1) / 127 for x in (kc, vc))  # [B, K, S]
-        kq, vq = (np.round(x / s[..., None]).astype(np.int8) for x, s in ((kc, ks), (vc, vs)))
-        cache, scales = (kq, vq), (ks.astype(np.float32), vs.astype(np.float32))
-        kc, vc = kq * ks[..., None], vq * vs[..., None]
-    else:
-        kc, vc = bf(kc), bf(vc)
-        cache, scales = (jnp.asarray(kc, jnp.bfloat16), jnp.asarray(vc, jnp.bfloat16)), ()
-    b16 = lambda x: jnp.asarray(x, jnp.bfloat16)
-    got = gpu.decode_attention(b16(q), *cache, k_pos, b16(kn), b16(vn), new_pos, q_pos, None, None,
-                               0.125, *scales, interpret=True)
-    want = np_attention(q, kc, vc, k_pos, kn, vn, new_pos, q_pos, None, None, 0.125)
-    np.testing.assert_allclose(np.asarray(got.astype(jnp.float32)), want, rtol=3e-2, atol=3e-2)
-
-
-@pytest.mark.parametrize("B,S,G,H,kv,window", [(1, 256, 4, 128, "bfloat16", None),
-                                               (128, 2048, 4, 128, "bfloat16", None),
-                                               (64, 1100, 8, 64, "bfloat16", 128),
-                                               (8, 512, 4, 128, "int8", None)])
-def test_gpu_decode_attention_lowers_to_triton_for_cuda(B, S, G, H, kv, window):
-    """What a CPU can check of the kernel on a GPU: Pallas lowers it to one Triton kernel call for
-    CUDA at the H100 configs' shapes (Llama-3.1-8B's heads, GPT-OSS's with a window and sinks), an
-    int8 cache too. Compiling that kernel to PTX needs the GPU (benchmarks/gpu_check.py)."""
-    from models.kernels import gpu
-
-    sd, bf, K = jax.ShapeDtypeStruct, jnp.bfloat16, 8
-    cache = sd((B, K, S, H), jnp.int8 if kv == "int8" else bf)
-    rows = sd((B, 1), jnp.int32)
-    args = (sd((B, 1, K * G, H), bf), cache, cache, sd((B, S), jnp.int32), sd((B, K, 1, H), bf),
-            sd((B, K, 1, H), bf), rows, rows, sd((K * G,), jnp.float32) if window else None)
-    scales = (sd((B, K, S), jnp.float32),) * 2 if kv == "int8" else ()
-    step = jax.jit(lambda *a: gpu.decode_attention(*a[:9], window, H**-0.5, *a[9:]))
-    text = step.trace(*args, *scales).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("__gpu$xla.gpu.triton") == 1
-
-
-def left_padded_prompts(T: int):
-    """Two prompts of T slots for a prefill kernel, the second left-padded by 30: q [2, T, 8, 64],
-    k and v [2, 2, T, 64] (4 query heads a kv head), positions [2, T] (-1 = padding), and the
-    generator, seeded by T, for whatever else the test draws."""
-    rng = np.random.default_rng(T)
-    B, K, G, H = 2, 2, 4, 64
-    q = rng.standard_normal((B, T, K * G, H)).astype(np.float32)
-    k, v = (rng.standard_normal((B, K, T, H)).astype(np.float32) for _ in range(2))
-    pos = np.tile(np.arange(T, dtype=np.int32), (B, 1))
-    pos[1, :30] = -1
-    pos[1, 30:] = np.arange(T - 30)
-    return q, k, v, pos, rng
-
-
-@pytest.mark.parametrize("T,window,with_sinks", [(40, None, False), (384, 100, True), (256, 16, True),
-                                                 (512, None, True)])
-def test_pallas_flash_prefill_matches_numpy_in_interpret_mode(T, window, with_sinks):
-    """The TPU prefill kernel, run by Pallas' interpreter on CPU: one block (T = 40, 256) or several
-    (384 = 3 x 128, 512 = 1 x 512) with blocks skipped both after the queries and behind their
-    window, left padding, sinks. Padding queries' outputs are never used and are not compared."""
-    from models.kernels import tpu
-
-    q, k, v, pos, rng = left_padded_prompts(T)
-    (B, _, N, H), K, f32 = q.shape, k.shape[1], np.float32
-    sinks = rng.standard_normal(N).astype(f32) if with_sinks else None
-    got = tpu.flash_prefill(q, k, v, np.maximum(pos, 0), pos, sinks, window, 0.125, interpret=True)
-    empty = np.zeros((B, K, 1, H), f32)
-    want = np_attention(q, empty, empty, np.full((B, 1), -1, np.int32), k, v, pos, pos, sinks,
-                        window, 0.125)
-    real = pos >= 0
-    np.testing.assert_allclose(np.asarray(got)[real], want[real], rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.parametrize("T,window", [(40, None), (256, 16), (384, 100)])
-def test_cudnn_flash_prefill_call_matches_numpy(T, window):
-    """The GPU prefill kernel's call of jax.nn.dot_product_attention (bias for padding and
-    positions, causal by index, grouped kv heads), through XLA's implementation of the same call on
-    CPU. Left padding: padding queries see nothing, and their rows must stay finite, since the next
-    layer's keys and values at those slots are made from them."""
-    from models.kernels import gpu
-
-    q, k, v, pos, _ = left_padded_prompts(T)
-    (B, _, N, H), K, f32 = q.shape, k.shape[1], np.float32
-    got = np.asarray(jax.jit(gpu.flash_prefill, static_argnames=("window", "scale", "implementation"))(
-        q, k, v, pos, pos, None, window=window, scale=0.125, implementation="xla"))
-    empty = np.zeros((B, K, 1, H), f32)
-    want = np_attention(q, empty, empty, np.full((B, 1), -1, np.int32), k, v, pos, pos, None,
-                        window, 0.125)
-    real = pos >= 0
-    np.testing.assert_allclose(got[real], want[real], rtol=1e-4, atol=1e-4)
-    assert np.isfinite(got).all()
-    with pytest.raises(ValueError, match="sinks"):
-        gpu.flash_prefill(q, k, v, pos, pos, np.zeros(N, f32), window, 0.125, implementation="xla")
-
-
 def quantize_slots(x):
-    """[B, K, S, H] -> int8 and per-slot scales [B, K, S] (numpy, independent of the model code)."""
+    """[..., S, H] -> int8 and per-slot scales [..., S] (numpy, independent of the model code)."""
     scale = (np.abs(x).max(-1) / np.float32(127)).astype(np.float32)
     return np.clip(np.round(x / scale[..., None]), -127, 127).astype(np.int8), scale
-
-
-@pytest.mark.parametrize("pallas", [False, True], ids=["cpu", "pallas_interpret"])
-def test_decode_attention_over_an_int8_cache_matches_numpy(pallas):
-    """Both kernels read an int8 cache with per-slot scales exactly as its dequantised values."""
-    from models.kernels import tpu
-
-    rng = np.random.default_rng(7)
-    B, K, G, S, H = 2, 2, 3, 256, 64
-    N = K * G
-    f32 = np.float32
-    q = rng.standard_normal((B, 1, N, H)).astype(f32)
-    (kq, ks), (vq, vs) = (quantize_slots(rng.standard_normal((B, K, S, H)).astype(f32)) for _ in range(2))
-    kn, vn = (rng.standard_normal((B, K, 1, H)).astype(f32) for _ in range(2))
-    k_pos = np.full((B, S), -1, np.int32)
-    k_pos[0, :200] = np.arange(200)
-    k_pos[1, 10:50] = np.arange(40)
-    q_pos = np.array([[200], [40]], np.int32)
-    sinks = rng.standard_normal(N).astype(f32)
-    args = (q, kq, vq, k_pos, kn, vn, q_pos, q_pos, sinks, 30, 0.125, ks, vs)
-    if pallas:
-        got = tpu.decode_attention(*args, interpret=True)
-    else:
-        cpu_args = args[:4] + (as_projected(kn), as_projected(vn)) + args[6:9]
-        got = jax.jit(lambda *a: cpu.decode_attention(*a[:9], 30, 0.125, *a[9:]))(*cpu_args, ks, vs)
-    want = np_attention(q, kq * ks[..., None], vq * vs[..., None], k_pos, kn, vn, q_pos, q_pos,
-                        sinks, 30, 0.125)
-    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
 
 
 def test_without_a_compiler_the_kernels_give_way_to_xla(monkeypatch, tmp_path):
     """No C++ compiler and nothing built yet: one warning, and the model still decodes (through
     XLA) with the same logits as with the kernels."""
-    from models.decoder import Mode, Output
     from models.policy import Policy
     from tests.conftest import rules_for
+    from tests.forward import Rows
     from tests.reference import tiny_hf, to_podrun
 
     rules = rules_for("1dev")
     model, params = to_podrun(tiny_hf("llama"), rules)
     tokens = np.arange(12, dtype=np.int32).reshape(2, 6) % 100
-    positions = np.tile(np.arange(6, dtype=np.int32), (2, 1))
 
     def decode():
-        cache = model.new_cache(2, 8, np.float32, rules)
-        _, cache = model.forward(params, tokens, positions, cache, rules, Policy(), Mode.PREFILL, 0, Output.LAST_LOGITS)
-        step = jax.jit(lambda c, s: model.forward(params, tokens[:, :1], positions[:, :1] + 6, c, rules,
-                                                  Policy(), Mode.APPEND, s, Output.LAST_LOGITS))
-        return np.asarray(step(cache, np.int32(6))[0])
+        rows = Rows(model, params, rules, Policy(), 2, 8)
+        rows.prefill(tokens)
+        return rows.step(tokens[:, 0])
 
     with_kernels = decode()
     monkeypatch.setenv("PODRUN_KERNEL_CACHE", str(tmp_path))
@@ -730,13 +409,10 @@ def test_every_vector_path_matches_numpy(path, tmp_path):
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
          "tests/test_kernels.py::test_f32_product_matches_numpy",
          "tests/test_kernels.py::test_panel_product_matches_numpy",
-         "tests/test_kernels.py::test_decode_attention_matches_numpy",
-         "tests/test_kernels.py::test_decode_attention_over_an_int8_cache_matches_numpy[cpu]",
-         "tests/test_kernels.py::test_prefill_attention_matches_numpy",
-         "tests/test_kernels.py::test_decode_attention_over_a_long_cache_matches_numpy",
-         "tests/test_kernels.py::test_decode_attention_at_batch_one_matches_numpy",
          "tests/test_kernels.py::test_rms_norm_matches_numpy",
          "tests/test_kernels.py::test_paged_attention_matches_numpy",
+         "tests/test_kernels.py::test_paged_attention_in_blocks_of_query_heads_matches_numpy",
+         "tests/test_kernels.py::test_paged_attention_of_a_prompt_chunk_matches_numpy",
          "tests/test_kernels.py::test_paged_attention_over_int8_pages_matches_numpy",
          "tests/test_quant.py::test_int8_kernel_matches_numpy",
          "tests/test_quant.py::test_int4_kernel_matches_numpy"],
@@ -814,6 +490,33 @@ def test_paged_attention_matches_numpy(H, G, window, with_sinks):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("G,H", [(3, 40), (4, 64), (8, 64), (7, 64), (5, 128), (3, 16), (5, 16)],
+                         ids=["H40-query_by_query", "G4-H64", "G8-H64", "G7-H64", "G5-H128", "G3-H16",
+                              "G5-H16"])
+@pytest.mark.parametrize("K,window,with_sinks", [(2, None, False), (3, 40, True), (1, None, True)],
+                         ids=["2kv", "3kv-window-sinks", "1kv-sinks"])
+def test_paged_attention_in_blocks_of_query_heads_matches_numpy(G, H, K, window, with_sinks):
+    """A decode step's rows as SmolLM2's (3 kv heads), with one kv head or two: head_dim a multiple
+    of 16 takes the grouped path (query heads in blocks of up to 8, 4 or 2 as head_dim allows, then
+    what is left; scores four rows at a time where the registers allow, which G5-H16 reaches on
+    AVX2 too), H = 40 the query-by-query one with its tail loops. Rows of 150 positions over 10
+    pages of 16 in no order (the softmax's vectors and their padded tail), of one, and a padding
+    query (zeros)."""
+    rng = np.random.default_rng(G * H + K)
+    P, S, M, f32 = 32, 16, 10, np.float32
+    N = K * G
+    k_pages, v_pages = (rng.standard_normal((P, K, S, H)).astype(f32) for _ in range(2))
+    tables = rng.permutation(P)[:3 * M].reshape(3, M).astype(np.int32)
+    rows, q_pos = np.arange(3, dtype=np.int32), np.array([149, 0, -1], np.int32)
+    q = rng.standard_normal((3, N, H)).astype(f32)
+    sinks = rng.standard_normal(N).astype(f32) if with_sinks else None
+    got = np.asarray(jax.jit(lambda *a: cpu.paged_attention(*a, window, 0.125))(
+        q, k_pages, v_pages, tables, rows, q_pos, sinks))
+    want = np_paged_attention(q, k_pages, v_pages, tables, rows, q_pos, sinks, window, 0.125)
+    np.testing.assert_array_equal(got[2], 0.0)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("H,G,window,with_sinks", [(64, 3, 5, True), (36, 1, None, False)])
 def test_paged_attention_of_a_prompt_chunk_matches_numpy(H, G, window, with_sinks):
     """A step of 77 queries (a prompt's chunk beside the decode tokens), which the kernel runs on
@@ -883,8 +586,6 @@ def test_pallas_paged_attention_matches_numpy_in_interpret_mode(H, T, window, wi
     """models/kernels/tpu.paged_attention, run by Pallas' interpreter on CPU, against numpy over
     each sequence's pages gathered in order: sequences over several blocks of pages (16 pages of
     16 slots a block), pages shared by two tables, a padding query (zeros), windows, sinks."""
-    from models.kernels import tpu
-
     rng = np.random.default_rng(H + T)
     P, K, S, G, M = 96, 2, 16, 8, 40
     N, f32 = K * G, np.float32
@@ -905,9 +606,7 @@ def test_pallas_paged_attention_matches_numpy_in_interpret_mode(H, T, window, wi
     # each sequence's keys in order: position p in page table[p // S], slot p % S
     kc, vc = (np.moveaxis(x[tables], 2, 1).reshape(Q, K, M * S, H) for x in (kp, vp))
     k_pos = np.tile(np.arange(M * S, dtype=np.int32), (Q, 1))
-    empty = np.zeros((Q, K, 0, H), f32)
-    want = np_attention(q, kc, vc, k_pos, empty, empty, np.zeros((Q, 0), np.int32), q_pos, sinks,
-                        window, 0.125)
+    want = np_attention(q, kc, vc, k_pos, q_pos, sinks, window, 0.125)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
     assert not np.asarray(got)[q_pos < 0].any()
 
@@ -916,8 +615,6 @@ def test_pallas_write_pages_writes_each_slot_once_in_interpret_mode(monkeypatch)
     """models/kernels/tpu.write_pages in Pallas' interpreter: a decode step's tokens (each its
     own page), a chunk's consecutive slots over three pages and several blocks of tokens (a page read,
     changed and written back by each), padding dropped; every other slot as it was."""
-    from models.kernels import tpu
-
     rng = np.random.default_rng(1)
     P, K, S, H = 12, 2, 16, 64
     monkeypatch.setattr(tpu, "WRITE_BLOCK_BYTES", 8 * K * S * 128 * 4 // 2)  # 8 tokens a block
@@ -980,8 +677,6 @@ def test_gpu_paged_attention_matches_numpy_in_interpret_mode(G, H, C, window, wi
     each query's positions gathered through its table: decode rows over several steps of pages
     (split over programs, or each row's in one), idle rows and padding (zeros), a chunk's rows of
     (token, head) pairs, shared pages, windows, sinks, and garbage wherever no query looks."""
-    from models.kernels import gpu
-
     q, k_pages, v_pages, tables, rows, q_pos = ragged_step_case(G, H, C, seed=G * 100 + C)
     sinks = np.random.default_rng(G).standard_normal(q.shape[1]).astype(np.float32) if with_sinks else None
     got = np.asarray(gpu.paged_attention(q, k_pages, v_pages, tables, rows, q_pos, sinks, window,
@@ -996,8 +691,6 @@ def test_gpu_paged_attention_matches_numpy_in_interpret_mode(G, H, C, window, wi
 def test_gpu_paged_attention_over_bf16_and_int8_pages(kv):
     """bfloat16 queries over bfloat16 pages, or int8 ones with a scale per slot and head, against
     numpy over the same (dequantised) values; NaN slots keep NaN scales."""
-    from models.kernels import gpu
-
     q, k_pages, v_pages, tables, rows, q_pos = ragged_step_case(4, 64, 24, seed=5)
     bf = lambda x: np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
     q = bf(q)
@@ -1026,8 +719,6 @@ def test_gpu_paged_attention_lowers_to_triton_for_cuda(K, G, H, kv, window, chun
     a chunk of 256; GPT-OSS's with a window and sinks; an int8 pool), Pallas lowers the step to
     a Triton kernel call for its decode rows and one for its chunk. Compiling them to PTX needs
     the GPU (benchmarks/gpu_check.py)."""
-    from models.kernels import gpu
-
     sd, bf, R, P, S, M = jax.ShapeDtypeStruct, jnp.bfloat16, 256, 4096, 16, 768
     T = R + chunk
     pool = sd((P, K, S, H), jnp.int8 if kv == "int8" else bf)

@@ -1,24 +1,15 @@
 """Model numerics against transformers, on several meshes."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.decoder import Mode, Output
 from models.policy import Policy
 from tests.conftest import rules_for
-from tests.reference import VOCAB, hf_logits, left_padded_batch, tiny_hf, to_podrun
+from tests.forward import Rows, prompt_logits
+from tests.reference import VOCAB, hf_logits, ragged_batch, tiny_hf, to_podrun
 
 KINDS = ["llama", "llama3", "qwen2", "gpt2"]
-
-
-def full_forward(model, params, tokens, rules, cache_len=64):
-    B, T = tokens.shape
-    cache = model.new_cache(B, cache_len, jnp.float32, rules)
-    positions = np.tile(np.arange(T, dtype=np.int32), (B, 1))
-    fwd = jax.jit(lambda p, t, pos, c: model.forward(p, t, pos, c, rules, Policy(), Mode.PREFILL))
-    return fwd(params, tokens, positions, cache)
 
 
 FUSED = [(k, False) for k in KINDS] + [(k, True) for k in KINDS if k != "gpt2"]  # gpt2 is fused as released
@@ -30,8 +21,8 @@ def test_logits_match_transformers(kind, fuse, mesh_rules):
     model, params = to_podrun(m, mesh_rules, fuse)
     assert ("wqkv" in params["layers"][0]) == (fuse or kind == "gpt2")
     tokens = np.random.RandomState(1).randint(0, VOCAB, (8, 40)).astype(np.int32)
-    logits, _ = full_forward(model, params, tokens, mesh_rules)
-    np.testing.assert_allclose(np.asarray(logits), hf_logits(m, tokens), atol=2e-4, rtol=1e-4)
+    logits = prompt_logits(model, params, mesh_rules, Policy(), tokens)
+    np.testing.assert_allclose(np.stack(logits), hf_logits(m, tokens), atol=2e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("kind", ["llama", "gptoss"])
@@ -72,23 +63,20 @@ def test_panels_hold_the_projections_on_one_cpu_device(kind):
 
 @pytest.mark.parametrize("kind,fuse", [("llama", False), ("llama", True), ("gpt2", False)])
 def test_decode_matches_full_forward(kind, fuse, mesh_rules):
-    """Prefill a ragged, left-padded batch, then decode one token at a time through the cache:
-    every step's logits equal those of a full forward pass over the unpadded sequence."""
+    """Ragged prompts prefilled in chunks of 5 (pages of 4), then decoded one token at a time
+    through the pages: every step's logits equal transformers' over the whole sequence."""
     m = tiny_hf(kind)
     model, params = to_podrun(m, mesh_rules, fuse)
     B, P, steps = 8, 16, 6
-    lengths, seqs, tokens, positions = left_padded_batch(2, B, P, steps, shortest=3)
-    cache = model.new_cache(B, P + steps, jnp.float32, mesh_rules)
-    prefill = jax.jit(lambda p, t, pos, c: model.forward(p, t, pos, c, mesh_rules, Policy(), Mode.PREFILL, 0, Output.LAST_LOGITS))
-    step = jax.jit(lambda p, t, pos, c, s: model.forward(p, t, pos, c, mesh_rules, Policy(), Mode.APPEND, s, Output.LAST_LOGITS))
-    logits, cache = prefill(params, tokens, positions, cache)
-    got = [np.asarray(logits)]
+    lengths, seqs = ragged_batch(2, B, P, steps, shortest=3)
+    rows = Rows(model, params, mesh_rules, Policy(), B, P + steps)
+    prompts = rows.prefill([seqs[b, :n] for b, n in enumerate(lengths)], chunk=5)
+    got = [np.stack([p[-1] for p in prompts])]
     for i in range(steps):
-        tok = np.array([seqs[b, n + i] for b, n in enumerate(lengths)], np.int32)[:, None]
-        logits, cache = step(params, tok, (lengths + i)[:, None].astype(np.int32), cache, np.int32(P + i))
-        got.append(np.asarray(logits))
+        got.append(rows.step([seqs[b, n + i] for b, n in enumerate(lengths)]))
     for b, n in enumerate(lengths):
         ref = hf_logits(m, seqs[b : b + 1, : n + steps])[0]
+        np.testing.assert_allclose(prompts[b], ref[:n], atol=2e-4, rtol=1e-4)
         for i in range(steps + 1):
             np.testing.assert_allclose(got[i][b], ref[n - 1 + i], atol=2e-4, rtol=1e-4)
 
@@ -100,8 +88,6 @@ def test_decode_in_the_cpu_product_kernel_matches_transformers(kind, fuse, B):
     """On one CPU device the engine's policy (Policy.on) sends a decode step's projections of up
     to eight rows to podrun's float32 product kernel (untied unembedding [D, V] and tied [V, D]
     alike); its logits step by step against transformers, and the kernel really in the program."""
-    from tests.conftest import rules_for
-
     rules = rules_for("1dev")
     policy = Policy().on(rules)
     assert policy.backend.product_kernel and not Policy().on(rules_for("data8")).backend.product_kernel
@@ -109,14 +95,9 @@ def test_decode_in_the_cpu_product_kernel_matches_transformers(kind, fuse, B):
     model, params = to_podrun(m, rules, fuse)
     seqs = np.random.RandomState(3).randint(0, VOCAB, (B, 10)).astype(np.int32)
     P, steps = 6, 4
-    cache = model.new_cache(B, P + steps, jnp.float32, rules)
-    positions = np.tile(np.arange(P, dtype=np.int32), (B, 1))
-    prefill = jax.jit(lambda p, t, pos, c: model.forward(p, t, pos, c, rules, policy, Mode.PREFILL, 0, Output.LAST_LOGITS))
-    step = jax.jit(lambda p, t, pos, c, s: model.forward(p, t, pos, c, rules, policy, Mode.APPEND, s, Output.LAST_LOGITS))
-    _, cache = prefill(params, seqs[:, :P], positions, cache)
-    hlo = step.lower(params, seqs[:, P:P + 1], positions[:, :1] + P, cache, np.int32(P)).as_text()
-    assert "podrun_matmul_f32" in hlo
+    rows = Rows(model, params, rules, policy, B, P + steps)
+    rows.prefill(seqs[:, :P])
+    assert "podrun_matmul_f32" in rows.step_hlo(seqs[:, P])
     ref = hf_logits(m, seqs)
     for i in range(steps):
-        logits, cache = step(params, seqs[:, P + i:P + i + 1], positions[:, :1] + P + i, cache, np.int32(P + i))
-        np.testing.assert_allclose(np.asarray(logits), ref[:, P + i], atol=2e-4, rtol=1e-4)
+        np.testing.assert_allclose(rows.step(seqs[:, P + i]), ref[:, P + i], atol=2e-4, rtol=1e-4)

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 from models import scan
-from models.decoder import Mode, Output
+from models.decoder import Output
 from models.policy import Policy
 from runner.engine import Engine, Request, generate
 from tests.conftest import rules_for
+from tests.forward import prompt_logits
 from tests.reference import VOCAB, hf_greedy, hf_logits, tiny_hf, to_podrun
 
 
@@ -22,22 +23,22 @@ def test_the_period_is_the_shortest_repeat_of_the_windows_that_divides_the_depth
     assert scan.period((8, 8, None, 8, 8, None)) == 3
 
 
-CASES = [  # kind, config overrides, mesh, prefill rows, fuse
-    ("llama", {}, "data2_model4", 0, False),
-    ("qwen2", {}, "data8", 0, True),
-    ("gpt2", {}, "1dev", 0, False),
-    ("gptoss", {"num_hidden_layers": 4}, "expert2_model2_data2", 0, False),  # 2 periods of 2
-    pytest.param("gptoss", {"num_hidden_layers": 4}, "expert4_data2", 2, True, marks=pytest.mark.slow),
+CASES = [  # kind, config overrides, mesh, prompt chunk, fuse
+    ("llama", {}, "data2_model4", 256, False),
+    ("qwen2", {}, "data8", 256, True),
+    ("gpt2", {}, "1dev", 16, False),
+    ("gptoss", {"num_hidden_layers": 4}, "expert2_model2_data2", 256, False),  # 2 periods of 2
+    pytest.param("gptoss", {"num_hidden_layers": 4}, "expert4_data2", 16, True, marks=pytest.mark.slow),
 ]
 
 
-@pytest.mark.parametrize("kind,overrides,mesh,rows,fuse", CASES,
-                         ids=[f"{c[0]}-{c[2]}-rows{c[3]}{'-fused' if c[4] else ''}"
+@pytest.mark.parametrize("kind,overrides,mesh,chunk,fuse", CASES,
+                         ids=[f"{c[0]}-{c[2]}-chunk{c[3]}{'-fused' if c[4] else ''}"
                               for c in (getattr(c, "values", c) for c in CASES)])
-def test_scanned_generation_matches_transformers(kind, overrides, mesh, rows, fuse):
-    """Ragged prompts prefilled (all rows at once, or a few at a time), then 24 greedy tokens
-    decoded, GPT-OSS's ring wrapping: token for token what transformers generates; the weights
-    and the cache really are stacked."""
+def test_scanned_generation_matches_transformers(kind, overrides, mesh, chunk, fuse):
+    """Ragged prompts computed (whole, or in chunks of 16), then 24 greedy tokens decoded past
+    GPT-OSS's window: token for token what transformers generates; the weights and the page pools
+    really are stacked."""
     rules = rules_for(mesh)
     m = tiny_hf(kind, seed=7, **overrides)
     policy = Policy(scan_layers=True, fuse_projections=fuse)
@@ -46,8 +47,10 @@ def test_scanned_generation_matches_transformers(kind, overrides, mesh, rows, fu
     assert "layers" not in params and len(params["layer_stack"]) == model.scan_period
     assert all(x.shape[0] == depth for x in jax.tree.leaves(params["layer_stack"]))
     engine = Engine(model, params, rules, policy, batch_size=2, max_prompt_len=32, max_new_tokens=24,
-                    prefill_rows=rows)
-    assert len(engine.cache.k) == model.scan_period and engine.cache.k[0].shape[1] == depth
+                    page_size=4, chunk=chunk)
+    L, windows = engine.layout, model.module.cache_spec(model.config)[0]
+    assert ([x.shape[1] for x in engine.cache.k]
+            == [depth * (L.window_pages if w else L.pages) for w in windows[:model.scan_period]])
     rng = np.random.RandomState(4)
     prompts = [tuple(int(t) for t in rng.randint(0, VOCAB, n)) for n in (3, 20, 11, 30)]
     lengths = (24, 7, 24, 15)  # rows free at different times: the later prompts enter mid-run
@@ -57,16 +60,14 @@ def test_scanned_generation_matches_transformers(kind, overrides, mesh, rows, fu
 
 
 def test_scanned_prefill_logits_match_transformers():
-    """Every position's logits of a scanned forward pass over an empty stacked cache."""
+    """Every position's logits of a scanned forward pass over empty stacked pools."""
     rules = rules_for("data2_model4")
     m = tiny_hf("llama")
     policy = Policy(scan_layers=True)
     model, params = to_podrun(m, rules, policy=policy)
     tokens = np.random.RandomState(1).randint(0, VOCAB, (8, 40)).astype(np.int32)
-    cache = model.new_cache(8, 64, np.float32, rules, stacked=True)
-    positions = np.tile(np.arange(40, dtype=np.int32), (8, 1))
-    logits, _ = jax.jit(lambda p, c: model.forward(p, tokens, positions, c, rules, policy, Mode.PREFILL))(params, cache)
-    np.testing.assert_allclose(np.asarray(logits), hf_logits(m, tokens), atol=2e-4, rtol=1e-4)
+    logits = prompt_logits(model, params, rules, policy, tokens)
+    np.testing.assert_allclose(np.stack(logits), hf_logits(m, tokens), atol=2e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("kind", ["llama", "gptoss"])
@@ -74,26 +75,20 @@ def test_scanned_paged_forward_logits_match_transformers(kind):
     """A prompt of 12 tokens through stacked page pools (pages of 4, in table order; GPT-OSS: 4
     layers, window 8, 2 deep) in two passes, 8 tokens then 4 that read the first's pages of every
     layer: every position's logits, and the last one's alone (the final period after the loop)."""
-    from models.paged import PagedCache
-
     rules = rules_for("1dev")
     m = tiny_hf(kind, seed=5, **({"num_hidden_layers": 4} if kind == "gptoss" else {}))
     policy = Policy(scan_layers=True).on(rules)
     model, params = to_podrun(m, rules, policy=policy)
-    windows, kv_heads, head_dim = model.module.cache_spec(model.config)
-    pool = PagedCache.create(1, 8, 8, 4, windows, kv_heads, head_dim, np.float32, rules,
-                             period=model.scan_period)
+    pool, tables = model.paged_cache(1, 1, 32, rules, policy, page_size=4)  # [G, R, M]: one sequence
     assert [x.shape[1] for x in pool.k] == [16] * model.scan_period  # 8 pages, 2 layers deep
     tokens = np.random.RandomState(2).randint(0, VOCAB, (1, 12)).astype(np.int32)
-    tables = np.arange(8, dtype=np.int32)[None, None]  # [G, R, M]: one sequence
 
     @functools.partial(jax.jit, static_argnames="output")
     def run(params, pool, tokens, start, output):
         T = tokens.shape[1]
         cache = pool.at(tables, tables, jnp.zeros((1, T), jnp.int32))
         positions = start + jnp.arange(T, dtype=jnp.int32)[None]
-        logits, cache = model.forward(params, tokens, positions, cache, rules, policy,
-                                      Mode.APPEND, 0, output)
+        logits, cache = model.forward(params, tokens, positions, cache, rules, policy, output)
         return logits, cache.pool()
 
     want = hf_logits(m, tokens)

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 
-from models.decoder import Mode
 from models.policy import Policy
 from runner.checkpoints import store
 from runner.checkpoints.convert import convert
@@ -16,6 +15,7 @@ from runner.engine import Engine, Request, generate
 from runner.text.tokenizer import load_tokenizer
 from sharding.mesh import MeshShape, make_mesh
 from sharding.rules import Rules
+from tests.forward import prompt_logits
 from tests.test_end_to_end import ROOT, podrun, read_jsonl
 
 STEPS = 32
@@ -51,7 +51,7 @@ def engine(converted):
     rules = Rules.make(make_mesh(MeshShape(data=1, model=3), jax.devices()[:3]))  # 9 heads, 3 kv heads
     params = store.restore(converted, meta.model, rules, "float32")
     return Engine(meta.model, params, rules, Policy(), batch_size=len(PROMPTS) + len(CHATS),
-                  max_prompt_len=64, max_new_tokens=STEPS, steps_per_dispatch=8)
+                  max_prompt_len=64, max_new_tokens=STEPS, page_size=16, steps_per_dispatch=8)
 
 
 def test_prompts_and_chats_tokenize_as_transformers_does(converted, prompt_ids):
@@ -63,12 +63,10 @@ def test_prompts_and_chats_tokenize_as_transformers_does(converted, prompt_ids):
 def test_logits_match_transformers(engine, reference, prompt_ids):
     m, _ = reference
     ids = prompt_ids[2]
-    cache = engine.model.new_cache(1, 64, np.float32, engine.rules)
-    logits, _ = jax.jit(lambda p, t, pos, c: engine.model.forward(p, t, pos, c, engine.rules, Policy(), Mode.PREFILL))(
-        engine.params, np.array([ids], np.int32), np.arange(len(ids), dtype=np.int32)[None], cache)
+    logits = prompt_logits(engine.model, engine.params, engine.rules, Policy(), [ids], page_size=16)
     with torch.no_grad():
         ref = m(torch.tensor([ids])).logits.numpy()
-    np.testing.assert_allclose(np.asarray(logits), ref, atol=2e-3, rtol=1e-3)
+    np.testing.assert_allclose(logits[0], ref[0], atol=2e-3, rtol=1e-3)
 
 
 def test_greedy_batch_matches_transformers(engine, reference, prompt_ids):

@@ -12,14 +12,12 @@ import os
 import re
 
 import gguf
-import jax
 import ml_dtypes
 import numpy as np
 import pytest
 import torch
 import transformers
 
-from models.decoder import Mode
 from models.llama import PRESETS as LLAMA_PRESETS
 from models.policy import Policy
 from models.registry import Model
@@ -30,6 +28,7 @@ from runner.checkpoints.gguf_source import read_gguf
 from runner.checkpoints.hf_folder import read_hf_folder
 from runner.checkpoints.source import SourceError
 from tests.conftest import rules_for
+from tests.forward import prompt_logits
 from tests.reference import GGUFReference, transformers_gguf_load
 
 Q = gguf.GGMLQuantizationType
@@ -331,17 +330,14 @@ def test_qwen2_gguf_mixing_q5_0_and_q5_1_in_converts_and_runs_as_transformers_lo
     rules = rules_for("1dev")
     params = store.restore(str(tmp_path / "ck"), meta.model, rules, "float32")
     ids = np.array([[1, 17, 42, 5, 88, 3, 60, 9]], np.int32)
-    positions = np.arange(ids.shape[1], dtype=np.int32)[None]
-    cache = meta.model.new_cache(1, 16, np.float32, rules)
-    logits, _ = jax.jit(lambda p, t, pos, c: meta.model.forward(
-        p, t, pos, c, rules, Policy(), Mode.PREFILL))(params, ids, positions, cache)
+    logits = prompt_logits(meta.model, params, rules, Policy(), ids)
     want = GGUFReference(path).model
     with torch.no_grad():
         ref = want(torch.tensor(ids)).logits.numpy()
     embed = want.model.embed_tokens.weight.detach().numpy()
     x = state_of(model)["model.embed_tokens.weight"]
     assert 0 < np.abs(embed - x).max() <= np.abs(x).max() / 15  # Q5_0's values, not the floats
-    np.testing.assert_allclose(np.asarray(logits), ref, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.stack(logits), ref, rtol=1e-4, atol=1e-4)
 
 
 def pack_k_quant(qtype, rows: int, cols: int, rng) -> tuple[np.ndarray, np.ndarray]:
