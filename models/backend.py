@@ -57,7 +57,7 @@ class Backend:
     # What one more step of the paged engine costs, in prompt tokens computed: on TPU and GPU a
     # step reads every weight from HBM, worth hundreds of tokens' flops, so a prompt's last chunk
     # is padded up to a bucket rather than split; on CPU a step's own cost is a few tokens', so a
-    # prompt is split into buckets it fills (runner/engine/paged_scheduler.py's chunk plan).
+    # prompt is split into buckets it fills (runner/engine/scheduler.py's chunk plan).
     step_tokens: int = 256
 
     @classmethod
