@@ -25,14 +25,14 @@ pytestmark = pytest.mark.filterwarnings("ignore:Error reading persistent compila
 
 
 def tiny_tpu_settings(scan_layers: bool = False, **generation):
-    """A tiny GPT-OSS for v5e:2x2; the older engine (page_size 0) unless `generation` asks."""
+    """A tiny GPT-OSS for v5e:2x2, pages of 16 tokens."""
     c = base_config()
     c.programs.scan_layers = scan_layers
     c.checkpoint.update(path="/unused", model="gptoss:tiny")
     c.mesh.update(data=1, expert=2, model=2, num_cpu_devices=0, device_memory_gib=16.0,
                   tpu_topology="v5e:2x2")
     c.precision.update(params="bfloat16", activations="bfloat16", kv_cache="bfloat16", matmul="default")
-    c.generation.update({"batch_size": 4, "max_prompt_len": 32, "max_new_tokens": 16, "page_size": 0,
+    c.generation.update({"batch_size": 4, "max_prompt_len": 32, "max_new_tokens": 16, "page_size": 16,
                          **generation})
     return from_config(c)
 
@@ -42,40 +42,6 @@ def tiny_tpu_settings(scan_layers: bool = False, **generation):
 SMALL = Model("gptoss", gptoss.Config(vocab_size=1024, hidden_size=256, intermediate_size=256,
                                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=128,
                                       num_experts=4, experts_per_token=2, sliding_window=16))
-
-
-@pytest.mark.parametrize("scan", [False, pytest.param(True, marks=pytest.mark.slow)],
-                         ids=["unrolled", "scanned"])
-def test_a_small_deployment_compiles_for_a_v5e_topology_with_its_shards_per_chip(scan):
-    """scan: the layers in one loop over stacked weights and caches (what a chip holds is the same)."""
-    from runner.tools.compile import compile_deployment, report
-    from runner.tools.memory import footprint
-
-    s = tiny_tpu_settings(scan, prefill_rows=2)
-    model = Model("gptoss", dataclasses.replace(SMALL.config, num_layers=4)) if scan else SMALL
-    engine, compiled = compile_deployment(s, model)
-    assert {d.platform for d in engine.rules.mesh.devices.flat} == {"tpu"}
-    assert engine.rules.mesh.devices.size == 4
-    assert sorted(compiled) == ["decode", "prefill_16", "prefill_32"]
-    assert engine.prefill_rows == 2
-
-    # XLA's own count of a chip's inputs is what the declarations say a chip holds (weights, KV
-    # cache and, for the prefills that fill it, the prefix pool: runner.tools.memory), plus a few
-    # per-row scalars; everything is on some chip.
-    total = sum(math.prod(w.shape) * 2 for w in jax.tree.leaves(model.declare(), is_leaf=is_weight))
-    declared = footprint(s, model)
-    assert declared.prefix_pool > 0
-    for c in compiled.values():
-        held = declared.per_device - (0 if c.name.startswith("prefill") else declared.prefix_pool)
-        assert held <= c.argument_bytes <= held * 1.02 + 2**14, c
-        assert 4 * c.argument_bytes >= total
-        assert c.peak_bytes <= 16 * 2**30 and c.flops > 0 and c.bytes_accessed > 0
-    assert declared.weights < 0.75 * total  # the experts and heads really are split
-    # the cache is donated: decode's outputs reuse its buffers
-    assert compiled["decode"].alias_bytes >= declared.kv_cache
-
-    text = report(s, engine, compiled)
-    assert "v5e:2x2" in text and "decode" in text and "of HBM" in text
 
 
 def mosaic_kernels(lowered: str) -> collections.Counter:
@@ -89,31 +55,34 @@ def kernel_calls(hlo: str) -> collections.Counter:
     return collections.Counter(re.findall(r"%([a-z_]+)(?:\.\d+)? = [^\n]*custom_call_target=\"tpu_custom_call\"", hlo))
 
 
-def test_a_paged_deployment_compiles_its_mixed_and_decode_programs_for_a_v5e_topology():
-    """generation.page_size=16: runner.tools.compile builds the job's engine (the paged one) and
-    compiles each chunk bucket's mixed step and the decode call, each taking the weights and the
-    page pools as runner.tools.memory declares them: 1 MiB a chip, of pages of 1 layer (of the 2,
-    one full and one windowed) x (k, v) x 1 kv head (2 over model) x 16 slots x 128 x 2 bytes. The
-    window pool has room for every row's window: 16 - 1 + a chunk of 32 positions, 3 pages, and 2
-    more; the full layer's pool takes the rest."""
-    from runner.engine.paged_engine import PagedEngine
+def test_a_deployment_compiles_its_mixed_and_decode_programs_for_a_v5e_topology():
+    """runner.tools.compile builds the job's engine and compiles each chunk bucket's mixed step and
+    the decode call, each taking the weights and the page pools as runner.tools.memory declares
+    them: 1 MiB a chip, of pages of 1 layer (of the 2, one full and one windowed) x (k, v) x 1 kv
+    head (2 over model) x 16 slots x 128 x 2 bytes. The window pool has room for every row's
+    window: 16 - 1 + a chunk of 32 positions, 3 pages, and 2 more; the full layer's pool takes the
+    rest. The experts and heads are split over the chips."""
     from runner.tools.compile import compile_deployment, report
     from runner.tools.memory import footprint
 
-    s = tiny_tpu_settings(page_size=16, kv_cache_gib=2**-10, chunk_tokens=32)
+    s = tiny_tpu_settings(kv_cache_gib=2**-10, chunk_tokens=32)
     engine, compiled = compile_deployment(s, SMALL)
-    assert isinstance(engine, PagedEngine)
+    L = engine.layout
     assert {d.platform for d in engine.rules.mesh.devices.flat} == {"tpu"}
+    assert engine.rules.mesh.devices.size == 4
     assert sorted(compiled) == ["decode_8", "mixed_32"]
     assert [SMALL.config.window(i) for i in range(2)] == [16, None]
     page = 2 * 1 * 1 * 16 * 128 * 2
     window_pages = 4 * (-(-(16 - 1 + 32) // 16) + 2)
-    assert (engine.window_pages, engine.pages) == (window_pages, 2**20 // page - window_pages) == (20, 108)
+    assert (L.window_pages, L.pages) == (window_pages, 2**20 // page - window_pages) == (20, 108)
     declared = footprint(s, SMALL)
-    assert (declared.pages, declared.window_pages) == (engine.pages, engine.window_pages)
-    assert declared.kv_cache == engine.pool_bytes == 128 * page and declared.prefix_pool == 0
+    assert (declared.pages, declared.window_pages) == (L.pages, L.window_pages)
+    assert declared.kv_cache == engine.pool_bytes == 128 * page
+    total = sum(math.prod(w.shape) * 2 for w in jax.tree.leaves(SMALL.declare(), is_leaf=is_weight))
+    assert declared.weights < 0.75 * total  # the experts and heads really are split
     for c in compiled.values():
         assert declared.per_device <= c.argument_bytes <= declared.per_device * 1.02 + 2**14, c
+        assert 4 * c.argument_bytes >= total  # everything is on some chip
         assert c.peak_bytes <= 16 * 2**30 and c.flops > 0
     assert compiled["decode_8"].alias_bytes >= declared.kv_cache  # the pools are donated
     # Each layer writes its keys and values and attends in the Pallas kernels (the mixed step
@@ -144,11 +113,12 @@ def test_pools_of_head_dim_64_reach_the_tpu_kernels_without_a_copy(scan):
 
     config = dataclasses.replace(SMALL.config, head_dim=64, num_layers=4 if scan else 2)
     model = dataclasses.replace(SMALL, config=config)
-    s = tiny_tpu_settings(scan, page_size=16, kv_cache_gib=2**-10, chunk_tokens=32)
+    s = tiny_tpu_settings(scan, kv_cache_gib=2**-10, chunk_tokens=32)
     engine, _ = compile_deployment(s, model, only=("decode_8",))
     assert engine.cache.k[0].shape[3:] == (8, 128)
     depth = 2 if scan else 1
-    assert [x.shape[1] for x in engine.cache.k] == [depth * engine.window_pages, depth * engine.pages]
+    L = engine.layout
+    assert [x.shape[1] for x in engine.cache.k] == [depth * L.window_pages, depth * L.pages]
     # a chip's: 1 of the 2 kv heads, and of those one layer's
     pools = {math.prod(x.shape) // 2 // n for x in engine.cache.k for n in {1, depth}}
     text = engine.lower()["decode_8"].compile().as_text()
@@ -160,14 +130,13 @@ def test_pools_of_head_dim_64_reach_the_tpu_kernels_without_a_copy(scan):
 
 
 def test_a_program_too_large_for_the_chip_is_reported_as_not_fitting():
-    """A cache of 20 GiB a chip (64 rows of 655,392 slots on the full layer, 1 kv head of 128 a
-    chip, k and v in bf16): XLA:TPU refuses the decode program, and the report says so in its
+    """A pool of 20 GiB a chip: XLA:TPU refuses the decode program, and the report says so in its
     row instead of a traceback."""
     from runner.tools.compile import compile_deployment, report
 
-    s = tiny_tpu_settings(batch_size=64, max_new_tokens=655360, page_size=0)
-    engine, compiled = compile_deployment(s, SMALL, only=("decode",))
-    assert "Ran out of memory" in compiled["decode"].error
+    s = tiny_tpu_settings(kv_cache_gib=20.0)
+    engine, compiled = compile_deployment(s, SMALL, only=("decode_8",))
+    assert "Ran out of memory" in compiled["decode_8"].error
     assert "does not fit: Ran out of memory" in report(s, engine, compiled)
 
 
@@ -186,26 +155,11 @@ def test_a_two_slice_deployment_compiles_with_data_across_the_slices():
     assert sorted(compiled) == ["decode_8", "mixed_24"]  # the paged engine's, one chunk of 24
 
 
-def test_prefill_rows_caps_the_prompts_one_insert_prefills():
-    """generation.prefill_rows=2 on a batch of 8: inserts take 1 or 2 prompts, and the program
-    compiled (2 rows) needs no more temporaries than one taking all 8 at once."""
-    from runner.tools.compile import compile_deployment
-
-    def prefill(rows):
-        s = tiny_tpu_settings(prefill_rows=rows, batch_size=8, max_prompt_len=256, prefill_buckets=(256,))
-        engine, compiled = compile_deployment(s, only=("prefill_256",))
-        return engine, compiled["prefill_256"]
-
-    (all_rows, whole), (two_rows, grouped) = prefill(0), prefill(2)
-    assert all_rows.insert_sizes == (1, 2, 4, 8) and two_rows.insert_sizes == (1, 2)
-    assert grouped.temp_bytes <= whole.temp_bytes
-
-
 def test_asking_for_a_program_the_deployment_lacks_names_it_and_compiles_nothing():
     from runner.tools.compile import compile_deployment
 
-    with pytest.raises(ValueError, match=r"no program \['prefill_7'\] to compile; .*'decode'"):
-        compile_deployment(tiny_tpu_settings(), SMALL, only=("decode", "prefill_7"))
+    with pytest.raises(ValueError, match=r"no program \['mixed_7'\] to compile; .*'decode_8'"):
+        compile_deployment(tiny_tpu_settings(), SMALL, only=("decode_8", "mixed_7"))
 
 
 def run_compile(*args):
@@ -244,52 +198,40 @@ def test_the_gptoss_deployments_name_a_topology_with_as_many_chips_as_their_mesh
 def test_every_shipped_tpu_config_compiles_and_fits(path):
     r = run_compile(f"--config={os.path.relpath(path, ROOT)}")
     assert r.returncode == 0, r.stderr[-3000:]
-    programs = re.compile(r"\s+(prefill_|decode|mixed_)\S*\s+\d")  # a program's row of figures
+    programs = re.compile(r"\s+(decode|mixed_)\S*\s+\d")  # a program's row of figures
     rows = [line.split() for line in r.stdout.splitlines() if programs.match(line)]
-    assert any(row[0] == "decode_8" for row in rows), r.stdout  # the paged engine's, as shipped
+    assert any(row[0] == "decode_8" for row in rows), r.stdout
     assert all(float(row[4].rstrip("%")) <= 100 for row in rows), r.stdout
 
 
 
-@pytest.mark.parametrize("kernels,kv_cache", [(True, "bfloat16"), (False, "bfloat16"),
-                                               (True, "int8"), (False, "int8")])
-def test_decode_attention_compiles_as_the_pallas_kernel_for_tpu(kernels, kv_cache):
-    """With kernels.pallas_attention the decode step's attention is the Pallas kernel (a Mosaic
-    custom call in the program compiled for v5e), over a bf16 or an int8 cache; without, XLA's
-    (the prefill kernel is off here, so that no program has any other attention kernel)."""
-    from runner.tools.compile import compile_deployment
-
-    s = tiny_tpu_settings()
-    s = dataclasses.replace(s, policy=dataclasses.replace(s.policy, pallas_attention=kernels,
-                                                          kv_cache=kv_cache, pallas_prefill=False))
-    engine, compiled = compile_deployment(s, SMALL, only=("decode",))
-    assert "decode" in compiled
-    decode = engine.lower()["decode"].as_text()
-    assert mosaic_kernels(decode)["_kernel"] == (SMALL.config.num_layers if kernels else 0)
-    assert set(mosaic_kernels(engine.lower()["prefill_16"].as_text())) <= {"_experts_kernel"}
+def gptoss_20b_settings(**policy):
+    """configs/gptoss_v5e.py with 64 rows of 1,024 + 1,024 tokens, one decode step a call, its
+    pool holding every row at its longest, and `policy` changes."""
+    s = from_config(load(os.path.join(ROOT, "configs", "gptoss_v5e.py")).get_config())
+    g = dataclasses.replace(s.generation, batch_size=64, max_prompt_len=1024, max_new_tokens=1024,
+                            steps_per_dispatch=1, kv_cache_gib=0.0)
+    return dataclasses.replace(s, generation=g, policy=dataclasses.replace(s.policy, **policy))
 
 
 def gptoss_20b_decode(options=None, layers=2, **policy):
-    """configs/gptoss_v5e.py's decode step in the older engine (one step per call, 64 rows of
-    1,024 + 1,024 tokens, GPT-OSS-20B cut to `layers`) compiled for v5e with XLA `options`, with
-    `policy` changes: (model, rules, compiled)."""
+    """gptoss_20b_settings' decode step (GPT-OSS-20B cut to `layers`) compiled for v5e with XLA
+    `options`: (model, rules, compiled)."""
     from jax.experimental import topologies
 
-    from runner.engine import Engine
+    from runner.engine.build import build_engine
     from sharding.mesh import make_mesh
     from sharding.rules import Rules
 
-    s = from_config(load(os.path.join(ROOT, "configs", "gptoss_v5e.py")).get_config())
-    s = dataclasses.replace(s, policy=dataclasses.replace(s.policy, **policy))
+    s = gptoss_20b_settings(**policy)
     model = Model.named(s.checkpoint_model)
     # Two of its 24 layers (one sliding-window, one full): every layer's tensors keep their real
     # sizes and shardings, and the program compiles in a third of the time (46-62 s -> 12-19 s).
     model = dataclasses.replace(model, config=dataclasses.replace(model.config, num_layers=layers))
     topo = topologies.get_topology_desc(platform="tpu", topology_name=s.tpu_topology)
     rules = Rules.make(make_mesh(s.mesh, topo.devices), s.rules)
-    engine = Engine(model, model.abstract_params(rules, s.policy), rules, s.policy, 64, 1024, 1024, 1,
-                    s.generation.prefill_buckets, allocate=False)
-    return model, rules, engine.lower()["decode"].compile(compiler_options=options)
+    engine = build_engine(s, model, model.abstract_params(rules, s.policy), rules, allocate=False)
+    return model, rules, engine.lower()["decode_1"].compile(compiler_options=options)
 
 
 @pytest.mark.slow  # GPT-OSS-20B's decode step compiled for v5e (about a minute)
@@ -339,8 +281,7 @@ def test_a_gptoss_decode_step_accesses_at_most_a_quarter_more_than_its_floor_on_
     declared (runner.tools.memory)."""
     from runner.tools.memory import footprint
 
-    s = from_config(load(os.path.join(ROOT, "configs", "gptoss_v5e.py")).get_config())
-    s = dataclasses.replace(s, policy=dataclasses.replace(s.policy, quantize=quantize))
+    s = gptoss_20b_settings(quantize=quantize)
     model, _, compiled = gptoss_20b_decode({"xla_vf_vmem_memory_space_assignment": False},
                                            layers=24, quantize=quantize)
     cost = compiled.cost_analysis()
@@ -349,44 +290,23 @@ def test_a_gptoss_decode_step_accesses_at_most_a_quarter_more_than_its_floor_on_
 
 
 def test_the_programs_a_request_compiles_when_it_asks_compile_for_a_v5e_topology():
-    """With variants, runner.tools.compile also compiles what log-probabilities and a shared
-    prefix compile: the largest bucket's prefill with every prompt token's log-probabilities, the
-    decode step's, and the smallest bucket's after the most pool blocks that fit beside it. Each
-    takes the prefix pool as well (the decode steps apart), and fits the chip."""
+    """With variants, runner.tools.compile also compiles what log-probabilities compile: the decode
+    call's, and the largest mixed step's with every chunk token's. Each takes the weights and pools
+    as declared, and fits the chip."""
     from runner.tools.compile import compile_deployment
     from runner.tools.memory import footprint
 
-    s = tiny_tpu_settings(prefix_tokens=256, prefix_block=8)
-    variants = ("prefill_32_logprobs", "decode_logprobs", "prefill_16_after_16")
+    s = tiny_tpu_settings(kv_cache_gib=2**-10, chunk_tokens=32)
+    variants = ("decode_8_logprobs", "mixed_32_logprobs_prompt_logprobs")
     engine, compiled = compile_deployment(s, SMALL, only=variants, variants=True)
     assert sorted(compiled) == sorted(variants)
-    assert "prefill_16" in engine.lower(variants=True)
+    assert "mixed_32" in engine.lower(variants=True)
     declared = footprint(s, SMALL)
-    # 2 layers x (k, v) x 256 tokens x 2 kv heads x 128 x 2 bytes, the kv heads over model = 2
-    assert declared.prefix_pool == 2 * 2 * 256 * 2 * 128 * 2 // 2
     for c in compiled.values():
-        held = declared.per_device - (0 if c.name.startswith("prefill") else declared.prefix_pool)
-        assert held <= c.argument_bytes <= held * 1.02 + 2**14, c
+        assert declared.per_device <= c.argument_bytes <= declared.per_device * 1.02 + 2**14, c
         assert c.peak_bytes <= 16 * 2**30
     # the token log-probabilities: the [rows, steps, 20] top ids and values come out of the decode
-    assert compiled["decode_logprobs"].output_bytes >= 4 * 8 * 20 * 2 * 4
-
-
-@pytest.mark.parametrize("scan", [False, pytest.param(True, marks=pytest.mark.slow)],
-                         ids=["unrolled", "scanned"])
-def test_prefill_attention_compiles_as_the_pallas_flash_kernel_for_tpu(scan):
-    """With kernels.pallas_prefill every prefill program's attention is the Pallas flash kernel
-    (a Mosaic custom call in the program compiled for v5e), and decode keeps XLA's attention."""
-    from runner.tools.compile import compile_deployment
-
-    s = tiny_tpu_settings(scan)
-    s = dataclasses.replace(s, policy=dataclasses.replace(s.policy, pallas_prefill=True))
-    engine, compiled = compile_deployment(s, SMALL)
-    lowered = engine.lower()
-    assert sorted(compiled) == ["decode", "prefill_16", "prefill_32"]
-    for name in ("prefill_16", "prefill_32"):
-        assert mosaic_kernels(lowered[name].as_text())["_prefill_kernel"] > 0, name
-    assert set(mosaic_kernels(lowered["decode"].as_text())) == {"_experts_kernel"}
+    assert compiled["decode_8_logprobs"].output_bytes >= 4 * 8 * 20 * 2 * 4
 
 
 def test_without_donation_the_decode_step_writes_a_new_cache():
@@ -398,11 +318,11 @@ def test_without_donation_the_decode_step_writes_a_new_cache():
 
     s = tiny_tpu_settings()
     kept = dataclasses.replace(s, policy=dataclasses.replace(s.policy, donate_cache=False))
-    _, donated = compile_deployment(s, SMALL, only=("decode",))
-    _, copied = compile_deployment(kept, SMALL, only=("decode",))
+    _, donated = compile_deployment(s, SMALL, only=("decode_8",))
+    _, copied = compile_deployment(kept, SMALL, only=("decode_8",))
     cache = footprint(s, SMALL).kv_cache
-    assert donated["decode"].alias_bytes >= cache and copied["decode"].alias_bytes == 0
-    assert copied["decode"].peak_bytes >= donated["decode"].peak_bytes
+    assert donated["decode_8"].alias_bytes >= cache and copied["decode_8"].alias_bytes == 0
+    assert copied["decode_8"].peak_bytes >= donated["decode_8"].peak_bytes
 
 
 def test_pinning_the_lookup_tables_keeps_their_values_and_shards(monkeypatch):
@@ -483,15 +403,17 @@ def test_gptoss_20b_experts_read_little_more_than_their_weights_in_a_256_row_ste
 
 
 def test_the_experts_compile_as_the_pallas_grouped_matmul_for_tpu():
-    """With kernels.pallas_moe (the attention kernels off) the programs that route many tokens
-    (prefill; decode at batch 4 x 2 experts over 2 local experts) run the experts in megablox's
-    grouped matmul, a Mosaic custom call, in the program compiled for v5e."""
+    """With kernels.pallas_moe (podrun's own TPU kernels off, so that no other Mosaic call is
+    there) the programs that route many tokens (a mixed step; the decode call at batch 4 x 2
+    experts over 2 local experts) run the experts in megablox's grouped matmul, a Mosaic custom
+    call, in the program compiled for v5e; without it, none."""
     from runner.tools.compile import compile_deployment
 
-    s = tiny_tpu_settings()
-    s = dataclasses.replace(s, policy=dataclasses.replace(s.policy, pallas_moe=True,
-                                                          pallas_prefill=False))
-    engine, compiled = compile_deployment(s, SMALL)
-    lowered = engine.lower()
-    for name in ("prefill_16", "prefill_32", "decode"):
-        assert "tpu_custom_call" in lowered[name].as_text(), name
+    for moe in (True, False):
+        s = tiny_tpu_settings()
+        s = dataclasses.replace(s, policy=dataclasses.replace(s.policy, pallas_moe=moe, kernels=False))
+        engine, _ = compile_deployment(s, SMALL, only=("decode_8",))
+        lowered = engine.lower()
+        assert sorted(lowered) == ["decode_8", "mixed_48"]  # a chunk: the 32 + 16 tokens of a row
+        for name, program in lowered.items():
+            assert ("tpu_custom_call" in program.as_text()) == moe, (name, moe)

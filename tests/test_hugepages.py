@@ -67,7 +67,7 @@ def test_an_engine_generates_the_same_on_huge_pages():
     for on in (False, True):
         model, params = to_podrun(m, rules)
         engine = Engine(model, params, rules, Policy(huge_pages=on), batch_size=1, max_prompt_len=16,
-                        max_new_tokens=10)
+                        max_new_tokens=10, page_size=16)
         assert generate(engine, [Request(prompt, 10)])[0].token_ids == want
         if not on:
             assert engine.huge_pages == (0, 0)

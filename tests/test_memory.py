@@ -1,5 +1,5 @@
-"""runner.tools.memory for the paged engine (generation.page_size > 0): the pools' bytes per
-device and the rows the KV memory admits, against arithmetic from the model's declared shapes."""
+"""runner.tools.memory: the page pools' bytes per device and the rows the KV memory admits,
+against arithmetic from the model's declared shapes."""
 
 import os
 import subprocess
@@ -23,7 +23,7 @@ def gptoss_v5e(**generation):
     return s, Model.named(s.checkpoint_model)
 
 
-def test_a_paged_deployments_kv_cache_is_its_pools_of_pages_per_device():
+def test_a_deployments_kv_cache_is_its_pools_of_pages_per_device():
     """GPT-OSS-20B: 12 full-attention and 12 windowed layers (128 positions); a page of 12 layers
     x (k, v) x 1 kv head a chip (8 over model x expert) x 16 slots x 64 x 2 bytes in either pool.
     The window pool has room for every row's window (127 + a chunk of 256 positions: 24 pages, and
@@ -45,7 +45,7 @@ def test_a_paged_deployments_kv_cache_is_its_pools_of_pages_per_device():
     f = footprint(s, model)
     assert (f.page_size, f.pages, f.page_bytes) == (16, pages, page)
     assert (f.window_pages, f.window_page_bytes, f.window_row_pages) == (window_pages, page, 26)
-    assert f.kv_cache == (pages + window_pages) * page == 6 * GiB and f.prefix_pool == 0
+    assert f.kv_cache == (pages + window_pages) * page == 6 * GiB
     assert f.per_device == f.weights + 6 * GiB
 
     per_row = -(-3000 // 16)
@@ -68,7 +68,7 @@ def test_a_paged_deployments_kv_cache_is_its_pools_of_pages_per_device():
 
 
 def test_without_kv_cache_gib_the_pool_holds_every_row_at_its_longest():
-    """kv_cache_gib=0: as PagedEngine without kv_bytes, rows per group x pages of the longest
+    """kv_cache_gib=0: as the Engine without kv_bytes, rows per group x pages of the longest
     request in the full layers' pool; too little for one request is said."""
     from runner.tools.memory import describe, footprint, pool_pages
     from sharding.mesh import abstract_mesh
@@ -109,29 +109,6 @@ def test_groups_over_the_data_axis_each_hold_their_own_pages():
     assert f.pool_rows(40) == min(6, 2 * (pages // 5)) == 6
     assert f.pool_rows(8 * pages) == 2  # one row a group
     assert f.memory_rows(40) == (GiB - f.weights) // ((5 + 5) * page) * 2
-
-
-def test_unpaged_rows_that_fit_at_their_worst_case():
-    """The unpaged engine: a row reserves max_prompt_len + max_new_tokens = 17,408 slots on the 12
-    full layers and the 128-slot window ring on the 12 sliding ones; the rows that fit beside
-    the weights and the prefix pool (4,096 tokens, every layer) are the issue's 192 but not 256."""
-    from runner.tools.memory import describe, footprint
-
-    s, model = gptoss_v5e(batch_size=192, page_size=0)
-    c = model.config
-    length = 1024 + 16384
-    slots = sum(min(c.window(i) or length, length) for i in range(c.num_layers))
-    assert slots == 12 * length + 12 * 128
-    row = slots * 1 * 64 * 2 * 2  # 1 kv head a chip, k and v, bf16
-    prefixes = 4096 * 24 * 1 * 64 * 2 * 2
-    f = footprint(s, model)
-    assert (f.row_kv, f.prefix_pool, f.page_size) == (row, prefixes, 0)
-    assert f.kv_cache == 192 * row
-    rows = (16 * GiB - f.weights - prefixes) // row
-    assert f.worst_case_rows() == rows and 192 <= rows < 256
-    text = describe(f, model, mean_tokens=3000)
-    assert text.startswith(describe(f, model))  # the report as it was, then the rows
-    assert f"rows that fit in device memory at their worst case: {rows} " in text
 
 
 def test_the_memory_command_takes_mean_tokens():

@@ -24,7 +24,8 @@ from runner.api import common, formats, openai_batch
 from runner.api import podrun as podrun_format
 from runner.api.common import Answer, Choice, Line, Parsed, Token
 from runner.api.formats import FileFormat, file_format, parse_line
-from runner.engine.engine import MAX_LOGPROBS, Completion as Sample, TokenLogprobs
+from runner.engine import Completion as Sample
+from runner.engine.sampling import MAX_LOGPROBS, TokenLogprobs
 from runner.errors import RequestFileError
 from runner.text.tokenizer import load_tokenizer
 from tests.reference import VOCAB, hf_greedy, hf_logits, tiny_hf

@@ -8,9 +8,7 @@ import numpy as np
 import pytest
 
 from models.policy import Policy
-from runner.engine import Request
-from runner.engine.paged_engine import PagedEngine
-from runner.engine.paged_scheduler import PagedScheduler
+from runner.engine import Engine, Request, Scheduler
 from runner.tools.simulate import Costs, lengths_from, read_results, simulate
 from tests.conftest import rules_for
 from tests.reference import VOCAB, tiny_hf, to_podrun
@@ -26,13 +24,13 @@ def llama():
     return tiny_hf("llama", seed=3)
 
 
-def engine_of(m, **kw) -> PagedEngine:
+def engine_of(m, **kw) -> Engine:
     rules = rules_for("1dev")
     model, params = to_podrun(m, rules)
     args = {"batch_size": 4, "max_prompt_len": 48, "max_new_tokens": 20, "page_size": 4,
             "steps_per_dispatch": 4, "chunk": 16, "pages": 22}
     args.update(kw)
-    return PagedEngine(model, params, rules, Policy(), **args)
+    return Engine(model, params, rules, Policy(), **args)
 
 
 @pytest.mark.parametrize("longest_first", [False, True])
@@ -51,20 +49,21 @@ def test_the_simulated_schedule_is_the_real_runs(llama, longest_first):
     engine = engine_of(llama)
     called, real = [], engine.call
 
-    def recording(batch, *args):
-        out = real(batch, *args)
-        called.append(engine.program(batch.tokens.shape[1] - engine.rows_per_group, args[1], args[2],
-                                     args[3] is not None, args[4]).name)
+    def recording(step, *args):
+        out = real(step, *args)
+        L = engine.layout
+        called.append(L.program(step.tokens.shape[1] - L.rows_per_group, args[1], args[2],
+                                args[3] is not None, args[4]).name)
         return out
 
     engine.call = recording
     got = {}
-    stats = PagedScheduler(engine, requests, stops, longest_first=longest_first).run(
+    stats = Scheduler(engine, requests, stops, longest_first=longest_first).run(
         lambda ended: got.update((i, [len(c.token_ids) for c in cs]) for i, cs in ended))
     lengths = [got[i] for i in range(len(requests))]
     assert stats.preemptions > 0 and any(n < r.max_tokens for [n], r in zip(lengths, requests))
 
-    sim = simulate(engine_of(llama), requests, lengths, Zero(), longest_first)
+    sim = simulate(engine_of(llama).layout, requests, lengths, Zero(), longest_first)
     assert sim.calls == called
     for field in ("inserts", "decode_calls", "decode_steps", "row_steps", "prefill_row_steps",
                   "prompt_tokens", "prompt_tokens_computed", "completion_tokens", "pages_peak",
@@ -87,7 +86,7 @@ def test_the_clock_adds_each_calls_cost_and_compile_waits(llama, head):
             return 5.0 if p.chunk else 0.0
 
     requests = [Request((1, 2, 3), 6), Request((4, 5), 6)]
-    out = simulate(engine_of(llama), requests, [[6], [2]], Fixed(), False, head)
+    out = simulate(engine_of(llama).layout, requests, [[6], [2]], Fixed(), False, head)
     mixed = sum(n.startswith("mixed") for n in out.calls)
     steps = out.stats.decode_steps - out.stats.inserts  # decode calls' steps
     assert out.device_s == pytest.approx(mixed + 0.1 * steps)
@@ -125,7 +124,7 @@ def test_requests_that_cannot_run_are_reported(llama):
     from runner.tools.plan import never_admitted
 
     engine = engine_of(llama)
-    bad = never_admitted(engine, [Request((1,) * 10, 5), Request((1,) * 60, 5), Request((1,), 99)])
+    bad = never_admitted(engine.layout, [Request((1,) * 10, 5), Request((1,) * 60, 5), Request((1,), 99)])
     assert len(bad) == 2 and bad[0].startswith("request 1:") and bad[1].startswith("request 2:")
 
 
@@ -169,7 +168,7 @@ def test_a_predicted_step_is_the_slower_of_its_bytes_and_its_flops():
     """v5e (819 GB/s, 197 TFLOP/s): a decode step reading 819 MB of weights and 2 rows' KV
     (1 kB a position; a windowed layer's 0.5 kB, at most 128 positions) is bound by bandwidth
     (not XLA's bytes accessed); a mixed step of 197 TFLOP by its flops; each call 100 us more."""
-    from runner.engine.paged_engine import Program
+    from runner.engine.engine import Program
     from runner.tools.compile import Compiled
     from runner.tools.plan import Predicted
 
@@ -228,6 +227,7 @@ def test_a_gpu_deployment_is_predicted_on_this_cpu(tmp_path):
                  "--config.mesh.data=1", "--config.mesh.num_cpu_devices=1").stdout
     programs = cpu[cpu.index("programs"):cpu.index("host (scheduler)")]
     assert "measured here" in cpu and "mixed_16 " in programs and "mixed_64 " in programs
+
 
 def test_a_pilots_interval_of_the_jobs_mean_length_covers_it_as_often_as_it_says():
     """Spread's 95% interval of the mean length of a job's samples the pilot does not hold: on

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from models import quant
-from models.decoder import Mode, Output
 from models.kernels import cpu
 from models.policy import Policy
 from tests.conftest import rules_for
+from tests.forward import Rows, prompt_logits
 from tests.reference import VOCAB, hf_logits, tiny_hf, to_podrun
 
 
@@ -237,33 +237,27 @@ def dequantized_reference(m, how: str = "int8", bfloat16: bool = False):
     return ref
 
 
-def decode_logits(model, params, rules, policy, cache_dtype, seed, steps):
-    """A left-padded batch prefilled (the literal start 0), then decoded one token at a time:
-    (prompt lengths, token sequences, logits [steps + 1][B, V])."""
+def decode_logits(model, params, rules, policy, seed, steps):
+    """A batch of prompts of 3 to 12 tokens computed, then decoded one token at a time, over a
+    page pool (tests/forward.py): (prompt lengths, token sequences, logits [steps + 1][B, V],
+    the pool)."""
     rng = np.random.RandomState(seed)
     B, P = 4, 12
     lengths = rng.randint(3, P + 1, B)
     seqs = rng.randint(0, VOCAB, (B, P + steps)).astype(np.int32)
-    cache = model.new_cache(B, P + steps, cache_dtype, rules, policy.scan_layers)
-    tokens, positions = np.zeros((B, P), np.int32), np.full((B, P), -1, np.int32)
-    for b, n in enumerate(lengths):
-        tokens[b, P - n:], positions[b, P - n:] = seqs[b, :n], np.arange(n)
-    prefill = jax.jit(lambda p, t, pos, c: model.forward(p, t, pos, c, rules, policy, Mode.PREFILL, 0, Output.LAST_LOGITS))
-    step = jax.jit(lambda p, t, pos, c, s: model.forward(p, t, pos, c, rules, policy, Mode.APPEND, s, Output.LAST_LOGITS))
-    logits, cache = prefill(params, tokens, positions, cache)
-    got = [np.asarray(logits)]
+    rows = Rows(model, params, rules, policy, B, P + steps)
+    prompts = [seqs[b, :n].tolist() for b, n in enumerate(lengths)]
+    got = [np.stack([x[-1] for x in rows.prefill(prompts)])]
     for i in range(steps):
-        tok = np.array([seqs[b, n + i] for b, n in enumerate(lengths)], np.int32)[:, None]
-        logits, cache = step(params, tok, (lengths + i)[:, None].astype(np.int32), cache, np.int32(P + i))
-        got.append(np.asarray(logits))
-    return lengths, seqs, got, cache
+        got.append(rows.step([seqs[b, n + i] for b, n in enumerate(lengths)]))
+    return lengths, seqs, got, rows.pool
 
 
 def assert_decodes_as(ref, m, model, params, rules, policy, changed_by: float, steps: int = 5):
     """decode_logits' prefill and steps give the logits of transformers' `ref` (the weights
     dequantised), which differ from the unquantised `m`'s by more than `changed_by` somewhere, so
     that the match is not by accident."""
-    lengths, seqs, got, _ = decode_logits(model, params, rules, policy, jnp.float32, 3, steps)
+    lengths, seqs, got, _ = decode_logits(model, params, rules, policy, 3, steps)
     differs = False
     for b, n in enumerate(lengths):
         want = hf_logits(ref, seqs[b: b + 1, : n + steps])[0]
@@ -330,15 +324,12 @@ def test_int4_prompts_in_bfloat16_match_transformers_rounding_the_same(kind, fus
     m = tiny_hf(kind)
     B, P = 4, 12
     seqs = np.random.RandomState(7).randint(0, VOCAB, (B, P)).astype(np.int32)
-    positions = np.broadcast_to(np.arange(P, dtype=np.int32), (B, P))
     logits = {}
     for how in ("float32", "bfloat16"):
         policy = Policy(quantize="int4", fuse_projections=fuse, int4_activations=how)
         assert policy.on(rules).backend.int4_bf16_rows == (cpu.bf16_rows() if how == "bfloat16" else 0)
         model, params = to_podrun(m, rules, policy=policy)
-        cache = model.new_cache(B, P, jnp.float32, rules)
-        logits[how] = np.asarray(jax.jit(lambda p, c: model.forward(
-            p, seqs, positions, c, rules, policy, Mode.PREFILL, 0, Output.LOGITS)[0])(params, cache))
+        logits[how] = np.stack(prompt_logits(model, params, rules, policy, seqs))
     if not cpu.bf16_rows():  # this CPU has no AVX-512 BF16: the products stay float32
         np.testing.assert_array_equal(logits["bfloat16"], logits["float32"])
         return
@@ -385,7 +376,7 @@ def test_perplexity_nll_matches_transformers():
     model, params = to_podrun(m, rules, prepare=False)
     for quantize in ("none", "int8"):
         p = quant.quantize(model.declare(), params, rules) if quantize == "int8" else params
-        s = SimpleNamespace(policy=Policy(quantize=quantize))
+        s = SimpleNamespace(policy=Policy(quantize=quantize), generation=SimpleNamespace(page_size=16))
         total, count = nll(s, SimpleNamespace(model=model), rules, p, win)
         assert count == 250
         np.testing.assert_allclose(total, want[quantize], rtol=1e-5)
@@ -402,11 +393,12 @@ def test_perplexity_nll_matches_transformers():
     ids=["llama-kernel", "llama-xla", "gptoss-scanned-kernel", "gptoss-xla", "gptoss-kernel",
          "gptoss-scanned-xla"])
 def test_int8_kv_cache_decodes_close_to_transformers(kind, mesh, scan, kernels):
-    """An int8 cache (one scale per slot and head) through prefill and 12 decode steps, the
-    GPT-OSS ring wrapping: every step's logits stay within 10% of their spread of transformers'
-    float32 ones, and the cache really holds int8. Measured: at most 3% (llama) and 7% (GPT-OSS,
-    head_dim 16): these tiny models' noisy weights amplify the cache's rounding, which scatters
-    from step to step rather than growing; the kernel and XLA agree to 1e-6. The real-model check
+    """An int8 cache (one scale per slot and head) through prefill and 12 decode steps, past
+    GPT-OSS's window: every step's logits stay within 20% of their spread of transformers'
+    float32 ones, and the cache really holds int8. Every key is read back from its int8 page, the
+    step's own too. Measured: under 10% for llama and scanned GPT-OSS, 16% for GPT-OSS (head_dim
+    16, weights of std 0.3): these tiny models' noisy weights amplify the cache's rounding, which
+    scatters from step to step rather than growing; the kernel and XLA agree to 1e-6. The real-model check
     is SmolLM2's perplexity through the cache (test_smollm2)."""
     rules = rules_for(mesh)
     # scanned: 2 periods of 2 layers, the weights' noise lowered (0.3 over 4 layers amplified the
@@ -419,7 +411,7 @@ def test_int8_kv_cache_decodes_close_to_transformers(kind, mesh, scan, kernels):
     policy = Policy(kv_cache="int8", kernels=kernels, scan_layers=scan)
     model, params = to_podrun(m, rules, policy=policy)
     steps = 12
-    lengths, seqs, got, cache = decode_logits(model, params, rules, policy, jnp.int8, 4, steps)
+    lengths, seqs, got, cache = decode_logits(model, params, rules, policy, 4, steps)
     assert cache.k[0].dtype == jnp.int8 and cache.k_scale[0].shape == cache.k[0].shape[:-1]
     got = got[1:]  # the decode steps
     worst = 0.0
@@ -429,19 +421,31 @@ def test_int8_kv_cache_decodes_close_to_transformers(kind, mesh, scan, kernels):
             ref = want[n + i]
             err = np.abs(got[i][b] - ref).max() / (ref.max() - ref.min())
             worst = max(worst, err)
-    assert 0 < worst < 0.1, worst
+    assert 0 < worst < 0.2, worst
 
 
-def test_chunked_perplexity_refuses_sliding_window_models():
+def test_chunked_perplexity_is_the_whole_windows_with_sliding_windows():
+    """GPT-OSS (window 8 on every other layer, sinks): windows of 20 tokens fed in chunks of 5,
+    each reading the earlier ones from the pages, give transformers' loss on the same windows."""
     from types import SimpleNamespace
 
-    from runner.tools.perplexity import PerplexityError, nll, windows
+    from runner.tools.perplexity import nll, windows
 
     rules = rules_for("1dev")
-    model, params = to_podrun(tiny_hf("gptoss"), rules)
-    win = windows(list(range(50)), 40, 20)
-    with pytest.raises(PerplexityError, match="sliding-window"):
-        nll(SimpleNamespace(policy=Policy()), SimpleNamespace(model=model), rules, params, win, 5)
+    m = tiny_hf("gptoss")
+    model, params = to_podrun(m, rules)
+    ids = np.random.RandomState(2).randint(0, VOCAB, 50).tolist()
+    win = windows(ids, 40, 20)
+    want = 0.0
+    for row in win:
+        row = row[row >= 0]
+        with torch.no_grad():
+            out = m(torch.from_numpy(row[None]), labels=torch.from_numpy(row[None]))
+        want += float(out.loss) * (len(row) - 1)
+    s = SimpleNamespace(policy=Policy(), generation=SimpleNamespace(page_size=4))
+    total, count = nll(s, SimpleNamespace(model=model), rules, params, win, 5)
+    assert count == 40
+    np.testing.assert_allclose(total, want, rtol=1e-5)
 
 
 def test_int8_gptoss_decodes_one_row_as_transformers_on_dequantized_weights():
@@ -456,7 +460,7 @@ def test_int8_gptoss_decodes_one_row_as_transformers_on_dequantized_weights():
     policy = Policy(quantize="int8")
     model, params = to_podrun(m, rules, policy=policy)
     engine = Engine(model, params, rules, policy, batch_size=1,
-                    max_prompt_len=16, max_new_tokens=16)
+                    max_prompt_len=16, max_new_tokens=16, page_size=16)
     prompt = tuple(int(t) for t in np.random.RandomState(9).randint(0, VOCAB, 11))
     got = generate(engine, [Request(prompt, 16)])[0].token_ids
     assert got == hf_greedy(ref, prompt, 16)
