@@ -7,13 +7,13 @@
 Each step is one command, run with what is left of the budget (a step that would start with too
 little is skipped and says so), in this order, the targets' figures first (--steps picks some):
   preflight   jax sees the GPU; a tiny model runs through runner.tools.bench (else the check stops)
-  paged_kernel  the paged engine's Triton attention over pages against XLA's on the GPU, both
-              timed on one layer: 256 rows of a job's lengths (with and without a chunk), 256 rows
-              of 512, one of 4,096; the throughput step runs the faster
-              (kernels.pallas_attention)
+  paged_kernel  the engine's Triton attention over pages against XLA's on the GPU, both timed on
+              one layer: 256 rows of a job's lengths (with and without a chunk), 256 rows of 512,
+              one of 4,096; the throughput step runs the faster (kernels.pallas_attention); if it
+              fails, no later step uses it
   throughput  vLLM's throughput workload (its PR #7117 on an H100: about 12.5k total tokens/s):
               --requests requests of 256 prompt and 256 new tokens (every answer runs its 256:
-              token ids, no stop) through the paged engine, 256 rows, from random weights; total
+              token ids, no stop) through the engine, 256 rows, from random weights; total
               tokens/s over the generation less the calls' waits for compilation (the programs
               compile on a thread while the first calls run; vLLM's figure excludes compilation)
               with the attention over pages paged_kernel found faster
@@ -21,27 +21,18 @@ little is skipped and says so), in this order, the targets' figures first (--ste
               its predicted generation time against the run's (the target: within 25%)
   throughput_ab  the throughput job again with the other attention over pages (the kernel's
               against XLA's over a whole job)
-  attention_kernel  cuDNN's prefill attention against XLA's on the GPU, both timed at 4,096 tokens
-              (if it fails, every later step runs with kernels.cudnn_prefill=False)
-  decode_kernel  the Pallas (Triton) decode attention against XLA's on the GPU, both timed on one
-              layer at batch 1 and 64 over 256 slots and over a job's cache (batch 128, 2,048
-              slots, rows of 16 to 1,536 tokens); if it fails, no later step uses it
   decode      python -m runner.tools.bench --random_weights, batch 1, 64 and 256, 128-token prompts,
-              128 new tokens, and the compiled step's temporaries beside its KV cache (a
-              temporary as large as a layer's cache is XLA copying it)
+              128 new tokens, and the compiled step's temporaries beside its KV pool (a
+              temporary as large as a layer's pool is XLA copying it)
   peer_1, peer_64  benchmarks/hf_generate_peer.py: transformers' compiled static-cache
               generate at batch 1, then at 64, on the same shapes (a process each)
-  prefill     the same bench, one prompt of 1,024 and of 4,096 tokens
-  decode_pallas  batch 64 and 256 as decode, with the Pallas decode attention
+  prefill     the same bench, one prompt of 1,024 and of 4,096 tokens (chunks of 256)
+  decode_pallas  batch 64 and 256 as decode, with the Triton attention over pages
+              (kernels.pallas_attention), where paged_kernel ran
   fused       batch 1 as decode, with q/k/v and gate/up fused (programs.fuse_projections)
   scan_dsf    batch 1 with the layers scanned and XLA's dynamic-slice fusion on: whether XLA:GPU
               then reads each layer's weights in place rather than through a copy
-  job         python -m runner.tools.bench --requests: 1,000 requests of varied prompt and completion
-              lengths (token ids) through the older engine (generation.page_size=0), 128 rows, its layers
-              scanned (about 15 programs, each compiled in seconds rather than 15-20 s unrolled),
-              its decode attention in the Pallas kernel where decode_kernel found that faster
   gptoss      GPT-OSS-20B (configs/gptoss_h100.py), batch 1 and 64 as decode
-  prefill_xla the prefills again with XLA's attention (kernels.cudnn_prefill=False)
 DIR receives three files: gpu_check.json (every step's command, records and, when it failed, the
 end of its log; the targets), gpu_check.log (the steps' logs) and gpu_check.md, the table printed
 last, which docs/benchmarks/gpu-h100.md records.
@@ -149,8 +140,7 @@ def bench(config: str, out: str, name: str, flags: list[str], small: bool) -> tu
 def summarise(results: dict) -> tuple[dict, str]:
     """The targets and a markdown table of what was measured."""
     recs = {}
-    for step in ("decode", "prefill", "decode_pallas", "fused", "scan_dsf", "gptoss",
-                 "prefill_xla"):
+    for step in ("decode", "prefill", "decode_pallas", "fused", "scan_dsf", "gptoss"):
         for r in (results.get(step, {}).get("records") or []):
             recs[(step, r["batch_size"], r["prompt_len"])] = r
     peer = {r["batch_size"]: r for step in ("peer_1", "peer_64")
@@ -214,14 +204,6 @@ def summarise(results: dict) -> tuple[dict, str]:
         targets["plan_over_run_generate_s"] = plan[0]["generate_s"] / run_s if run_s > 0 else None
         lines.append(f"plan of the throughput job: {plan[0]['generate_s']:.1f} s of generation "
                      f"predicted, {run_s:.1f} s run")
-    job = results.get("job", {}).get("records")
-    if isinstance(job, dict):
-        lines.append("")
-        lines.append(f"job: {job['requests']} requests, {job['prompt_tokens']} prompt + "
-                     f"{job['completion_tokens']} completion tokens in {job['generate_s']:.1f} s: "
-                     f"{job['tokens_per_s']:.0f} completion tokens/s, rows {100 * job['utilisation']:.1f}% "
-                     f"used, ttft {job['ttft_median_s']:.3f} / {job['ttft_p99_s']:.3f} s, latency "
-                     f"{job['latency_median_s']:.2f} / {job['latency_p99_s']:.2f} s (median / p99)")
     ab = results.get("throughput_ab", {}).get("records")
     if isinstance(throughput, dict) and isinstance(ab, dict):
         # the whole job with the Triton attention over pages against XLA's
@@ -232,60 +214,12 @@ def summarise(results: dict) -> tuple[dict, str]:
         lines.append(f"throughput, attention over pages in the Triton kernel: "
                      f"{'-' if a is None else f'{a:.0f}'} total tokens/s; in XLA: "
                      f"{'-' if b is None else f'{b:.0f}'}")
-    for check in ("paged_kernel", "attention_kernel", "decode_kernel"):
-        if isinstance(results.get(check, {}).get("records"), dict):
-            lines.append(f"{check}: {json.dumps(results[check]['records'])}")
+    if isinstance(results.get("paged_kernel", {}).get("records"), dict):
+        lines.append(f"paged_kernel: {json.dumps(results['paged_kernel']['records'])}")
     lines += ["", "targets: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} -"
                                           for k, v in targets.items()),
               f"machine: {json.dumps(machine)}"]
     return {"targets": targets, "machine": machine}, "\n".join(lines)
-
-
-def attention_check() -> dict:
-    """cuDNN's prefill attention (models/kernels/gpu.py) on the GPU against podrun's XLA attention
-    in float32 (relative error over the real queries of left-padded prompts), then both timed on
-    one 4,096-token prompt of Llama-3.1-8B's heads in bfloat16."""
-    sys.path.insert(0, ROOT)
-    from runner.log import quiet
-
-    quiet()
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from models.attention import attention
-    from models.kernels import gpu
-    from models.policy import Policy
-
-    def xla(q, k, v, pos, policy):  # k, v [B, K, T, H]
-        return attention(q, pos, [(k, v, pos, None, None)], policy)
-
-    rng = np.random.default_rng(0)
-    B, T, K, G, H = 2, 512, 8, 4, 128
-    q = rng.standard_normal((B, T, K * G, H)).astype(np.float32)
-    k, v = (rng.standard_normal((B, K, T, H)).astype(np.float32) for _ in range(2))
-    pos = np.tile(np.arange(T, dtype=np.int32), (B, 1))
-    pos[1, :100], pos[1, 100:] = -1, np.arange(T - 100)
-    want = np.asarray(jax.jit(xla, static_argnums=4)(q, k, v, pos, Policy()))
-    bf = lambda x: jnp.asarray(x, jnp.bfloat16)
-    flash = jax.jit(gpu.flash_prefill, static_argnums=(5, 6, 7))
-    got = np.asarray(flash(bf(q), bf(k), bf(v), pos, pos, None, None, H**-0.5)).astype(np.float32)
-    real = pos >= 0
-    out = {"rel_error_bf16_vs_f32": float(np.linalg.norm(got[real] - want[real])
-                                          / np.linalg.norm(want[real])),
-           "finite": bool(np.isfinite(got).all())}
-    T = 4096
-    q = jax.random.normal(jax.random.key(1), (1, T, K * G, H), jnp.bfloat16)
-    k, v = (jax.random.normal(jax.random.key(i), (1, K, T, H), jnp.bfloat16) for i in (2, 3))
-    pos = jnp.arange(T, dtype=jnp.int32)[None]
-    policy = Policy(params="bfloat16", activations="bfloat16", matmul="default")
-    out["xla_ms"] = timed_ms(jax.jit(lambda *a: xla(*a, policy)), q, k, v, pos)
-    out["cudnn_ms"] = timed_ms(jax.jit(lambda q, k, v, p: gpu.flash_prefill(q, k, v, p, p, None, None,
-                                                                           H**-0.5)), q, k, v, pos)
-    if not (out["finite"] and out["rel_error_bf16_vs_f32"] < 2e-2):
-        raise SystemExit(f"cuDNN's attention disagrees with XLA's: {out}")
-    print(json.dumps(out))
-    return out
 
 
 def timed_ms(fn, *args) -> float:
@@ -317,60 +251,6 @@ def agrees(what: str, xla, kernel, args) -> dict:
            "finite": bool(np.isfinite(got).all())}
     if not (out["finite"] and out["rel_error_bf16_vs_f32"] < 2e-2):
         raise SystemExit(f"{what} disagrees with XLA's: {out}")
-    return out
-
-
-def decode_check() -> dict:
-    """The Pallas (Triton) decode attention (models/kernels/gpu.decode_attention) on the GPU
-    against podrun's XLA attention in float32, then both timed on one layer of Llama-3.1-8B's heads
-    in bfloat16: at batch 1 over 256 slots, batch 64 over 256 (the decode step's shapes), and batch
-    128 over a cache of 2,048 slots whose rows hold 16 to 1,536 tokens, log-uniform (a job's).
-    "faster" says whether the kernel took less time in that last case."""
-    sys.path.insert(0, ROOT)
-    from runner.log import quiet
-
-    quiet()
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from models.attention import attention
-    from models.kernels import gpu
-    from models.policy import Policy
-
-    def xla(q, kc, vc, k_pos, kn, vn, new_pos, q_pos, policy):
-        return attention(q, q_pos, [(kc, vc, k_pos, None, None), (kn, vn, new_pos, None, None)],
-                         policy)
-
-    def kernel(q, kc, vc, k_pos, kn, vn, new_pos, q_pos):
-        return gpu.decode_attention(q, kc, vc, k_pos, kn, vn, new_pos, q_pos, None, None, H**-0.5)
-
-    K, G, H = 8, 4, 128
-
-    def case(B, S, lengths, seed):
-        rng = np.random.default_rng(seed)
-        q = rng.standard_normal((B, 1, K * G, H)).astype(np.float32)
-        kc, vc = (rng.standard_normal((B, K, S, H)).astype(np.float32) for _ in range(2))
-        kn, vn = (rng.standard_normal((B, K, 1, H)).astype(np.float32) for _ in range(2))
-        k_pos = np.full((B, S), -1, np.int32)
-        for b, n in enumerate(lengths):
-            pad = min((3 * b) % 17, S - n)  # left padding, as a prompt's bucket leaves
-            k_pos[b, pad: pad + n] = np.arange(n)
-        q_pos = np.array([[n] for n in lengths], np.int32)
-        return q, kc, vc, k_pos, kn, vn, q_pos.copy(), q_pos
-
-    out = agrees("the Pallas decode attention", xla, kernel, case(4, 600, [500, 37, 1, 250], 0))
-    policy = Policy(params="bfloat16", activations="bfloat16", matmul="default")
-    rng = np.random.default_rng(1)
-    job = np.exp(rng.uniform(np.log(16), np.log(1536), 128)).astype(int).tolist()
-    for name, B, S, lengths in (("b1_s256", 1, 256, [255]), ("b64_s256", 64, 256, [255] * 64),
-                                ("job_b128_s2048", 128, 2048, job)):
-        a = [jnp.asarray(x, jnp.bfloat16) if x.dtype == np.float32 else jnp.asarray(x)
-             for x in case(B, S, lengths, 2)]
-        out[name] = {"xla_ms": timed_ms(jax.jit(lambda *a: xla(*a, policy)), *a),
-                     "pallas_ms": timed_ms(jax.jit(kernel), *a)}
-    out["faster"] = out["job_b128_s2048"]["pallas_ms"] < out["job_b128_s2048"]["xla_ms"]
-    print(json.dumps(out))
     return out
 
 
@@ -448,9 +328,9 @@ def paged_check() -> dict:
     return out
 
 
-CHECKS = {"paged": paged_check, "attention": attention_check, "decode": decode_check}
-STEPS = ("throughput", "plan", "throughput_ab", "decode", "peer", "prefill", "decode_pallas", "fused", "scan_dsf", "job",
-         "gptoss", "prefill_xla")
+CHECKS = {"paged": paged_check}
+STEPS = ("throughput", "plan", "throughput_ab", "decode", "peer", "prefill", "decode_pallas", "fused",
+         "scan_dsf", "gptoss")
 
 
 def main() -> None:
@@ -487,8 +367,7 @@ def main() -> None:
              f"{small}, 'no GPU'")
     steps.run("preflight", [sys.executable, "-c", probe], 1)
     tiny, _ = bench(cfg, work, "tiny", ["--config.checkpoint.model=llama:tiny", "--batch_sizes=1",
-                                        "--prompt_len=16", "--new_tokens=4", "--reps=1",
-                                        "--config.kernels.cudnn_prefill=False"], True)
+                                        "--prompt_len=16", "--new_tokens=4", "--reps=1"], True)
     steps.run("tiny", tiny, 1)
     if steps.results["preflight"]["rc"] or steps.results["tiny"]["rc"]:  # nothing else would run
         with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
@@ -499,11 +378,8 @@ def main() -> None:
         path = os.path.join(work, f"{check}_kernel.json")
         steps.run(f"{check}_kernel", [sys.executable, __file__, f"--kernel_check={check}",
                                       f"--out={path}"], 1, path)
-    if steps.results["attention_kernel"]["rc"] != 0:  # cuDNN's kernel failed here: XLA's attention
-        over.append("--config.kernels.cudnn_prefill=False")
-    pallas = steps.results["decode_kernel"]["rc"] == 0
-    # the paged engine's attention: the Triton kernel (kernels.pallas_attention) where it ran and
-    # read a job's pages faster than XLA's
+    # the attention over pages: the Triton kernel (kernels.pallas_attention) where it ran and read
+    # a job's pages faster than XLA's
     paged_ok = steps.results["paged_kernel"]["rc"] == 0
     paged_faster = paged_ok and steps.results["paged_kernel"]["records"]["faster"]
     batches = "1,2,4" if small else "1,64,256"
@@ -542,7 +418,7 @@ def main() -> None:
     # the targets' figures first: vLLM's throughput workload, decode, transformers on the same
     # shapes, prefill
     length = 16 if small else 256
-    shape = (f"--config.generation.batch_size={8 if small else 256}", "--config.generation.page_size=16",
+    shape = (f"--config.generation.batch_size={8 if small else 256}",
              f"--config.generation.kv_cache_gib={0 if small else 40}", "--config.programs.scan_layers=False")
     job("throughput", length, length, *shape,
         *([f"--config.kernels.pallas_attention={paged_faster}"] if paged_ok else []), uniform=True)
@@ -566,34 +442,20 @@ def main() -> None:
                                     f"--prompt_len={PROMPT}", f"--new_tokens={NEW}", "--reps=2",
                                     f"--output={path}"], 75, path)
     prefills("prefill")
-    # A/B against the decode step above, one switch each: the Pallas decode attention (batch 1 as
-    # well when it is the config's already); q/k/v and gate/up fused (models/fused.py); the
-    # layers scanned with XLA's dynamic-slice fusion, which may read each layer's weights in place
-    # rather than through a copy (scanned, programs compile in seconds)
-    if pallas:
+    # A/B against the decode step above, one switch each: the Triton attention over pages; q/k/v
+    # and gate/up fused (models/fused.py); the layers scanned with XLA's dynamic-slice fusion,
+    # which may read each layer's weights in place rather than through a copy (scanned, programs
+    # compile in seconds)
+    if paged_ok:
         decode("decode_pallas", batches.split(",", 1)[1], "--config.kernels.pallas_attention=True")
     decode("fused", "1", "--config.programs.fuse_projections=True")
     dsf = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_dynamic_slice_fusion=true"
     decode("scan_dsf", "1", "--config.programs.scan_layers=True", env=dict(os.environ, XLA_FLAGS=dsf))
 
-    # the older engine's job (rows that reserve their longest, generation.page_size=0), its
-    # decode attention in the kernel where it read a job's cache faster than XLA's and the whole
-    # decode step ran with it
-    faster = pallas and steps.results["decode_kernel"]["records"]["faster"]
-    job_attention = [f"--config.kernels.pallas_attention="
-                     f"{faster and steps.results.get('decode_pallas', {}).get('rc', 0) == 0}"]
-    job("job", *((64, 32) if small else (1024, 512)),
-        f"--config.generation.batch_size={8 if small else 128}", "--config.generation.page_size=0",
-        "--config.generation.prefill_rows=8",
-        f"--config.generation.prefill_buckets={(32, 64) if small else (256, 1024)}",
-        "--config.programs.scan_layers=True", *job_attention)
-
     # GPT-OSS-20B (configs/gptoss_h100.py; the tiny GPT-OSS with --small)
     gptoss = (["--config.checkpoint.model=gptoss:tiny", "--config.programs.scan_layers=True"]
               if small else [])
     decode("gptoss", batches.rsplit(",", 1)[0], *gptoss, config="configs/gptoss_h100.py")
-    if "--config.kernels.cudnn_prefill=False" not in over:
-        prefills("prefill_xla", "--config.kernels.cudnn_prefill=False")
 
     shutil.rmtree(work)
     summary, table = summarise(steps.results)

@@ -141,7 +141,7 @@ def test_the_transformers_peer_builds_the_same_architecture():
 @pytest.mark.slow
 def test_the_device_check_runs_its_steps_on_a_tiny_model(tmp_path):
     """benchmarks/gpu_check.py --small on this CPU: every podrun step runs and lands in the JSON
-    (cuDNN's attention check fails here, so the later steps fall back to XLA's attention)."""
+    (the Triton kernel's check fails here, so the later steps keep XLA's attention over pages)."""
     import json
     import subprocess
 
@@ -152,19 +152,16 @@ def test_the_device_check_runs_its_steps_on_a_tiny_model(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     got = json.loads((out / "gpu_check.json").read_text())
     steps = got["steps"]
-    # no cuDNN and no Triton on a CPU: the later steps run with XLA's attention
-    assert steps["attention_kernel"]["rc"] != 0 and steps["decode_kernel"]["rc"] != 0
-    assert steps["paged_kernel"]["rc"] != 0 and "throughput_ab" not in steps
-    for name in ("preflight", "tiny", "throughput", "plan", "decode", "prefill", "fused", "scan_dsf",
-                 "job", "gptoss"):
+    # no Triton on a CPU: the kernel's A/B steps are left out, the rest keep XLA's attention
+    assert steps["paged_kernel"]["rc"] != 0
+    ran = ["preflight", "tiny", "throughput", "plan", "decode", "prefill", "fused", "scan_dsf", "gptoss"]
+    assert sorted(steps) == sorted(ran + ["paged_kernel"])
+    for name in ran:
         assert steps[name]["rc"] == 0, (name, steps[name].get("log_tail"))
-    assert "decode_pallas" not in steps
-    assert "--config.kernels.cudnn_prefill=False" in steps["decode"]["command"]
-    assert "--config.kernels.pallas_attention=False" in steps["job"]["command"]
+    assert "pallas_attention" not in steps["throughput"]["command"]
     assert sorted(r["batch_size"] for r in steps["decode"]["records"]) == [1, 2, 4]
     assert sorted(r["batch_size"] for r in steps["gptoss"]["records"]) == [1, 2]
-    assert steps["job"]["records"]["requests"] == 40 == steps["job"]["workload"]["requests"]
-    # vLLM's throughput workload, shrunk: every answer runs its max_tokens, through the paged engine
+    # vLLM's throughput workload, shrunk: every answer runs its max_tokens
     throughput = steps["throughput"]["records"]
     assert throughput["completion_tokens"] == 40 * 16 == steps["throughput"]["workload"]["max_tokens"]
     assert throughput["engine_pages"] > 0 and got["summary"]["targets"]["throughput_total_tokens_per_s"] > 0
