@@ -11,17 +11,18 @@ extraction job (a name, a summary of 60-240 characters, 3-5 facts, a rating), wh
 as long as the free answers; heldout: the held-out schemas of tests/data/structured_cases.jsonl
 in turn (1-4 small fields: their JSON ends after ~20 tokens, the free answers at max_tokens, so
 the job with formats also spends more of its time in prefill per token). The unconstrained job
-is the same lines without their formats. Both are parsed as runner.job does (runner.api.podrun.parse_line) and run through
-one engine (runner.engine.Scheduler), so that after a first run of each no program compiles
-(prefix sharing off: a pool kept from one run would change the next one's programs; each run
-reports the programs it compiled, 0 after the first).
+is the same lines without their formats. Both are parsed as runner.job does (formats.request_parser)
+and run through the engine the config builds (runner.engine.Scheduler), so that after a first run
+of each no program compiles (each run reports the programs it compiled, 0 after the first; a run
+starts with an empty pool, its prompts sharing full pages among themselves alone).
 Prints each run's completion tokens/s (completion tokens over the scheduler's wall time), the
 ratio per round, the decode calls that ran one step under masks, and the host's mask time; then
 the time to compile each of the 100 held-out schemas for the tokenizer (fresh cache) and to find
-one already compiled; then a decode step's time with 8 live rows (random prompts) in three
-settings, alternated: 8 steps a call unmasked, one step a call under masks allowing everything
-(the screen's greedy token always allowed), and one step a call with half the rows allowed even
-ids only (the logits made on most steps).
+one already compiled; then a decode step's time with every row live (random tokens, each row on
+pages of its own whose contents speed does not depend on) in three settings, alternated:
+steps_per_dispatch steps a call unmasked, one step a call under masks allowing everything (the
+screen's greedy token always allowed), and one step a call with half the rows allowed even ids
+only (the logits made on most steps).
 """
 
 from __future__ import annotations
@@ -41,11 +42,13 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from runner.cli import setup_devices  # noqa: E402
-from runner.engine import Engine, Request, Scheduler  # noqa: E402
-from runner.job import load_model  # noqa: E402
+from runner.api import formats  # noqa: E402
 from runner.api.common import Line  # noqa: E402
-from runner.api.podrun import parse_line  # noqa: E402
+from runner.checkpoints.load import load_model  # noqa: E402
+from runner.cli import setup_devices  # noqa: E402
+from runner.engine import Engine, Scheduler  # noqa: E402
+from runner.engine.build import build_engine  # noqa: E402
+from runner.engine.engine import Step  # noqa: E402
 from runner.settings import from_config  # noqa: E402
 from runner.text import structured  # noqa: E402
 from runner.text.tokenizer import load_tokenizer  # noqa: E402
@@ -72,19 +75,12 @@ DESCRIBE = {"type": "object", "properties": {
 def main(argv: list[str]) -> None:
     c = bench.tool_config("structured", argv, _CONFIG.value)
     c.generation.max_new_tokens = max(c.generation.max_new_tokens, _MAX_TOKENS.value)
-    c.generation.prefix_tokens = 0
     s = from_config(c)
     setup_devices(s)
     meta, rules, params = load_model(s)
     tokenizer = load_tokenizer(s.checkpoint_path)
-    g = s.generation
-    engine = Engine(meta.model, params, rules, s.policy, g.batch_size, g.max_prompt_len,
-                    g.max_new_tokens, g.steps_per_dispatch, g.prefill_buckets,
-                    prefill_rows=g.prefill_rows, prefix_tokens=g.prefix_tokens,
-                    prefix_block=g.prefix_block)
-    stop_ids = tuple(dict.fromkeys(tokenizer.eos_token_ids + g.stop_token_ids))
+    engine = build_engine(s, meta.model, params, rules)
     vocab = meta.model.vocab_size
-    grammars = structured.Grammars(tokenizer, vocab, stop_ids)
     with open(CASES, encoding="utf-8") as f:
         schemas = [r["schema"] for r in map(json.loads, f) if r["kind"] == "json_schema"]
     rows = {True: [], False: []}  # with formats, without
@@ -102,13 +98,14 @@ def main(argv: list[str]) -> None:
             rows[False].append(dict(line))
         rows[True].append(line)
     jobs = {}
-    for k, lines in rows.items():
-        parsed = [parse_line(i, Line(i + 1, json.dumps(r)), tokenizer, s, vocab, None, grammars)
-                  for i, r in enumerate(lines)]
+    for k, rs in rows.items():
+        lines = [Line(i + 1, json.dumps(r)) for i, r in enumerate(rs)]
+        chat, stop_ids, parse = formats.request_parser(s, meta.model, tokenizer,
+                                                       formats.file_format(lines))
+        parsed = [parse(i, line) for i, line in enumerate(lines)]
         if bad := [p.error for p in parsed if p.error]:
             raise SystemExit(f"structured: a request failed: {bad[0]}")
-        jobs[k] = [Request(p.prompt_ids, p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed,
-                           constraint=p.constraint) for p in parsed]
+        jobs[k] = [p.request() for p in parsed]
 
     compiled = []
 
@@ -146,13 +143,14 @@ def main(argv: list[str]) -> None:
               f"{max(ratios):.3f}, median {statistics.median(ratios):.3f} over {len(ratios)} rounds",
               flush=True)
     if "compile" in _PARTS.value:
-        compile_costs(tokenizer, vocab, stop_ids, schemas)
+        compile_costs(structured.Grammars(tokenizer, vocab, chat.format_stop_ids(stop_ids),
+                                          chat.grammar_start), schemas)
     if "steps" in _PARTS.value:
         step_costs(engine, vocab)
 
 
-def compile_costs(tokenizer, vocab: int, stop_ids, schemas: list[dict]) -> None:
-    grammars = structured.Grammars(tokenizer, vocab, stop_ids)  # a fresh cache
+def compile_costs(grammars: structured.Grammars, schemas: list[dict]) -> None:
+    """`grammars`: a fresh cache."""
     t = time.perf_counter()
     grammars._lltokenizer()
     print(f"the tokenizer's vocabulary for llguidance: {time.perf_counter() - t:.2f} s, once per job")
@@ -171,28 +169,42 @@ def compile_costs(tokenizer, vocab: int, stop_ids, schemas: list[dict]) -> None:
 
 
 def step_costs(engine: Engine, vocab: int, steps: int = 64, rounds: int = 3) -> None:
+    L = engine.layout
+    G, R, B = L.groups, L.rows_per_group, L.batch_size
     rng = np.random.default_rng(0)
-    every = np.full((engine.batch_size, engine.mask_words), -1, np.int32)
-    bits = np.zeros(engine.mask_words * 32, np.uint8)
+    every = np.full((B, L.mask_words), -1, np.int32)
+    bits = np.zeros(L.mask_words * 32, np.uint8)
     bits[:vocab:2] = 1
     half = every.copy()
-    half[: engine.batch_size // 2] = np.packbits(bits, bitorder="little").view(np.int32)
-    settings = {"8 steps a call": ({}, engine.steps), "1 step, masks allow all": ({"masks": every}, 1),
-                "1 step, half the rows even ids": ({"masks": half}, 1)}
+    half[: B // 2] = np.packbits(bits, bitorder="little").view(np.int32)
+    settings = {f"{L.steps} steps a call": (None, L.steps), "1 step, masks allow all": (every, 1),
+                "1 step, half the rows even ids": (half, 1)}
     times = {k: [] for k in settings}
+    start = 20  # each row's position, as if after a prompt of 20 tokens
+    steps = min(steps, L.max_new_tokens - 1)  # no row reaches its max_tokens
+    # every row on pages of its own where the pool has enough (else sharing some: only the keys
+    # and values they hold differ, and speed does not depend on those)
+    tables = np.arange(R * L.max_pages).reshape(R, L.max_pages)
+    windows = tables % L.window_pages if L.window_pages else np.zeros_like(tables)
 
-    def fill():
-        engine.reset()
-        prompts = [tuple(int(t) for t in rng.integers(0, vocab, 20)) for _ in range(engine.batch_size)]
-        engine.insert([[i] for i in range(engine.batch_size)],
-                      [Request(p, engine.max_new_tokens) for p in prompts])
+    def live() -> Step:
+        """A decode call's host arrays with every row live at position `start`."""
+        b = L.empty_step(0)
+        b.tokens[:, :R] = rng.integers(0, vocab, (G, R))
+        b.positions[:, :R] = start
+        b.tables[:], b.window_tables[:] = tables % L.pages, windows
+        b.live[:], b.max_tokens[:], b.seed[:] = True, L.max_new_tokens, np.arange(B)
+        return b
 
     for r in range(rounds + 1):
-        for name, (kw, per_call) in settings.items():
-            fill()
+        for name, (masks, per_call) in settings.items():
+            b = live()
             t, n = time.perf_counter(), 0
-            while n < min(steps, engine.max_new_tokens - 1 - per_call):
-                engine.decode(**kw)
+            while n + per_call <= steps:
+                out, _, _ = engine.call(b, (), per_call, masks=masks)
+                b.tokens[:, :R] = out[:, -1].reshape(G, R)
+                b.positions[:, :R] += per_call
+                b.count[:] += per_call
                 n += per_call
             if r:  # round 0 compiles
                 times[name].append((time.perf_counter() - t) / n)
