@@ -1,5 +1,5 @@
 """The kernels a mesh runs, chosen once per mesh: podrun's C++ kernels on CPU (models/kernels/cpu.py),
-the Pallas kernels on TPU (models/kernels/tpu.py), Pallas (Triton) attention over pages on NVIDIA
+the Pallas kernels on TPU (models/kernels/tpu/), Pallas (Triton) attention over pages on NVIDIA
 GPUs (models/kernels/gpu.py), and XLA for everything else.
 
 `Backend.resolve` reads the config's switches (kernels.*) once per mesh. The models and the engine
@@ -49,7 +49,7 @@ class Backend:
     experts_vmem: int = 0
     row_major_tables: bool = False  # lookup tables pinned row-major (models/weights.py)
     # The paged engine's kernels: "tpu" (kernels.enabled), its cache writes and attention in
-    # Pallas (Mosaic) over pools stored folded (models/paged.py, models/kernels/tpu.py; int8 pools
+    # Pallas (Mosaic) over pools stored folded (models/paged.py, models/kernels/tpu/; int8 pools
     # stay XLA's); "gpu" (kernels.pallas_attention), its attention in Pallas (Triton) over any
     # pool (models/kernels/gpu.py), the writes XLA's scatter; "": XLA's attention, whose blocks
     # read every row of a step as far as its longest

@@ -501,8 +501,8 @@ def test_the_tpu_kernels_give_transformers_tokens_in_interpret_mode(mesh_name, p
 
     monkeypatch.setattr(Backend, "resolve", classmethod(lambda cls, policy, rules: cls(
         "cpu", pallas_paged="tpu")))
-    for name in ("paged_attention", "write_pages"):
-        monkeypatch.setattr(tpu, name, partial(getattr(tpu, name), interpret=True))
+    for module, name in ((tpu.attention, "paged_attention"), (tpu, "write_pages")):
+        monkeypatch.setattr(module, name, partial(getattr(module, name), interpret=True))
     m = tiny_hf("gptoss", seed=5, **({"num_hidden_layers": 4} if scan else {}))
     rng = np.random.RandomState(7)
     prompts = [tuple(int(t) for t in rng.randint(0, VOCAB, n)) for n in (30, 3, 41, 12, 25)]

@@ -353,7 +353,7 @@ def test_experts_kernel_matches_numpy_in_interpret_mode(dtype, load, monkeypatch
 
     from models import gptoss
 
-    monkeypatch.setattr(tpu, "EXPERT_CHUNK_BYTES", 3 * 32 * 96 * 4)  # F = 96 in chunks of 32
+    monkeypatch.setattr(tpu.moe, "EXPERT_CHUNK_BYTES", 3 * 32 * 96 * 4)  # F = 96 in chunks of 32
     rng = np.random.default_rng(5)
     M, k, E, D, F = 40, 2, 4, 96, 96
     c = SimpleNamespace(swiglu_limit=7.0, swiglu_alpha=1.702, rms_norm_eps=1e-5)
@@ -617,7 +617,7 @@ def test_pallas_write_pages_writes_each_slot_once_in_interpret_mode(monkeypatch)
     changed and written back by each), padding dropped; every other slot as it was."""
     rng = np.random.default_rng(1)
     P, K, S, H = 12, 2, 16, 64
-    monkeypatch.setattr(tpu, "WRITE_BLOCK_BYTES", 8 * K * S * 128 * 4 // 2)  # 8 tokens a block
+    monkeypatch.setattr(tpu.writes, "WRITE_BLOCK_BYTES", 8 * K * S * 128 * 4 // 2)  # 8 tokens a block
     pool = rng.standard_normal((P, K, S, H)).astype(np.float32)
     slots = np.concatenate([[3 * S + 5, 7 * S + 15, P * S, 0],  # decode tokens, padding
                             9 * S + 10 + np.arange(30), [P * S + 3] * 2]).astype(np.int32)
