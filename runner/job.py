@@ -7,11 +7,10 @@ import time
 from typing import Callable
 
 import jax
-from etils import epath
 from jax.experimental import multihost_utils
 
 from runner import log
-from runner.api import common, formats, openai_batch, podrun
+from runner.api import common, formats
 from runner.api.common import read_lines
 from runner.checkpoints.load import open_checkpoint, restore
 from runner.engine import Completion, Scheduler
@@ -20,9 +19,7 @@ from runner.errors import AllFailedError
 from runner.report import Summary, log_stats, progress_bar
 from runner.results import parts
 from runner.results.writer import Results, error_message
-from runner.settings import Settings, SettingsError
-from runner.text.chat import ChatFormat, chat_format
-from runner.text.structured import Grammars
+from runner.settings import Settings
 from runner.text.tokenizer import load_tokenizer, read_chat_template
 
 
@@ -36,10 +33,14 @@ def answer(s: Settings, loaded: tuple | None = None) -> Summary:
     # a bad request file or output path fails before the checkpoint is touched
     lines = read_lines(s.input)
     fmt = formats.file_format(lines)
-    if s.parts > 1:
-        return _answer_part(s, lines, fmt, began, loaded)
-    results = Results(s.output, lines, writer=jax.process_index() == 0)
     chat_template = read_chat_template(s.chat_template)  # a mistyped path fails here, loading nothing
+    writer = jax.process_index() == 0
+    if s.parts > 1:
+        def generate(part_lines: list, results: Results, header: Callable[[], dict]) -> Summary:
+            return _generate(s, part_lines, fmt, results, chat_template, loaded, header)
+
+        return parts.answer_part(s, lines, fmt, began, generate, writer)
+    results = Results(s.output, lines, writer=writer)
     if not s.overwrite and results.finished(*formats.ids(lines, fmt)):
         if results.failed:  # as the run that wrote it ended: every request failed
             raise AllFailedError(f"every one of the {len(lines)} requests failed (in {s.output}, an earlier "
@@ -49,60 +50,6 @@ def answer(s: Settings, loaded: tuple | None = None) -> Summary:
                  "nothing to do (--config.io.overwrite=True generates them again)")
         return Summary(requests=len(lines), already_done=len(lines))
     return _generate(s, lines, fmt, results, chat_template, loaded)
-
-
-def _answer_part(s: Settings, lines: list, fmt, began: float, loaded) -> Summary:
-    """Part io.part of io.parts (runner/results/parts.py): its lines answered into its own file, or
-    found done there; then the merge into io.output where this run finds every part done."""
-    if s.part < 0:
-        raise SettingsError(f"io.parts={s.parts} splits the input: give --config.io.part=<0 to "
-                            f"{s.parts - 1}>, or run it as a Kubernetes Indexed Job (JOB_COMPLETION_INDEX)")
-    writer = jax.process_index() == 0
-    if not s.overwrite and epath.Path(s.output).exists() and Results(s.output, lines, writer=False).finished(
-            *formats.ids(lines, fmt)):
-        log.info(f"{s.output} already holds the results of {s.input}'s {len(lines)} requests: nothing to do")
-        return Summary(requests=len(lines), already_done=len(lines))
-    part = parts.select(lines, fmt, s.part, s.parts, s.generation.max_new_tokens, s.output, s.result_config)
-    lines = lines[part.start:part.end]
-    what = (f"part {part.index} of {part.parts} (requests {part.start + 1}-{part.end})" if lines
-            else f"part {part.index} of {part.parts} (no requests)")
-    header = None if s.overwrite else parts.read_header(part.path)
-    if header is not None:
-        parts.check(part.path, header, part.identity())
-        log.info(f"{part.path} already holds {what}: nothing to do (--config.io.overwrite=True "
-                 "generates it again)")
-        summary = Summary(requests=len(lines), already_done=len(lines))
-    elif not lines:  # a part of nothing, where there are more parts than requests
-        results = Results(part.path, lines, writer=writer, header={"part": part.identity()})
-        results.open()
-        results.write_final(0, part.header(results, began))
-        summary = Summary()
-    else:
-        log.info(f"answering {what} into {part.path}")
-        results = Results(part.path, lines, writer=writer, header={"part": part.identity()})
-        chat_template = read_chat_template(s.chat_template)
-        try:
-            summary = _generate(s, lines, fmt, results, chat_template, loaded,
-                                header=lambda: part.header(results, began))
-        except Exception as e:  # the partial file records the failed attempt (status shows it)
-            results.failed_attempt(f"{type(e).__name__}: {e}")
-            raise
-    if writer:
-        _merge_when_complete(s)
-    return summary
-
-
-def _merge_when_complete(s: Settings) -> None:
-    """The parts merged into io.output where every one is done (by whichever run finds so: two
-    that merge at once write the same file)."""
-    if gone := parts.missing(s.output, s.parts):
-        log.info(f"{s.parts - len(gone)} of {s.parts} parts done; {s.output} waits for part(s) "
-                 f"{parts.indexes(gone)}")
-        return
-    log.info(f"all {s.parts} parts are done: merging them into {s.output}")
-    m = parts.merge(s.input, s.output, s.parts, s.result_config)
-    log.info(f"{s.output}: {m.requests} requests ({m.errors} errors), {m.prompt_tokens} prompt + "
-             f"{m.completion_tokens} completion tokens, from {s.parts} parts")
 
 
 def _generate(s: Settings, lines: list, fmt, results: Results, chat_template, loaded,
@@ -118,7 +65,7 @@ def _generate(s: Settings, lines: list, fmt, results: Results, chat_template, lo
     # and on a CPU most of the first one.
     engine = build_engine(s, meta.model, meta.model.abstract_params(rules, s.policy) if params is None
                           else params, rules, allocate=params is not None)
-    chat, stop_ids, parse = request_parser(s, meta.model, tokenizer, fmt)
+    chat, stop_ids, parse = formats.request_parser(s, meta.model, tokenizer, fmt)
     pending = [parse(i, line) for i, line in enumerate(lines) if i not in results.done]
     for line in lines:
         line.release()
@@ -141,7 +88,7 @@ def _generate(s: Settings, lines: list, fmt, results: Results, chat_template, lo
         _open(results)
     summary = Summary(requests=len(lines), already_done=len(lines) - len(pending))
     bad = [p for p in pending if p.error]
-    error_line, result_line = _writers(fmt, model_name)
+    error_line, result_line = formats.writers(fmt, model_name)
     results.add([(p.index, error_line(p)) for p in bad])
     summary.errors = len(bad)
     L = engine.layout
@@ -176,26 +123,6 @@ def _generate(s: Settings, lines: list, fmt, results: Results, chat_template, lo
         raise AllFailedError(f"every one of the {len(lines)} requests failed; line "
                              f"{lines[0].number}: {error_message(results.done[0])}")
     return summary
-
-
-def request_parser(s: Settings, model, tokenizer, fmt: formats.FileFormat
-                   ) -> tuple[ChatFormat | None, tuple[int, ...], Callable]:
-    """How the job reads its file's lines: (the model's chat format, the ids that end a completion,
-    parse(index, line) -> Parsed). runner.tools.plan reads a file through the same."""
-    chat = chat_format(model.family, tokenizer, s.generation.reasoning_effort)
-    stop_ids = tuple(dict.fromkeys((chat.stop_ids if chat else ()) + s.generation.stop_token_ids))
-    grammars = (Grammars(tokenizer, model.vocab_size, chat.format_stop_ids(stop_ids), chat.grammar_start)
-                if chat else None)
-    return chat, stop_ids, lambda i, line: formats.parse_line(i, line, fmt, tokenizer, s, model.vocab_size,
-                                                            chat, grammars)
-
-
-def _writers(fmt: formats.FileFormat, model_name: str) -> tuple[Callable, Callable]:
-    """The file's format's writers: (the line of a request that cannot be served, the line of a
-    request p and its answer a); a Batch result is `created` when written."""
-    if fmt.openai_batch:
-        return openai_batch.error_line, lambda p, a: openai_batch.result_line(p, a, model_name, int(time.time()))
-    return podrun.error_line, lambda p, a: podrun.result_line(a)
 
 
 def _open(results: Results) -> None:

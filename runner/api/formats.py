@@ -7,11 +7,15 @@ file that repeats one is refused whole, before any model loads."""
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections.abc import Callable
 from typing import Any
 
 from runner.api import openai_batch, podrun
-from runner.api.common import Line, Parsed, decode
+from runner.api.common import Answer, Line, Parsed, decode
 from runner.settings import Settings
+from runner.text.chat import ChatFormat, chat_format
+from runner.text.structured import Grammars
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,3 +87,24 @@ def request_fields(line: Line, fmt: FileFormat) -> dict | None:
         return openai_batch.request_fields(d)[1]
     except ValueError:
         return None
+
+
+def request_parser(s: Settings, model, tokenizer, fmt: FileFormat
+                   ) -> tuple[ChatFormat | None, tuple[int, ...], Callable[[int, Line], Parsed]]:
+    """How a job reads its file's lines: (the model's chat format, the ids that end a completion,
+    parse(index, line) -> Parsed). runner.tools.plan reads a file through the same."""
+    chat = chat_format(model.family, tokenizer, s.generation.reasoning_effort)
+    stop_ids = tuple(dict.fromkeys((chat.stop_ids if chat else ()) + s.generation.stop_token_ids))
+    grammars = (Grammars(tokenizer, model.vocab_size, chat.format_stop_ids(stop_ids), chat.grammar_start)
+                if chat else None)
+    return chat, stop_ids, lambda i, line: parse_line(i, line, fmt, tokenizer, s, model.vocab_size,
+                                                      chat, grammars)
+
+
+def writers(fmt: FileFormat, model_name: str
+            ) -> tuple[Callable[[Parsed], dict], Callable[[Parsed, Answer], dict]]:
+    """The format's writers: (the line of a request that cannot be served, the line of a request p
+    and its answer a); a Batch result is `created` when written."""
+    if fmt.openai_batch:
+        return openai_batch.error_line, lambda p, a: openai_batch.result_line(p, a, model_name, int(time.time()))
+    return podrun.error_line, lambda p, a: podrun.result_line(a)

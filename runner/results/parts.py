@@ -9,8 +9,9 @@ A part file's first line says what it was written for, its results follow in inp
                      "requests", "errors", "prompt_tokens", "completion_tokens", "attempts",
                      "started_at", "finished_at", "wall_s", "host"}}
 
-`merge` streams the parts, in order and line by line, into `<output>`, checking each result's id
-against its input line; `states` reads what each part has done from the parts' files alone.
+`answer_part` is a run's part of the job, and its merge of every part once all are done; `merge`
+streams the parts, in order and line by line, into `<output>`, checking each result's id against
+its input line; `states` reads what each part has done from the parts' files alone.
 
 The estimate of a line's work is its prompt's tokens and the tokens it may generate: prompt ids
 counted where given (a Batch completion's too), else the line's characters / CHARS_PER_TOKEN; plus
@@ -31,20 +32,78 @@ import re
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import fsspec
 from etils import epath
 
+from runner import log
 from runner.api.common import Line, iter_lines, sizes
-from runner.api.formats import FileFormat, deciding, id_key, line_id, request_fields
+from runner.api.formats import FileFormat, deciding, id_key, ids, line_id, request_fields
 from runner.errors import RequestFileError
+from runner.report import Summary
 from runner.results.writer import Results, differences, error_message, input_digest, partial_objects, \
     read_partial
+from runner.settings import Settings, SettingsError
 from runner.storage import is_remote
 
 CHARS_PER_TOKEN = 4  # English text in a BPE vocabulary: about 4 characters a token
 HEADER = "podrun_part"
+
+
+def answer_part(s: Settings, lines: list[Line], fmt: FileFormat, began: float,
+                generate: Callable[[list[Line], Results, Callable[[], dict]], Summary],
+                writer: bool) -> Summary:
+    """Part io.part of io.parts: its lines answered into its own file by `generate(lines, results,
+    header)` (the job's; `header()` the line its final file starts with), or found done there;
+    then the merge into io.output where this run (the writing process) finds every part done."""
+    if s.part < 0:
+        raise SettingsError(f"io.parts={s.parts} splits the input: give --config.io.part=<0 to "
+                            f"{s.parts - 1}>, or run it as a Kubernetes Indexed Job (JOB_COMPLETION_INDEX)")
+    if not s.overwrite and epath.Path(s.output).exists() and Results(s.output, lines, writer=False).finished(
+            *ids(lines, fmt)):
+        log.info(f"{s.output} already holds the results of {s.input}'s {len(lines)} requests: nothing to do")
+        return Summary(requests=len(lines), already_done=len(lines))
+    part = select(lines, fmt, s.part, s.parts, s.generation.max_new_tokens, s.output, s.result_config)
+    lines = lines[part.start:part.end]
+    what = (f"part {part.index} of {part.parts} (requests {part.start + 1}-{part.end})" if lines
+            else f"part {part.index} of {part.parts} (no requests)")
+    header = None if s.overwrite else read_header(part.path)
+    if header is not None:
+        check(part.path, header, part.identity())
+        log.info(f"{part.path} already holds {what}: nothing to do (--config.io.overwrite=True "
+                 "generates it again)")
+        summary = Summary(requests=len(lines), already_done=len(lines))
+    elif not lines:  # a part of nothing, where there are more parts than requests
+        results = Results(part.path, lines, writer=writer, header={"part": part.identity()})
+        results.open()
+        results.write_final(0, part.header(results, began))
+        summary = Summary()
+    else:
+        log.info(f"answering {what} into {part.path}")
+        results = Results(part.path, lines, writer=writer, header={"part": part.identity()})
+        try:
+            summary = generate(lines, results, lambda: part.header(results, began))
+        except Exception as e:  # the partial file records the failed attempt (status shows it)
+            results.failed_attempt(f"{type(e).__name__}: {e}")
+            raise
+    if writer:
+        merge_when_complete(s)
+    return summary
+
+
+def merge_when_complete(s: Settings) -> None:
+    """The parts merged into io.output where every one is done (by whichever run finds so: two
+    that merge at once write the same file)."""
+    if gone := missing(s.output, s.parts):
+        log.info(f"{s.parts - len(gone)} of {s.parts} parts done; {s.output} waits for part(s) "
+                 f"{indexes(gone)}")
+        return
+    log.info(f"all {s.parts} parts are done: merging them into {s.output}")
+    m = merge(s.input, s.output, s.parts, s.result_config)
+    log.info(f"{s.output}: {m.requests} requests ({m.errors} errors), {m.prompt_tokens} prompt + "
+             f"{m.completion_tokens} completion tokens, from {s.parts} parts")
 
 
 def part_path(output: str, index: int, parts: int) -> str:

@@ -54,7 +54,7 @@ from runner.engine.build import build_engine
 from runner.engine.engine import Layout, Program
 from runner.engine.sampling import CANDIDATES
 from runner.errors import USER_ERRORS
-from runner.job import request_parser
+
 from runner.settings import Settings, from_config
 from runner.text.tokenizer import load_tokenizer, read_chat_template
 from runner.tools.bench import random_weights
@@ -143,7 +143,7 @@ def read_job(s: Settings, model, tokenizer_dir: str = "") -> Job:
                          "directory with the model's tokenizer (tokenizer.json)")
     tokenizer = load_tokenizer(os.path.expanduser(where),
                                read_chat_template(s.chat_template))
-    _, stop_ids, parse = request_parser(s, model, tokenizer, fmt)
+    _, stop_ids, parse = formats.request_parser(s, model, tokenizer, fmt)
     parsed = [parse(i, line) for i, line in enumerate(lines)]
     good = [p for p in parsed if not p.error]
     invalid = [f"request {p.id!r}: {p.error}" for p in parsed if p.error]
@@ -196,9 +196,10 @@ class Measured(Costs):
                  f"positions); {mixed} with every other row decoding, each +/- the same per position")]
 
 
-def _probe(engine: Engine, C: int, fill: int, like: Request):
+def _probe(engine: Engine, C: int, fill: int, like: Request, steps: int = 0):
     """A call's batch: every row decoding at `fill` positions, except with C > 0 the last row of
-    each group, which computes a chunk of C tokens from `fill` on and samples after it."""
+    each group, which computes a chunk of C tokens from `fill` on and samples after it; with
+    steps > 0, every row stops after that many tokens (a decode call of that many steps)."""
     L = engine.layout
     b = L.empty_step(C)
     G, R = L.groups, L.rows_per_group
@@ -212,7 +213,7 @@ def _probe(engine: Engine, C: int, fill: int, like: Request):
             row = g * R + r
             n = min(per_row, L.max_pages)  # the row's own pages: rows never share one
             b.tables[g, r, :n] = np.arange(r * per_row, r * per_row + n)
-            b.max_tokens[row], b.count[row] = L.max_new_tokens, 0
+            b.max_tokens[row], b.count[row] = steps or L.max_new_tokens, 0
             b.temperature[row], b.top_k[row], b.top_p[row] = like.temperature, top_k, like.top_p
             b.live[row] = True
             if C and r == R - 1:
@@ -228,24 +229,29 @@ def _probe(engine: Engine, C: int, fill: int, like: Request):
 def measure(engine: Engine, programs: list[Program], like: Request, fills: tuple[int, int],
             reps: int) -> Measured:
     """Every program compiled (timed: the compilation, or its load from the persistent cache;
-    prepared ones may be compiling already) and called: one untimed call, then `reps` timed ones
-    (the median), decode at both fills."""
+    prepared ones are compiling already, one after another) and called: one untimed call as soon
+    as it is compiled, while the thread compiles the next, then `reps` timed ones (the median),
+    decode at both fills."""
     times = {}
-    t0 = time.perf_counter()
+    L = engine.layout
+    base = list(dict.fromkeys(L.program(p.chunk, p.steps) for p in programs))
     for p in programs:
+        t0 = time.perf_counter()
         engine.executable(p)
-    SPENT["compile"] = SPENT.get("compile", 0.0) + time.perf_counter() - t0
+        SPENT["compile"] = SPENT.get("compile", 0.0) + time.perf_counter() - t0
+        if (q := L.program(p.chunk, p.steps)) in base:  # a program's first call does what later
+            t0 = time.perf_counter()  # ones do not (buffers, pages): one decode step is enough
+            engine.call(_probe(engine, q.chunk, fills[0], like, steps=1), (), q.steps)
+            SPENT["first calls"] = SPENT.get("first calls", 0.0) + time.perf_counter() - t0
+            base.remove(q)
     compiles = {p: engine.compile_s[p] for p in programs}
     began = time.perf_counter()
     # The weights and pool move onto 2 MiB pages on a thread while the programs compile (CPU): a
     # job runs its calls on them but for its first few, so the calls are timed once they are.
     engine.huge_pages  # noqa: B018
-    base = list(dict.fromkeys(engine.layout.program(p.chunk, p.steps) for p in programs))
-    for p in base:
-        for n, fill in enumerate(fills if not p.chunk else fills[:1]):
+    for p in dict.fromkeys(L.program(p.chunk, p.steps) for p in programs):
+        for fill in fills if not p.chunk else fills[:1]:
             b = _probe(engine, p.chunk, fill, like)
-            if n == 0:  # a program's first call does what later ones do not (buffers, pages)
-                engine.call(b, (), p.steps)
             ts = []
             for _ in range(reps):
                 t0 = time.perf_counter()
@@ -453,8 +459,8 @@ def plan_one(s: Settings, label: str, mode: str, loaded: Loader | None, job: Job
     programs = Scheduler(engine, job.requests, longest_first=s.generation.longest_first).programs()
     head = 0.0  # how long the programs compile before the scheduler starts
     if mode == "measure":
-        if loaded.params is None:  # the programs compile while the weights are read
-            engine.prepare(programs)
+        engine.prepare(programs)  # on a thread: while the weights are read, or the calls run
+        if loaded.params is None:
             engine.load(loaded.get())
         # the job's programs compile while its weights load, as the first plan's did
         startup[loaded.label] = head = loaded.load_s
