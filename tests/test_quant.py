@@ -353,6 +353,17 @@ def test_windows_predict_every_token_once():
         assert all(row[0] >= 0 for row in win)
 
 
+def hf_window_nll(m, win: np.ndarray) -> float:
+    """transformers' summed negative log-likelihood over the windows, each its own context."""
+    total = 0.0
+    for row in win:
+        row = row[row >= 0]
+        with torch.no_grad():
+            out = m(torch.from_numpy(row[None]), labels=torch.from_numpy(row[None]))
+        total += float(out.loss) * (len(row) - 1)
+    return total
+
+
 def test_perplexity_nll_matches_transformers():
     """runner.tools.perplexity's negative log-likelihood over windows equals transformers' loss on the
     same windows (each window its own context), for float32 weights and for int8 ones."""
@@ -364,15 +375,7 @@ def test_perplexity_nll_matches_transformers():
     m = tiny_hf("llama")
     ids = np.random.RandomState(5).randint(0, VOCAB, 300).tolist()
     win = windows(ids, 250, 40)
-    want = {}
-    for name, ref in (("none", m), ("int8", dequantized_reference(m))):
-        total = 0.0
-        for row in win:
-            row = row[row >= 0]
-            with torch.no_grad():
-                out = ref(torch.from_numpy(row[None]), labels=torch.from_numpy(row[None]))
-            total += float(out.loss) * (len(row) - 1)
-        want[name] = total
+    want = {"none": hf_window_nll(m, win), "int8": hf_window_nll(dequantized_reference(m), win)}
     model, params = to_podrun(m, rules, prepare=False)
     for quantize in ("none", "int8"):
         p = quant.quantize(model.declare(), params, rules) if quantize == "int8" else params
@@ -436,16 +439,10 @@ def test_chunked_perplexity_is_the_whole_windows_with_sliding_windows():
     model, params = to_podrun(m, rules)
     ids = np.random.RandomState(2).randint(0, VOCAB, 50).tolist()
     win = windows(ids, 40, 20)
-    want = 0.0
-    for row in win:
-        row = row[row >= 0]
-        with torch.no_grad():
-            out = m(torch.from_numpy(row[None]), labels=torch.from_numpy(row[None]))
-        want += float(out.loss) * (len(row) - 1)
     s = SimpleNamespace(policy=Policy(), generation=SimpleNamespace(page_size=4))
     total, count = nll(s, SimpleNamespace(model=model), rules, params, win, 5)
     assert count == 40
-    np.testing.assert_allclose(total, want, rtol=1e-5)
+    np.testing.assert_allclose(total, hf_window_nll(m, win), rtol=1e-5)
 
 
 def test_int8_gptoss_decodes_one_row_as_transformers_on_dequantized_weights():
