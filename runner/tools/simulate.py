@@ -22,7 +22,7 @@ import time
 from collections.abc import Sequence
 
 import numpy as np
-import scipy.stats
+from scipy.special import stdtrit  # Student's t quantile (scipy.stats takes a second to import)
 from etils import epath
 
 from runner.engine import Layout, Request, Scheduler, Stats
@@ -252,7 +252,7 @@ class Spread:
             return 0.0
         if self.pilot < 2:
             return math.inf
-        t = scipy.stats.t.ppf((1 + self.level) / 2, self.pilot - 1)
+        t = stdtrit(self.pilot - 1, (1 + self.level) / 2)
         return float(t * self.sd * math.sqrt(1 / self.pilot + 1 / self.unknown))
 
     @property
@@ -273,7 +273,7 @@ class Spread:
         now = self.unknown / N * self.half
         if relative <= goal or not 0 < now < math.inf:
             return 0
-        width = lambda n: scipy.stats.t.ppf((1 + self.level) / 2, n - 1) * self.sd * math.sqrt(1 / n - 1 / N)
+        width = lambda n: stdtrit(n - 1, (1 + self.level) / 2) * self.sd * math.sqrt(1 / n - 1 / N)
         lo, hi = 2, N  # width(N) = 0 <= goal; the width falls as n grows
         while lo < hi:
             mid = (lo + hi) // 2
