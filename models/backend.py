@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from types import ModuleType
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
+from models.kernels import cpu
 from sharding.rules import Rules
 
 # A decode step's rows, at most, that podrun's CPU product kernel takes: XLA:CPU's dot runs a
@@ -66,8 +68,6 @@ class Backend:
         platform = rules.platform
         unsplit_cache = rules.shards("cache_seq") == 1  # the attention kernels take whole rows
         if platform == "cpu":
-            from models.kernels import cpu
-
             on = policy.kernels and cpu.available()
             alone = on and rules.mesh.size == 1
             f32 = policy.dtype.name == "float32" and policy.params == "float32"
@@ -78,10 +78,8 @@ class Backend:
                        int8_screen=alone and policy.greedy_screen and policy.dtype.name == "float32",
                        huge_pages=policy.huge_pages, step_tokens=16)
         if platform == "tpu":
-            from models.kernels import tpu
-
             return cls(platform, ragged_experts=policy.pallas_moe, row_major_tables=True,
-                       experts_vmem=tpu.EXPERTS_VMEM_BYTES.get(rules.device_kind, 0)
+                       experts_vmem=_tpu().EXPERTS_VMEM_BYTES.get(rules.device_kind, 0)
                        if policy.kernels and not policy.pallas_moe and policy.quantize == "none" else 0,
                        pallas_paged="tpu" if policy.kernels and unsplit_cache else "")
         gpu_paged = policy.kernels and policy.pallas_attention and unsplit_cache
@@ -100,7 +98,6 @@ class Backend:
         """A projection's product, x [rows, C] by w (models/kernels/cpu.matmul_f32): float32, up
         to PRODUCT_KERNEL_ROWS rows, on one CPU device."""
         if self.product_kernel and rows <= PRODUCT_KERNEL_ROWS and x.dtype == w.dtype == jnp.float32:
-            from models.kernels import cpu
             return cpu.matmul_f32
         return None
 
@@ -109,7 +106,6 @@ class Backend:
         operations with gaps between them: for the rows matmul_f32 takes."""
         if self.matmul_f32(rows, x, w) is None:
             return None
-        from models.kernels import cpu
         return cpu.rms_norm
 
     def greedy_screen(self, w: jax.Array, rows: int) -> Callable | None:
@@ -118,13 +114,11 @@ class Backend:
         one CPU device. Its tokens come from `screened_greedy`."""
         if self.int8_screen and isinstance(w, jax.Array | jax.ShapeDtypeStruct) and w.dtype == jnp.float32 \
                 and rows <= PRODUCT_KERNEL_ROWS:
-            from models.kernels import cpu
             return cpu.greedy_screen
         return None
 
     def screened_greedy(self) -> Callable:
         """The greedy tokens of hidden states through a screen greedy_screen built."""
-        from models.kernels import cpu
         return cpu.greedy_screened
 
     def int_matmul(self, int4: bool) -> Callable | None:
@@ -132,7 +126,6 @@ class Backend:
         (models/kernels/cpu.matmul_nk_s8, matmul_nk_s4)."""
         if not self.quant_kernels:
             return None
-        from models.kernels import cpu
         return functools.partial(cpu.matmul_nk_s4, bf16_rows=self.int4_bf16_rows) if int4 \
             else cpu.matmul_nk_s8
 
@@ -142,11 +135,9 @@ class Backend:
         models/kernels/cpu.paged_attention takes them: on CPU float32 queries over a float32 or
         int8 pool; on TPU (folded pools) any pool but an int8 one; on NVIDIA GPUs any pool."""
         if self.attention_kernel and q.dtype == jnp.float32 and pool.dtype in (jnp.float32, jnp.int8):
-            from models.kernels import cpu
             return cpu.paged_attention
         if self.pallas_paged == "tpu" and scale is None:
-            from models.kernels import tpu
-            return tpu.ragged_paged_attention
+            return _tpu().ragged_paged_attention
         if self.pallas_paged == "gpu":
             from models.kernels import gpu
             return gpu.paged_attention
@@ -155,16 +146,14 @@ class Backend:
     def write_pages(self, pool_dtype: Any) -> Callable | None:
         """A step's new keys written into their pages in place (TPU, folded pools, not int8)."""
         if self.pallas_paged == "tpu" and jnp.dtype(pool_dtype) != jnp.int8:
-            from models.kernels import tpu
-            return tpu.write_pages
+            return _tpu().write_pages
         return None
 
     def page_fold(self, pool_dtype: Any, head_dim: int) -> int:
         """Slots a row of a pool holds side by side: folded for the TPU kernels (1 elsewhere)."""
         if self.write_pages(pool_dtype) is None:
             return 1
-        from models.kernels import tpu
-        return tpu.fold(head_dim)
+        return _tpu().fold(head_dim)
 
     @property
     def experts_kernel(self) -> bool:
@@ -176,7 +165,7 @@ class Backend:
         where the step's tokens fit its VMEM; `ffn` is a shard's F."""
         if not self.experts_kernel:
             return None
-        from models.kernels import tpu
+        tpu = _tpu()
         need = tpu.experts_vmem_bytes(tokens, tokens, hidden, ffn, jnp.dtype(dtype).itemsize)
         return tpu.experts if need <= self.experts_vmem else None
 
@@ -188,3 +177,9 @@ class Backend:
         from jax.experimental.pallas.ops.tpu.megablox import gmm
         return gmm
 
+
+def _tpu() -> ModuleType:
+    """The TPU kernels, imported where a TPU mesh asks for one: their Pallas backend (Mosaic) is
+    loaded for nothing else."""
+    from models.kernels import tpu
+    return tpu

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from models import quant
+from models.kernels import cpu
 from models.weights import Weight, is_weight
 
 
@@ -56,8 +57,6 @@ def _matrix(w: Weight, x: jax.Array) -> jax.Array:
 def pack(decl: Any, params: Any) -> Any:
     """params with every projection that takes_panels replaced by its PanelWeight, one at a time
     (each restored array deleted once packed)."""
-    from models.kernels import cpu
-
     leaves, treedef = jax.tree.flatten(decl, is_leaf=is_weight)
     flat = treedef.flatten_up_to(params)
     packer = jax.jit(lambda w, x: cpu.pack_panels(_matrix(w, x).astype(jnp.float32)),
@@ -74,14 +73,12 @@ def pack(decl: Any, params: Any) -> Any:
 
 def abstract(decl: Any, tree: Any, rules: Any) -> Any:
     """What `pack` makes of an abstract tree (ShapeDtypeStructs)."""
-    from models.kernels.cpu import PANEL
-
     def one(w: Weight, a: Any) -> Any:
         if not takes_panels(w):
             return a
         out, contract = quant.projection_dims(w)
         C, O = math.prod(w.shape[j] for j in contract), math.prod(w.shape[j] for j in out)
-        shape = (-(-O // PANEL), C, PANEL)
+        shape = (-(-O // cpu.PANEL), C, cpu.PANEL)
         return PanelWeight(jax.ShapeDtypeStruct(shape, jnp.float32, sharding=rules.sharding(
             None, None, None)), tuple(w.shape[j] for j in out), len(contract))
 
@@ -90,8 +87,6 @@ def abstract(decl: Any, tree: Any, rules: Any) -> Any:
 
 def matmul(x: jax.Array, w: PanelWeight, n_free: int) -> jax.Array:
     """x [*free, *contract] . w -> [*free, *out], float32."""
-    from models.kernels import cpu
-
     free = x.shape[:n_free]
     O = math.prod(w.out_shape)
     x2 = x.reshape(math.prod(free), -1).astype(jnp.float32)

@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.layout import Format, Layout
 
 from sharding.rules import Rules
 
@@ -106,8 +107,6 @@ def pin_tables_row_major(decl: Any, tree: Any) -> Any:
     (a TPU backend's row_major_tables). Left to choose, XLA:TPU laid GPT-OSS's embedding out
     column-major (as it does the unembedding, a product) and copied it back to row-major in every
     decode step: 1.2 GB per chip per step on v5e."""
-    from jax.experimental.layout import Format, Layout
-
     def pin(path, w, x):
         if not (is_weight(w) and is_lookup_table(path, w)) or not hasattr(x, "sharding"):
             return x
