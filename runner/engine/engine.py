@@ -279,9 +279,14 @@ class Engine:
         # announce(name) -> a context manager around a wait for a program's compilation
         self.announce: Callable[[str], contextlib.AbstractContextManager] | None = None
         self.programs: set[str] = set()  # the programs called so far, by name
+        # Prepared programs are traced and lowered on one thread, compiled (or loaded from the
+        # compilation cache) on another: XLA releases the GIL while it compiles one program, so the
+        # next one's Python tracing overlaps it rather than waiting behind it.
+        self._lowered: dict[Program, Future] = {}  # lowered, or lowering on self._lowerer
         self._compiled: dict[Program, Future] = {}  # compiled, or compiling on self._compiler
         self.compile_wait_s = 0.0  # calls' time waiting for their programs' compilation
-        self.compile_s: dict[Program, float] = {}  # each compilation's (or cache load's) own time
+        self.compile_s: dict[Program, float] = {}  # each one's tracing, lowering and compilation
+        self._lowerer = ThreadPoolExecutor(1, thread_name_prefix="podrun-lower")
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="podrun-compile")
         # the arguments' shapes, shardings and layouts (a lookup table's pinned row-major on TPU),
         # which a compilation on another thread reads while calls replace (and donate) the pool
@@ -304,6 +309,7 @@ class Engine:
                           "declaration of them: the programs compile again", stacklevel=2)
             self.forget_prepared()
             self._compiled.clear()
+            self._lowered.clear()
             self._abstract = given
         # (bytes on 2 MiB pages, bytes asked) of the weights and pool: CPU only (Engine's), the
         # pages moved on a thread of their own while the programs compile and the first run
@@ -425,27 +431,36 @@ class Engine:
                                   logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs)
         return traced.lower(lowering_platforms=platforms) if platforms else traced.lower()
 
-    def _compile(self, p: Program) -> jax.stages.Compiled:
-        """Program p compiled (or loaded from the compilation cache), its time kept."""
+    def _timed_lower(self, p: Program) -> tuple[jax.stages.Lowered, float]:
         t0 = time.perf_counter()
-        compiled = self._lower(p).compile()
-        self.compile_s[p] = time.perf_counter() - t0
+        return self._lower(p), time.perf_counter() - t0
+
+    def _compile(self, p: Program, lowered: Future | None = None) -> jax.stages.Compiled:
+        """Program p compiled (or loaded from the compilation cache), from its lowering on the
+        lowering thread where it has one; its time kept."""
+        program, spent = lowered.result() if lowered is not None else self._timed_lower(p)
+        t0 = time.perf_counter()
+        compiled = program.compile()
+        self.compile_s[p] = spent + time.perf_counter() - t0
         return compiled
 
     def prepare(self, programs: Sequence[Program]) -> None:
-        """Compiles `programs` (or loads them from the compilation cache) one after another on a
-        thread of their own, in that order, while the calls run: a program's first call then
-        waits only for what is left of its compilation. The tracing is Python's, which a
-        running program leaves free."""
+        """Lowers, then compiles (or loads from the compilation cache) `programs` in that order,
+        on threads of their own, while the calls run: a program's first call then waits only for
+        what is left of its compilation. The tracing is Python's, which a running program
+        leaves free."""
         for p in programs:
             if p not in self._compiled:
-                self._compiled[p] = self._compiler.submit(self._compile, p)
+                self._lowered[p] = lowered = self._lowerer.submit(self._timed_lower, p)
+                self._compiled[p] = self._compiler.submit(self._compile, p, lowered)
 
     def forget_prepared(self) -> None:
-        """Drops the prepared programs whose compilation has not begun (a job that ended)."""
+        """Drops the prepared programs whose lowering or compilation has not begun (a job that
+        ended)."""
         for p, future in list(self._compiled.items()):
             if future.cancel():
                 del self._compiled[p]
+                self._lowered.pop(p).cancel()  # a lowering begun runs on, its result dropped
 
     def executable(self, p: Program) -> jax.stages.Compiled:
         """Program p compiled: prepared, or compiled now (announced) when it was not, or when its
@@ -458,8 +473,10 @@ class Engine:
         with self.announce(p.name) if self.announce is not None else contextlib.nullcontext():
             if future is not None and not future.cancel():
                 compiled = future.result()
-            else:
-                compiled = self._compile(p)
+            else:  # compiled here, from the lowering thread's work where it has begun
+                lowered = self._lowered.pop(p, None)
+                compiled = self._compile(p, lowered if lowered is not None and not lowered.cancel()
+                                         else None)
                 self._compiled[p] = future = Future()
                 future.set_result(compiled)
         self.compile_wait_s += time.perf_counter() - began
