@@ -32,13 +32,12 @@ class Rows:
 
         self._step = jax.jit(step, static_argnames="output")
 
-    def _call(self, tokens, positions, rows, output=Output.LOGITS):
-        out, self.pool = self._step(self.params, self.pool, self.tables, tokens, positions, rows,
-                                    output)
-        return np.asarray(out)
-
     def _args(self, tokens, positions, rows):
-        return self.params, self.pool, self.tables, tokens, positions, rows
+        return self.params, self.pool, self.tables, tokens, positions, rows, Output.LOGITS
+
+    def _call(self, tokens, positions, rows) -> np.ndarray:
+        out, self.pool = self._step(*self._args(tokens, positions, rows))
+        return np.asarray(out)
 
     def prefill(self, prompts: list, chunk: int = 0) -> list[np.ndarray]:
         """Each sequence's prompt (a list of token ids), a row at a time in chunks of `chunk`
@@ -80,8 +79,7 @@ class Rows:
 
     def step_hlo(self, tokens) -> str:
         """The program a decode step of these tokens runs, as text (nothing runs)."""
-        return self._step.lower(*self._args(*self._decode_args(np.asarray(tokens))),
-                                Output.LOGITS).as_text()
+        return self._step.lower(*self._args(*self._decode_args(np.asarray(tokens)))).as_text()
 
 
 def prompt_logits(model: Model, params, rules: Rules, policy: Policy, prompts, chunk: int = 0,
