@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import socket
 import sys
 import time
 
 import jax
+from absl import flags
 from etils import epath
 
+from runner.log import quiet
 from runner.results.parts import part_path
 from runner.results.writer import partial_objects, read_partial
 from runner.storage import check_bucket, is_remote
@@ -21,8 +24,6 @@ from runner.storage import check_bucket, is_remote
 def setup_devices(s) -> None:
     """Before the backend starts: simulated CPU devices, the persistent compilation cache, and
     jax.distributed when several processes share the mesh."""
-    from runner.log import quiet
-
     quiet()
     if s.num_cpu_devices > 0:
         jax.config.update("jax_num_cpu_devices", s.num_cpu_devices)
@@ -110,8 +111,6 @@ def read_config(flag, tool: str):
 
 def parse_flags(argv: list[str]) -> list[str]:
     """absl's parser, with a misspelt --config override reported in one line."""
-    from absl import flags
-
     try:
         return flags.FLAGS(argv)
     except (AttributeError, KeyError) as e:  # ml_collections: an override of a field not there
@@ -151,8 +150,6 @@ REMOVED = {
 def unknown_override(argv: list[str], detail: str) -> str:
     """One line naming the --config.* override whose field does not exist, from ml_collections'
     message ("'foo'", or "'batch_sizee' Did you mean "batch_size" ...")."""
-    import re
-
     named = re.search(r"'([^']+)'", detail)
     name = named.group(1) if named else detail
     hint = re.search(r'Did you mean "([^"]+)"', detail)

@@ -12,7 +12,10 @@ import jax
 from absl import app
 from ml_collections import config_flags
 
+from runner import job, log
 from runner.cli import DistributedError, cache_counts, interrupted, parse_flags, read_config, setup_devices
+from runner.errors import USER_ERRORS
+from runner.settings import from_config
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "deployment config file", lock_config=True)
 INTERRUPTED = 130  # a shell's status for a command that SIGINT ended (128 + 2)
@@ -36,11 +39,6 @@ def main(argv: list[str]) -> None:
 
 def answer(config, read: list) -> None:
     """The job of `config`, its settings appended to `read` once they are."""
-    # Imported here so that absl has parsed flags before the library pulls in the backend.
-    from runner import job, log
-    from runner.errors import USER_ERRORS
-    from runner.settings import from_config
-
     try:
         settings = from_config(config)
         read.append(settings)

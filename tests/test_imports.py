@@ -103,3 +103,41 @@ def test_kernels_are_chosen_by_the_backend_alone():
                  and m.startswith(("models", "runner", "sharding")) and not m.startswith("runner.tools")}
     assert "models.backend" in importers
     assert importers <= allowed, sorted(importers - allowed)
+
+
+# What a function may import where it is used rather than at the top of its module: a dependency
+# that is optional or costly to import for the rest, or one that changes the process as it loads.
+LOCAL_IMPORTS = {
+    "gguf": "1.2 s to import: only GGUF files need it",
+    "torch": "optional: only reading a pytorch_model.bin needs it",
+    "runner.tools.compile": "sets up libtpu's topologies as it loads: predicted plans only",
+    "models.kernels.tpu": "loads Pallas' TPU backend (Mosaic): TPU meshes only",
+    "models.kernels.gpu": "loads Pallas' Triton backend: NVIDIA GPUs only",
+    "jax.experimental.pallas.ops.tpu.megablox.gmm": "TPU only, with kernels.pallas_moe",
+}
+
+
+def local_imports() -> list[tuple[str, int, str]]:
+    """(module file, line, imported module) of every import inside a function of the package."""
+    out = []
+    for name, path in modules().items():
+        if name.startswith("benchmarks"):
+            continue
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for fn in ast.walk(tree):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for node in ast.walk(fn):
+                    if isinstance(node, ast.Import):
+                        out += [(path, node.lineno, a.name) for a in node.names]
+                    elif isinstance(node, ast.ImportFrom):
+                        out += [(path, node.lineno, f"{node.module}.{a.name}") for a in node.names]
+    return out
+
+
+def test_functions_import_only_optional_or_costly_dependencies():
+    found = local_imports()
+    assert all(os.path.exists(path) for path, _, _ in found)
+    allowed = lambda m: any(m == k or m.startswith(k + ".") for k in LOCAL_IMPORTS)
+    assert [(os.path.relpath(p, ROOT), line, m) for p, line, m in found if not allowed(m)] == []
+    assert len(found) < 20, found

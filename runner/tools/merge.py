@@ -20,8 +20,10 @@ import time
 from absl import app, flags
 from ml_collections import config_flags
 
-from runner.results import parts
 from runner.cli import parse_flags, read_config
+from runner.errors import USER_ERRORS
+from runner.results import parts
+from runner.settings import from_config
 
 if __name__ == "__main__":  # flags of this command only, so the module can be imported
     _CONFIG = config_flags.DEFINE_config_file("config", None, "deployment config file", lock_config=True)
@@ -72,9 +74,6 @@ def main(argv: list[str]) -> None:
     config = read_config(_CONFIG, "podrun merge")
     if config is None:
         sys.exit("podrun merge: error: --config=configs/<deployment>.py is required")
-    from runner.errors import USER_ERRORS
-    from runner.settings import from_config
-
     try:
         s = from_config(config)
         if s.parts < 2:
