@@ -491,7 +491,7 @@ def test_an_int8_cache_keeps_the_float32_distributions(llama, prompts):
 def test_the_tpu_kernels_give_transformers_tokens_in_interpret_mode(mesh_name, pages, scan,
                                                                     monkeypatch):
     """The paged engine with the TPU kernels (Backend.pallas_paged: folded pools, written and
-    read by models/kernels/tpu.py), run by Pallas' interpreter on CPU: GPT-OSS (window 8 on every
+    read by models/kernels/tpu/), run by Pallas' interpreter on CPU: GPT-OSS (window 8 on every
     other layer, sinks), prompts chunked, per group and kv-head shard under shard_map, and a pool
     small enough to preempt; scan: 4 layers in a loop over stacked pools, 2 deep."""
     from functools import partial
