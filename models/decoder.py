@@ -31,27 +31,17 @@ __all__ = ["Family", "Output", "Unembedding", "add_bias", "forward"]
 
 
 class Output(enum.Enum):
-    """What `forward` returns beside the cache."""
+    """What `forward` returns beside the cache, for every position [B, T, ...]."""
 
-    LOGITS = "logits"  # [B, T, V], every position's
-    LAST_LOGITS = "last_logits"  # [B, V], the last position's: a prompt's next token, a decode step
-    # The final norm's output, for the caller to unembed: [B, T, D] every position's (a prompt's
-    # log-probabilities, a few positions at a time), [B, D] the last one's (the greedy screen)
+    LOGITS = "logits"  # [..., V]
+    # The final norm's output [..., D], for the caller to unembed at the positions it samples at
+    # (the greedy screen) or a few positions at a time (a prompt's log-probabilities)
     HIDDEN = "hidden"
-    LAST_HIDDEN = "last_hidden"
-
-    @property
-    def last(self) -> bool:
-        return self in (Output.LAST_LOGITS, Output.LAST_HIDDEN)
-
-    @property
-    def logits(self) -> bool:
-        return self in (Output.LOGITS, Output.LAST_LOGITS)
 
 
 class Unembedding(NamedTuple):
     """A model's unembedding: w [V, D] where vocab_first (a tied embedding, read as it is stored),
-    else [D, V]. The engine applies it apart from the forward pass (Output.HIDDEN, LAST_HIDDEN) to
+    else [D, V]. The engine applies it apart from the forward pass (Output.HIDDEN) to
     pick greedy tokens without every logit (models/kernels/cpu.greedy_screened) and to take a
     prompt's log-probabilities a few positions at a time."""
 
@@ -103,8 +93,7 @@ def forward(family: Family | ModuleType, params: dict, tokens: jax.Array, positi
 
     Every layer writes the step's keys and values into their pages, then attends each query over
     its sequence's positions up to its own. Returns `output` and the cache with this step's keys
-    and values written. For a last-position output the final layer's output projection and MLP
-    run for the last position alone.
+    and values written.
     """
     cache = cache.write_positions(positions)
     positions = jnp.maximum(positions, 0)
@@ -112,26 +101,25 @@ def forward(family: Family | ModuleType, params: dict, tokens: jax.Array, positi
     table = rope_table(positions, rope, policy.dtype) if rope else None
     x = act(family.embed(params, tokens, positions, c, policy), rules)  # [B, T, D]
 
-    def layer(p, x, cache, i, final_position_only):
+    def layer(p, x, cache, i):
         """Layer i (scanned: its place in the period, which fixes its window) on x [B, T, D]."""
         h, cache = attention_block(family, p, family.attn_norm(p, x, c, policy), table, cache, i,
-                                   c, rules, policy, final_position_only)
-        x = act((x[:, -1:] if final_position_only else x) + h, rules)
+                                   c, rules, policy)
+        x = act(x + h, rules)
         return act(x + family.mlp(p, family.mlp_norm(p, x, c, policy), c, rules, policy), rules), cache
 
-    x, cache = scan.run_layers(params, x, cache, layer, output.last)
-    x = family.final_norm(params, x[:, -1:] if output.last else x, c, policy)
-    if output.logits:
+    x, cache = scan.run_layers(params, x, cache, layer)
+    x = family.final_norm(params, x, c, policy)
+    if output is Output.LOGITS:
         x = family.unembedding(params).logits(x, rules, policy)
-    return (x[:, 0] if output.last else x), cache
+    return x, cache
 
 
 def attention_block(family: Family | ModuleType, p: dict, x: jax.Array, table: RopeTable | None,
-                    cache: PagedCache, layer: int, c: Any, rules: Rules, policy: Policy,
-                    final_position_only: bool) -> tuple[jax.Array, PagedCache]:
+                    cache: PagedCache, layer: int, c: Any, rules: Rules, policy: Policy
+                    ) -> tuple[jax.Array, PagedCache]:
     """Self-attention of x [B, T, D] over the pages: the step's keys written first, then read
-    with the rest. final_position_only: every query still attends; the output projection runs
-    for the last position alone, giving [B, 1, D]."""
+    with the rest."""
     q, k, v = family.qkv(p, x, c, policy)  # [B, T, N, H], [B, T, K, H] twice
     rotate = (lambda x: x) if table is None else (lambda x: apply_rope(x, table))
     q = constrain(rotate(q), rules, "batch", "seq", "act_heads", None)
@@ -140,7 +128,6 @@ def attention_block(family: Family | ModuleType, p: dict, x: jax.Array, table: R
     options = family.attention_options(p, layer, c)
     cache = cache.write(layer, k, v, rules, options.get("window"), policy)
     out = paged_attention(q, cache, layer, rules, policy, **options)
-    out = out[:, -1:] if final_position_only else out
     return family.attention_out(p, out, policy), cache
 
 

@@ -105,7 +105,7 @@ class Model:
                                policy.on(rules), output)
 
     def unembedding(self, params) -> Unembedding:
-        """The weight that turns the final hidden state into logits (Output.LAST_HIDDEN's)."""
+        """The weight that turns the final hidden state into logits (Output.HIDDEN's)."""
         return self.module.unembedding(params)
 
     def to_json(self) -> dict:

@@ -71,45 +71,29 @@ def stack(params: dict, P: int) -> dict:
 
 
 def run_layers(params: dict, x: jax.Array, cache: PagedCache,
-               layer: Callable[[Any, jax.Array, Any, int, bool], tuple[jax.Array, Any]],
-               final_position_only: bool = False) -> tuple[jax.Array, PagedCache]:
-    """x through every layer: layer(p, x, cache, i, final_position_only) -> (x, cache) applies
-    layer i's weights p.
+               layer: Callable[[Any, jax.Array, Any, int], tuple[jax.Array, Any]]
+               ) -> tuple[jax.Array, PagedCache]:
+    """x through every layer: layer(p, x, cache, i) -> (x, cache) applies layer i's weights p.
 
     Unrolled (params["layers"]) i runs over the layers. Scanned (params["layer_stack"]) i runs over
     one period, 0..P-1, the loop carries the stacked pools, and `cache` is a view of them in which
     period d's layers write and read their own pages (PagedCache.layer_view): the windows of
     layers i and i + P agree, so whatever `layer` derives from i statically holds for every period.
-
-    final_position_only: only the last position's output is wanted (a prompt's first token). The
-    final layer is then called with it set: it writes every position's keys and values to the
-    cache and attends for every query, but takes the rest of its work (output projection, MLP)
-    for the last position alone, returning x [B, 1, D]: for a short prompt of a shallow model, a
-    good share of its flops. Scanned, the loop stops one period short and the final period runs
-    after it, unrolled.
     """
-    final_position_only = final_position_only and x.shape[1] > 1  # one position: nothing to leave
     if "layers" in params:
-        n = len(params["layers"])
         for i, p in enumerate(params["layers"]):
-            x, cache = layer(p, x, cache, i, final_position_only and i == n - 1)
+            x, cache = layer(p, x, cache, i)
         return x, cache
     groups = params["layer_stack"]
     depth = jax.tree.leaves(groups[0])[0].shape[0]
 
-    def run_period(x, cache, i, final):  # period i's weights, one tree per layer of the period
+    def run_period(carry, i):  # period i's weights, one tree per layer of the period
+        x, cache = carry
         view = cache.layer_view(i, depth)
-        ps = [jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), g)
-              for g in groups]
-        for j, p in enumerate(ps):
-            x, view = layer(p, x, view, j, final and j == len(ps) - 1)
-        return x, view._replace(first_page=None)
+        for j, g in enumerate(groups):
+            p = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), g)
+            x, view = layer(p, x, view, j)
+        return (x, view._replace(first_page=None)), None
 
-    def body(carry, i):
-        return run_period(*carry, i, False), None
-
-    looped = depth - 1 if final_position_only else depth
-    (x, cache), _ = jax.lax.scan(body, (x, cache), jnp.arange(looped))
-    if final_position_only:
-        x, cache = run_period(x, cache, looped, True)
+    (x, cache), _ = jax.lax.scan(run_period, (x, cache), jnp.arange(depth))
     return x, cache

@@ -335,7 +335,7 @@ class Engine:
 
     @property
     def output(self) -> Output:
-        return Output.LAST_LOGITS if self.greedy_screen is None else Output.LAST_HIDDEN
+        return Output.LOGITS if self.greedy_screen is None else Output.HIDDEN
 
     # --- device functions ---------------------------------------------------------------------
 
@@ -353,8 +353,8 @@ class Engine:
             prompt = position_logprobs(self.model.unembedding(weights.params), out[:, R:],
                                        b.targets[:, R:], self.rules, self.policy)
         hidden = jnp.take_along_axis(out, b.sample_at[:, :, None], axis=1).reshape(G * R, -1)
-        output = Output.LAST_LOGITS if logprobs else self.output
-        if output is Output.LAST_LOGITS:
+        output = Output.LOGITS if logprobs else self.output
+        if output is Output.LOGITS:
             hidden = self.model.unembedding(weights.params).logits(hidden[:, None], self.rules,
                                                                    self.policy)[:, 0]
         nxt = next_tokens(self.model, self.rules, self.policy, weights, hidden, output, b.seed,

@@ -337,14 +337,14 @@ def sample(logits: jax.Array | Callable[[], jax.Array], seeds: jax.Array, counts
 
 def next_tokens(model, rules, policy, weights, out, output, seeds, counts, temperature, top_k,
                 top_p, masks=None) -> jax.Array:
-    """The next token of each row from a forward pass' last position: `out` is its logits [B, V]
-    (output LAST_LOGITS), or its hidden state [B, D] (LAST_HIDDEN, with the greedy screen of
+    """The next token of each row from the position it samples at: `out` is its logits [B, V]
+    (output LOGITS), or its hidden state [B, D] (HIDDEN, with the greedy screen of
     weights = (params, screen)), whose greedy tokens come through the screen and whose logits are
     made only for rows that sample. masks [B, W]: the tokens each row may take
     (`allowed_tokens`); through the screen, the logits are made only when some row's greedy token
     under its mask is neither the screen's nor forced (`masked_greedy`)."""
     params, screen = weights
-    if output is Output.LAST_LOGITS:
+    if output is Output.LOGITS:
         logits = out if masks is None else allowed_tokens(masks, out)
         return sample(logits, seeds, counts, temperature, top_k, top_p)
     u = model.unembedding(params)
