@@ -128,15 +128,3 @@ def constrain(x: jax.Array, rules: Rules, *logical: str | None) -> jax.Array:
     if len(logical) != x.ndim:
         raise RulesError(f"constrain: {len(logical)} logical names {logical} for a {x.ndim}-d tensor")
     return jax.lax.with_sharding_constraint(x, rules.sharding(*logical, shape=x.shape))
-
-
-def fit(sharding: NamedSharding, shape: Sequence[int]) -> NamedSharding:
-    """`sharding` with the mesh axes that do not divide their dimension of `shape` dropped (that
-    dimension replicated), as Rules.spec does with a shape."""
-    mesh = sharding.mesh
-
-    def size(part) -> int:
-        return math.prod(mesh.shape[a] for a in ((part,) if isinstance(part, str) else part))
-
-    spec = [None if p is None or shape[i] % size(p) else p for i, p in enumerate(sharding.spec)]
-    return NamedSharding(mesh, PartitionSpec(*spec))
