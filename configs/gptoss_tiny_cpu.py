@@ -5,7 +5,7 @@ on this CPU with 8 simulated devices: experts over 2, heads over 2, batch over 2
 
 The weights are random (initialised once into ~/.cache/podrun/checkpoints/gptoss-tiny-o200k), so
 the answers are noise; the point is the whole path: Harmony rendering, MoE on an expert-sharded
-mesh, the ring cache, stopping on <|return|>/<|call|>, and channel parsing that flags garbled output.
+mesh, sliding windows over pages, stopping on <|return|>/<|call|>, and channel parsing that flags garbled output.
 """
 
 from configs.base import base_config
