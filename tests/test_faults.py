@@ -83,7 +83,10 @@ def test_ctrl_c_exits_130_with_one_line_and_the_same_command_resumes(tmp_path):
         whole = [line for line in lines[1:-1] if line]  # the last piece: an unfinished line, or ""
         return [r["_index"] for r in map(json.loads, whole) if "_index" in r]
 
-    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # as a shell starts a command in the foreground: SIGINT's default action, whatever this process
+    # inherited (a non-interactive shell's background job ignores SIGINT, and its children too)
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 300  # a bound on a hung run, not a measurement
     while not results_in_partial() and p.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
