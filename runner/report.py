@@ -105,6 +105,6 @@ def log_stats(engine: Engine, stats: Stats) -> None:
                  f"{stats.decode_steps} steps in {stats.decode_s:.1f} s")
     if stats.pages:
         log.info(f"pages in use: {stats.pages_peak} peak, {stats.pages_mean:.1f} mean of {stats.pages}; "
-                 f"rows live: {stats.rows_peak} peak, {stats.rows_mean:.1f} mean of {stats.rows}; "
+                 f"rows live: {stats.rows_peak} peak, {stats.rows_mean:.1f} mean of {stats.batch_size}; "
                  f"{stats.preemptions} preemptions; {stats.programs} programs, whose "
                  f"compilation the calls waited for {stats.compile_wait_s:.1f} s")

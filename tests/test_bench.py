@@ -222,7 +222,7 @@ def test_job_mode_runs_a_request_file_through_the_whole_engine(tmp_path):
     r = json.loads((tmp_path / "job.json").read_text())
     assert (r["requests"], r["errors"], r["generated"]) == (7, 1, 6)
     assert r["prompt_tokens"] == sum(lengths) and r["completion_tokens"] == sum(max_tokens)
-    assert r["engine_rows"] == 2 and 0 < r["utilisation"] <= 1
+    assert r["engine_batch_size"] == 2 and 0 < r["utilisation"] <= 1
     assert r["engine_decode_steps"] * 2 >= sum(max_tokens) - len(max_tokens)
     assert r["ttft_median_s"] <= r["ttft_p99_s"] and r["latency_median_s"] <= r["latency_p99_s"]
     assert r["tokens_per_s"] > 0 and r["process_s"] >= r["generate_s"]

@@ -80,7 +80,7 @@ class Scheduler:
         self.pools = [PagePool(L.pages, L.page_size) for _ in range(L.groups)]
         self.window_pools = [PagePool(L.window_pages, L.page_size) if L.window
                              else None for _ in range(L.groups)]
-        self.stats = Stats(rows=L.batch_size, pages=L.pages * L.groups)
+        self.stats = Stats(batch_size=L.batch_size, pages=L.pages * L.groups)
         self._names: dict[int, list[bytes]] = {}  # each request's full prompt pages' digests
         self._ended: dict[int, dict[int, Completion]] = {}
         self._plan: list[tuple[int, int]] = [(0, 0)]  # _piece's costs, from 0 tokens up

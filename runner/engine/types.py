@@ -49,7 +49,7 @@ class Completion:
 class Stats:
     """What a job did on the engine."""
 
-    rows: int = 0  # the engine's batch size
+    batch_size: int = 0  # the engine's rows
     decode_calls: int = 0
     decode_steps: int = 0  # steps the calls ran (a decode call may end early)
     row_steps: int = 0  # steps x rows
