@@ -73,9 +73,8 @@ def base_config() -> ConfigDict:
     })
     # How the device programs are built and hold their memory.
     c.programs = ConfigDict({
-        # One loop over the layers (stacked weights and cache, or the paged engine's stacked page
-        # pools, models/scan.py) instead of unrolling them: compile time stops growing with
-        # depth; see the bench for the speed.
+        # One loop over the layers (stacked weights and page pools, models/scan.py) instead of
+        # unrolling them: compile time stops growing with depth; see the bench for the speed.
         "scan_layers": False,
         # q/k/v as one matrix product and gate/up as another (models/fused.py): the checkpoint's
         # separate weights are fused once after restore. Same results either way; off because it

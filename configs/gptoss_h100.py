@@ -10,7 +10,7 @@ the HF checkpoint once (the MXFP4 experts become bfloat16):
 Fit (python -m runner.tools.memory --config=configs/gptoss_h100.py --mean_tokens=3000): 39 GiB of
 weights and a pool of 28 GiB of 16-token pages (1.1M tokens: 256 rows of 4,400 on average; the
 sliding-window layers keep a pool of their own holding each row's 128-token window), 84% of the
-card before activations. The paged engine (docs/paged-engine.md) decodes up to 256 rows a step
+card before activations. The engine (docs/paged-engine.md) decodes up to 256 rows a step
 beside a chunk of up to 256 prompt tokens; attention over the pages is XLA's, or with
 --config.kernels.pallas_attention=True a Triton kernel (off until timed on a GPU). The experts
 run as XLA's dense products over buckets of routed tokens; the Pallas grouped matmul

@@ -13,7 +13,7 @@ here: models/backend.py chooses the kernels once per mesh, and XLA compiles the 
 
 Fit (python -m runner.tools.memory --config=configs/llama3_h100.py --mean_tokens=3000): 15.0 GiB of
 weights and a pool of 40 GiB of 16-token pages (327,680 tokens: 256 rows of 1,280 on average, or
-108 rows of 3,000), 69% of the card before activations. The paged engine (docs/paged-engine.md)
+108 rows of 3,000), 69% of the card before activations. The engine (docs/paged-engine.md)
 decodes up to 256 rows a step beside a chunk of up to 256 prompt tokens; attention over the pages
 is XLA's (blocks of 8 pages with a running softmax), or with --config.kernels.pallas_attention=True
 a Triton kernel that reads each row's pages only (off until timed on a GPU). Not yet measured

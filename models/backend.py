@@ -50,13 +50,13 @@ class Backend:
     # f32 experts on v5e and v6e); 0: XLA's experts
     experts_vmem: int = 0
     row_major_tables: bool = False  # lookup tables pinned row-major (models/weights.py)
-    # The paged engine's kernels: "tpu" (kernels.enabled), its cache writes and attention in
+    # The engine's kernels over pages: "tpu" (kernels.enabled), its cache writes and attention in
     # Pallas (Mosaic) over pools stored folded (models/paged.py, models/kernels/tpu/; int8 pools
     # stay XLA's); "gpu" (kernels.pallas_attention), its attention in Pallas (Triton) over any
     # pool (models/kernels/gpu.py), the writes XLA's scatter; "": XLA's attention, whose blocks
     # read every row of a step as far as its longest
     pallas_paged: str = ""
-    # What one more step of the paged engine costs, in prompt tokens computed: on TPU and GPU a
+    # What one more step of the engine costs, in prompt tokens computed: on TPU and GPU a
     # step reads every weight from HBM, worth hundreds of tokens' flops, so a prompt's last chunk
     # is padded up to a bucket rather than split; on CPU a step's own cost is a few tokens', so a
     # prompt is split into buckets it fills (runner/engine/scheduler.py's chunk plan).

@@ -1,4 +1,4 @@
-"""NVIDIA GPU kernels: paged_attention, the paged engine's ragged step (decode rows, a prompt's
+"""NVIDIA GPU kernels: paged_attention, the engine's ragged step (decode rows, a prompt's
 chunk) over pages through page tables in Pallas (Triton), with kernels.pallas_attention, the
 counterpart of models/kernels/cpu.paged_attention and tpu.ragged_paged_attention.
 
@@ -124,7 +124,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, tables
                     programs: int = PROGRAMS) -> jax.Array:
     """A ragged step's queries q [T, N, H] over pages k_pages, v_pages [P, K, S, H] (int8 with
     k_scale, v_scale [P, K, S]) through tables [R, M], as models/kernels/cpu.paged_attention
-    takes them, laid out as the paged engine's steps are: query r < R is sequence r's decode
+    takes them, laid out as the engine's steps are: query r < R is sequence r's decode
     token (q_pos -1: none), and the rest, if any, a chunk of sequence rows[R]'s prompt.
     -> [T, N, H] in q's dtype.
 

@@ -222,7 +222,7 @@ class Engine:
                  pages: int = 0):
         """kv_bytes: the pools' bytes per device (a device holds its group's pages, of its share
         of the kv heads), or `pages`: the full-attention layers' pages per group; neither gives
-        every row room for its longest request, as an unpaged cache would. allocate=False: params
+        every row room for its longest request unless it is that large. allocate=False: params
         are abstract (Model.abstract_params), and so is the engine until `load` gives it its
         weights; it can lower, and prepare, its programs meanwhile."""
         G = rules.shards("batch")
@@ -311,7 +311,7 @@ class Engine:
             self._compiled.clear()
             self._lowered.clear()
             self._abstract = given
-        # (bytes on 2 MiB pages, bytes asked) of the weights and pool: CPU only (Engine's), the
+        # (bytes on 2 MiB pages, bytes asked) of the weights and pool: CPU only, the
         # pages moved on a thread of their own while the programs compile and the first run
         if self.policy.backend.huge_pages:
             spans = hugepages.regions((self.params, self.cache, self.greedy_screen))
@@ -320,7 +320,7 @@ class Engine:
 
     @property
     def huge_pages(self) -> tuple[int, int]:
-        """(bytes on 2 MiB pages, bytes asked) of the weights and pool: CPU only (Engine's)."""
+        """(bytes on 2 MiB pages, bytes asked) of the weights and pool: CPU only."""
         return self._huge_pages.result() if self._huge_pages is not None else (0, 0)
 
     @property

@@ -322,7 +322,7 @@ class Predicted(Costs):
 
 def lowered_costs(s: Settings, model) -> tuple[Engine, dict]:
     """A GPU deployment's programs, none of its GPUs here: its engine built for the GPU's kernels
-    (XLA's, kernels.* off, as the shipped GPU configs run the paged engine) on this machine's CPU
+    (XLA's, kernels.* off, as the shipped GPU configs run) on this machine's CPU
     devices as its mesh, each program lowered (not compiled) and XLA's cost analysis of it per
     device (the lowered program is the whole mesh's: its flops over the devices)."""
     from runner.tools.compile import Compiled  # sets up libtpu's topologies: predicted plans only

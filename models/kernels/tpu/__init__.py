@@ -1,4 +1,4 @@
-"""Pallas TPU kernels, with kernels.enabled, a kernel a module: the paged engine's paged_attention
+"""Pallas TPU kernels, with kernels.enabled, a kernel a module: the engine's paged_attention
 (attention.py) and write_pages (writes.py) over pools stored folded (common.py, models/paged.py),
 and GPT-OSS's experts on v5e and v6e (moe.py). Checked on CPU in interpret mode against numpy
 (tests/test_kernels.py) and compiled for TPU v5e ahead of time (tests/test_compile.py,
