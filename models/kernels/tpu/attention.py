@@ -1,4 +1,4 @@
-"""The paged engine's attention over the folded pools (models/paged.py, tpu/common.py).
+"""The engine's attention over the folded pools (models/paged.py, tpu/common.py).
 
 paged_attention: Q sequences of T queries each (a decode step's rows, T = 1, or a prompt's chunk,
 Q = 1) over their pages. The grid walks (sequence, block of its queries); a kv head's query heads

@@ -1,4 +1,4 @@
-"""The paged engine's page writes into the folded pools (tpu/common.py): the step's new keys (or
+"""The engine's page writes into the folded pools (tpu/common.py): the step's new keys (or
 values) into their slots, read-modify-write of each page a token writes (a slot is a part of a
 tile, which a copy cannot address alone): a step moves its pages' bytes twice, not a pass over the
 pool.
