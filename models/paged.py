@@ -88,14 +88,17 @@ class PagedCache(NamedTuple):
         return PagedCache([kv] * n, [kv] * n, [scale] * n, [scale] * n)
 
     @staticmethod
+    def slot_bytes(dtype: Any, head_dim: int) -> int:
+        """Bytes one slot of one kv head's keys (or values) takes: an int8 cache adds its scale."""
+        return jnp.dtype(dtype).itemsize * head_dim + (4 if jnp.dtype(dtype) == jnp.int8 else 0)
+
+    @staticmethod
     def page_bytes(num_layers: int, kv_heads: int, head_dim: int, page_size: int, dtype: Any,
                    rules: Rules) -> int:
         """Bytes one page of every layer's keys and values takes on a device (kv heads split by
         the rules; an int8 cache with its scales)."""
-        size = jnp.dtype(dtype).itemsize
-        per = size * head_dim + (4 if jnp.dtype(dtype) == jnp.int8 else 0)
         heads = -(-kv_heads // rules.shards("cache_kv_heads"))
-        return 2 * num_layers * heads * page_size * per
+        return 2 * num_layers * heads * page_size * PagedCache.slot_bytes(dtype, head_dim)
 
     @staticmethod
     def create(groups: int, pages: int, window_pages: int, page_size: int,

@@ -351,7 +351,7 @@ def walk(grammars: structured.Grammars, fmt: structured.Format, chat: bool, seed
     """Tokens drawn uniformly from each step's mask until a stop id: (tokens, ended)."""
     rng = np.random.default_rng(seed)
     m = grammars.compile(fmt, chat).start()
-    mask = np.zeros((grammars.vocab_size + 31) // 32, np.int32)  # as Engine.mask_words
+    mask = np.zeros((grammars.vocab_size + 31) // 32, np.int32)  # as Layout.mask_words
     tokens = []
     for _ in range(limit):
         m.mask(mask)

@@ -439,6 +439,7 @@ class Engine:
         """Program p compiled (or loaded from the compilation cache), from its lowering on the
         lowering thread where it has one; its time kept."""
         program, spent = lowered.result() if lowered is not None else self._timed_lower(p)
+        self._lowered.pop(p, None)  # the lowered module is not kept beside its executable
         t0 = time.perf_counter()
         compiled = program.compile()
         self.compile_s[p] = spent + time.perf_counter() - t0

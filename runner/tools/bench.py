@@ -63,6 +63,7 @@ from ml_collections import config_flags
 
 from models import quant, weights
 from models.kernels import cpu
+from models.paged import PagedCache
 from models.registry import Model
 from models.weights import check_divisible, is_lookup_table, is_weight
 from runner import job, log
@@ -358,12 +359,6 @@ def make_engine(s: Settings, model: Model, params, rules: Rules, batch: int,
                   steps_per_dispatch=g.steps_per_dispatch, chunk=g.chunk_tokens)
 
 
-def kv_bytes_per_element(dtype: Any, head_dim: int) -> float:
-    """Bytes a cached k or v element takes: an int8 cache adds its per-slot scale."""
-    size = jnp.dtype(dtype).itemsize
-    return size + 4 / head_dim if jnp.dtype(dtype) == jnp.int8 else size
-
-
 def greedy_requests(prompts: np.ndarray, new_tokens: int, s: Settings) -> list[Request]:
     smp = s.sampling
     return [Request(tuple(int(t) for t in row), new_tokens, smp.temperature, smp.top_k, smp.top_p,
@@ -410,7 +405,8 @@ def measure(s: Settings, model: Model, params, rules: Rules, w: Workload,
     every prompt length (the probe's array comes after)."""
     w.check(model)
     p_size = jnp.dtype(s.policy.params).itemsize
-    kv_size = kv_bytes_per_element(s.policy.kv_cache, model.module.cache_spec(model.config)[2])
+    head_dim = model.module.cache_spec(model.config)[2]
+    kv_size = PagedCache.slot_bytes(s.policy.kv_cache, head_dim) / head_dim  # a k or v element's
     prompts = {P: w.prompts(P, model.config.vocab_size) for P in w.prompt_lens}
     N, records = w.new_tokens, []
     for B in w.batch_sizes:
