@@ -305,8 +305,10 @@ def _kernel(kernel, q, kc, vc, ks, vs, tables, cache: PagedCache, rules: Rules, 
     scales = () if ks is None else (ks, vs)
 
     def local(q, kc, vc, tables, rows, positions, sinks, *scales):  # one group each
-        return kernel(q[0], kc[0], vc[0], tables[0], rows[0], positions[0],
-                      sinks if has_sinks else None, window, scale, *(s[0] for s in scales))[None]
+        # the pools whole ([1, P, ...]): a bitcast to [P, ...] of a pool just written, XLA fuses
+        # with the write and so copies the pool at each step of a one-row decode
+        return kernel(q[0], kc, vc, tables[0], rows[0], positions[0],
+                      sinks if has_sinks else None, window, scale, *scales)[None]
 
     args = (q, kc, vc, tables, cache.rows, cache.positions, sinks, *scales)
     if rules.mesh.size == 1:

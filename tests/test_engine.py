@@ -306,24 +306,41 @@ def test_scanned_layers_give_transformers_tokens(kind, mesh_name, pages, n):
     assert [c.token_ids for c in got] == [hf_greedy(m, p, STEPS) for p in prompts]
 
 
+def _pool_copies(engine, pools: set) -> dict[str, set]:
+    """Of each of the engine's compiled programs, the shapes (less their axes of one) among
+    `pools` that it copies."""
+    import re
+
+    squeezed = lambda shape: tuple(d for d in shape if d != 1)
+    found = {}
+    for name, lowered in engine.lower().items():
+        text = lowered.compile().as_text()
+        found[name] = pools & {squeezed(int(d) for d in m.group(1).split(",")) for m in re.finditer(
+            r"= \w+\[([\d,]+)\]\{[^}]*\} copy\(", text)}
+    return found
+
+
 def test_scanned_programs_copy_no_pool():
     """The scan carries the stacked pools and each layer writes and reads its pages of them in
     place: XLA:CPU's compiled programs (data2 x model4, attention in XLA, a kv head a device)
     hold no copy of a device's pool, nor of one layer's pages of it."""
-    import re
-
     m = tiny_hf("gptoss", seed=5, num_hidden_layers=4)
     engine = paged(m, "data2_model4", Policy(scan_layers=True, kernels=False))
-    squeezed = lambda shape: tuple(d for d in shape if d != 1)
     pools = set()
     for x in engine.cache.k:  # a device's [1, 2 * P, 1, S, H]: 2 layers' pages of 1 kv head
-        pages, *rest = squeezed(x.addressable_shards[0].data.shape)
+        pages, *rest = (d for d in x.addressable_shards[0].data.shape if d != 1)
         pools |= {(pages, *rest), (pages // 2, *rest), (2, pages // 2, *rest)}
-    for name, lowered in engine.lower().items():
-        text = lowered.compile().as_text()
-        copies = {squeezed(int(d) for d in m.group(1).split(",")) for m in re.finditer(
-            r"= \w+\[([\d,]+)\]\{[^}]*\} copy\(", text)}
-        assert not copies & pools, name
+    assert _pool_copies(engine, pools) == dict.fromkeys(engine.lower(), set())
+
+
+def test_a_one_row_decode_copies_no_pool(llama):
+    """One row on one device through podrun's CPU attention kernel: a step's token is written
+    into its pool in place, and the kernel reads the pool as written. (Handed the pool bitcast to
+    [P, K, S, H], XLA fused the write into that bitcast as well, and copied every layer's pool at
+    every decode step.)"""
+    engine = paged(llama, "1dev", batch_size=1)
+    pools = {tuple(d for d in x.shape if d != 1) for x in engine.cache.k}
+    assert _pool_copies(engine, pools) == dict.fromkeys(engine.lower(), set())
 
 
 def _log_softmax(z: np.ndarray) -> np.ndarray:

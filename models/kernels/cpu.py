@@ -257,7 +257,8 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, tables
                     v_scale: jax.Array | None = None) -> jax.Array:
     """q [T, N, H] float32: T query tokens of a ragged step, each belonging to a sequence;
     k_pages, v_pages [P, K, S, H] (float32, or int8 with k_scale, v_scale [P, K, S] float32: value =
-    int8 * scale): the KV page pool, P pages of S slots each, K kv heads; tables [R, M] int32: the
+    int8 * scale), or one group's [1, P, K, S, H] ([1, P, K, S]): the KV page pool, P pages of S
+    slots each, K kv heads; tables [R, M] int32: the
     pages of each of R sequences, position p of sequence r in page tables[r, p // S], slot p % S;
     rows [T] int32: each query's sequence; q_pos [T] int32: each query's position, -1 for a padding
     query (its output is zeros, and nothing is read for it); sinks [N] or None (one extra logit per

@@ -323,7 +323,8 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, const C
   auto bad = [&](const std::string& why) { return ffi::Error::InvalidArgument(name + ": " + why); };
   auto qd = q.dimensions(), td = tables.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || td.size() != 2)
-    return bad("expects q [T, N, H], k_pages and v_pages [P, K, S, H], tables [R, M]");
+    return bad("expects q [T, N, H], k_pages and v_pages [P, K, S, H] (or [1, P, K, S, H]), "
+               "tables [R, M]");
   const int64_t T = qd[0], N = qd[1], H = qd[2], P = kd[0], K = kd[1], S = kd[2];
   const int64_t R = td[0], M = td[1];
   if (!(vd == kd)) return bad("k_pages and v_pages differ in shape");
@@ -424,6 +425,13 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, const C
   return ffi::Error::Success();
 }
 
+// A group's pool as the engine holds it, [1, P, K, S, H] (scales [1, P, K, S]), read as
+// [P, K, S, H]: taking it whole spares XLA a bitcast of the just-written pool, which it fuses with
+// the write and so copies the whole pool at every step of a one-row decode.
+ffi::Span<const int64_t> one_group(ffi::Span<const int64_t> d, size_t rank) {
+  return d.size() == rank + 1 && d[0] == 1 ? ffi::Span<const int64_t>(d.begin() + 1, rank) : d;
+}
+
 ffi::Error PagedAttentionF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                              ffi::Buffer<ffi::F32> kc, ffi::Buffer<ffi::F32> vc,
                              ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> rows,
@@ -431,7 +439,8 @@ ffi::Error PagedAttentionF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                              ffi::ResultBuffer<ffi::F32> out, int64_t has_sinks, float scale,
                              int64_t window) {
   return PagedAttention<float>(pool, q, kc.typed_data(), vc.typed_data(), nullptr, nullptr,
-                               kc.dimensions(), vc.dimensions(), {}, {}, tables, rows, qpos, sinks,
+                               one_group(kc.dimensions(), 4), one_group(vc.dimensions(), 4), {}, {},
+                               tables, rows, qpos, sinks,
                                out, has_sinks, scale, window);
 }
 
@@ -443,8 +452,10 @@ ffi::Error PagedAttentionS8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                             ffi::ResultBuffer<ffi::F32> out, int64_t has_sinks, float scale,
                             int64_t window) {
   return PagedAttention<int8_t>(pool, q, kc.typed_data(), vc.typed_data(), ks.typed_data(),
-                                vs.typed_data(), kc.dimensions(), vc.dimensions(), ks.dimensions(),
-                                vs.dimensions(), tables, rows, qpos, sinks, out, has_sinks, scale,
+                                vs.typed_data(), one_group(kc.dimensions(), 4),
+                                one_group(vc.dimensions(), 4), one_group(ks.dimensions(), 3),
+                                one_group(vs.dimensions(), 3), tables, rows, qpos, sinks, out,
+                                has_sinks, scale,
                                 window);
 }
 

@@ -122,8 +122,8 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, tables
                     window: int | None, scale: float, k_scale: jax.Array | None = None,
                     v_scale: jax.Array | None = None, interpret: bool = False,
                     programs: int = PROGRAMS) -> jax.Array:
-    """A ragged step's queries q [T, N, H] over pages k_pages, v_pages [P, K, S, H] (int8 with
-    k_scale, v_scale [P, K, S]) through tables [R, M], as models/kernels/cpu.paged_attention
+    """A ragged step's queries q [T, N, H] over pages k_pages, v_pages [P, K, S, H] or one
+    group's [1, P, K, S, H] (int8 with k_scale, v_scale [P, K, S] or [1, P, K, S]) through tables [R, M], as models/kernels/cpu.paged_attention
     takes them, laid out as the engine's steps are: query r < R is sequence r's decode
     token (q_pos -1: none), and the rest, if any, a chunk of sequence rows[R]'s prompt.
     -> [T, N, H] in q's dtype.
@@ -131,6 +131,9 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, tables
     Decode rows run flash-decoding, over (row, kv head, split); the chunk runs blocks of
     CHUNK_BLOCK (token, head) rows of a kv head, each over its sequence's pages once. Each program reads only the pages its queries see: a row's own, up to its own
     position, not the longest row's."""
+    k_pages, v_pages = k_pages.reshape(k_pages.shape[-4:]), v_pages.reshape(v_pages.shape[-4:])
+    if k_scale is not None:
+        k_scale, v_scale = k_scale.reshape(k_scale.shape[-3:]), v_scale.reshape(v_scale.shape[-3:])
     T, N, H = q.shape
     P, K, S, _ = k_pages.shape
     R, M = tables.shape

@@ -223,7 +223,9 @@ def ragged_paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, t
                            window: int | None, scale: float) -> jax.Array:
     """A ragged step's queries q [T, N, H] (as cpu.paged_attention takes them) in paged_attention:
     the first R = len(tables) one per sequence (decode rows), the rest a chunk of sequence
-    rows[R], each over its sequence's pages -> [T, N, H]."""
+    rows[R], each over its sequence's pages -> [T, N, H]. The pools may keep their group's axis
+    of one ([1, P, K, S // f, f * H])."""
+    k_pool, v_pool = k_pool.reshape(k_pool.shape[-4:]), v_pool.reshape(v_pool.shape[-4:])
     R = tables.shape[0]
     out = paged_attention(q[:R, None], k_pool, v_pool, tables, q_pos[:R, None], sinks, window,
                           scale)[:, 0]  # [R, N, H]
