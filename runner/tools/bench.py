@@ -73,6 +73,7 @@ from runner.cli import parse_flags, read_config, setup_devices
 from runner.engine import Completion, Engine, Request, Scheduler, Stats, hugepages
 from runner.errors import USER_ERRORS
 from runner.settings import Settings, from_config
+from runner.tools.memory import GiB
 from sharding.mesh import make_mesh
 from sharding.rules import Rules
 
@@ -98,8 +99,6 @@ if __name__ == "__main__":  # flags of this command only, so the module can be i
                                 "(XLA's memory analysis; compiles it once more, or loads it from "
                                 "the compilation cache)")
 
-GiB = 1024**3
-
 
 class BenchError(ValueError):
     """The workload cannot be run as asked."""
@@ -120,23 +119,31 @@ class DecodeCost:
         return self.weight_bytes + self.kv_bytes
 
 
+def _token_shares(model: Model) -> list[tuple[Any, str, float]]:
+    """Each declared weight, its role ("unembedding", "table": a lookup table, which a token only
+    indexes, or "") and the share of it one token multiplies by (k / E of an expert weight)."""
+    decl = model.declare()
+    unembedding = model.unembedding(decl).w
+    k = getattr(model.config, "experts_per_token", 0)
+    out = []
+    for path, w in jax.tree_util.tree_leaves_with_path(decl, is_leaf=is_weight):
+        if w is unembedding:
+            out.append((w, "unembedding", 1.0))
+        elif is_lookup_table(path, w):
+            out.append((w, "table", 0.0))
+        else:
+            out.append((w, "", k / w.shape[w.axes.index("experts")] if "experts" in w.axes else 1.0))
+    return out
+
+
 def prefill_flops(model: Model, batch: int, prompt_len: int) -> float:
     """The arithmetic of prefilling `batch` prompts of `prompt_len` tokens and taking each one's
     logits at its last position (what a prefill computes; padding not counted): 2 x the weights a
     token uses for every token, the unembedding once per prompt, and causal attention (each query
     over itself and the keys before it, or its window)."""
-    decl = model.declare()
-    unembedding = model.unembedding(decl).w
-    k = getattr(model.config, "experts_per_token", 0)
-    body = head = 0.0
-    for path, w in jax.tree_util.tree_leaves_with_path(decl, is_leaf=is_weight):
-        size = math.prod(w.shape)
-        if w is unembedding:
-            head += size
-        elif "experts" in w.axes:
-            body += size * k / w.shape[w.axes.index("experts")]
-        elif not is_lookup_table(path, w):
-            body += size
+    shares = _token_shares(model)
+    body = sum(math.prod(w.shape) * share for w, role, share in shares if role != "unembedding")
+    head = sum(math.prod(w.shape) for w, role, _ in shares if role == "unembedding")
     windows, _, head_dim = model.module.cache_spec(model.config)
     seen = np.arange(1, prompt_len + 1)  # keys the query at each position attends to
     attended = sum(float(np.sum(np.minimum(seen, w) if w else seen)) for w in windows)
@@ -155,26 +162,15 @@ def decode_cost(model: Model, batch: int, prompt_len: int, new_tokens: int, para
     instead (the few rows of the unembedding it leaves to compute, kilobytes, are not counted).
     KV cache: step i of the decode (i = 1..N-1) attends over prompt_len + i positions, or the window.
     """
-    decl = model.declare()
-    leaves = jax.tree_util.tree_leaves_with_path(decl, is_leaf=is_weight)
-    unembedding = model.unembedding(decl).w
-    k = getattr(model.config, "experts_per_token", 0)
     weight_bytes = params_per_token = 0.0
-    for path, w in leaves:
-        size = math.prod(w.shape)
-        stored = quant.stored_bytes(w, param_itemsize, quantize)  # int8 + scales, or as restored
-        if w is unembedding and screen_bytes:
+    for w, role, share in _token_shares(model):
+        params_per_token += math.prod(w.shape) * share
+        if role == "unembedding" and screen_bytes:
             weight_bytes += screen_bytes
-            params_per_token += size
-        elif is_lookup_table(path, w):
+        elif role == "table":
             weight_bytes += min(batch, w.shape[0]) * w.shape[1] * param_itemsize
-        elif "experts" in w.axes:
-            experts = w.shape[w.axes.index("experts")]
-            weight_bytes += stored * min(batch * k, experts) / experts
-            params_per_token += size * k / experts
-        else:
-            weight_bytes += stored
-            params_per_token += size
+        else:  # int8 + scales, or as restored; of experts, the min(batch * k, E) the batch uses
+            weight_bytes += quant.stored_bytes(w, param_itemsize, quantize) * min(batch * share, 1)
 
     windows, kv_heads, head_dim = model.module.cache_spec(model.config)
     attended = np.arange(prompt_len + 1, prompt_len + max(new_tokens, 2))  # per decode step
@@ -549,26 +545,22 @@ def main(argv: list[str]) -> None:
     if config is None:
         sys.exit("podrun bench: error: --config=configs/<deployment>.py is required")
     started = time.perf_counter()
-    if _REQUESTS.value:
-        try:
-            s = from_config(config)
-            setup_devices(s)
-            record = run_job(s, _REQUESTS.value, random_model(s) if _RANDOM.value else None)
-        except (*USER_ERRORS, BenchError) as e:
-            sys.exit(f"podrun bench: error: {e}")
-        record.update(model=s.checkpoint_model, checkpoint=s.checkpoint_path,
-                      precision=dataclasses.asdict(s.policy), devices=jax.device_count(),
-                      platform=jax.devices()[0].platform, requests_file=_REQUESTS.value,
-                      batch_size=s.generation.batch_size, process_s=time.perf_counter() - started,
-                      random_weights=_RANDOM.value,
-                      config=[a for a in sys.argv[1:] if a.startswith("--config")])
-        if jax.process_index() == 0:
-            print(job_table(record))
-            _write(record)
-        return
+    config_args = [a for a in sys.argv[1:] if a.startswith("--config")]
     try:
         s = from_config(config)
         setup_devices(s)
+        if _REQUESTS.value:
+            record = run_job(s, _REQUESTS.value, random_model(s) if _RANDOM.value else None)
+            record.update(model=s.checkpoint_model, checkpoint=s.checkpoint_path,
+                          precision=dataclasses.asdict(s.policy), devices=jax.device_count(),
+                          platform=jax.devices()[0].platform, requests_file=_REQUESTS.value,
+                          batch_size=s.generation.batch_size,
+                          process_s=time.perf_counter() - started, random_weights=_RANDOM.value,
+                          config=config_args)
+            if jax.process_index() == 0:
+                print(job_table(record))
+                _write(record)
+            return
         work = Workload(_ints(_BATCH_SIZES.value, "batch_sizes"),
                         _ints(_PROMPT_LENS.value, "prompt_lens") or (_PROMPT_LEN.value,),
                         _NEW_TOKENS.value, _REPS.value, _SEED.value)
@@ -587,7 +579,6 @@ def main(argv: list[str]) -> None:
     except (*USER_ERRORS, BenchError) as e:
         sys.exit(f"podrun bench: error: {e}")
     rate(records, _BANDWIDTH.value, gflops)
-    config_args = [a for a in sys.argv[1:] if a.startswith("--config")]
     for r in records:
         r.update(run, config=config_args, random_weights=_RANDOM.value,
                  bandwidth_measured=not _BANDWIDTH.value,

@@ -28,6 +28,8 @@ docs/plan.md gives the model, its blind spots and how a first real run calibrate
 from __future__ import annotations
 
 import ast
+import collections
+import contextlib
 import copy
 import dataclasses
 import json
@@ -97,7 +99,15 @@ CHIPS = {"v5e": (819, 197, 16), "v5p": (2765, 459, 95), "v6e": (1640, 918, 32),
          "h100": (3350, 989, 80), "h200": (4800, 989, 141)}
 CALL_OVERHEAD_S = 100e-6  # predicted: a call's dispatch, its batch's transfer and its tokens' return
 LOAD_GBPS = 2.0  # predicted: the weights read from storage at this rate (all hosts together)
-SPENT: dict[str, float] = {}  # the plan's own time, by part
+SPENT: dict[str, float] = collections.defaultdict(float)  # the plan's own time, by part
+
+
+@contextlib.contextmanager
+def spending(part: str):
+    """The block's time added to SPENT[part]."""
+    t0 = time.perf_counter()
+    yield
+    SPENT[part] += time.perf_counter() - t0
 
 
 @dataclasses.dataclass
@@ -234,43 +244,38 @@ def measure(engine: Engine, programs: list[Program], like: Request, fills: tuple
     decode at both fills."""
     times = {}
     L = engine.layout
-    base = list(dict.fromkeys(L.program(p.chunk, p.steps) for p in programs))
+    kinds = list(dict.fromkeys(L.program(p.chunk, p.steps) for p in programs))
+    uncalled = set(kinds)
     for p in programs:
-        t0 = time.perf_counter()
-        engine.executable(p)
-        SPENT["compile"] = SPENT.get("compile", 0.0) + time.perf_counter() - t0
-        if (q := L.program(p.chunk, p.steps)) in base:  # a program's first call does what later
-            t0 = time.perf_counter()  # ones do not (buffers, pages): one decode step is enough
-            engine.call(_probe(engine, q.chunk, fills[0], like, steps=1), (), q.steps)
-            SPENT["first calls"] = SPENT.get("first calls", 0.0) + time.perf_counter() - t0
-            base.remove(q)
+        with spending("compile"):
+            engine.executable(p)
+        if (q := L.program(p.chunk, p.steps)) in uncalled:  # a program's first call does what
+            with spending("first calls"):  # later ones do not (buffers, pages): one step will do
+                engine.call(_probe(engine, q.chunk, fills[0], like, steps=1), (), q.steps)
+            uncalled.remove(q)
     compiles = {p: engine.compile_s[p] for p in programs}
-    began = time.perf_counter()
     # The weights and pool move onto 2 MiB pages on a thread while the programs compile (CPU): a
     # job runs its calls on them but for its first few, so the calls are timed once they are.
     engine.huge_pages  # noqa: B018
-    for p in dict.fromkeys(L.program(p.chunk, p.steps) for p in programs):
-        for fill in fills if not p.chunk else fills[:1]:
-            b = _probe(engine, p.chunk, fill, like)
-            ts = []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                engine.call(b, (), p.steps)
-                ts.append(time.perf_counter() - t0)
-            times[p, fill] = statistics.median(ts)
-    SPENT["timed calls"] = SPENT.get("timed calls", 0.0) + time.perf_counter() - began
-    B, steps = engine.layout.batch_size, engine.layout.steps
-    decode = engine.layout.program(0, engine.layout.steps)
-    kv = lambda fill: B * (fill + 1 + (steps - 1) / 2)  # positions attended per step, on average
+    with spending("timed calls"):
+        for p in kinds:
+            for fill in fills if not p.chunk else fills[:1]:
+                b = _probe(engine, p.chunk, fill, like)
+                ts = []
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    engine.call(b, (), p.steps)
+                    ts.append(time.perf_counter() - t0)
+                times[p, fill] = statistics.median(ts)
+    decode = L.program(0, L.steps)
+    kv = lambda fill: L.batch_size * (fill + 1 + (L.steps - 1) / 2)  # positions a step attends
+    a = b = 0.0
     if (decode, fills[0]) in times:
-        per = [times[decode, f] / steps for f in fills]
+        per = [times[decode, f] / L.steps for f in fills]
         b = max(0.0, (per[1] - per[0]) / (kv(fills[1]) - kv(fills[0])))
         a = max(0.0, per[0] - b * kv(fills[0]))
-    else:
-        a = b = 0.0
-    R = engine.layout.rows_per_group
     mixed = {p.chunk: t for (p, _), t in times.items() if p.chunk}
-    return Measured(a, b, mixed, engine.layout.groups * (R - 1) * (fills[0] + 1), compiles, fills)
+    return Measured(a, b, mixed, L.groups * (L.rows_per_group - 1) * (fills[0] + 1), compiles, fills)
 
 
 # --- predicted: time per call from XLA's cost analysis -----------------------------------------
@@ -299,15 +304,13 @@ class Predicted(Costs):
 
     def call(self, p: Program, contexts: list[np.ndarray], chunk_at: int) -> float:
         bw, peak, _ = CHIPS[self.chip]
-        c = self.compiled.get(Program(p.chunk, p.steps).name) or self._nearest(p)
+        c = self.compiled.get(Program(p.chunk, p.steps).name) or nearest(
+            {int(n.split("_")[1]): c for n, c in self.compiled.items() if n.startswith("mixed_")},
+            p.chunk)
         chunk = self._kv(np.array([chunk_at + p.chunk])) if p.chunk else 0.0  # its pages, read once
         step = lambda ctx, extra: max((self.weight_bytes + self._kv(ctx) + extra) / (bw * 1e9),
                                       c.flops / (peak * 1e12))
         return CALL_OVERHEAD_S + sum(step(ctx, chunk if i == 0 else 0.0) for i, ctx in enumerate(contexts))
-
-    def _nearest(self, p: Program):
-        kinds = {int(n.split("_")[1]): c for n, c in self.compiled.items() if n.startswith("mixed_")}
-        return nearest(kinds, p.chunk)
 
     def describe(self) -> list[str]:
         bw, peak, _ = CHIPS[self.chip]
@@ -369,8 +372,7 @@ class Plan:
         """The wall time at the ends of the pilot's interval of the job's lengths."""
         if self.ends is None:
             return None
-        lo, hi = sorted(sum(self.startup.values()) + o.generate_s for o in self.ends)
-        return lo, hi
+        return tuple(sorted(sum(self.startup.values()) + o.generate_s for o in self.ends))
 
     @property
     def pilot_for(self) -> int | None:
@@ -442,11 +444,11 @@ def plan_one(s: Settings, label: str, mode: str, loaded: Loader | None, job: Job
         if s.tpu_topology:
             from runner.tools.compile import compile_deployment  # libtpu's topologies
 
-            engine, compiled = compile_deployment(s, model)
-            SPENT["AOT compile"] = SPENT.get("AOT compile", 0.0) + time.perf_counter() - t0
+            with spending("AOT compile"):
+                engine, compiled = compile_deployment(s, model)
         else:
-            engine, compiled = lowered_costs(s, model)
-            SPENT["lowering"] = SPENT.get("lowering", 0.0) + time.perf_counter() - t0
+            with spending("lowering"):
+                engine, compiled = lowered_costs(s, model)
         chips = engine.rules.mesh.size
         problems += [f"{c.name} does not fit a chip: {c.error}" for c in compiled.values() if c.error]
     startup["engine"] = time.perf_counter() - t0
@@ -475,31 +477,27 @@ def plan_one(s: Settings, label: str, mode: str, loaded: Loader | None, job: Job
         costs = Predicted(chip, compiled, f.weights, full / S, windowed / S, L.window)
         startup.pop("engine")  # this machine's AOT compile: the job's compiles are assumed cached
         startup["load (stated: weights at 2 GB/s)"] = f.total_weights / (LOAD_GBPS * 1e9)
-    began = time.perf_counter()
-    outcome = simulate(L, job.requests, lengths, costs, s.generation.longest_first, head)
+    run = lambda lengths: simulate(L, job.requests, lengths, costs, s.generation.longest_first,
+                                   head)
     spread = ends = None
-    if kind == "results":  # the job again at the ends of the pilot's interval of its lengths
-        spread = Spread.of(job.requests, job.ids, results)
-        if 0 < spread.half < math.inf:
-            ends = tuple(simulate(L, job.requests, lengths_from(job.requests, job.ids, kind, mean, results,
-                                                                drawn_mean=m),
-                                  costs, s.generation.longest_first, head) for m in (spread.low, spread.high))
-    SPENT["simulation"] = SPENT.get("simulation", 0.0) + time.perf_counter() - began
+    with spending("simulation"):
+        outcome = run(lengths)
+        if kind == "results":  # the job again at the ends of the pilot's interval of its lengths
+            spread = Spread.of(job.requests, job.ids, results)
+            if 0 < spread.half < math.inf:
+                ends = tuple(run(lengths_from(job.requests, job.ids, kind, mean, results, drawn_mean=m))
+                             for m in (spread.low, spread.high))
     return Plan(label, chips, outcome, startup, costs, [], spread, ends), job
 
 
 def override(config, key: str, value: str):
     """A copy of the ConfigDict with key (dotted) set to value (a Python literal or a string)."""
     c = copy.deepcopy(config)
-    *path, last = key.split(".")
-    node = c
-    for k in path:
-        node = getattr(node, k)
     try:
-        v = ast.literal_eval(value)
+        value = ast.literal_eval(value)
     except (ValueError, SyntaxError):
-        v = value
-    setattr(node, last, v)
+        pass
+    c.update_from_flattened_dict({key: value})
     return c
 
 

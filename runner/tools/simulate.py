@@ -163,23 +163,19 @@ class StandIn:
         return out, contexts
 
 
-def sim_requests(requests: Sequence[Request]) -> list[Request]:
-    """The requests as simulated: each one's seed is its index (StandIn names rows by seed); no
-    format (a format's masks would need its real tokens)."""
-    return [dataclasses.replace(r, seed=i, constraint=None) for i, r in enumerate(requests)]
-
-
 def simulate(layout: Layout, requests: Sequence[Request], lengths: Sequence[Sequence[int]],
              costs: Costs, longest_first: bool, head: float = 0.0) -> Outcome:
     """requests (each sample's completion `lengths[i][k]` tokens, at least 1, at most its
     max_tokens) through the Scheduler on a stand-in for an engine of `layout`, whose programs
     begin to compile `head` seconds before the scheduler starts (the job's weights' load)."""
-    sim = sim_requests(requests)
+    # Each request's seed is its index (StandIn names rows by seed); no format (a format's masks
+    # would need its real tokens).
+    sim = [dataclasses.replace(r, seed=i, constraint=None) for i, r in enumerate(requests)]
     stand = StandIn(layout, sim, lengths, costs, head)
-    first, tokens = [], [0]
+    ends, tokens = [], [0]  # the clock at each call's end that ended requests; their tokens
 
     def done(ended) -> None:
-        first.append(stand.clock) if not first else None
+        ends.append(stand.clock)
         tokens[0] += sum(len(c.token_ids) for _, cs in ended for c in cs)
 
     stats = Scheduler(stand, sim, (STOP,), None, longest_first).run(done)
@@ -187,23 +183,23 @@ def simulate(layout: Layout, requests: Sequence[Request], lengths: Sequence[Sequ
     host = stand.clock - stand.device_s - stand.compile_wait_s  # the stand-in's own work excluded
     per = {n: (len(ts), sum(ts)) for n, ts in stand.per_program.items()}
     return Outcome(stats, stand.clock, stand.device_s, host, stand.compile_wait_s,
-                   first[0] if first else 0.0, tokens[0], stand.calls, per)
+                   ends[0] if ends else 0.0, tokens[0], stand.calls, per)
 
 
 # --- completion lengths -----------------------------------------------------------------------
 
 def lengths_from(requests: Sequence[Request], ids: Sequence, mode: str, mean: int = 0,
-                 results: dict | None = None, seed: int = 0, drawn_mean: float = 0.0) -> list[list[int]]:
+                 results: dict | None = None, drawn_mean: float = 0.0) -> list[list[int]]:
     """Each sample's completion length under an assumption: "max_tokens" (its max_tokens),
     "mean" (min(max_tokens, mean)), or "results" (the length the results file `results` gives
     its id, {id: [a length per sample]}; a request not there draws one of the file's lengths,
-    deterministically by `seed`, the draws scaled to a mean of `drawn_mean` where one is given),
+    deterministically, the draws scaled to a mean of `drawn_mean` where one is given),
     each capped by its max_tokens and at least 1."""
     if mode == "results":
         pool = sorted(n for ls in (results or {}).values() for n in ls)
         if not pool:
             raise ValueError("the results file holds no completion lengths")
-        rng = np.random.default_rng(seed)
+        rng = np.random.default_rng(0)
     out, drawn = [], []  # drawn: (request, sample) of each length drawn from the file's
     for j, (r, i) in enumerate(zip(requests, ids)):
         if mode == "max_tokens":
