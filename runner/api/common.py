@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import json
 import math
+from collections.abc import Iterable
 from typing import Any
 
 from etils import epath
@@ -47,35 +48,26 @@ class Line:
     @functools.cached_property
     def decoded(self) -> tuple[dict | None, str]:
         """The line's JSON object, or None and the one-line reason it is not one."""
-        return _decode(self)
+        where = f"line {self.number}"
+        try:
+            self.text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            byte = len(self.text[: e.start].encode("utf-8", "surrogateescape")) + 1
+            return None, f"{where} is not UTF-8 (byte {byte} of the line)"
+        try:
+            d = json.loads(self.text)
+        except json.JSONDecodeError as e:
+            return None, f"{where} is not valid JSON: {e.msg} (column {e.colno})"
+        except RecursionError:
+            return None, f"{where} is JSON nested too deeply to read"
+        if not isinstance(d, dict):
+            return None, f"{where} is not a JSON object"
+        return d, ""
 
     def release(self) -> None:
         """Drops the decoded object once the line is parsed (a file's objects take far more
         memory than its text)."""
         self.__dict__.pop("decoded", None)
-
-
-def decode(line: Line) -> tuple[dict | None, str]:
-    """A line's JSON object, or None and the one-line reason it is not one (decoded once a line)."""
-    return line.decoded
-
-
-def _decode(line: Line) -> tuple[dict | None, str]:
-    where = f"line {line.number}"
-    try:
-        line.text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        byte = len(line.text[: e.start].encode("utf-8", "surrogateescape")) + 1
-        return None, f"{where} is not UTF-8 (byte {byte} of the line)"
-    try:
-        d = json.loads(line.text)
-    except json.JSONDecodeError as e:
-        return None, f"{where} is not valid JSON: {e.msg} (column {e.colno})"
-    except RecursionError:
-        return None, f"{where} is JSON nested too deeply to read"
-    if not isinstance(d, dict):
-        return None, f"{where} is not a JSON object"
-    return d, ""
 
 
 def iter_lines(path: str):
@@ -157,9 +149,8 @@ def _number(d: dict, key: str, default: Any, kind: type, lo: float | None = None
     RequestError naming the field (`name`, as the line gave it; key by default), the value and
     the range."""
     name = name or key
-    if key not in d or d[key] is None:
+    if (v := d.get(key)) is None:
         return default
-    v = d[key]
     noun = "an integer" if kind is int else "a number"
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (
             kind is int and not (isinstance(v, int) or (math.isfinite(v) and v == int(v)))):
@@ -225,8 +216,7 @@ def parse_fields(index: int, number: int, d: dict, rid: Any, tokenizer, s: Setti
         return failed(index, rid, number, e)
     # A request's random stream is its own seed's, wherever it stands in the file and whatever
     # runs beside it; without one, sampling.seed's mixed with the request's line number.
-    row_seed = (seed if "seed" in d and d["seed"] is not None
-                else samp.seed * 1_000_003 + number) % (2**32)
+    row_seed = (seed if d.get("seed") is not None else samp.seed * 1_000_003 + number) % (2**32)
     return Parsed(index, rid, tuple(ids), "", max_tokens, temperature, top_k, top_p,
                   tuple(stop) + s.generation.stop, row_seed, chat="messages" in d, n=n,
                   logprobs=logprobs, prompt_logprobs=prompt_logprobs,
@@ -256,10 +246,14 @@ def sizes(d: dict, max_new_tokens: int) -> tuple[int, int]:
                                           max_new_tokens)
 
 
-def refuse_repeated(where: dict[str, list[int]], key: str, what: str) -> None:
-    """A RequestFileError naming the ids of `where` ({an id as JSON: the lines that carry it})
-    that more than one line carries, and their lines: results are matched to requests by id.
-    `key`: the results' field of the id; `what`: a request of the file's format."""
+def refuse_repeated(ids: Iterable[tuple[Any, str]], key: str, what: str) -> None:
+    """A RequestFileError naming the ids (id, or None for none, and its line as named) that more
+    than one line carries, compared as JSON values, and their lines: results are matched to
+    requests by id. `key`: the results' field of the id; `what`: a request of the file's format."""
+    where: dict[str, list[str]] = {}
+    for rid, line in ids:
+        if rid is not None:
+            where.setdefault(json.dumps(rid, sort_keys=True), []).append(line)
     repeated = [(c, ns) for c, ns in where.items() if len(ns) > 1]
     if repeated:
         shown = "; ".join(f"{quote(json.loads(c))} on lines {', '.join(map(str, ns[:10]))}"
@@ -310,17 +304,27 @@ def _continuation(d: dict, tokenizer, vocab_size: int) -> list[int]:
         if tokenizer is None:
             raise RequestError("this checkpoint has no tokenizer; give the continuation as ids", "continuation")
         ids = tokenizer.encode(c, add_special_tokens=False) if c else []
-    elif isinstance(c, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in c):
-        ids = c
-        outside = next((k for k, i in enumerate(ids) if not 0 <= i < vocab_size), None)
-        if outside is not None:
-            raise RequestError(f"continuation[{outside}]={quote(ids[outside])} is outside the "
-                               f"vocabulary of {vocab_size} ids", "continuation")
+    elif is_ids(c):
+        ids = _in_vocabulary(c, vocab_size, "continuation")
     else:
         raise RequestError(f"continuation={quote(c)}: give a string or a list of token ids", "continuation")
     if not ids:
         raise RequestError(f"continuation={quote(c)} tokenises to no tokens", "continuation")
     return list(ids)
+
+
+def is_ids(x: Any) -> bool:
+    """Whether x is a list of token ids as JSON gives them: integers, not booleans."""
+    return isinstance(x, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in x)
+
+
+def _in_vocabulary(ids: list[int], vocab_size: int, name: str) -> list[int]:
+    """ids, or a RequestError naming field `name` and the first id outside the vocabulary."""
+    outside = next((k for k, i in enumerate(ids) if not 0 <= i < vocab_size), None)
+    if outside is not None:
+        raise RequestError(f"{name}[{outside}]={quote(ids[outside])} is outside the "
+                           f"vocabulary of {vocab_size} ids (0 to {vocab_size - 1})", name)
+    return ids
 
 
 def _prompt_ids(d: dict, tokenizer, vocab_size: int, chat: ChatFormat | None,
@@ -333,14 +337,9 @@ def _prompt_ids(d: dict, tokenizer, vocab_size: int, chat: ChatFormat | None,
     if "messages" not in d and (d.get("tools") is not None or d.get("tool_choice") is not None):
         raise RequestError("tools and tool_choice go with messages", "tools" if "tools" in d else "tool_choice")
     if "prompt_token_ids" in d:
-        ids = d["prompt_token_ids"]
-        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        if not is_ids(d["prompt_token_ids"]):
             raise RequestError(f"{ids_name} must be a list of integers", ids_name)
-        outside = next((k for k, i in enumerate(ids) if not 0 <= i < vocab_size), None)
-        if outside is not None:
-            raise RequestError(f"{ids_name}[{outside}]={quote(ids[outside])} is outside the "
-                               f"vocabulary of {vocab_size} ids (0 to {vocab_size - 1})", ids_name)
-        return ids, False, []
+        return _in_vocabulary(d["prompt_token_ids"], vocab_size, ids_name), False, []
     if tokenizer is None:
         raise RequestError("this checkpoint has no tokenizer; send prompt_token_ids instead of text")
     if "prompt" in d:
@@ -478,9 +477,8 @@ def cut_at_stop(tokenizer, ids: list[int], stops: tuple[str, ...]) -> tuple[str,
     hits = [text.find(st) for st in stops if st in text]
     if not hits:
         return text, ids, False
-    for k in range(1, len(ids) + 1):
-        if any(st in tokenizer.decode(ids[:k]) for st in stops):
-            ids = ids[:k]
-            break
-    return text[: min(hits)], ids, True
+    # the whole text holds a stop string, so some prefix of the ids does
+    k = next(k for k in range(1, len(ids) + 1)
+             if any(st in tokenizer.decode(ids[:k]) for st in stops))
+    return text[: min(hits)], ids[:k], True
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from runner.api import openai_batch, podrun
-from runner.api.common import Answer, Line, Parsed, decode
+from runner.api.common import Answer, Line, Parsed
 from runner.settings import Settings
 from runner.text.chat import ChatFormat, chat_format
 from runner.text.structured import Grammars
@@ -37,7 +37,7 @@ def file_format(lines: list[Line]) -> FileFormat:
 def deciding(line: Line) -> FileFormat | None:
     """The format `line` decides when it is the file's first JSON object; None for a line that is
     not one."""
-    d, _ = decode(line)
+    d, _ = line.decoded
     return None if d is None else FileFormat(any(k in d for k in openai_batch.KEYS), line.number)
 
 
@@ -64,7 +64,7 @@ def parse_line(index: int, line: Line, fmt: FileFormat, tokenizer, s: Settings, 
                chat=None, grammars=None) -> Parsed:
     """One line of a file of format `fmt` -> a request, or one carrying the reason it cannot be
     served (`grammars` compiles formats). Never raises."""
-    d, _ = decode(line)
+    d, _ = line.decoded
     if d is not None and any(k in d for k in openai_batch.KEYS) != fmt.openai_batch:
         kinds = ("podrun's format", "an OpenAI Batch request (custom_id, method, url, body)")
         return Parsed(index, line_id(line, fmt), error=(
@@ -78,7 +78,7 @@ def request_fields(line: Line, fmt: FileFormat) -> dict | None:
     """The request fields of `line` in podrun's names (common.py), their values unchecked: a
     podrun line's own, a Batch line's body renamed (openai_batch.request_fields); None for a line
     whose result is an error whatever its fields hold."""
-    d, _ = decode(line)
+    d, _ = line.decoded
     if d is None or any(k in d for k in openai_batch.KEYS) != fmt.openai_batch:
         return None
     if not fmt.openai_batch:

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import difflib
 import hashlib
-import json
+import itertools
 from typing import Any
 
-from runner.api.common import Answer, Choice, Line, Parsed, Token, decode, parse_fields, refuse_repeated
+from runner.api.common import (Answer, Choice, Line, Parsed, Token, failed, is_ids,
+                               parse_fields, refuse_repeated)
 from runner.errors import RequestError, quote
 from runner.settings import Settings
 
@@ -44,46 +45,35 @@ MAX_TOKENS = {CHAT_URL: ("max_completion_tokens", "max_tokens"), COMPLETIONS_URL
 IGNORED = ("model", "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
            "stream_options")
 # OpenAI fields served at their default only (null is the default too).
-DEFAULT_ONLY = {CHAT_URL: {"stream": False, "frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {},
-                           "parallel_tool_calls": True},
-                COMPLETIONS_URL: {"stream": False, "frequency_penalty": 0, "presence_penalty": 0,
-                                  "logit_bias": {}, "echo": False, "best_of": 1, "suffix": ""}}
+_DEFAULTS = {"stream": False, "frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {}}
+DEFAULT_ONLY = {CHAT_URL: {**_DEFAULTS, "parallel_tool_calls": True},
+                COMPLETIONS_URL: {**_DEFAULTS, "echo": False, "best_of": 1, "suffix": ""}}
 MIN_LOGPROB = -9999.0  # OpenAI's stand-in for a token too unlikely to have a finite log-probability
 
 
 def line_id(line: Line) -> str | None:
     """The custom_id the result of `line` carries (None for a line without a string one)."""
-    d, _ = decode(line)
+    d, _ = line.decoded
     return d.get("custom_id") if d is not None and isinstance(d.get("custom_id"), str) else None
 
 
 def check_ids(lines: list[Line]) -> None:
     """Refuses a file (RequestFileError) in which two lines give the same custom_id."""
-    where: dict[str, list[str]] = {}
-    for line in lines:
-        if (cid := line_id(line)) is not None:
-            where.setdefault(json.dumps(cid), []).append(str(line.number))
-    refuse_repeated(where, ID_KEY, "Batch request")
+    refuse_repeated(((line_id(line), str(line.number)) for line in lines), ID_KEY, "Batch request")
 
 
 def parse_line(index: int, line: Line, tokenizer, s: Settings, vocab_size: int, chat=None,
                grammars=None) -> Parsed:
     """One Batch line -> a request (its body renamed into podrun's fields, which
     common.parse_fields checks), or one carrying the reason it cannot be served. Never raises."""
-    d, error = decode(line)
+    d, error = line.decoded
     if d is None:
         return Parsed(index, None, error=error, code="invalid_json", line=line.number)
     custom_id = d.get("custom_id")
     try:
         url, fields, renamed = request_fields(d)
-    except ValueError as e:
-        return Parsed(index, custom_id if isinstance(custom_id, str) else None, error=str(e),
-                      code=getattr(e, "code", "invalid_request"), param=getattr(e, "field", None),
-                      line=line.number)
     except Exception as e:  # whatever the line holds, its own error result and not the run's end
-        return Parsed(index, custom_id if isinstance(custom_id, str) else None,
-                      error=f"line {line.number}: {type(e).__name__}: {quote(str(e), 200)}",
-                      code="invalid_request", line=line.number)
+        return failed(index, custom_id if isinstance(custom_id, str) else None, line.number, e)
     p = parse_fields(index, line.number, fields, custom_id, tokenizer, s, vocab_size, chat, grammars,
                      names=renamed)
     p.api = OBJECTS[url]
@@ -182,16 +172,14 @@ def _text_parts_joined(message: Any) -> Any:
 def _one_prompt(prompt: Any) -> tuple[str, Any]:
     """A completions prompt (a string, token ids, or a list holding one of either) -> podrun's
     field and value."""
-    def ids(x: Any) -> bool:
-        return isinstance(x, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in x)
-
-    if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str) or ids(prompt[0])):
+    if isinstance(prompt, list) and len(prompt) == 1 and (
+            isinstance(prompt[0], str) or is_ids(prompt[0])):
         prompt = prompt[0]
     if isinstance(prompt, str):
         return "prompt", prompt
-    if ids(prompt):
+    if is_ids(prompt):
         return "prompt_token_ids", prompt
-    if isinstance(prompt, list) and all(isinstance(x, str) or ids(x) for x in prompt):
+    if isinstance(prompt, list) and all(isinstance(x, str) or is_ids(x) for x in prompt):
         raise RequestError(f"prompt holds {len(prompt)} prompts: give one per Batch request", "prompt")
     raise RequestError(f"prompt={quote(prompt)}: give a string or a list of token ids", "prompt")
 
@@ -261,13 +249,10 @@ def _text_choice(index: int, c: Choice) -> dict:
     logprobs = None
     if c.logprobs is not None:  # the completions API's columns: offsets into the text, alternatives by text
         entries = [_token(x) for x in c.logprobs]
-        offsets, at = [], 0
-        for e in entries:
-            offsets.append(at)
-            at += len(e["token"])
+        offsets = itertools.accumulate((len(e["token"]) for e in entries), initial=0)
         logprobs = {"tokens": [e["token"] for e in entries],
                     "token_logprobs": [e["logprob"] for e in entries],
                     "top_logprobs": [{t["token"]: t["logprob"] for t in map(_token, x.top)}
                                      for x in c.logprobs],
-                    "text_offset": offsets}
+                    "text_offset": list(offsets)[:-1]}
     return {"index": index, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason}

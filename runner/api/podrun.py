@@ -17,10 +17,10 @@ n > 1 {"id", "choices": [{"index", "text", ...}], "usage"}; a request that canno
 from __future__ import annotations
 
 import difflib
-import json
 from typing import Any
 
-from runner.api.common import Answer, Choice, Line, Parsed, Token, decode, failed, parse_fields, refuse_repeated
+from runner.api.common import (Answer, Choice, Line, Parsed, Token, failed, parse_fields,
+                               refuse_repeated)
 from runner.api.openai_batch import KEYS as BATCH_KEYS
 from runner.errors import RequestError
 from runner.settings import Settings
@@ -35,7 +35,7 @@ FIELDS = ("id", "prompt", "messages", "prompt_token_ids", "max_tokens", "tempera
 
 def line_id(line: Line) -> Any:
     """The id the result of `line` carries: the one it gives, else its line number."""
-    d, _ = decode(line)
+    d, _ = line.decoded
     return line.number if d is None else d.get("id", line.number)
 
 
@@ -43,15 +43,12 @@ def check_ids(lines: list[Line]) -> None:
     """Refuses a file (RequestFileError) in which two lines' results would carry one id (compared
     as JSON values: "7" is not 7): one given twice, or given where a line without one takes its
     line number. A null id is left as given."""
-    where: dict[str, list[str]] = {}
-    for line in lines:
-        d, _ = decode(line)
+    def named(line: Line) -> str:
+        d, _ = line.decoded
         given = d is not None and "id" in d
-        rid = line_id(line)
-        if rid is not None:
-            where.setdefault(json.dumps(rid, sort_keys=True), []).append(
-                str(line.number) if given else f"{line.number} (no id: its line number)")
-    refuse_repeated(where, ID_KEY, "request")
+        return str(line.number) if given else f"{line.number} (no id: its line number)"
+
+    refuse_repeated(((line_id(line), named(line)) for line in lines), ID_KEY, "request")
 
 
 def check_known(d: dict) -> None:
@@ -77,7 +74,7 @@ def parse_line(index: int, line: Line, tokenizer, s: Settings, vocab_size: int,
 
     `chat` renders chat requests (default: the tokenizer's own chat template); `grammars`
     compiles the request's format, if it has one."""
-    d, error = decode(line)
+    d, error = line.decoded
     if d is None:
         return Parsed(index, line.number, error=error, code="invalid_json", line=line.number)
     rid = d.get("id", line.number)
