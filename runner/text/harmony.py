@@ -220,18 +220,7 @@ def _typescript(schema, indent: str) -> str:
         return "any"
     one_of = schema.get("oneOf")
     if isinstance(one_of, list):
-        out = ""
-        for variant in one_of:
-            out += f"\n{indent} | "
-            ts = _typescript(variant, indent + "   ")
-            out += _nullable(variant, ts) if isinstance(variant, dict) else ts
-            notes = [variant["description"]] if isinstance(variant, dict) and isinstance(
-                variant.get("description"), str) else []
-            if isinstance(variant, dict) and (d := _default(variant, enum_raw=False)) is not None:
-                notes.append(d)
-            if notes:
-                out += f" // {' '.join(notes)}"
-        return out
+        return "".join("\n" + _variant(v, indent, enum_raw=False) for v in one_of)
     ty = schema.get("type")
     if isinstance(ty, list):
         names = ["number" if t == "integer" else t for t in ty if isinstance(t, str)]
@@ -289,18 +278,22 @@ def _one_of_property(key: str, optional: str, val: dict, variants: list, indent:
         out += f"{indent}// {d}\n"
     out += f"{indent}{key}{optional}:\n"
     for i, variant in enumerate(variants):
-        variant = variant if isinstance(variant, dict) else {}
-        out += f"{indent} | {_nullable(variant, _typescript(variant, indent + '   '))}"
-        notes = []
-        if not (i == 0 and desc_above) and isinstance(variant.get("description"), str) and (
-                variant["description"] != desc):
-            notes.append(variant["description"])
-        if (d := _default(variant)) is not None:
-            notes.append(d)
-        if notes:
-            out += f" // {' '.join(notes)}"
-        out += "\n"
+        out += _variant(variant, indent, described=i > 0 or not desc_above, hidden=desc) + "\n"
     return out + f"{indent},\n"
+
+
+def _variant(variant, indent: str, enum_raw: bool = True, described: bool = True,
+             hidden: str | None = None) -> str:
+    """One ` | type // notes` line of a oneOf, its notes: its description (where `described`,
+    and not the `hidden` one) and its default."""
+    variant = variant if isinstance(variant, dict) else {}
+    description = variant.get("description")
+    shown = described and isinstance(description, str) and description != hidden
+    notes = [description] if shown else []
+    if (d := _default(variant, enum_raw)) is not None:
+        notes.append(d)
+    out = f"{indent} | {_nullable(variant, _typescript(variant, indent + '   '))}"
+    return out + (f" // {' '.join(notes)}" if notes else "")
 
 
 def _encode(tokenizer, text: str) -> list[int]:
