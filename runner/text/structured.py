@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import json
 import re
 import urllib.parse
@@ -678,10 +679,6 @@ class Grammars:
 def _first_line(error: str) -> str:
     """llguidance's error without the grammar it appends (its first lines, up to the listing)."""
     lines = [x.strip() for x in error.splitlines() if x.strip()]
-    kept = []
-    for x in lines:
-        if x[0].isdigit() and "|" in x or x.startswith("<"):
-            break
-        kept.append(x)
-    text = " ".join(kept or lines[:1])
+    kept = itertools.takewhile(lambda x: not (x[0].isdigit() and "|" in x) and x[0] != "<", lines)
+    text = " ".join(list(kept) or lines[:1])
     return re.sub(r"^at \d+\(\d+\): ", "", text)  # where in podrun's grammar text: not the user's
