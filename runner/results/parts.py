@@ -417,17 +417,13 @@ class State:
 def states(output: str, parts: int) -> list[State]:
     """Every part's state, from its part file or its partial file, without the input."""
     gone = set(missing(output, parts))
-    out = []
-    for i in range(parts):
-        if i in gone:
-            out.append(_state(output, i, parts))
-        else:
-            h = read_header(part_path(output, i, parts))
-            out.append(State(i, "done", h, h.get("requests", 0), h.get("attempts", 1)))
-    return out
+    return [_state(output, i, parts, done=i not in gone) for i in range(parts)]
 
 
-def _state(output: str, index: int, parts: int) -> State:
+def _state(output: str, index: int, parts: int, done: bool) -> State:
+    if done:
+        h = read_header(part_path(output, index, parts))
+        return State(index, "done", h, h.get("requests", 0), h.get("attempts", 1))
     partial = epath.Path(part_path(output, index, parts) + ".partial")
     objects = partial_objects(partial) if is_remote(output) else None
     found = read_partial(partial, objects)
