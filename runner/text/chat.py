@@ -81,10 +81,8 @@ class TemplateChat(ChatFormat):
         return ids + prefix, prefix
 
     def reply(self, ids, text, call_prefix, tools, stopped):
-        if not (tools and stopped):
-            return Reply(text)
         syntax = chat_tools.call_syntax(self.tokenizer.chat_template_for([]))
-        if syntax is None:
+        if not (tools and stopped) or syntax is None:
             return Reply(text)
         head = self.tokenizer.decode(call_prefix) if call_prefix else ""
         text, calls = chat_tools.parse_calls(head + text, syntax)
