@@ -56,6 +56,12 @@ class Compiled:
         return self.argument_bytes + self.temp_bytes + self.output_bytes - self.alias_bytes
 
 
+def xla_cost(analysis, devices: int = 1) -> tuple[float, float]:
+    """(flops, bytes accessed) of XLA's cost analysis (a dict, or a list of one), over `devices`."""
+    cost = analysis[0] if isinstance(analysis, list) else analysis
+    return cost.get("flops", 0.0) / devices, cost.get("bytes accessed", 0.0) / devices
+
+
 def compile_deployment(s: Settings, model: Model | None = None, only: tuple[str, ...] = (),
                        variants: bool = False) -> tuple[Engine, dict[str, Compiled]]:
     """Compiles for s.tpu_topology the engine the job builds (build_engine); the model is
@@ -75,26 +81,22 @@ def compile_deployment(s: Settings, model: Model | None = None, only: tuple[str,
                          "libtpu==0.0.42.1), and is the name like v5e:2x4?") from e
     model = model or Model.named(s.checkpoint_model)
     rules = Rules.make(make_mesh(s.mesh, topo.devices), s.rules)
-    params = model.abstract_params(rules, s.policy)
-    engine = build_engine(s, model, params, rules, allocate=False)
+    engine = build_engine(s, model, model.abstract_params(rules, s.policy), rules, allocate=False)
     programs = engine.lower(variants)
     if unknown := sorted(set(only) - set(programs)):
         raise ValueError(f"no program {unknown} to compile; this deployment has {sorted(programs)}")
     out = {}
-    for name, lowered in programs.items():
-        if only and name not in only:
-            continue
+    for name in only or programs:
         try:
-            c = lowered.compile()
+            c = programs[name].compile()
         except jax.errors.JaxRuntimeError as e:  # XLA:TPU refuses a program that cannot fit
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
             out[name] = Compiled(name, 0, 0, 0, 0, 0.0, 0.0, error=str(e).strip().splitlines()[0])
             continue
-        m, cost = c.memory_analysis(), c.cost_analysis()
-        cost = cost[0] if isinstance(cost, list) else cost
-        out[name] = Compiled(name, m.argument_size_in_bytes, m.temp_size_in_bytes, m.output_size_in_bytes,
-                             m.alias_size_in_bytes, cost.get("flops", 0.0), cost.get("bytes accessed", 0.0))
+        m = c.memory_analysis()
+        out[name] = Compiled(name, m.argument_size_in_bytes, m.temp_size_in_bytes,
+                             m.output_size_in_bytes, m.alias_size_in_bytes, *xla_cost(c.cost_analysis()))
     return engine, out
 
 

@@ -61,11 +61,6 @@ class Footprint:
     def per_device(self) -> int:
         return self.weights + self.kv_cache
 
-    @property
-    def free(self) -> int:
-        """Device memory beside the weights."""
-        return self.device_memory - self.weights
-
     def pages_per_row(self, mean_tokens: int) -> int:
         return -(-mean_tokens // self.page_size)
 
@@ -82,11 +77,8 @@ class Footprint:
     def memory_rows(self, mean_tokens: int) -> int:
         """The rows of mean_tokens tokens whose pages fit in device memory beside the
         weights, over all groups (whatever kv_cache_gib and batch_size say)."""
-        return max(0, self.free // self.row_bytes(mean_tokens)) * self.data_shards
-
-
-def _shard_bytes(shape, axes, rules: Rules, itemsize: int) -> int:
-    return math.prod(math.ceil(n / rules.shards(a)) for n, a in zip(shape, axes)) * itemsize
+        free = self.device_memory - self.weights
+        return max(0, free // self.row_bytes(mean_tokens)) * self.data_shards
 
 
 # The engine's pools, sized as runner/engine/engine.py's Engine sizes them from
@@ -140,8 +132,9 @@ def footprint(s: Settings, model: Model) -> Footprint:
     p_size = np.dtype(s.policy.params).itemsize
     q = s.policy.quantize
     # int8 and its scales shard like the weight: each element's bytes times its shard's share
-    w_bytes = sum(_shard_bytes(w.shape, w.axes, rules, 1) * quant.stored_bytes(w, p_size, q)
-                  // math.prod(w.shape) for w in weights)
+    shard = lambda w: math.prod(-(-n // rules.shards(a)) for n, a in zip(w.shape, w.axes))
+    w_bytes = sum(shard(w) * quant.stored_bytes(w, p_size, q) // math.prod(w.shape)
+                  for w in weights)
     total = sum(quant.stored_bytes(w, p_size, q) for w in weights)
     g = s.generation
     data = rules.shards("batch")

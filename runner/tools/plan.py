@@ -138,7 +138,6 @@ class Job:
     requests: list[Request]
     ids: list
     invalid: list[str]  # why each request the job would refuse is refused
-    stop_ids: tuple[int, ...]
     tokenize_s: float
 
 
@@ -153,12 +152,11 @@ def read_job(s: Settings, model, tokenizer_dir: str = "") -> Job:
                          "directory with the model's tokenizer (tokenizer.json)")
     tokenizer = load_tokenizer(os.path.expanduser(where),
                                read_chat_template(s.chat_template))
-    _, stop_ids, parse = formats.request_parser(s, model, tokenizer, fmt)
+    parse = formats.request_parser(s, model, tokenizer, fmt)[2]
     parsed = [parse(i, line) for i, line in enumerate(lines)]
     good = [p for p in parsed if not p.error]
     invalid = [f"request {p.id!r}: {p.error}" for p in parsed if p.error]
-    return Job([p.request() for p in good], [p.id for p in good], invalid, stop_ids,
-               time.perf_counter() - t0)
+    return Job([p.request() for p in good], [p.id for p in good], invalid, time.perf_counter() - t0)
 
 
 def never_admitted(L: Layout, requests: list[Request]) -> list[str]:
@@ -328,19 +326,14 @@ def lowered_costs(s: Settings, model) -> tuple[Engine, dict]:
     (XLA's, kernels.* off, as the shipped GPU configs run) on this machine's CPU
     devices as its mesh, each program lowered (not compiled) and XLA's cost analysis of it per
     device (the lowered program is the whole mesh's: its flops over the devices)."""
-    from runner.tools.compile import Compiled  # sets up libtpu's topologies: predicted plans only
+    from runner.tools.compile import Compiled, xla_cost  # libtpu's topologies: predicted plans only
 
     s = dataclasses.replace(s, policy=dataclasses.replace(s.policy, kernels=False))
-    devices = jax.devices("cpu")
-    rules = dataclasses.replace(Rules.make(make_mesh(s.mesh, devices), s.rules), target="gpu")
-    n = rules.mesh.size
+    rules = dataclasses.replace(Rules.make(make_mesh(s.mesh, jax.devices("cpu")), s.rules),
+                                target="gpu")
     engine = build_engine(s, model, model.abstract_params(rules, s.policy), rules, allocate=False)
-    out = {}
-    for name, lowered in engine.lower().items():
-        cost = lowered.cost_analysis()
-        cost = cost[0] if isinstance(cost, list) else cost
-        out[name] = Compiled(name, 0, 0, 0, 0, cost.get("flops", 0.0) / n, cost.get("bytes accessed", 0.0) / n)
-    return engine, out
+    return engine, {name: Compiled(name, 0, 0, 0, 0, *xla_cost(p.cost_analysis(), rules.mesh.size))
+                    for name, p in engine.lower().items()}
 
 
 def chip_of(topology: str) -> str:
@@ -615,8 +608,7 @@ def main(argv: list[str]) -> None:
                 loaded = Loader(*random_weights(s), "load (random weights: not the job's)")
         plans, job = [], None
         for label, c in alternatives:
-            si = from_config(c)
-            p, job = plan_one(si, label, mode, loaded, job, completion, _REPS.value, startup,
+            p, job = plan_one(from_config(c), label, mode, loaded, job, completion, _REPS.value, startup,
                               _TOKENIZER.value, gpu)
             plans.append(p)
     except (*USER_ERRORS, ValueError) as e:

@@ -132,11 +132,6 @@ class StandIn:
         self._host_from = time.perf_counter()
         return emitted, scores, _Nothing() if prompt_logprobs else None
 
-    def _token(self, seed: int, count: int) -> int:
-        """The token a sample takes after `count` tokens: GO until the last of its length."""
-        i, k = self._who[seed]
-        return STOP if count + 1 >= self._lengths[i][k] else GO
-
     def _emit(self, b: Step, steps: int, stops: set[int]) -> tuple[np.ndarray, list[np.ndarray]]:
         """The tokens [B, steps] the device would return (-1 where a row did not sample), the
         call ended where the engine's loop ends it (`goes_on`), and each step's live decoding
@@ -154,7 +149,8 @@ class StandIn:
             if i:
                 contexts.append(pos[live] + 1)
             for row in np.nonzero(live)[0]:
-                t = self._token(int(b.seed[row]), int(count[row]))
+                j, k = self._who[int(b.seed[row])]  # request j's sample k: GO until its last token
+                t = STOP if count[row] + 1 >= self._lengths[j][k] else GO
                 out[row, i] = t
                 count[row] += 1
                 if t in stops or count[row] >= b.max_tokens[row]:
