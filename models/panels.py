@@ -16,6 +16,7 @@ and GPT-OSS's experts (gathered per token) stay as restored.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -54,19 +55,24 @@ def _matrix(w: Weight, x: jax.Array) -> jax.Array:
     return x.reshape(C, -1)
 
 
+# one program a weight's shape, compiled once a process: new weights (Generator.update_weights)
+# are packed by the programs that packed the first
+@functools.partial(jax.jit, static_argnums=0)
+def _pack(w: Weight, x: jax.Array) -> jax.Array:
+    return cpu.pack_panels(_matrix(w, x).astype(jnp.float32))
+
+
 def pack(decl: Any, params: Any) -> Any:
     """params with every projection that takes_panels replaced by its PanelWeight, one at a time
     (each restored array deleted once packed)."""
     leaves, treedef = jax.tree.flatten(decl, is_leaf=is_weight)
     flat = treedef.flatten_up_to(params)
-    packer = jax.jit(lambda w, x: cpu.pack_panels(_matrix(w, x).astype(jnp.float32)),
-                     static_argnums=0)
     result = list(flat)
     for i, (w, x) in enumerate(zip(leaves, flat)):
         if x is None or not takes_panels(w):
             continue
         out, contract = quant.projection_dims(w)
-        result[i] = PanelWeight(packer(w, x), tuple(w.shape[j] for j in out), len(contract))
+        result[i] = PanelWeight(_pack(w, x), tuple(w.shape[j] for j in out), len(contract))
         x.delete()
     return jax.tree.unflatten(treedef, result)
 

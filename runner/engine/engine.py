@@ -260,8 +260,11 @@ class Engine:
                                   windows, kv_heads, head_dim, kv_dtype, rules,
                                   fold=PagedCache.fold(self.policy, kv_dtype, head_dim),
                                   period=model.scan_period if policy.scan_layers else 0)
-        # abstract until `load`
+        # abstract until `load`; allocated by one program, compiled once, whenever it is taken
         self.cache = self._new_cache(allocate=False)
+        self._allocate = jax.jit(partial(jax.tree.map, lambda x: jnp.zeros(x.shape, x.dtype),
+                                         self.cache),
+                                 out_shardings=jax.tree.map(lambda x: x.sharding, self.cache))
         self.greedy_screen = greedy_screen(model, _shapes(params), self.policy, B)
         self._huge_pages = None
         cache_sh = jax.tree.map(lambda x: x.sharding, self.cache)
@@ -301,7 +304,8 @@ class Engine:
         shardings and layouts they were lowered for, as Model.abstract_params declares them;
         where they do not (a warning), every program compiles again on the weights."""
         self.params = params
-        self.cache = self._new_cache()
+        if not self.allocated:
+            self.cache = self._allocate()
         self.greedy_screen = greedy_screen(self.model, params, self.policy, self.layout.batch_size)
         given = _shapes((self.weights, self.cache))
         if not _same(self._abstract, given):  # a bug in a declaration: slower, never wrong
@@ -317,6 +321,28 @@ class Engine:
             spans = hugepages.regions((self.params, self.cache, self.greedy_screen))
             self._huge_pages = ThreadPoolExecutor(1, thread_name_prefix="podrun-huge-pages").submit(
                 hugepages.collapse_regions, spans)
+
+    @property
+    def allocated(self) -> bool:
+        """Whether the pool is on the devices (not abstract, nor released)."""
+        return isinstance(jax.tree.leaves(self.cache)[0], jax.Array)
+
+    def release(self, weights: bool = False) -> None:
+        """Hands the pool's device memory back (with weights, the weights' too): the engine keeps
+        its compiled programs, and `load` (the pool alone: `allocate`) takes the memory again."""
+        for x in jax.tree.leaves((self.cache, self.greedy_screen if weights else None)):
+            x.delete()
+        self.cache = self._abstract[1]
+        if weights:
+            for x in jax.tree.leaves(self.params):
+                x.delete()
+            self.params, self.greedy_screen = self._abstract[0].params, None
+
+    def allocate(self) -> None:
+        """The pool on the devices again, after `release` (its contents do not matter: every
+        page is written before it is read)."""
+        if not self.allocated:
+            self.cache = self._allocate()
 
     @property
     def huge_pages(self) -> tuple[int, int]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -124,18 +124,29 @@ class Scheduler:
             self._prepared = True
             self.engine.prepare(self.programs())
 
-    def run(self, on_done: Callable[[list[tuple[int, list[Completion]]]], None]) -> Stats:
+    def run(self, on_done: Callable[[list[tuple[int, list[Completion]]]], None],
+            until: Callable[[], str | None] | None = None) -> Stats:
         """Generates every request; on_done gets the requests that ended in each call, as they
-        end: (index, its samples' completions in sample order)."""
+        end: (index, its samples' completions in sample order). `until()`, asked before each
+        call, ends the job early when it gives a reason: every sample not yet ended ends then
+        with the tokens it has, that reason its finish_reason."""
+        for ended in self.ended(until):
+            on_done(ended)
+        return self.stats
+
+    def ended(self, until: Callable[[], str | None] | None = None
+              ) -> Iterator[list[tuple[int, list[Completion]]]]:
+        """run's calls as an iterator: the requests that ended in each call; self.stats once it
+        is spent. Closed early, the job stops after its current call."""
         self.prepare()
         waited = self.engine.compile_wait_s
         try:
-            return self._run(on_done)
+            yield from self._run(until)
         finally:
             self.engine.forget_prepared()
             self.stats.compile_wait_s = self.engine.compile_wait_s - waited
 
-    def _run(self, on_done: Callable[[list[tuple[int, list[Completion]]]], None]) -> Stats:
+    def _run(self, until: Callable[[], str | None] | None):
         engine, L, t0 = self.engine, self.layout, time.perf_counter()
         G, R = L.groups, L.rows_per_group
         waiting: deque[tuple[int, int, Sample | None]] = deque(
@@ -145,6 +156,10 @@ class Scheduler:
         calls = pages_held = rows_live = 0
         while waiting or any(s for group in rows for s in group):
             now = time.perf_counter() - t0
+            reason = until() if until is not None else None
+            if reason:
+                yield self._end_all(rows, waiting, reason, now)
+                break
             # admission: one sample a group, into a free row, while none of the group prefills
             for g in sorted(range(G), key=lambda g: -self.pools[g].available):
                 if not waiting or any(s and s.prefilling for s in rows[g]) or None not in rows[g]:
@@ -210,11 +225,37 @@ class Scheduler:
                                       ended, now)
             if ended:
                 st.completion_tokens += sum(len(c.token_ids) for _, cs in ended for c in cs)
-                on_done(ended)
+                yield ended
         self.stats.programs = len(engine.programs)
         self.stats.pages_mean = pages_held / calls if calls else 0.0
         self.stats.rows_mean = rows_live / calls if calls else 0.0
-        return self.stats
+
+    def _end_all(self, rows: list[list[_Seq | None]], waiting: deque, reason: str, now: float
+                 ) -> list[tuple[int, list[Completion]]]:
+        """Every sample not yet ended, ended with the tokens it has (none, for one never
+        admitted) and finish_reason `reason`; their rows and pages freed."""
+        samples = [s.live for group in rows for s in group if s] + [
+            x or Sample(i, k, [], now, now) for i, k, x in waiting]
+        for group in rows:
+            for r, s in enumerate(group):
+                if s is not None:
+                    for table in s.tables:
+                        table.release()
+                    group[r] = None
+        waiting.clear()
+        ended = []
+        for x in sorted(samples, key=lambda x: (x.index, x.sample)):
+            done = self._ended.setdefault(x.index, {})
+            done[x.sample] = Completion(
+                x.tokens, reason, ttft_s=max(0.0, x.first_s - x.queued_s) if x.tokens else 0.0,
+                decode_s=now - x.first_s if x.tokens else 0.0, logprobs=x.logprobs,
+                prompt_logprobs=x.prompt_logprobs,
+                incomplete_format=x.walk is not None and not x.walk.complete)
+            if len(done) == self.requests[x.index].n:
+                del self._ended[x.index]
+                ended.append((x.index, [done[k] for k in range(self.requests[x.index].n)]))
+        self.stats.completion_tokens += sum(len(c.token_ids) for _, cs in ended for c in cs)
+        return ended
 
     def _admit(self, entry: tuple[int, int, Sample | None], g: int, order: int,
                now: float) -> _Seq | None:

@@ -35,7 +35,7 @@ class Request:
 @dataclasses.dataclass
 class Completion:
     token_ids: list[int]
-    finish_reason: str  # stop | length
+    finish_reason: str  # stop | length, or the reason a job ended early (Scheduler.run's until)
     ttft_s: float = 0.0  # from the sample's admission to its first token on the host
     decode_s: float = 0.0  # from then to its last token on the host
     logprobs: list[TokenLogprobs] | None = None  # per generated token, when asked
