@@ -26,10 +26,15 @@ def setup_devices(s) -> None:
     jax.distributed when several processes share the mesh."""
     quiet()
     if s.num_cpu_devices > 0:
-        jax.config.update("jax_num_cpu_devices", s.num_cpu_devices)
+        try:
+            jax.config.update("jax_num_cpu_devices", s.num_cpu_devices)
+        except RuntimeError:  # the backend is up (a Generator in a trainer's process): its
+            pass  # devices stand, and a mesh they cannot hold is refused when it is made
     d = s.distributed
     timeouts = dict(initialization_timeout=d.timeout_s, heartbeat_timeout_seconds=d.heartbeat_timeout_s)
-    if d.mode == "auto" and d.coordinator:
+    if jax.distributed.is_initialized():  # by the caller (a trainer's process)
+        pass
+    elif d.mode == "auto" and d.coordinator:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes only
         if d.process_id != 0:  # process 0 serves the coordinator; the others must reach it
             wait_for_coordinator(d.coordinator, d.process_id, d.timeout_s)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Callable
 
@@ -10,17 +9,15 @@ import jax
 from jax.experimental import multihost_utils
 
 from runner import log
-from runner.api import common, formats
+from runner.api import formats
 from runner.api.common import read_lines
-from runner.checkpoints.load import open_checkpoint, restore
-from runner.engine import Completion, Scheduler
-from runner.engine.build import build_engine
 from runner.errors import AllFailedError
+from runner.generator import Generator
 from runner.report import Summary, log_stats, progress_bar
 from runner.results import parts
 from runner.results.writer import Results, error_message
 from runner.settings import Settings
-from runner.text.tokenizer import load_tokenizer, read_chat_template
+from runner.text.tokenizer import read_chat_template
 
 
 def answer(s: Settings, loaded: tuple | None = None) -> Summary:
@@ -33,11 +30,11 @@ def answer(s: Settings, loaded: tuple | None = None) -> Summary:
     # a bad request file or output path fails before the checkpoint is touched
     lines = read_lines(s.input)
     fmt = formats.file_format(lines)
-    chat_template = read_chat_template(s.chat_template)  # a mistyped path fails here, loading nothing
+    read_chat_template(s.chat_template)  # a mistyped path fails here, loading nothing
     writer = jax.process_index() == 0
     if s.parts > 1:
         def generate(part_lines: list, results: Results, header: Callable[[], dict]) -> Summary:
-            return _generate(s, part_lines, fmt, results, chat_template, loaded, header)
+            return _generate(s, part_lines, fmt, results, loaded, header)
 
         return parts.answer_part(s, lines, fmt, began, generate, writer)
     results = Results(s.output, lines, writer=writer)
@@ -49,71 +46,46 @@ def answer(s: Settings, loaded: tuple | None = None) -> Summary:
         log.info(f"{s.output} already holds the results of {s.input}'s {len(lines)} requests: "
                  "nothing to do (--config.io.overwrite=True generates them again)")
         return Summary(requests=len(lines), already_done=len(lines))
-    return _generate(s, lines, fmt, results, chat_template, loaded)
+    return _generate(s, lines, fmt, results, loaded)
 
 
-def _generate(s: Settings, lines: list, fmt, results: Results, chat_template, loaded,
-              header=None) -> Summary:
-    """`lines` answered into `results` (`header()`: the line its final file starts with)."""
+def _generate(s: Settings, lines: list, fmt, results: Results, loaded, header=None) -> Summary:
+    """`lines` answered into `results` (`header()`: the line its final file starts with): the
+    generator's calls over them, each call's results written as it ends."""
     if header:  # a part: its partial file records this attempt before the model loads (--status)
         _open(results)
-    meta, rules, params = loaded or (*open_checkpoint(s), None)
-    model_name = os.path.basename(s.checkpoint_path.rstrip("/")) if not loaded else meta.source
-    tokenizer = None if loaded else load_tokenizer(s.checkpoint_path, chat_template)
-    # The engine is built on the weights' declaration, so that its programs compile while the
-    # weights restore (below): on an accelerator that hides every compilation behind the restore,
-    # and on a CPU most of the first one.
-    engine = build_engine(s, meta.model, meta.model.abstract_params(rules, s.policy) if params is None
-                          else params, rules, allocate=params is not None)
-    chat, stop_ids, parse = formats.request_parser(s, meta.model, tokenizer, fmt)
-    pending = [parse(i, line) for i, line in enumerate(lines) if i not in results.done]
-    for line in lines:
-        line.release()
+    # Built lazy: the weights restore while the programs these requests need compile.
+    gen = Generator(s, loaded=loaded, lazy=True)
+    pending, _ = gen.parse(lines, fmt, skip=results.done)
     todo = [p for p in pending if not p.error]  # in file order: the scheduler takes them so
-
-    def stop_check(i: int, ids: list[int]) -> bool:
-        stops = todo[i].stop
-        return bool(stops) and tokenizer is not None and any(st in tokenizer.decode(ids) for st in stops)
-
-    run = Scheduler(engine, [p.request() for p in todo], stop_ids, stop_check,
-                    s.generation.longest_first)
-    if params is None:
-        run.prepare()
-        try:
-            engine.load(restore(s, meta, rules))
-        except BaseException:
-            engine.forget_prepared()  # an error exits without compiling what is left
-            raise
+    gen.load([p.request() for p in todo])
     if not header:
         _open(results)
     summary = Summary(requests=len(lines), already_done=len(lines) - len(pending))
     bad = [p for p in pending if p.error]
-    error_line, result_line = formats.writers(fmt, model_name)
+    error_line, result_line = formats.writers(fmt, gen.model_name)
     results.add([(p.index, error_line(p)) for p in bad])
     summary.errors = len(bad)
-    L = engine.layout
+    L = gen.engine.layout
     log.info(f"{len(lines)} requests: {summary.already_done} already done, {len(bad)} invalid, "
-             f"{len(todo)} to generate on mesh {dict(rules.mesh.shape)} in {L.batch_size} rows and "
-             f"a pool of {L.pages * L.groups} pages of {L.page_size} tokens")
+             f"{len(todo)} to generate on mesh {dict(gen.rules.mesh.shape)} in {L.batch_size} rows "
+             f"and a pool of {L.pages * L.groups} pages of {L.page_size} tokens")
 
-    bar = progress_bar(engine, len(todo))
-
-    def done(ended: list[tuple[int, list[Completion]]]) -> None:  # a call's finished requests
+    bar = progress_bar(gen.engine, len(todo))
+    t0 = time.perf_counter()
+    for ended in gen.ended([p.request() for p in todo], [p.stop for p in todo]):
         rows = []
         for i, samples in ended:
             p = todo[i]
-            a = common.build_answer(p, samples, tokenizer, s.echo_prompt, chat)
+            a = gen.answer(p, samples)
             summary.count(a.prompt_tokens, a.completion_tokens, samples)
             rows.append((p.index, result_line(p, a)))
         results.add(rows)
         bar.update(len(rows))
-
-    t0 = time.perf_counter()
-    stats = run.run(done)
     summary.generate_s = time.perf_counter() - t0
-    summary.utilisation, summary.stats = stats.utilisation, stats
+    summary.utilisation, summary.stats = gen.stats.utilisation, gen.stats
     bar.close()
-    log_stats(engine, stats)
+    log_stats(gen.engine, gen.stats)
     results.write_final(len(lines), header() if header else None)
     if jax.process_count() > 1:  # the results file is whole before any process reports success
         multihost_utils.sync_global_devices("podrun: results written")
