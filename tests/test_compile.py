@@ -417,3 +417,27 @@ def test_the_experts_compile_as_the_pallas_grouped_matmul_for_tpu():
         assert sorted(lowered) == ["decode_8", "mixed_48"]  # a chunk: the 32 + 16 tokens of a row
         for name, program in lowered.items():
             assert ("tpu_custom_call" in program.as_text()) == moe, (name, moe)
+
+
+def test_update_weights_moves_each_chips_declared_shards_from_fsdp():
+    """The move of a trainer's FSDP weights onto the deployment's shardings, compiled for v5e:2x2:
+    what a chip receives is its shards of every weight as the rules split them (numpy over the
+    declared shapes), and what it gives is a quarter of each weight that the chip count divides."""
+    from jax.experimental import topologies
+
+    from runner.tools.compile import compile_update
+    from sharding.mesh import make_mesh
+    from sharding.rules import Rules
+
+    s = tiny_tpu_settings()
+    topo = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2")
+    rules = Rules.make(make_mesh(s.mesh, topo.devices), s.rules)
+    u = compile_update(s, SMALL, rules)
+    decl = [w for w in jax.tree.leaves(SMALL.declare(), is_leaf=is_weight)]
+    shard = lambda w: math.prod(d // math.prod(rules.mesh.shape[a] for a in (
+        (axes,) if isinstance(axes, str) else axes or ())) for d, axes in zip(
+        w.shape, rules.spec(*w.axes, shape=w.shape)))
+    # bfloat16; XLA:TPU pads small arrays (biases, sinks) to its tiles: under 1%
+    assert u.output_bytes == pytest.approx(2 * sum(shard(w) for w in decl), rel=0.01)
+    split = lambda w: math.prod(w.shape) // (4 if any(d % 4 == 0 for d in w.shape) else 1)
+    assert u.argument_bytes == pytest.approx(2 * sum(split(w) for w in decl), rel=0.01)

@@ -11,10 +11,16 @@ jax[tpu] 0.10.2 pins); JAX itself stays on CPU (JAX_PLATFORMS=cpu is set here wh
 
 XLA's cost analysis counts the body of a loop once: the decode figures are one decode step's (the
 body of the steps-per-dispatch loop).
+
+It also compiles `update_weights`: the move of a trainer's weights, FSDP-sharded over every chip
+(each weight split along its first dimension the chip count divides), onto the deployment's
+shardings, as runner.generator.Generator.update_weights asks XLA for them; its time is the bytes
+each chip receives over the chip's ICI bandwidth (ICI_GBPS), at most.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import os
@@ -29,6 +35,7 @@ from jax.experimental import topologies
 from ml_collections import config_flags
 
 from models.registry import Model
+from runner.checkpoints.store import flatten
 from runner.engine import Engine
 from runner.engine.build import build_engine
 from runner.settings import Settings, from_config
@@ -60,6 +67,41 @@ def xla_cost(analysis, devices: int = 1) -> tuple[float, float]:
     """(flops, bytes accessed) of XLA's cost analysis (a dict, or a list of one), over `devices`."""
     cost = analysis[0] if isinstance(analysis, list) else analysis
     return cost.get("flops", 0.0) / devices, cost.get("bytes accessed", 0.0) / devices
+
+
+# ICI bandwidth per chip, GB/s: v5e 1,600 Gbps, v5p 4,800 Gbps, v4 2,400 Gbps (Google's specs)
+ICI_GBPS = {"v5e": 200.0, "v5litepod": 200.0, "v5p": 600.0, "v4": 300.0, "v6e": 448.0}
+
+
+def fsdp(rules: Rules, shape: tuple[int, ...]) -> jax.sharding.NamedSharding:
+    """A trainer's FSDP layout of a weight: split along its first dimension that the mesh's chip
+    count divides, over every mesh axis; replicated when none does."""
+    axes = tuple(rules.mesh.axis_names)
+    spec = [None] * len(shape)
+    for i, d in enumerate(shape):
+        if d % rules.mesh.size == 0:
+            spec[i] = axes
+            break
+    return jax.sharding.NamedSharding(rules.mesh, jax.sharding.PartitionSpec(*spec))
+
+
+def compile_update(s: Settings, model: Model, rules: Rules) -> Compiled:
+    """The move of every weight (the checkpoint's names, shapes and precision.params) from an
+    FSDP layout (fsdp) onto the shardings the deployment declares, a weight at a time as
+    Generator.update_weights moves them, compiled (one program a shape): the bytes of them all,
+    the temporaries of the largest."""
+    dtype = jax.numpy.dtype(s.policy.params)
+    shapes = collections.Counter((w.shape, w.axes) for w in flatten(model.declare()).values())
+    total = collections.Counter()
+    for (shape, axes), count in shapes.items():
+        move = jax.jit(lambda x: x, out_shardings=rules.sharding(*axes))
+        c = move.lower(jax.ShapeDtypeStruct(shape, dtype, sharding=fsdp(rules, shape))).compile()
+        m = c.memory_analysis()
+        total.update(argument=count * m.argument_size_in_bytes, output=count * m.output_size_in_bytes,
+                     accessed=count * xla_cost(c.cost_analysis())[1])
+        total["temp"] = max(total["temp"], m.temp_size_in_bytes)
+    return Compiled("update_weights", total["argument"], total["temp"], total["output"], 0, 0.0,
+                    total["accessed"])
 
 
 def compile_deployment(s: Settings, model: Model | None = None, only: tuple[str, ...] = (),
@@ -97,6 +139,8 @@ def compile_deployment(s: Settings, model: Model | None = None, only: tuple[str,
         m = c.memory_analysis()
         out[name] = Compiled(name, m.argument_size_in_bytes, m.temp_size_in_bytes,
                              m.output_size_in_bytes, m.alias_size_in_bytes, *xla_cost(c.cost_analysis()))
+    if variants and not only:
+        out["update_weights"] = compile_update(s, model, rules)
     return engine, out
 
 
@@ -120,6 +164,17 @@ def report(s: Settings, engine: Engine, compiled: dict[str, Compiled]) -> str:
     lines.append(f"  GFLOP and GB accessed per chip, a loop's body counted once: decode per step "
                  f"({L.steps} per call), mixed per call (the rows' next tokens and a chunk of up to "
                  f"{L.chunk} prompt tokens)")
+    update = compiled.get("update_weights")
+    ici = ICI_GBPS.get(s.tpu_topology.split(":")[0])
+    if update is not None and not update.error and ici:
+        # the trainer's copy, the new weights and the largest move's temporaries, beside the
+        # old weights (freed once the new ones serve) and the KV pool (unless released first)
+        beside = update.peak_bytes + f.weights
+        of = lambda b: f"{b / GiB:.2f} GiB" + (f" ({100 * b / hbm:.0f}% of HBM)" if hbm else "")
+        lines.append(f"  update_weights from FSDP, a weight at a time: {update.output_bytes / 1e9:.2f}"
+                     f" GB a chip received, at most {update.output_bytes / 1e9 / ici:.2f} s over "
+                     f"{ici:.0f} GB/s of ICI; with the old weights {of(beside)}, and the KV pool "
+                     f"{of(beside + f.kv_cache)} (Generator.release() hands the pool back first)")
     return "\n".join(lines)
 
 
