@@ -69,17 +69,18 @@ class Generator:
                  overrides: Mapping[str, Any] | None = None, *, params: Any = None,
                  loaded: tuple | None = None, lazy: bool = False):
         """config: a deployment config file ("configs/x.py" or "configs/x.py:arg"), its
-        ConfigDict, or its Settings (whose devices the caller set up: the command); overrides: {"generation.batch_size": 64, ...}, as the command's
-        --config.* flags. params: weights in the checkpoint's names and shapes (e.g. a trainer's,
+        ConfigDict, or its Settings (whose devices the caller set up: the command); overrides:
+        {"generation.batch_size": 64, ...}, as the command's --config.* flags. params: weights in the checkpoint's names and shapes (e.g. a trainer's,
         in any sharding over the same devices) in place of checkpoint.path's; the model is then
         checkpoint.model (family:preset), or checkpoint.path's metadata. loaded: (metadata,
-        rules, prepared params) of a model already on the devices (runner.tools.bench). lazy:
+        rules, prepared params) of a model already on the devices (runner.tools.bench), the
+        generator's own from then on. lazy:
         restore the checkpoint at the first generate, while compiling the programs its requests
         need (the command's job), rather than now while compiling every program."""
         if isinstance(config, Settings):
             self.settings = s = config
         else:
-            self.settings = s = _settings(config, overrides)
+            self.settings = s = _settings(config, overrides, checkpoint=params is None)
             setup_devices(s)
         prepared = None
         if loaded is not None:
@@ -256,10 +257,11 @@ class Generator:
                                    f"precision.params is {dtype.name}")
         placed = {name: jax.device_put(given[name], rules.sharding(*w.axes), may_alias=False)
                   for name, w in want.items()}
-        old = self.engine.params if self._restore is None and self.engine.allocated else None
-        self.engine.load(model.prepare(store.unflatten(decl, placed), rules, policy))
+        # the weights it ran (its own: copies, prepared), freed once the new ones replace them
+        old = [x for x in jax.tree.leaves(self.engine.params) if isinstance(x, jax.Array)]
+        self.engine.load(model.prepare(store.unflatten(decl, placed), rules, policy), pool=False)
         self._restore = None
-        for x in jax.tree.leaves(old):
+        for x in old:
             if not x.is_deleted():
                 x.delete()
 
@@ -293,9 +295,10 @@ def _has_checkpoint(s: Settings) -> bool:
     return bool(s.checkpoint_path) and (epath.Path(s.checkpoint_path) / store.METADATA).exists()
 
 
-def _settings(config: str | ConfigDict, overrides: Mapping[str, Any] | None) -> Settings:
+def _settings(config: str | ConfigDict, overrides: Mapping[str, Any] | None,
+              checkpoint: bool = True) -> Settings:
     """The Settings of a config file (or ConfigDict) and its overrides, checked as the command
-    checks its flags."""
+    checks its flags (checkpoint: from_config's)."""
     if isinstance(config, str):
         path, _, arg = config.partition(":")
         spec = importlib.util.spec_from_file_location("podrun_config", path)
@@ -316,4 +319,4 @@ def _settings(config: str | ConfigDict, overrides: Mapping[str, Any] | None) -> 
         except (KeyError, AttributeError):
             raise SettingsError(unknown_override([f"--config.{key}=x"], f"'{name}'")) from None
         node[name] = value
-    return from_config(config)
+    return from_config(config, checkpoint)

@@ -123,7 +123,9 @@ def _path(p: str) -> str:
     return p if not p or "://" in p else os.path.expanduser(p)
 
 
-def from_config(c: ConfigDict) -> Settings:
+def from_config(c: ConfigDict, checkpoint: bool = True) -> Settings:
+    """c's Settings, checked; checkpoint=False: checkpoint.path may be empty (a Generator given
+    its weights in Python, with checkpoint.model)."""
     g, s = c.generation, c.sampling
     gen = Generation(
         batch_size=int(g.batch_size),
@@ -168,7 +170,7 @@ def from_config(c: ConfigDict) -> Settings:
         raise SettingsError(f"precision.quantize={p.quantize!r}: use none, int8 or int4")
     if p.int4_activations not in ("float32", "bfloat16"):
         raise SettingsError(f"precision.int4_activations={p.int4_activations!r}: use float32 or bfloat16")
-    if not c.checkpoint.path:
+    if not c.checkpoint.path and (checkpoint or not c.checkpoint.model):
         raise SettingsError("checkpoint.path is empty: pass --config.checkpoint.path=<converted checkpoint>")
     parts, part = _parts(c.io)
     return Settings(

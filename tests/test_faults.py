@@ -17,10 +17,11 @@ from tests.test_end_to_end import ROOT, podrun, read_jsonl, write_jsonl
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", [(), ("--config.generation.page_size=4",)], ids=["unpaged", "paged"])
+@pytest.mark.parametrize("engine", [(), ("--config.generation.page_size=4",)],
+                         ids=["pages16", "pages4"])
 def test_sigkill_at_random_points_then_restart_loses_and_repeats_nothing(tmp_path, engine):
-    """paged: the engine's programs compile on a thread of their own, into the compilation cache
-    that a kill can interrupt."""
+    """The engine's programs compile on a thread of their own, into the compilation cache that a
+    kill can interrupt; pages4: the same with pages of 4 tokens."""
     tiny_hf("llama", seed=2).save_pretrained(tmp_path / "hf")
     podrun("runner.tools.convert", f"--source={tmp_path / 'hf'}", f"--output={tmp_path / 'ck'}")
     inp = write_jsonl(tmp_path / "in.jsonl",

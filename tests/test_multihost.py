@@ -46,13 +46,15 @@ def start(root, inp, out, pid, port, *extra):
 
 
 @pytest.mark.parametrize("across", [(), pytest.param(("--config.mesh.dcn.data=2",), marks=pytest.mark.slow),
-                                    ("--config.generation.page_size=4", "--config.generation.chunk_tokens=16")],
-                         ids=["one_slice", "data_over_dcn", "paged"])
+                                    pytest.param(("--config.generation.page_size=4",
+                                                  "--config.generation.chunk_tokens=16"),
+                                                 marks=pytest.mark.slow)],
+                         ids=["one_slice", "data_over_dcn", "small_pages"])
 def test_two_processes_write_the_same_results_as_one(setup, tmp_path, across):
-    """data_over_dcn: each process plays a slice, and the data axis alone crosses between them (slow:
-    test_compile's two-slice deployment checks that layout in the default suite). paged: the two
-    processes run the paged engine, each its scheduler over the same requests, and write what
-    one process of the unpaged engine writes."""
+    """Each process runs its scheduler over the same requests, and the two write what one process
+    writes. data_over_dcn: each process plays a slice, and the data axis alone crosses between
+    them (slow: test_compile's two-slice deployment checks that layout in the default suite).
+    small_pages (slow): pages of 4 tokens and chunks of 16, so that prompts take several calls."""
     root, inp = setup
     podrun("runner.main", *args(root, inp, tmp_path / "one.jsonl"))
     port = free_port()

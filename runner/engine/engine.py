@@ -297,15 +297,16 @@ class Engine:
         if allocate:
             self.load(params)
 
-    def load(self, params) -> None:
+    def load(self, params, pool: bool = True) -> None:
         """The engine on its weights: `params` (restored and prepared, Model.prepare) in place of
-        the abstract ones it was built on, its pool and the unembedding's screen allocated. The
+        the abstract ones it was built on (or of the weights it ran), the unembedding's screen
+        made and, unless `pool` is False (then `allocate` does it), its pool allocated. The
         programs prepared meanwhile stay compiled when the weights have the shapes, dtypes,
         shardings and layouts they were lowered for, as Model.abstract_params declares them;
         where they do not (a warning), every program compiles again on the weights."""
         self.params = params
-        if not self.allocated:
-            self.cache = self._allocate()
+        if pool:
+            self.allocate()
         self.greedy_screen = greedy_screen(self.model, params, self.policy, self.layout.batch_size)
         given = _shapes((self.weights, self.cache))
         if not _same(self._abstract, given):  # a bug in a declaration: slower, never wrong
