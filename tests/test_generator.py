@@ -167,6 +167,8 @@ def test_cancel_and_deadline_end_every_request_with_what_it_has(models, prompts)
     for i, r in out.items():
         assert r["token_ids"] == full[i][: len(r["token_ids"])]
     assert 0 < sum(len(r["token_ids"]) for r in out.values()) < sum(map(len, full))
-    late = gen.generate(requests, deadline_s=0.0)
+    scored = [{**r, "logprobs": True, "continuation": [1, 2]} for r in requests]
+    late = gen.generate(scored, deadline_s=0.0)
     assert {r["finish_reason"] for r in late} == {"deadline"}
-    assert all(r["token_ids"] == [] for r in late)
+    assert all(r["token_ids"] == [] and r["logprobs"] == {"content": []} and "continuation" not in r
+               for r in late)

@@ -421,10 +421,11 @@ def build_answer(p: Parsed, samples: list[Completion], tokenizer, echo: bool,
     choices = tuple(_choice(p, c, tokenizer, chat, sample=k) for k, c in enumerate(samples))
     scores = samples[0].prompt_logprobs
     prompt_logprobs = continuation = None
-    if p.prompt_logprobs is not None:  # the first prompt token has nothing before it
+    # a request ended early (a deadline, cancelled) may not have computed its prompt: no scores
+    if p.prompt_logprobs is not None and None not in scores:  # the first token has none
         prompt_logprobs = tuple(_token(t, x, p.prompt_logprobs, tokenizer)
                                 for t, x in zip(p.prompt_ids[1:], scores))
-    if p.continuation:
+    if p.continuation and None not in scores[len(scores) - p.continuation:]:
         tail = scores[len(scores) - p.continuation:]
         ids = p.prompt_ids[len(p.prompt_ids) - p.continuation:]
         continuation = Continuation(float(sum(float(x.logprob) for x in tail)),

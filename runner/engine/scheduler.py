@@ -234,8 +234,14 @@ class Scheduler:
                  ) -> list[tuple[int, list[Completion]]]:
         """Every sample not yet ended, ended with the tokens it has (none, for one never
         admitted) and finish_reason `reason`; their rows and pages freed."""
+        def unstarted(i: int, k: int) -> Sample:  # what a sample never admitted has: nothing
+            r = self.requests[i]
+            return Sample(i, k, [], now, now, logprobs=[] if r.logprobs else None,
+                          prompt_logprobs=[None] * (len(r.prompt) - 1) if r.prompt_logprobs
+                          else None)
+
         samples = [s.live for group in rows for s in group if s] + [
-            x or Sample(i, k, [], now, now) for i, k, x in waiting]
+            x or unstarted(i, k) for i, k, x in waiting]
         for group in rows:
             for r, s in enumerate(group):
                 if s is not None:
