@@ -143,7 +143,7 @@ class Generator:
                 yield from ((i, samples[0] if requests[i].n == 1 else samples)
                             for i, samples in ended)
             return
-        parsed, fmt = self.parse([Line(i + 1, json.dumps(r)) for i, r in enumerate(requests)])
+        parsed, fmt = self.parse([Line(i + 1, _json(r)) for i, r in enumerate(requests)])
         error_line, result_line = formats.writers(fmt, self.model_name)
         todo = []
         for p in parsed:
@@ -284,6 +284,15 @@ class Generator:
 def _no_weights():
     raise WeightsError("generate: the weights were released (release(weights=True)); give new ones "
                        "with update_weights first")
+
+
+def _json(request: Any) -> str:
+    """A request dict as a request file's line: numpy's numbers and arrays as JSON's; what JSON
+    cannot hold makes a line that is not JSON, which gets that line's error."""
+    try:
+        return json.dumps(request, default=lambda x: x.tolist() if hasattr(x, "tolist") else repr(x))
+    except (TypeError, ValueError) as e:
+        return f"<{type(e).__name__}: {e}>"
 
 
 def _is_flat(params: Any) -> bool:

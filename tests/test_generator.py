@@ -75,7 +75,7 @@ def test_generate_gives_transformers_tokens_and_later_calls_compile_nothing(mode
 def test_a_bad_request_gets_its_error_and_the_others_their_answers(models, prompts):
     (m, path), _ = models
     gen = Generator("configs/cpu.py", {"checkpoint.path": path, **SETTINGS})
-    out = gen.generate([{"prompt_token_ids": prompts[0], "max_tokens": STEPS},
+    out = gen.generate([{"prompt_token_ids": np.array(prompts[0]), "max_tokens": np.int64(STEPS)},
                         {"prompt_token_ids": prompts[1], "max_tokens": STEPS + 1},
                         {"prompt_token_ids": prompts[2], "max_tokenz": 3}])
     assert out[0]["token_ids"] == hf_greedy(m, prompts[0], STEPS)
