@@ -26,10 +26,14 @@ import json
 import sys
 
 from absl import app, flags
-from lm_eval import simple_evaluate, utils
-from lm_eval.api.model import TemplateLM
-from lm_eval.tasks import TaskManager
 from ml_collections import config_flags
+
+try:
+    from lm_eval import simple_evaluate, utils
+    from lm_eval.api.model import TemplateLM
+    from lm_eval.tasks import TaskManager
+except ImportError as e:  # an optional dependency: say which, and how to get it
+    raise ImportError(f"runner.tools.eval needs lm-eval ({e}): pip install lm-eval") from e
 
 from runner.errors import USER_ERRORS
 from runner.generator import Generator
