@@ -241,11 +241,12 @@ class Generator:
         decl = model.declare()
         want = store.flatten(decl)
         given = params if _is_flat(params) else store.flatten(params)
-        for name in want.keys() - given.keys():
-            raise WeightsError(f"update_weights: weight {name} is missing ({model.family} has "
-                               f"{len(want)} weights)")
-        for name in given.keys() - want.keys():
-            raise WeightsError(f"update_weights: {name} is not a weight of {model.family}")
+        if missing := sorted(want.keys() - given.keys()):
+            raise WeightsError(f"update_weights: weight {missing[0]} is missing ({len(missing)} of "
+                               f"{model.family}'s {len(want)} weights are)")
+        if extra := sorted(given.keys() - want.keys()):
+            raise WeightsError(f"update_weights: {extra[0]} is not a weight of {model.family}"
+                               + (f" (nor are {len(extra) - 1} more)" if len(extra) > 1 else ""))
         dtype = np.dtype(policy.params)
         for name, w in want.items():
             x = given[name]
