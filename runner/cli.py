@@ -32,14 +32,13 @@ def setup_devices(s) -> None:
             pass  # devices stand, and a mesh they cannot hold is refused when it is made
     d = s.distributed
     timeouts = dict(initialization_timeout=d.timeout_s, heartbeat_timeout_seconds=d.heartbeat_timeout_s)
-    if jax.distributed.is_initialized():  # by the caller (a trainer's process)
-        pass
-    elif d.mode == "auto" and d.coordinator:
+    auto = d.mode == "auto" and not jax.distributed.is_initialized()  # a caller's stands
+    if auto and d.coordinator:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes only
         if d.process_id != 0:  # process 0 serves the coordinator; the others must reach it
             wait_for_coordinator(d.coordinator, d.process_id, d.timeout_s)
         jax.distributed.initialize(d.coordinator, d.num_processes, d.process_id, **timeouts)
-    elif d.mode == "auto" and "," in os.environ.get("TPU_WORKER_HOSTNAMES", ""):  # a TPU VM pod
+    elif auto and "," in os.environ.get("TPU_WORKER_HOSTNAMES", ""):  # a TPU VM pod
         jax.distributed.initialize(**timeouts)
     cache_dir = s.compilation_cache_dir
     if cache_dir:

@@ -23,6 +23,7 @@ results writer that makes them exactly-once (runner/job.py).
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import os
@@ -318,15 +319,12 @@ def _settings(config: str | ConfigDict, overrides: Mapping[str, Any] | None,
         spec.loader.exec_module(module)
         config = module.get_config(arg) if arg else module.get_config()
     else:
-        config = ConfigDict(config)  # a copy: the caller's stays as it was
+        config = copy.deepcopy(config)  # the caller's stays as it was
+    config.lock()  # as the command's: an override of a field the config lacks is an error
     for key, value in (overrides or {}).items():
-        *sections, name = key.split(".")
-        node = config
         try:
-            for section in sections:
-                node = node[section]
-            node[name]  # noqa: B018 - a KeyError for a field the config does not have
-        except (KeyError, AttributeError):
-            raise SettingsError(unknown_override([f"--config.{key}=x"], f"'{name}'")) from None
-        node[name] = value
+            config.update_from_flattened_dict({key: value})
+        except KeyError:
+            raise SettingsError(unknown_override([f"--config.{key}=x"],
+                                                 f"'{key.rsplit('.', 1)[-1]}'")) from None
     return from_config(config, checkpoint)

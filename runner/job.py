@@ -58,7 +58,8 @@ def _generate(s: Settings, lines: list, fmt, results: Results, loaded, header=No
     gen = Generator(s, loaded=loaded, lazy=True)
     pending, _ = gen.parse(lines, fmt, skip=results.done)
     todo = [p for p in pending if not p.error]  # in file order: the scheduler takes them so
-    gen.load([p.request() for p in todo])
+    requests = [p.request() for p in todo]
+    gen.load(requests)
     if not header:
         _open(results)
     summary = Summary(requests=len(lines), already_done=len(lines) - len(pending))
@@ -73,7 +74,7 @@ def _generate(s: Settings, lines: list, fmt, results: Results, loaded, header=No
 
     bar = progress_bar(gen.engine, len(todo))
     t0 = time.perf_counter()
-    for ended in gen.ended([p.request() for p in todo], [p.stop for p in todo]):
+    for ended in gen.ended(requests, [p.stop for p in todo]):
         rows = []
         for i, samples in ended:
             p = todo[i]

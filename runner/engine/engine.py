@@ -256,18 +256,16 @@ class Engine:
         # the pools' bytes on a device
         self.pool_bytes = pages * page(len(windows) - windowed) + window_pages * page(windowed)
         kv_dtype = jnp.dtype(policy.kv_cache)
-        self._new_cache = partial(PagedCache.create, G, pages, window_pages, page_size,
-                                  windows, kv_heads, head_dim, kv_dtype, rules,
-                                  fold=PagedCache.fold(self.policy, kv_dtype, head_dim),
-                                  period=model.scan_period if policy.scan_layers else 0)
         # abstract until `load`; allocated by one program, compiled once, whenever it is taken
-        self.cache = self._new_cache(allocate=False)
+        self.cache = PagedCache.create(G, pages, window_pages, page_size, windows, kv_heads,
+                                       head_dim, kv_dtype, rules, allocate=False,
+                                       fold=PagedCache.fold(self.policy, kv_dtype, head_dim),
+                                       period=model.scan_period if policy.scan_layers else 0)
+        cache_sh = jax.tree.map(lambda x: x.sharding, self.cache)
         self._allocate = jax.jit(partial(jax.tree.map, lambda x: jnp.zeros(x.shape, x.dtype),
-                                         self.cache),
-                                 out_shardings=jax.tree.map(lambda x: x.sharding, self.cache))
+                                         self.cache), out_shardings=cache_sh)
         self.greedy_screen = greedy_screen(model, _shapes(params), self.policy, B)
         self._huge_pages = None
-        cache_sh = jax.tree.map(lambda x: x.sharding, self.cache)
         self._everywhere = everywhere = rules.sharding()
         self._step_sh = Step(*[rules.sharding("batch", None)] * 4,
                              *[rules.sharding("batch", None, None)] * 2, rules.sharding("batch", None),
@@ -337,7 +335,7 @@ class Engine:
         if weights:
             for x in jax.tree.leaves(self.params):
                 x.delete()
-            self.params, self.greedy_screen = self._abstract[0].params, None
+            self.params, self.greedy_screen = self._abstract[0]
 
     def allocate(self) -> None:
         """The pool on the devices again, after `release` (its contents do not matter: every
