@@ -71,13 +71,14 @@ class Generator:
                  loaded: tuple | None = None, lazy: bool = False):
         """config: a deployment config file ("configs/x.py" or "configs/x.py:arg"), its
         ConfigDict, or its Settings (whose devices the caller set up: the command); overrides:
-        {"generation.batch_size": 64, ...}, as the command's --config.* flags. params: weights in the checkpoint's names and shapes (e.g. a trainer's,
-        in any sharding over the same devices) in place of checkpoint.path's; the model is then
-        checkpoint.model (family:preset), or checkpoint.path's metadata. loaded: (metadata,
-        rules, prepared params) of a model already on the devices (runner.tools.bench), the
-        generator's own from then on. lazy:
-        restore the checkpoint at the first generate, while compiling the programs its requests
-        need (the command's job), rather than now while compiling every program."""
+        {"generation.batch_size": 64, ...}, as the command's --config.* flags. params: weights
+        in the checkpoint's names and shapes (e.g. a trainer's, in any sharding over the same
+        devices) in place of checkpoint.path's; the model is then checkpoint.model
+        (family:preset), or checkpoint.path's metadata. loaded: (metadata, rules, prepared
+        params) of a model already on the devices (runner.tools.bench), the generator's own from
+        then on. lazy: restore the checkpoint at the first generate, while compiling the
+        programs its requests need (the command's job), rather than now while compiling every
+        program."""
         if isinstance(config, Settings):
             self.settings = s = config
         else:
@@ -234,10 +235,11 @@ class Generator:
         """The model's weights replaced by `params`: a tree in the checkpoint's names and shapes
         (nested as Model.declare, or flat {"layers.0.attn.wq": ...}), of precision.params' dtype,
         jax arrays in any sharding over the engine's devices (moved device to device) or host
-        arrays. They are copied (the caller keeps its own), prepared as the engine runs them
-        (fused, quantised, stacked), and the old ones freed; every compiled program runs on
-        them. A name, shape or dtype that does not match raises WeightsError naming the weight,
-        and the old weights keep serving."""
+        arrays. The old weights are freed first, then the new copied (the caller keeps its own)
+        and prepared as the engine runs them (fused, quantised, stacked): the devices hold one
+        copy of the model beside the caller's. Every compiled program runs on them. A name,
+        shape or dtype that does not match raises WeightsError naming the weight, and the old
+        weights keep serving."""
         model, rules, policy = self.meta.model, self.rules, self.settings.policy
         decl = model.declare()
         want = store.flatten(decl)
@@ -257,21 +259,20 @@ class Generator:
             if np.dtype(x.dtype) != dtype:
                 raise WeightsError(f"update_weights: weight {name} is {np.dtype(x.dtype).name}; "
                                    f"precision.params is {dtype.name}")
+        # the old weights (the engine's own, prepared) go before the new ones are placed: an
+        # update holds one copy of the model beside the caller's, and reuses the old memory
+        self.engine.release(pool=False, weights=True)
+        self._restore = _no_weights  # until the new weights are in (a failure below leaves none)
         placed = {name: jax.device_put(given[name], rules.sharding(*w.axes), may_alias=False)
                   for name, w in want.items()}
-        # the weights it ran (its own: copies, prepared), freed once the new ones replace them
-        old = [x for x in jax.tree.leaves(self.engine.params) if isinstance(x, jax.Array)]
         self.engine.load(model.prepare(store.unflatten(decl, placed), rules, policy), pool=False)
         self._restore = None
-        for x in old:
-            if not x.is_deleted():
-                x.delete()
 
     def release(self, weights: bool = False) -> None:
         """Hands the KV pool's device memory back (and with weights=True the weights'): between
         rollouts, the trainer can use it. The next generate takes the pool again, and nothing
         compiles; after weights=True, update_weights must give it weights first."""
-        self.engine.release(weights)
+        self.engine.release(weights=weights)
         if weights:
             self._restore = _no_weights
 

@@ -326,15 +326,16 @@ class Engine:
         """Whether the pool is on the devices (not abstract, nor released)."""
         return isinstance(jax.tree.leaves(self.cache)[0], jax.Array)
 
-    def release(self, weights: bool = False) -> None:
-        """Hands the pool's device memory back (with weights, the weights' too): the engine keeps
+    def release(self, pool: bool = True, weights: bool = False) -> None:
+        """Hands the device memory of the pool, of the weights, or of both back: the engine keeps
         its compiled programs, and `load` (the pool alone: `allocate`) takes the memory again."""
-        for x in jax.tree.leaves((self.cache, self.greedy_screen if weights else None)):
-            x.delete()
-        self.cache = self._abstract[1]
-        if weights:
-            for x in jax.tree.leaves(self.params):
+        held = [self.cache] * pool + [self.params, self.greedy_screen] * weights
+        for x in jax.tree.leaves(held):
+            if isinstance(x, jax.Array):  # not what is abstract already
                 x.delete()
+        if pool:
+            self.cache = self._abstract[1]
+        if weights:
             self.params, self.greedy_screen = self._abstract[0]
 
     def allocate(self) -> None:

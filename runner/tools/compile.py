@@ -167,14 +167,14 @@ def report(s: Settings, engine: Engine, compiled: dict[str, Compiled]) -> str:
     update = compiled.get("update_weights")
     ici = ICI_GBPS.get(s.tpu_topology.split(":")[0])
     if update is not None and not update.error and ici:
-        # the trainer's copy, the new weights and the largest move's temporaries, beside the
-        # old weights (freed once the new ones serve) and the KV pool (unless released first)
-        beside = update.peak_bytes + f.weights
+        # the trainer's copy, the new weights and the largest move's temporaries (the old
+        # weights are freed first), beside the KV pool unless it is released first
         of = lambda b: f"{b / GiB:.2f} GiB" + (f" ({100 * b / hbm:.0f}% of HBM)" if hbm else "")
         lines.append(f"  update_weights from FSDP, a weight at a time: {update.output_bytes / 1e9:.2f}"
                      f" GB a chip received, at most {update.output_bytes / 1e9 / ici:.2f} s over "
-                     f"{ici:.0f} GB/s of ICI; with the old weights {of(beside)}, and the KV pool "
-                     f"{of(beside + f.kv_cache)} (Generator.release() hands the pool back first)")
+                     f"{ici:.0f} GB/s of ICI; {of(update.peak_bytes)} with the trainer's copy, "
+                     f"{of(update.peak_bytes + f.kv_cache)} beside the KV pool "
+                     "(Generator.release() hands the pool back first)")
     return "\n".join(lines)
 
 
