@@ -70,7 +70,7 @@ def test_a_deployments_kv_cache_is_its_pools_of_pages_per_device():
 def test_without_kv_cache_gib_the_pool_holds_every_row_at_its_longest():
     """kv_cache_gib=0: as the Engine without kv_bytes, rows per group x pages of the longest
     request in the full layers' pool; too little for one request is said."""
-    from runner.tools.memory import describe, footprint, pool_pages
+    from runner.tools.memory import describe, footprint, pools
     from sharding.mesh import abstract_mesh
     from sharding.rules import Rules
 
@@ -80,7 +80,8 @@ def test_without_kv_cache_gib_the_pool_holds_every_row_at_its_longest():
     assert (f.pages, f.window_pages, f.max_pages) == (64 * longest, 64 * 26, longest)
     assert f.kv_cache == (64 * longest + 64 * 26) * 2 * 12 * 1 * 16 * 64 * 2
     rules = Rules.make(abstract_mesh(s.mesh, 8), s.rules)
-    assert pool_pages(s, model, rules) == (f.pages, f.window_pages)
+    p = pools(s, model, rules)
+    assert (p.pages, p.window_pages) == (f.pages, f.window_pages)
 
     small, _ = gptoss_v5e(page_size=16, kv_cache_gib=0.05)
     assert f"fewer pages than the {longest} of one request" in describe(footprint(small, model), model)

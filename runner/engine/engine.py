@@ -110,6 +110,46 @@ def chunk_buckets(chunk: int, smallest: int = 16) -> tuple[int, ...]:
     return tuple(sorted(out))
 
 
+@dataclasses.dataclass(frozen=True)
+class Pools:
+    """A group's page pools (a device holds its group's pages, of its share of the kv heads): the
+    full-attention layers' `pages` and the windowed layers' `window_pages`, room for every row's
+    `window_row_pages` at once (0 without windows); a page's bytes on a device in each."""
+
+    pages: int
+    window_pages: int
+    window_row_pages: int
+    page_bytes: int
+    window_page_bytes: int
+
+    @property
+    def bytes(self) -> int:
+        """The pools' bytes on a device."""
+        return self.pages * self.page_bytes + self.window_pages * self.window_page_bytes
+
+
+def size_pools(model: Model, rules: Rules, kv_cache, rows: int, max_len: int, page_size: int,
+               reach: int, kv_bytes: int = 0, pages: int = 0) -> Pools:
+    """The pools of a group of `rows` rows, in the `kv_cache` dtype, as the Engine sizes them (and
+    runner/tools/memory.py reports them): the full-attention layers' `pages` if given, else what
+    kv_bytes (a device's) leaves beside the window pool, else room for every row at its longest
+    (max_len tokens). Windowed layers: each row holds the pages its next call's queries can see,
+    at most window - 1 + reach (the largest chunk, or a decode call's steps) positions back from
+    the end, plus the page that starts part-way: enough for every row at once."""
+    windows, kv_heads, head_dim = model.module.cache_spec(model.config)
+    window = max((w for w in windows if w), default=0)  # the windowed layers' (one)
+    windowed = sum(1 for w in windows if w)
+    page = partial(PagedCache.page_bytes, kv_heads=kv_heads, head_dim=head_dim,
+                   page_size=page_size, dtype=kv_cache, rules=rules)
+    full_bytes, window_bytes = page(len(windows) - windowed), page(windowed)
+    row_pages = -(-(window - 1 + reach) // page_size) + 2 if window else 0
+    if kv_bytes and not pages:
+        pages = int((kv_bytes - rows * row_pages * window_bytes) // full_bytes)
+    elif not pages:
+        pages = rows * -(-max_len // page_size)
+    return Pools(pages, rows * row_pages, row_pages, full_bytes, window_bytes)
+
+
 MAX_STOP_IDS = 16  # stop ids are passed as a fixed-size array, so their number never recompiles
 
 
@@ -232,29 +272,17 @@ class Engine:
         chunks = chunk_buckets(min(chunk, max_prompt_len + max_new_tokens))
         windows, kv_heads, head_dim = model.module.cache_spec(model.config)
         window = max((w for w in windows if w), default=0)  # the windowed layers' (one)
-        # Windowed layers: each row holds the pages its next call's queries can see, at most
-        # window - 1 + chunk (or steps) positions back from the end, plus the page that starts
-        # part-way: enough for every row at once.
-        window_pages = (R * (-(-(window - 1 + max(chunks[-1], steps)) // page_size) + 2)
-                        if window else 0)
-        page = partial(PagedCache.page_bytes, kv_heads=kv_heads, head_dim=head_dim,
-                       page_size=page_size, dtype=policy.kv_cache, rules=rules)
-        windowed = sum(1 for w in windows if w)
-        M = -(-(max_prompt_len + max_new_tokens) // page_size)
-        if kv_bytes and not pages:
-            pages = int((kv_bytes - window_pages * page(windowed)) // page(len(windows) - windowed))
-        elif not pages:
-            pages = R * M
-        if pages < M:
-            raise ValueError(f"a pool of {pages} pages of {page_size} tokens holds fewer than "
-                             f"one request of max_prompt_len + max_new_tokens = "
-                             f"{max_prompt_len + max_new_tokens}")
+        pools = size_pools(model, rules, policy.kv_cache, R, max_prompt_len + max_new_tokens,
+                           page_size, max(chunks[-1], steps), kv_bytes, pages)
+        pages, window_pages = pools.pages, pools.window_pages
         self.layout = L = Layout(G, R, max_prompt_len, max_new_tokens, page_size, pages, window,
                                  window_pages, steps, chunks, self.policy.backend.step_tokens,
                                  model.vocab_size)
+        if pages < L.max_pages:
+            raise ValueError(f"a pool of {pages} pages of {page_size} tokens holds fewer than "
+                             f"one request of max_prompt_len + max_new_tokens = {L.max_len}")
         B = L.batch_size
-        # the pools' bytes on a device
-        self.pool_bytes = pages * page(len(windows) - windowed) + window_pages * page(windowed)
+        self.pools, self.pool_bytes = pools, pools.bytes  # the latter a device's
         kv_dtype = jnp.dtype(policy.kv_cache)
         # abstract until `load`; allocated by one program, compiled once, whenever it is taken
         self.cache = PagedCache.create(G, pages, window_pages, page_size, windows, kv_heads,

@@ -21,9 +21,9 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from models import quant
-from models.paged import PagedCache
 from models.registry import Model
 from models.weights import check_divisible, is_weight
+from runner.engine.engine import Pools, size_pools
 from runner.settings import Settings, from_config
 from sharding.mesh import abstract_mesh
 from sharding.rules import Rules
@@ -81,44 +81,15 @@ class Footprint:
         return max(0, free // self.row_bytes(mean_tokens)) * self.data_shards
 
 
-# The engine's pools, sized as runner/engine/engine.py's Engine sizes them from
-# generation.kv_cache_gib (kv_bytes there); tests/test_compile.py checks the two agree.
-
-def page_bytes(s: Settings, model: Model, rules: Rules) -> tuple[int, int]:
-    """Bytes one page (generation.page_size tokens of keys and values) takes on a device in the
-    full-attention layers' pool and in the windowed layers' (0 without windows)."""
-    windows, kv_heads, head_dim = model.module.cache_spec(model.config)
-    windowed = sum(1 for w in windows if w)
-    page = lambda layers: PagedCache.page_bytes(layers, kv_heads, head_dim, s.generation.page_size,
-                                                s.policy.kv_cache, rules)
-    return page(len(windows) - windowed), page(windowed)
-
-
-def window_row_pages(s: Settings, model: Model) -> int:
-    """The windowed layers' pages one row holds at most: its next call's queries see window - 1
-    + chunk (or steps) positions back, plus the page that starts part-way; 0 without windows."""
+def pools(s: Settings, model: Model, rules: Rules) -> Pools:
+    """The engine's pools per group, sized by the Engine's own size_pools from generation.*
+    (kv_cache_gib as runner/engine/build.py passes it); tests/test_compile.py checks they agree."""
     g = s.generation
-    windows, _, _ = model.module.cache_spec(model.config)
-    window = max((w for w in windows if w), default=0)
-    if not window:
-        return 0
-    chunk = min(g.chunk_tokens, g.max_prompt_len + g.max_new_tokens)  # the largest chunk bucket
-    steps = max(1, min(g.steps_per_dispatch, g.max_new_tokens))
-    return -(-(window - 1 + max(chunk, steps)) // g.page_size) + 2
-
-
-def pool_pages(s: Settings, model: Model, rules: Rules) -> tuple[int, int]:
-    """The engine's pages per group (a device holds its group's): the full-attention
-    layers' and the windowed layers'. The window pool has room for every row of the group; the
-    full layers' pool takes what generation.kv_cache_gib leaves, or with 0 room for every row of
-    the group at its longest (max_prompt_len + max_new_tokens)."""
-    g = s.generation
-    rows = -(-g.batch_size // rules.shards("batch"))
-    window_pages = rows * window_row_pages(s, model)
-    if not g.kv_cache_gib:
-        return rows * -(-(g.max_prompt_len + g.max_new_tokens) // g.page_size), window_pages
-    full, windowed = page_bytes(s, model, rules)
-    return int((int(g.kv_cache_gib * GiB) - window_pages * windowed) // full), window_pages
+    max_len = g.max_prompt_len + g.max_new_tokens
+    steps = max(1, min(g.steps_per_dispatch, g.max_new_tokens))  # as the Engine's decode call
+    reach = max(min(g.chunk_tokens, max_len), steps)  # its largest chunk bucket, or its steps
+    return size_pools(model, rules, s.policy.kv_cache, -(-g.batch_size // rules.shards("batch")),
+                      max_len, g.page_size, reach, int(g.kv_cache_gib * GiB))
 
 
 def footprint(s: Settings, model: Model) -> Footprint:
@@ -141,12 +112,12 @@ def footprint(s: Settings, model: Model) -> Footprint:
     batch = -(-g.batch_size // data) * data
     memory = int(s.device_memory_gib * GiB)
     # the page pools [G, P, K, S, H] per layer, G over cache_batch
-    (pages, window_pages), (page, window_page) = pool_pages(s, model, rules), page_bytes(s, model, rules)
+    p = pools(s, model, rules)
     groups = -(-data // rules.shards("cache_batch"))  # a device's groups: 1 by default
-    kv = groups * (pages * page + window_pages * window_page)
-    return Footprint(devices, w_bytes, kv, total, memory, batch, data, page_size=g.page_size,
-                     pages=pages, page_bytes=page, window_pages=window_pages,
-                     window_page_bytes=window_page, window_row_pages=window_row_pages(s, model),
+    return Footprint(devices, w_bytes, groups * p.bytes, total, memory, batch, data,
+                     page_size=g.page_size, pages=p.pages, page_bytes=p.page_bytes,
+                     window_pages=p.window_pages, window_page_bytes=p.window_page_bytes,
+                     window_row_pages=p.window_row_pages,
                      max_pages=-(-(g.max_prompt_len + g.max_new_tokens) // g.page_size))
 
 

@@ -60,7 +60,7 @@ from runner.errors import USER_ERRORS
 from runner.settings import Settings, from_config
 from runner.text.tokenizer import load_tokenizer, read_chat_template
 from runner.tools.bench import random_weights
-from runner.tools.memory import describe, footprint, page_bytes
+from runner.tools.memory import describe, footprint
 from sharding.mesh import make_mesh
 from sharding.rules import Rules
 from runner.tools.simulate import (
@@ -464,10 +464,10 @@ def plan_one(s: Settings, label: str, mode: str, loaded: Loader | None, job: Job
         fills = (16, max(32, min(top, prompt_and_answer[int(0.9 * (len(prompt_and_answer) - 1))])))
         costs = measure(engine, programs, job.requests[0], fills, reps)
     else:
-        full, windowed = page_bytes(s, model, engine.rules)
-        S = s.generation.page_size
+        P, S = engine.pools, s.generation.page_size
         chip = chip_of(s.tpu_topology) if s.tpu_topology else gpu
-        costs = Predicted(chip, compiled, f.weights, full / S, windowed / S, L.window)
+        costs = Predicted(chip, compiled, f.weights, P.page_bytes / S, P.window_page_bytes / S,
+                          L.window)
         startup.pop("engine")  # this machine's AOT compile: the job's compiles are assumed cached
         startup["load (stated: weights at 2 GB/s)"] = f.total_weights / (LOAD_GBPS * 1e9)
     run = lambda lengths: simulate(L, job.requests, lengths, costs, s.generation.longest_first,
