@@ -12,7 +12,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from models import quant
+from models import llama, quant
 from models.decoder import Unembedding
 from models.norms import layer_norm
 from models.policy import Policy
@@ -91,6 +91,9 @@ def cache_spec(c: Config) -> tuple[tuple[int | None, ...], int, int]:
 
 # --- the decoder's pieces (models/decoder.py runs them) -----------------------------------------
 
+# As Llama's: no attention options, the output projection with its bias.
+attention_options, attention_out = llama.attention_options, llama.attention_out
+
 def rope(c: Config) -> None:
     return None  # learned absolute positions, added in `embed`
 
@@ -107,14 +110,6 @@ def attn_norm(p: dict, x: jax.Array, c: Config, policy: Policy) -> jax.Array:
 def qkv(p: dict, x: jax.Array, c: Config, policy: Policy) -> tuple[jax.Array, jax.Array, jax.Array]:
     y = policy.einsum("BTD,DINH->BTINH", x, p["wqkv"]) + p["bqkv"]  # I indexes q, k, v
     return y[:, :, 0], y[:, :, 1], y[:, :, 2]
-
-
-def attention_options(p: dict, layer: int, c: Config) -> dict:
-    return {}
-
-
-def attention_out(p: dict, out: jax.Array, policy: Policy) -> jax.Array:
-    return policy.einsum("BTNH,NHD->BTD", out, p["wo"]) + p["bo"]
 
 
 def mlp_norm(p: dict, x: jax.Array, c: Config, policy: Policy) -> jax.Array:

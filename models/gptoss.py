@@ -118,20 +118,10 @@ def config_from_hf(hf: dict) -> Config:
 # --- weights ----------------------------------------------------------------------------------
 
 def declare(c: Config) -> dict:
-    D, F, N, K, H, E, V = (c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads,
-                           c.head_dim, c.num_experts, c.vocab_size)
+    D, F, N, E, V = c.hidden_size, c.intermediate_size, c.num_heads, c.num_experts, c.vocab_size
     layer = {
-        "attn_norm": Weight((D,), ("embed",), init="ones"),
-        "wq": Weight((D, N, H), ("embed", "heads", "head_dim"), contract=1),
-        "bq": Weight((N, H), ("heads", "head_dim"), init="zeros"),
-        "wk": Weight((D, K, H), ("embed", "kv_heads", "head_dim"), contract=1),
-        "bk": Weight((K, H), ("kv_heads", "head_dim"), init="zeros"),
-        "wv": Weight((D, K, H), ("embed", "kv_heads", "head_dim"), contract=1),
-        "bv": Weight((K, H), ("kv_heads", "head_dim"), init="zeros"),
-        "wo": Weight((N, H, D), ("heads", "head_dim", "embed"), contract=2),
-        "bo": Weight((D,), ("embed",), init="zeros"),
+        **llama.attention_weights(c, qkv_bias=True, out_bias=True),
         "sinks": Weight((N,), ("heads",), init="zeros"),  # one logit per query head
-        "mlp_norm": Weight((D,), ("embed",), init="ones"),
         "router_w": Weight((D, E), ("embed", None)),  # every shard routes every token
         "router_b": Weight((E,), (None,), init="zeros"),
         # contract=-1: int8 quantisation (precision.quantize) keeps one scale per expert and
@@ -431,9 +421,9 @@ def for_backend(params: dict, rules: Rules, backend) -> dict:
 
 # --- the decoder's pieces (models/decoder.py runs them) -----------------------------------------
 
-# As Llama's: the token embedding, RMSNorms, rotary q/k/v with biases.
+# As Llama's: the token embedding, RMSNorms, rotary q/k/v and the output projection with biases.
 rope, embed, attn_norm, qkv = llama.rope, llama.embed, llama.attn_norm, llama.qkv
-final_norm = llama.final_norm
+attention_out, final_norm = llama.attention_out, llama.final_norm
 
 
 def mlp_norm(p: dict, x: jax.Array, c: Config, policy: Policy) -> jax.Array:
@@ -445,10 +435,6 @@ def mlp_norm(p: dict, x: jax.Array, c: Config, policy: Policy) -> jax.Array:
 def attention_options(p: dict, layer: int, c: Config) -> dict:
     """The layer's window (scanned: its place in the period, as the windows repeat) and sinks."""
     return {"window": c.window(layer), "sinks": p["sinks"]}
-
-
-def attention_out(p: dict, out: jax.Array, policy: Policy) -> jax.Array:
-    return policy.einsum("BTNH,NHD->BTD", out, p["wo"]) + p["bo"]
 
 
 def mlp(p: dict, x: jax.Array, c: Config, rules: Rules, policy: Policy) -> jax.Array:
@@ -465,20 +451,14 @@ def unembedding(params: dict) -> Unembedding:
 def from_hf(tensors: dict[str, np.ndarray], c: Config) -> dict:
     """transformers' names; its fused experts.gate_up_proj [E, D, 2F] interleaves gate (even
     columns) and up (odd columns)."""
-    D, F, N, K, H, E = (c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads,
-                        c.head_dim, c.num_experts)
+    D, F, E = c.hidden_size, c.intermediate_size, c.num_experts
     t = tensors
     layers = []
     for i in range(c.num_layers):
-        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        m = f"model.layers.{i}.mlp."
         layers.append({
-            "attn_norm": t[f"model.layers.{i}.input_layernorm.weight"],
-            "wq": t[a + "q_proj.weight"].T.reshape(D, N, H), "bq": t[a + "q_proj.bias"].reshape(N, H),
-            "wk": t[a + "k_proj.weight"].T.reshape(D, K, H), "bk": t[a + "k_proj.bias"].reshape(K, H),
-            "wv": t[a + "v_proj.weight"].T.reshape(D, K, H), "bv": t[a + "v_proj.bias"].reshape(K, H),
-            "wo": t[a + "o_proj.weight"].T.reshape(N, H, D), "bo": t[a + "o_proj.bias"],
-            "sinks": t[a + "sinks"],
-            "mlp_norm": t[f"model.layers.{i}.post_attention_layernorm.weight"],
+            **llama.attention_from_hf(t, i, c, qkv_bias=True, out_bias=True),
+            "sinks": t[f"model.layers.{i}.self_attn.sinks"],
             "router_w": t[m + "router.weight"].T, "router_b": t[m + "router.bias"],
             "w_gate_up": t[m + "experts.gate_up_proj"].reshape(E, D, F, 2).transpose(0, 3, 2, 1),
             "b_gate_up": t[m + "experts.gate_up_proj_bias"].reshape(E, F, 2).transpose(0, 2, 1),

@@ -44,39 +44,35 @@ class Config:
         return Rope(self.head_dim, self.rope_theta, self.rope_scaling)
 
 
-def _preset(**kw: Any) -> Config:
-    return Config(**kw)
-
-
 PRESETS: dict[str, Config] = {
-    "tiny": _preset(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
-                    num_heads=4, num_kv_heads=2, head_dim=16, max_position=512),
-    "smollm2-135m": _preset(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-                            num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0,
-                            max_position=8192, tie_embeddings=True),
-    "smollm2-1.7b": _preset(vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_layers=24,
-                            num_heads=32, num_kv_heads=32, head_dim=64, rope_theta=130000.0,
-                            max_position=8192, tie_embeddings=True),
-    "llama2-7b": _preset(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32,
-                         num_heads=32, num_kv_heads=32, head_dim=128, rms_norm_eps=1e-5),
-    "llama3-8b": _preset(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
-                         num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
-                         max_position=8192),
-    "llama3.1-8b": _preset(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                           num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
-                           rope_theta=500000.0, max_position=131072,
-                           rope_scaling=(("factor", 8.0), ("high_freq_factor", 4.0),
-                                         ("low_freq_factor", 1.0),
-                                         ("original_max_position_embeddings", 8192),
-                                         ("rope_type", "llama3"))),
-    "qwen2.5-0.5b": _preset(vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                            num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64,
-                            rms_norm_eps=1e-6, rope_theta=1000000.0, max_position=32768,
-                            tie_embeddings=True, qkv_bias=True),
-    "qwen2.5-7b": _preset(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
-                          num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
-                          rms_norm_eps=1e-6, rope_theta=1000000.0, max_position=32768,
-                          qkv_bias=True),
+    "tiny": Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                   num_heads=4, num_kv_heads=2, head_dim=16, max_position=512),
+    "smollm2-135m": Config(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                           num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0,
+                           max_position=8192, tie_embeddings=True),
+    "smollm2-1.7b": Config(vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_layers=24,
+                           num_heads=32, num_kv_heads=32, head_dim=64, rope_theta=130000.0,
+                           max_position=8192, tie_embeddings=True),
+    "llama2-7b": Config(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32,
+                        num_heads=32, num_kv_heads=32, head_dim=128, rms_norm_eps=1e-5),
+    "llama3-8b": Config(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                        num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
+                        max_position=8192),
+    "llama3.1-8b": Config(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                          num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+                          rope_theta=500000.0, max_position=131072,
+                          rope_scaling=(("factor", 8.0), ("high_freq_factor", 4.0),
+                                        ("low_freq_factor", 1.0),
+                                        ("original_max_position_embeddings", 8192),
+                                        ("rope_type", "llama3"))),
+    "qwen2.5-0.5b": Config(vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                           num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64,
+                           rms_norm_eps=1e-6, rope_theta=1000000.0, max_position=32768,
+                           tie_embeddings=True, qkv_bias=True),
+    "qwen2.5-7b": Config(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                         num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
+                         rms_norm_eps=1e-6, rope_theta=1000000.0, max_position=32768,
+                         qkv_bias=True),
 }
 
 
@@ -111,30 +107,38 @@ def config_from_hf(hf: dict) -> Config:
 
 # --- weights ----------------------------------------------------------------------------------
 
-def declare(c: Config) -> dict:
-    D, F, N, K, H, V = (c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads,
-                        c.head_dim, c.vocab_size)
+def _bias(on: bool, shape: tuple, axes: tuple) -> Weight | None:
+    return Weight(shape, axes, init="zeros") if on else None
 
-    def bias(on: bool, shape: tuple, axes: tuple) -> Weight | None:
-        return Weight(shape, axes, init="zeros") if on else None
 
-    layer = {
+def attention_weights(c: Any, qkv_bias: bool, out_bias: bool) -> dict:
+    """A layer's attention weights and the norms before its two blocks, as Llama and GPT-OSS
+    declare them (c: either family's Config)."""
+    D, N, K, H = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+    return {
         "attn_norm": Weight((D,), ("embed",), init="ones"),
         "wq": Weight((D, N, H), ("embed", "heads", "head_dim"), contract=1),
         "wk": Weight((D, K, H), ("embed", "kv_heads", "head_dim"), contract=1),
         "wv": Weight((D, K, H), ("embed", "kv_heads", "head_dim"), contract=1),
-        "bq": bias(c.qkv_bias, (N, H), ("heads", "head_dim")),
-        "bk": bias(c.qkv_bias, (K, H), ("kv_heads", "head_dim")),
-        "bv": bias(c.qkv_bias, (K, H), ("kv_heads", "head_dim")),
+        "bq": _bias(qkv_bias, (N, H), ("heads", "head_dim")),
+        "bk": _bias(qkv_bias, (K, H), ("kv_heads", "head_dim")),
+        "bv": _bias(qkv_bias, (K, H), ("kv_heads", "head_dim")),
         "wo": Weight((N, H, D), ("heads", "head_dim", "embed"), contract=2),
-        "bo": bias(c.out_bias, (D,), ("embed",)),
+        "bo": _bias(out_bias, (D,), ("embed",)),
         "mlp_norm": Weight((D,), ("embed",), init="ones"),
+    }
+
+
+def declare(c: Config) -> dict:
+    D, F, V = c.hidden_size, c.intermediate_size, c.vocab_size
+    layer = {
+        **attention_weights(c, c.qkv_bias, c.out_bias),
         "w_gate": Weight((D, F), ("embed", "mlp"), contract=1),
         "w_up": Weight((D, F), ("embed", "mlp"), contract=1),
         "w_down": Weight((F, D), ("mlp", "embed"), contract=1),
-        "b_gate": bias(c.mlp_bias, (F,), ("mlp",)),
-        "b_up": bias(c.mlp_bias, (F,), ("mlp",)),
-        "b_down": bias(c.mlp_bias, (D,), ("embed",)),
+        "b_gate": _bias(c.mlp_bias, (F,), ("mlp",)),
+        "b_up": _bias(c.mlp_bias, (F,), ("mlp",)),
+        "b_down": _bias(c.mlp_bias, (D,), ("embed",)),
     }
     return {
         "embed": Weight((V, D), ("vocab", "embed"), contract=-1 if c.tie_embeddings else 0),  # [V, D]
@@ -199,36 +203,40 @@ def unembedding(params: dict) -> Unembedding:
 
 # --- checkpoint names -------------------------------------------------------------------------
 
-def from_hf(tensors: dict[str, np.ndarray], c: Config) -> dict:
-    """Maps transformers state-dict names (torch Linear weights are [out, in]) to `declare`'s tree."""
+def attention_from_hf(t: dict[str, np.ndarray], i: int, c: Any, qkv_bias: bool, out_bias: bool
+                      ) -> dict:
+    """Layer i's `attention_weights` from transformers' names (torch Linear weights are [out,
+    in]); a bias the config declares is read, and its absence is a missing tensor."""
     D, N, K, H = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+    a = f"model.layers.{i}.self_attn."
+    return {
+        "attn_norm": t[f"model.layers.{i}.input_layernorm.weight"],
+        "wq": t[a + "q_proj.weight"].T.reshape(D, N, H),
+        "wk": t[a + "k_proj.weight"].T.reshape(D, K, H),
+        "wv": t[a + "v_proj.weight"].T.reshape(D, K, H),
+        "bq": t[a + "q_proj.bias"].reshape(N, H) if qkv_bias else None,
+        "bk": t[a + "k_proj.bias"].reshape(K, H) if qkv_bias else None,
+        "bv": t[a + "v_proj.bias"].reshape(K, H) if qkv_bias else None,
+        "wo": t[a + "o_proj.weight"].T.reshape(N, H, D),
+        "bo": t[a + "o_proj.bias"] if out_bias else None,
+        "mlp_norm": t[f"model.layers.{i}.post_attention_layernorm.weight"],
+    }
+
+
+def from_hf(tensors: dict[str, np.ndarray], c: Config) -> dict:
+    """Maps transformers state-dict names to `declare`'s tree."""
     t = tensors
-
-    def opt(name: str, shape: tuple | None = None) -> np.ndarray | None:
-        if name not in t:
-            return None
-        return t[name] if shape is None else t[name].reshape(shape)
-
     layers = []
     for i in range(c.num_layers):
-        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        m = f"model.layers.{i}.mlp."
         layers.append({
-            "attn_norm": t[f"model.layers.{i}.input_layernorm.weight"],
-            "wq": t[a + "q_proj.weight"].T.reshape(D, N, H),
-            "wk": t[a + "k_proj.weight"].T.reshape(D, K, H),
-            "wv": t[a + "v_proj.weight"].T.reshape(D, K, H),
-            "bq": opt(a + "q_proj.bias", (N, H)) if c.qkv_bias else None,
-            "bk": opt(a + "k_proj.bias", (K, H)) if c.qkv_bias else None,
-            "bv": opt(a + "v_proj.bias", (K, H)) if c.qkv_bias else None,
-            "wo": t[a + "o_proj.weight"].T.reshape(N, H, D),
-            "bo": opt(a + "o_proj.bias") if c.out_bias else None,
-            "mlp_norm": t[f"model.layers.{i}.post_attention_layernorm.weight"],
+            **attention_from_hf(t, i, c, c.qkv_bias, c.out_bias),
             "w_gate": t[m + "gate_proj.weight"].T,
             "w_up": t[m + "up_proj.weight"].T,
             "w_down": t[m + "down_proj.weight"].T,
-            "b_gate": opt(m + "gate_proj.bias") if c.mlp_bias else None,
-            "b_up": opt(m + "up_proj.bias") if c.mlp_bias else None,
-            "b_down": opt(m + "down_proj.bias") if c.mlp_bias else None,
+            "b_gate": t[m + "gate_proj.bias"] if c.mlp_bias else None,
+            "b_up": t[m + "up_proj.bias"] if c.mlp_bias else None,
+            "b_down": t[m + "down_proj.bias"] if c.mlp_bias else None,
         })
     return {
         "embed": t["model.embed_tokens.weight"],
