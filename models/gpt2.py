@@ -94,6 +94,7 @@ def cache_spec(c: Config) -> tuple[tuple[int | None, ...], int, int]:
 # As Llama's: no attention options, the output projection with its bias.
 attention_options, attention_out = llama.attention_options, llama.attention_out
 
+
 def rope(c: Config) -> None:
     return None  # learned absolute positions, added in `embed`
 

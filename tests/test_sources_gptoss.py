@@ -181,7 +181,6 @@ def test_quantised_gpt_oss_folder_reads_as_transformers_loads_it(tmp_path):
     assert cfg["sliding_window"] == 8
     assert cfg["layer_types"] == ["sliding_attention", "full_attention"]
     assert cfg["quantization_config"]["quant_method"] == "mxfp4"
-    assert cfg["podrun_chat_template"] == "{{ messages }}"
     assert set(src.tokenizer_files) == {"chat_template.jinja", "tokenizer_config.json",
                                         "generation_config.json"}
 

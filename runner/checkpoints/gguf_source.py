@@ -90,9 +90,7 @@ def read_gguf(path: str) -> Source:
             cfg["rope_scaling"] = scaling
     for key, hf_key in (("ggml.bos_token_id", "bos_token_id"),
                         ("ggml.eos_token_id", "eos_token_id"),
-                        ("ggml.padding_token_id", "pad_token_id"),
-                        ("chat_template", "podrun_chat_template"),
-                        ("ggml.add_bos_token", "podrun_add_bos_token")):
+                        ("ggml.padding_token_id", "pad_token_id")):
         if (v := meta(f"tokenizer.{key}")) is not None:
             cfg[hf_key] = v
 

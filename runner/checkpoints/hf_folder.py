@@ -1,7 +1,7 @@
 """A Hugging Face model folder (config.json + safetensors, or pytorch_model.bin) read as a
-`Source`: every tensor under its HF name, the tokenizer files, and the chat template. MXFP4 expert
-weights (gpt-oss's `<name>_blocks` + `<name>_scales`) are dequantised under `<name>` (mxfp4.py),
-so quantised and unquantised folders read alike.
+`Source`: every tensor under its HF name, and the tokenizer files (the chat template among them).
+MXFP4 expert weights (gpt-oss's `<name>_blocks` + `<name>_scales`) are dequantised under `<name>`
+(mxfp4.py), so quantised and unquantised folders read alike.
 """
 
 from __future__ import annotations
@@ -51,8 +51,6 @@ def read_hf_folder(path: str, *, expert_dtype: str = "bfloat16") -> Source:
         if os.path.isfile(p := os.path.join(path, name)):
             with open(p, "rb") as f:
                 files[name] = f.read()
-    if (template := _hf_chat_template(files, path)) is not None:
-        config["podrun_chat_template"] = template
     return Source(config["model_type"], config, tensors, files)
 
 
@@ -125,14 +123,3 @@ def _read_torch_bin(path: str) -> dict[str, np.ndarray]:
                    if t.dtype == torch.bfloat16 else _float(t.contiguous().numpy()))
             for name, t in state.items()}
 
-
-def _hf_chat_template(files: dict[str, bytes], path: str) -> str | None:
-    if "chat_template.jinja" in files:
-        return files["chat_template.jinja"].decode("utf-8")
-    if "tokenizer_config.json" not in files:
-        return None
-    template = _read_json(os.path.join(path, "tokenizer_config.json")).get("chat_template")
-    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-        named = {t["name"]: t["template"] for t in template}
-        template = named.get("default", next(iter(named.values()), None))
-    return template

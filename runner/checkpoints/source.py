@@ -20,7 +20,7 @@ class SourceError(ValueError):
 @dataclasses.dataclass
 class Source:
     model_type: str  # HF model_type: "llama", "qwen2", "gpt2"
-    config: dict  # HF config.json keys, plus podrun_chat_template / podrun_add_bos_token
+    config: dict  # HF config.json keys
     tensors: dict[str, np.ndarray]  # HF state-dict name -> array (float32, float16 or bfloat16)
     tokenizer_files: dict[str, bytes]  # file name -> contents, to copy next to the checkpoint
     gguf_path: str | None = None  # the .gguf file, when the source is one
