@@ -14,6 +14,7 @@ import time
 import jax
 from absl import flags
 from etils import epath
+from ml_collections import config_flags
 
 from runner.log import quiet
 from runner.results.parts import part_path
@@ -100,16 +101,28 @@ def interrupted(s, tool: str = "podrun") -> str:
             "from them")
 
 
-def read_config(flag, tool: str):
-    """The --config flag's ConfigDict (None when not given). ml_collections defers a config file's
-    load error to the first attribute read, as a multi-line OSError: here it is one line."""
+def config_flag():
+    """A command's --config flag: a deployment's config file, locked, so that an override of a
+    key it lacks is an error."""
+    return config_flags.DEFINE_config_file("config", None, "deployment config file", lock_config=True)
+
+
+def read_config(argv: list[str], config, tool: str, also: str = "", given: bool = True):
+    """The --config flag's ConfigDict (its `.value`) for a command that takes no positional
+    arguments: one line and exit when absl left some in `argv`, or when --config (or the flag
+    `also` names, where not `given`) is missing. ml_collections defers a config file's load
+    error to the first attribute read, as a multi-line OSError: here it is one line too."""
+    if len(argv) > 1:
+        sys.exit(f"{tool}: error: unexpected arguments {argv[1:]}")
     try:
-        config = flag.value
         if config is not None:
             config.get("checkpoint")
     except OSError as e:
         lines = [x.strip() for x in str(e).splitlines() if x.strip()]
         sys.exit(f"{tool}: error: --config: {lines[-1] if lines else e}")
+    if config is None or not given:
+        needed = "--config=configs/<deployment>.py" + (f" and {also} are" if also else " is")
+        sys.exit(f"{tool}: error: {needed} required")
     return config
 
 

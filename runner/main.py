@@ -10,23 +10,19 @@ import sys
 
 import jax
 from absl import app
-from ml_collections import config_flags
 
 from runner import job, log
-from runner.cli import DistributedError, cache_counts, interrupted, parse_flags, read_config, setup_devices
+from runner.cli import (DistributedError, cache_counts, config_flag, interrupted, parse_flags, read_config,
+                        setup_devices)
 from runner.errors import USER_ERRORS
 from runner.settings import from_config
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "deployment config file", lock_config=True)
+_CONFIG = config_flag()
 INTERRUPTED = 130  # a shell's status for a command that SIGINT ended (128 + 2)
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        sys.exit(f"podrun: error: unexpected arguments {argv[1:]}")
-    config = read_config(_CONFIG, "podrun")
-    if config is None:
-        sys.exit("podrun: error: --config=configs/<deployment>.py is required")
+    config = read_config(argv, _CONFIG.value, "podrun")
     read: list = []  # the job's settings, once read: what an interruption reports on
     try:
         return answer(config, read)

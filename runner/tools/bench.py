@@ -59,7 +59,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
-from ml_collections import config_flags
 
 from models import quant, weights
 from models.kernels import cpu
@@ -69,7 +68,7 @@ from models.weights import check_divisible, is_lookup_table, is_weight
 from runner import job, log
 from runner.checkpoints import store
 from runner.checkpoints.load import load_model
-from runner.cli import parse_flags, read_config, setup_devices
+from runner.cli import config_flag, parse_flags, read_config, setup_devices
 from runner.engine import Completion, Engine, Request, Scheduler, Stats, hugepages
 from runner.errors import USER_ERRORS
 from runner.settings import Settings, from_config
@@ -78,8 +77,7 @@ from sharding.mesh import make_mesh
 from sharding.rules import Rules
 
 if __name__ == "__main__":  # flags of this command only, so the module can be imported
-    _CONFIG = config_flags.DEFINE_config_file("config", None, "deployment config file",
-                                              lock_config=True)
+    _CONFIG = config_flag()
     _BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "8"], "batch sizes to measure")
     _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 128, "prompt length (tokens)")
     _PROMPT_LENS = flags.DEFINE_list("prompt_lens", [], "several prompt lengths (replaces --prompt_len)")
@@ -312,10 +310,7 @@ def tool_config(tool: str, args: Sequence[str], c):
     device (mesh.num_cpu_devices = mesh.data = 1) unless the command line sets either. The tools
     measure the one-device kernels, and a batch of 1 over the configs' eight simulated devices
     runs several times slower."""
-    if len(args) > 1:
-        sys.exit(f"{tool}: error: unexpected arguments {list(args[1:])}")
-    if c is None:
-        sys.exit(f"{tool}: error: --config=configs/<deployment>.py is required")
+    c = read_config(list(args), c, tool)
     given = {a.split("=")[0].removeprefix("--config.") for a in sys.argv[1:]}
     if not {"mesh.num_cpu_devices", "mesh.data"} & given:
         c.mesh.num_cpu_devices, c.mesh.data = 1, 1
@@ -539,11 +534,7 @@ def _ints(values: Sequence[str], flag: str) -> tuple[int, ...]:
 
 def main(argv: list[str]) -> None:
     logging.set_verbosity(logging.WARNING)
-    if len(argv) > 1:
-        sys.exit(f"podrun bench: error: unexpected arguments {argv[1:]}")
-    config = read_config(_CONFIG, "podrun bench")
-    if config is None:
-        sys.exit("podrun bench: error: --config=configs/<deployment>.py is required")
+    config = read_config(argv, _CONFIG.value, "podrun bench")
     started = time.perf_counter()
     config_args = [a for a in sys.argv[1:] if a.startswith("--config")]
     try:

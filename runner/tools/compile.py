@@ -32,10 +32,10 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # topology description
 import jax
 from absl import app
 from jax.experimental import topologies
-from ml_collections import config_flags
 
 from models.registry import Model
 from runner.checkpoints.store import flatten
+from runner.cli import config_flag
 from runner.engine import Engine
 from runner.engine.build import build_engine
 from runner.settings import Settings, from_config
@@ -44,7 +44,7 @@ from sharding.mesh import make_mesh
 from sharding.rules import Rules
 
 if __name__ == "__main__":  # a flag of this command only, so the module can be imported
-    _CONFIG = config_flags.DEFINE_config_file("config", None, "deployment config file", lock_config=True)
+    _CONFIG = config_flag()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,7 +26,6 @@ import json
 import sys
 
 from absl import app, flags
-from ml_collections import config_flags
 
 try:
     from lm_eval import simple_evaluate, utils
@@ -35,6 +34,7 @@ try:
 except ImportError as e:  # an optional dependency: say which, and how to get it
     raise ImportError(f"runner.tools.eval needs lm-eval ({e}): pip install lm-eval") from e
 
+from runner.cli import config_flag, read_config
 from runner.errors import USER_ERRORS
 from runner.generator import Generator
 
@@ -118,8 +118,7 @@ class PodrunLM(TemplateLM):
 
 
 if __name__ == "__main__":  # flags of this command only, so that the module can be imported
-    _CONFIG = config_flags.DEFINE_config_file("config", None, "deployment config file",
-                                              lock_config=True)
+    _CONFIG = config_flag()
     flags.DEFINE_list("tasks", None, "lm-eval task names (from --include_path or lm-eval's own)")
     flags.DEFINE_string("include_path", None, "a folder of task YAMLs")
     flags.DEFINE_integer("limit", None, "at most this many examples a task")
@@ -128,12 +127,9 @@ FLAGS = flags.FLAGS
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        sys.exit(f"podrun eval: error: unexpected arguments {argv[1:]}")
-    if _CONFIG.value is None or not FLAGS.tasks:
-        sys.exit("podrun eval: error: --config=configs/<deployment>.py and --tasks are required")
+    config = read_config(argv, _CONFIG.value, "podrun eval", "--tasks", bool(FLAGS.tasks))
     try:
-        lm = PodrunLM(Generator(_CONFIG.value))
+        lm = PodrunLM(Generator(config))
     except (*USER_ERRORS, ValueError) as e:
         sys.exit(f"podrun eval: error: {e}")
     results = simple_evaluate(model=lm, tasks=FLAGS.tasks, limit=FLAGS.limit,

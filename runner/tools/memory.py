@@ -18,18 +18,18 @@ import sys
 import jax
 import numpy as np
 from absl import app, flags
-from ml_collections import config_flags
 
 from models import quant
 from models.registry import Model
 from models.weights import check_divisible, is_weight
+from runner.cli import config_flag
 from runner.engine.engine import Pools, size_pools
 from runner.settings import Settings, from_config
 from sharding.mesh import abstract_mesh
 from sharding.rules import Rules
 
 if __name__ == "__main__":  # a flag of this command only, so the module can be imported
-    _CONFIG = config_flags.DEFINE_config_file("config", None, "deployment config file", lock_config=True)
+    _CONFIG = config_flag()
     _MEAN_TOKENS = flags.DEFINE_integer(
         "mean_tokens", 0, "also report the rows the KV memory admits when requests hold this many "
         "tokens (prompt and generated) on average; 0: not shown")

@@ -18,15 +18,14 @@ import sys
 import time
 
 from absl import app, flags
-from ml_collections import config_flags
 
-from runner.cli import parse_flags, read_config
+from runner.cli import config_flag, parse_flags, read_config
 from runner.errors import USER_ERRORS
 from runner.results import parts
 from runner.settings import from_config
 
 if __name__ == "__main__":  # flags of this command only, so the module can be imported
-    _CONFIG = config_flags.DEFINE_config_file("config", None, "deployment config file", lock_config=True)
+    _CONFIG = config_flag()
     _STATUS = flags.DEFINE_bool("status", False, "print where each part stands instead of merging")
 
 
@@ -69,11 +68,7 @@ def describe(output: str, states: list[parts.State], now: float | None = None) -
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        sys.exit(f"podrun merge: error: unexpected arguments {argv[1:]}")
-    config = read_config(_CONFIG, "podrun merge")
-    if config is None:
-        sys.exit("podrun merge: error: --config=configs/<deployment>.py is required")
+    config = read_config(argv, _CONFIG.value, "podrun merge")
     try:
         s = from_config(config)
         if s.parts < 2:

@@ -22,18 +22,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
-from ml_collections import config_flags
 
 from models.decoder import Output
 from runner.checkpoints.load import load_model
-from runner.cli import parse_flags, read_config, setup_devices
+from runner.cli import config_flag, parse_flags, read_config, setup_devices
 from runner.errors import USER_ERRORS
 from runner.settings import Settings, from_config
 from runner.text.tokenizer import load_tokenizer
 
 if __name__ == "__main__":
-    _CONFIG = config_flags.DEFINE_config_file("config", None, "deployment config file",
-                                              lock_config=True)
+    _CONFIG = config_flag()
     _TEXT = flags.DEFINE_string("text", None, "a UTF-8 text file")
     _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 8192, "tokens of the text to score")
     _WINDOW = flags.DEFINE_integer("window", 512, "tokens per window (the context of a prediction)")
@@ -112,11 +110,7 @@ def nll(s: Settings, meta, rules, params, win: np.ndarray, chunk: int = 0) -> tu
 
 def main(argv: list[str]) -> None:
     logging.set_verbosity(logging.WARNING)
-    if len(argv) > 1:
-        sys.exit(f"podrun perplexity: error: unexpected arguments {argv[1:]}")
-    config = read_config(_CONFIG, "podrun perplexity")
-    if config is None or not _TEXT.value:
-        sys.exit("podrun perplexity: error: --config=<deployment>.py and --text=<file> are required")
+    config = read_config(argv, _CONFIG.value, "podrun perplexity", "--text=<file>", bool(_TEXT.value))
     try:
         s = from_config(config)
         try:

@@ -44,13 +44,12 @@ from typing import Any
 import jax
 import numpy as np
 from absl import app, flags
-from ml_collections import config_flags
 
 from models.registry import Model
 from runner.api import formats
 from runner.api.common import read_lines
 from runner.checkpoints.load import open_checkpoint, restore
-from runner.cli import parse_flags, read_config, setup_devices
+from runner.cli import config_flag, parse_flags, read_config, setup_devices
 from runner.engine import Engine, Request, Scheduler
 from runner.engine.build import build_engine
 from runner.engine.engine import Layout, Program
@@ -74,7 +73,7 @@ from runner.tools.simulate import (
 )
 
 if __name__ == "__main__":  # flags of this command only, so the module can be imported
-    _CONFIG = config_flags.DEFINE_config_file("config", None, "deployment config file", lock_config=True)
+    _CONFIG = config_flag()
     _COMPLETION_TOKENS = flags.DEFINE_integer(
         "completion_tokens", 0, "assume each sample's completion is this many tokens (at most its "
         "max_tokens); 0: its max_tokens")
@@ -555,11 +554,7 @@ def _process_age() -> float:
 
 def main(argv: list[str]) -> None:
     started = _process_age()
-    if len(argv) > 1:
-        sys.exit(f"podrun plan: error: unexpected arguments {argv[1:]}")
-    config = read_config(_CONFIG, "podrun plan")
-    if config is None:
-        sys.exit("podrun plan: error: --config=configs/<deployment>.py is required")
+    config = read_config(argv, _CONFIG.value, "podrun plan")
     if _COMPLETION_FROM.value and _COMPLETION_TOKENS.value:
         sys.exit("podrun plan: error: give --completion_from or --completion_tokens, not both")
     try:
