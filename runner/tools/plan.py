@@ -55,22 +55,13 @@ from runner.engine.build import build_engine
 from runner.engine.engine import Layout, Program
 from runner.engine.sampling import CANDIDATES
 from runner.errors import USER_ERRORS
-
 from runner.settings import Settings, from_config
 from runner.text.tokenizer import load_tokenizer, read_chat_template
 from runner.tools.bench import random_weights
 from runner.tools.memory import describe, footprint
+from runner.tools.simulate import Costs, Outcome, Spread, lengths_from, nearest, read_results, simulate
 from sharding.mesh import make_mesh
 from sharding.rules import Rules
-from runner.tools.simulate import (
-    Costs,
-    Outcome,
-    Spread,
-    lengths_from,
-    nearest,
-    read_results,
-    simulate,
-)
 
 if __name__ == "__main__":  # flags of this command only, so the module can be imported
     _CONFIG = config_flag()
