@@ -344,8 +344,8 @@ def _moe_shard(x, normed, expert, weight, w, norm, *, c: Config, policy: Policy,
         elif kernel is None:  # XLA folds the transpose into its products
             w = dict(w, w_down=jnp.swapaxes(w.pop("w_down_rows"), 1, 2))
     x = (x if kernel is not None else normed).reshape(B * T, D)
-    local = local.reshape(B * T, -1)
-    weight = weight.reshape(B * T, -1)
+    local, mine, weight = (a.reshape(B * T, -1) for a in (local, mine, weight))
+    elsewhere = jnp.where(mine, local, E)  # E: the expert lives on another shard
     # the mean load of an expert: the assignments over all experts, not this shard's E
     small = min(B * T, max(1, math.ceil(c.capacity_factor * local.size / c.num_experts)))
     # Gathering weights per assignment wins only while the assignments touch a small share of
@@ -353,19 +353,15 @@ def _moe_shard(x, normed, expert, weight, w, norm, *, c: Config, policy: Policy,
     # densely and jax.lax.ragged_dot (docs/benchmarks/ has the measurements), and the experts
     # kernel beats grouping in XLA where it runs.
     if 4 * local.size <= E:
-        y = _experts_gathered(x, jnp.where(mine.reshape(local.shape), local, 0), weight, w, scales,
-                              c, policy)
+        y = _experts_gathered(x, jnp.where(mine, local, 0), weight, w, scales, c, policy)
     elif kernel is not None:
-        y = _experts_fused(x, norm, jnp.where(mine.reshape(local.shape), local, E), weight, w, c,
-                           small, kernel)
+        y = _experts_fused(x, norm, elsewhere, weight, w, c, small, kernel)
     elif gmm is not None:
-        y = experts_ragged(x, jnp.where(mine.reshape(local.shape), local, E), weight, w, scales, c,
-                           gmm)
+        y = experts_ragged(x, elsewhere, weight, w, scales, c, gmm)
     else:
-        local = jnp.where(mine.reshape(local.shape), local, E)
-        counts = jnp.bincount(local.reshape(-1), length=E + 1)[:E]
-        dense = partial(_experts_dense, x, local, weight, w, scales, c, policy)
-        grouped = partial(_experts_grouped, x, local, weight, w, scales, c, policy, small)
+        counts = jnp.bincount(elsewhere.reshape(-1), length=E + 1)[:E]
+        dense = partial(_experts_dense, x, elsewhere, weight, w, scales, c, policy)
+        grouped = partial(_experts_grouped, x, elsewhere, weight, w, scales, c, policy, small)
         # exact either way: the small buckets when they hold every assignment
         y = dense() if small >= B * T else jax.lax.cond(jnp.max(counts) <= small, grouped, dense)
     axes = tuple(expert_axes) + tuple(model_axes)

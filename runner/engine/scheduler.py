@@ -234,14 +234,8 @@ class Scheduler:
                  ) -> list[tuple[int, list[Completion]]]:
         """Every sample not yet ended, ended with the tokens it has (none, for one never
         admitted) and finish_reason `reason`; their rows and pages freed."""
-        def unstarted(i: int, k: int) -> Sample:  # what a sample never admitted has: nothing
-            r = self.requests[i]
-            return Sample(i, k, [], now, now, logprobs=[] if r.logprobs else None,
-                          prompt_logprobs=[None] * (len(r.prompt) - 1) if r.prompt_logprobs
-                          else None)
-
         samples = [s.live for group in rows for s in group if s] + [
-            x or unstarted(i, k) for i, k, x in waiting]
+            x or self._new_sample(i, k, now, now) for i, k, x in waiting]
         for group in rows:
             for r, s in enumerate(group):
                 if s is not None:
@@ -251,17 +245,29 @@ class Scheduler:
         waiting.clear()
         ended = []
         for x in sorted(samples, key=lambda x: (x.index, x.sample)):
-            done = self._ended.setdefault(x.index, {})
-            done[x.sample] = Completion(
+            self._end(x, Completion(
                 x.tokens, reason, ttft_s=max(0.0, x.first_s - x.queued_s) if x.tokens else 0.0,
                 decode_s=now - x.first_s if x.tokens else 0.0, logprobs=x.logprobs,
                 prompt_logprobs=x.prompt_logprobs,
-                incomplete_format=x.walk is not None and not x.walk.complete)
-            if len(done) == self.requests[x.index].n:
-                del self._ended[x.index]
-                ended.append((x.index, [done[k] for k in range(self.requests[x.index].n)]))
+                incomplete_format=x.walk is not None and not x.walk.complete), ended)
         self.stats.completion_tokens += sum(len(c.token_ids) for _, cs in ended for c in cs)
         return ended
+
+    def _end(self, x: Sample, completion: Completion, ended: list) -> None:
+        """Keeps a sample's completion; once every sample of its request has one, the request
+        goes into `ended` with them, in sample order."""
+        done, n = self._ended.setdefault(x.index, {}), self.requests[x.index].n
+        done[x.sample] = completion
+        if len(done) == n:
+            del self._ended[x.index]
+            ended.append((x.index, [done[k] for k in range(n)]))
+
+    def _new_sample(self, i: int, k: int, queued_s: float, first_s: float, walk=None) -> Sample:
+        """Sample k of request i before its first token, with room for the log-probabilities
+        it asks for."""
+        r = self.requests[i]
+        return Sample(i, k, [], queued_s, first_s, walk=walk, logprobs=[] if r.logprobs else None,
+                      prompt_logprobs=[None] * (len(r.prompt) - 1) if r.prompt_logprobs else None)
 
     def _admit(self, entry: tuple[int, int, Sample | None], g: int, order: int,
                now: float) -> _Seq | None:
@@ -269,9 +275,7 @@ class Scheduler:
         pool has pages for the rest of its prompt and one token; else None (nothing taken)."""
         i, k, prior = entry
         r, pool = self.requests[i], self.pools[g]
-        x = prior or Sample(i, k, [], now, 0.0, walk=r.constraint.start() if r.constraint else None,
-                           logprobs=[] if r.logprobs else None,
-                           prompt_logprobs=[None] * (len(r.prompt) - 1) if r.prompt_logprobs else None)
+        x = prior or self._new_sample(i, k, now, 0.0, r.constraint.start() if r.constraint else None)
         if prior is None:
             self.stats.prompt_tokens += len(r.prompt)
         tokens = list(r.prompt) + x.tokens
@@ -400,11 +404,7 @@ class Scheduler:
         for table in s.tables:
             table.release()
         group[r] = None
-        done = self._ended.setdefault(x.index, {})
-        done[x.sample] = completion
-        if len(done) == request.n:
-            del self._ended[x.index]
-            ended.append((x.index, [done[k] for k in range(request.n)]))
+        self._end(x, completion, ended)
 
 
 def generate(engine: Runner, requests: Sequence[Request], stop_ids: Sequence[int] = (),
