@@ -99,12 +99,7 @@ class PagePool:
 
     def matchable(self, names: Sequence[bytes]) -> int:
         """How many of `names` from the start `match` would find, holding nothing."""
-        n = 0
-        for d in names:
-            if d not in self._named:
-                break
-            n += 1
-        return n
+        return next((n for n, d in enumerate(names) if d not in self._named), len(names))
 
     def holds_all(self, names: Sequence[bytes]) -> bool:
         return all(d in self._named for d in names)
