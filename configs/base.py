@@ -42,11 +42,15 @@ def base_config() -> ConfigDict:
         # per output channel) | int4 (groups of 32 with a float16 scale and minimum, as GGUF's
         # Q4_1; the embedding, unembedding and GPT-OSS's experts stay int8).
         "quantize": "none",
-        # Under int4 on a CPU with AVX-512 BF16: the products of 4 rows or more (every step of a
-        # batch of 4 rows or more, prompts' chunks included) round x and the weights to bfloat16
-        # and sum in float32, at twice float32's multiply-adds ("float32": exact products; fewer
-        # rows and other CPUs always are).
+        # Under int4 on a CPU with AVX-512 BF16: the products round x and the weights to bfloat16
+        # and sum in float32, at twice float32's multiply-adds ("float32": exact products; other
+        # CPUs always are). Without batch_invariant, only those of 4 rows or more.
         "int4_activations": "bfloat16",
+        # A request's logits (so its tokens, greedy or seeded) the same bits whatever requests
+        # share its steps and whichever program runs them (docs/batch-invariance.md says where
+        # this holds). False: each row count takes its fastest kernel, and a token may change
+        # with the rows beside it.
+        "batch_invariant": True,
     })
     # Which kernels run, resolved once per mesh by models/backend.py (none of them changes results).
     c.kernels = ConfigDict({

@@ -39,6 +39,10 @@ class Backend:
     # From this many rows on, the int4 product rounds x and W to bfloat16 (AVX-512 BF16, with
     # precision.int4_activations=bfloat16); 0: float32 whatever the rows
     int4_bf16_rows: int = 0
+    # Batch invariance (precision.batch_invariant): the product and norm kernels take a step's
+    # rows whatever their number, and int4's products round to bfloat16 from one row, so that a
+    # row's numbers are the same bits whatever runs beside it (docs/batch-invariance.md)
+    any_rows: bool = False
     attention_kernel: bool = False  # attention over the page pools
     panels: bool = False  # float32 projections held in column panels (models/panels.py)
     int8_screen: bool = False  # greedy tokens through an int8 screen of a float32 unembedding
@@ -71,8 +75,11 @@ class Backend:
             on = policy.kernels and cpu.available()
             alone = on and rules.mesh.size == 1
             f32 = policy.dtype.name == "float32" and policy.params == "float32"
+            invariant = on and policy.batch_invariant
             bf16_rows = cpu.bf16_rows() if on and policy.int4_activations == "bfloat16" else 0
+            bf16_rows = min(bf16_rows, 1) if invariant else bf16_rows
             return cls(platform, product_kernel=alone, quant_kernels=on, int4_bf16_rows=bf16_rows,
+                       any_rows=invariant,
                        attention_kernel=on and unsplit_cache,
                        panels=alone and policy.panel_weights and f32 and policy.quantize == "none",
                        int8_screen=alone and policy.greedy_screen and policy.dtype.name == "float32",
@@ -89,15 +96,21 @@ class Backend:
     def compiler_options(self) -> dict[str, Any] | None:
         """XLA options for the engine's programs. On CPU, region analysis in copy insertion: a layer's
         cache is read (attention) and then written in place, and without it XLA:CPU copies the
-        whole cache on every step."""
-        return {"xla_cpu_copy_insertion_use_region_analysis": True} if self.platform == "cpu" else None
+        whole cache on every step. Batch invariant, no YNNPACK fusions: XLA:CPU hands some
+        reductions to YNNPACK by their shape (a softmax's sum over the vocabulary of one row, not
+        of three), which sums in another order."""
+        if self.platform != "cpu":
+            return None
+        return {"xla_cpu_copy_insertion_use_region_analysis": True,
+                **({"xla_cpu_experimental_ynn_fusion_type": ""} if self.any_rows else {})}
 
     # --- the kernel of each operation, or None for XLA's ------------------------------------------
 
     def matmul_f32(self, rows: int, x: jax.Array, w: jax.Array) -> Callable | None:
         """A projection's product, x [rows, C] by w (models/kernels/cpu.matmul_f32): float32, up
-        to PRODUCT_KERNEL_ROWS rows, on one CPU device."""
-        if self.product_kernel and rows <= PRODUCT_KERNEL_ROWS and x.dtype == w.dtype == jnp.float32:
+        to PRODUCT_KERNEL_ROWS rows (any, batch invariant), on one CPU device."""
+        if self.product_kernel and (rows <= PRODUCT_KERNEL_ROWS or self.any_rows) \
+                and x.dtype == w.dtype == jnp.float32:
             return cpu.matmul_f32
         return None
 

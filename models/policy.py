@@ -32,6 +32,10 @@ class Policy:
     # step, a prompt's chunk: models/backend.Backend.int4_bf16_rows): "bfloat16" on a CPU with
     # AVX-512 BF16 runs those products at twice float32's multiply-adds; "float32" keeps them exact.
     int4_activations: str = "bfloat16"
+    # A row's logits the same bits whatever rows share its step, in whichever program
+    # (docs/batch-invariance.md): the CPU kernels take every row count. Off: the fastest kernel
+    # for each row count.
+    batch_invariant: bool = True
     # The kernel switches (models/backend.py says what each gives on which platform):
     kernels: bool = True  # podrun's own kernels (models/kernels) where they apply, else XLA's
     # NVIDIA GPUs: attention over the page pools in Pallas (Triton, models/kernels/gpu.py), each

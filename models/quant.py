@@ -241,10 +241,10 @@ def lookup(table: Any, tokens: jax.Array) -> jax.Array:
     return table[tokens]
 
 
-# From these many rows of x on (a prefill's tokens), the CPU's product is XLA's dot of the weight
-# dequantised to float32 once per call. The kernel dequantises in registers for every few rows,
-# which pays while the weights' bytes bound the product (decode steps) and once arithmetic does
-# costs more than XLA's dot; the dequantised copies cost a fixed time per call, which small
+# Without batch invariance (Backend.any_rows), from these many rows of x on (a prefill's tokens),
+# the CPU's product is XLA's dot of the weight dequantised to float32 once per call. The kernel
+# dequantises in registers for every few rows, which pays while the weights' bytes bound the
+# product (decode steps) and once arithmetic does costs more than XLA's dot; the dequantised copies cost a fixed time per call, which small
 # prefills (a prompt or two) do not win back. Not for int4 products in bfloat16
 # (Backend.int4_bf16_rows), which run at twice float32's multiply-adds and beat XLA's dot at any
 # row count.
@@ -301,7 +301,8 @@ def matmul(x: jax.Array, w: QWeight | Q4Weight, n_contract: int, precision: Any,
         lf, lo = x.shape[: len(free)], q.shape[: len(out)]
         rows, n = math.prod(lf), math.prod(lo)
         x2 = x.reshape(rows, -1)
-        if rows >= (XLA_ROWS_INT4 if int4 else XLA_ROWS_INT8) and not (int4 and backend.int4_bf16_rows):
+        if rows >= (XLA_ROWS_INT4 if int4 else XLA_ROWS_INT8) and not backend.any_rows \
+                and not (int4 and backend.int4_bf16_rows):
             y = _dequantized_dot(x2, q.reshape(n, -1), *(s.reshape(n, -1) for s in scales))
         elif int4:
             y = kernel(x2, q.reshape(n, -1), *(s.reshape(n, -1) for s in scales))

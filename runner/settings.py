@@ -81,6 +81,7 @@ class Settings:
 # the engine, its kernels or programs (each gives the same results), nor where files are.
 RESULT_KEYS = ("checkpoint.path", "checkpoint.chat_template", "precision.params", "precision.activations",
                "precision.kv_cache", "precision.matmul", "precision.quantize", "precision.int4_activations",
+               "precision.batch_invariant",
                "generation.max_prompt_len",
                "generation.max_new_tokens", "generation.stop", "generation.stop_token_ids",
                "generation.reasoning_effort", "sampling.temperature", "sampling.top_k", "sampling.top_p",
@@ -187,7 +188,7 @@ def from_config(c: ConfigDict, checkpoint: bool = True) -> Settings:
         compilation_cache_dir=_path(c.compilation_cache.dir),
         policy=Policy(params=p.params, activations=p.activations, kv_cache=p.kv_cache,
                       matmul=p.matmul, quantize=p.quantize, int4_activations=p.int4_activations,
-                      kernels=bool(k.enabled),
+                      batch_invariant=bool(p.batch_invariant), kernels=bool(k.enabled),
                       pallas_attention=bool(k.pallas_attention), pallas_moe=bool(k.pallas_moe),
                       greedy_screen=bool(k.greedy_screen), panel_weights=bool(k.panel_weights),
                       fuse_projections=bool(prog.fuse_projections), scan_layers=bool(prog.scan_layers),

@@ -21,12 +21,13 @@ VOCAB = 128
 
 def tiny_hf(kind: str, seed: int = 0, std: float = 0.3, **overrides):
     """A random transformers model (eval mode) with weights noisy enough for decisive greedy picks;
-    `overrides` change its config (num_hidden_layers=4, ...)."""
-    if overrides and kind != "gptoss":
-        raise ValueError(f"config overrides are for gptoss, not {kind}")
+    `overrides` change its config (num_hidden_layers=4, vocab_size=..., ...; not GPT-2's)."""
+    if overrides and kind == "gpt2":
+        raise ValueError("config overrides are not for gpt2")
     torch.manual_seed(seed)
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256)
+    common = {**dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                     num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256),
+              **({} if kind == "gptoss" else overrides)}
     if kind == "llama":
         cfg = transformers.LlamaConfig(**common, tie_word_embeddings=False)
         m = transformers.LlamaForCausalLM(cfg)

@@ -5,9 +5,11 @@ groups of 32 along the contraction, step (max - min) x float32(1 / 15) and minim
 (GGUF's Q4_1)."""
 
 import copy
+import itertools
 
 import jax
 import jax.numpy as jnp
+
 import numpy as np
 import pytest
 import torch
@@ -59,10 +61,9 @@ def _bfloat16(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("M", [1, 2, 3, 5, 8, 13, 16, 40, 263])
 def test_int4_kernel_matches_numpy(M):
-    """x . W^T for W in numpy's int4 groups, every row count's path (one row: the nibbles times x,
-    then each group's scale; more: the weights made in registers and shared by the rows; from
-    cpu.bf16_rows() rows on, where the CPU has AVX-512 BF16: x and the weights, made in float32,
-    rounded to bfloat16, their products summed in float32)."""
+    """x . W^T for W in numpy's int4 groups, every row count's path (the weights made in
+    registers and shared by the rows; from bf16_rows rows on, where the CPU has AVX-512 BF16: x
+    and the weights, made in float32, rounded to bfloat16, their products summed in float32)."""
     rng = np.random.default_rng(M)
     for N, K in [(1, 32), (7, 96), (37, 576), (192, 64), (300, 1536)]:
         x = rng.standard_normal((M, K)).astype(np.float32)
@@ -71,7 +72,7 @@ def test_int4_kernel_matches_numpy(M):
         deq = np_dequantize_int4(q, d, m)
         assert 0.02 < np.abs(deq - w).max() / np.abs(w).max() < 0.1  # 4 bits, really
         exact = x.astype(np.float64) @ deq.T
-        for bf16_rows in {0, cpu.bf16_rows()}:
+        for bf16_rows in {0, min(cpu.bf16_rows(), 1), cpu.bf16_rows()}:
             want = exact
             if 0 < bf16_rows <= M:
                 want = np_bfloat16(x) @ np_bfloat16(deq.astype(np.float32)).T
@@ -147,9 +148,10 @@ def test_int4_refuses_shards_that_split_its_groups():
 
 @pytest.mark.parametrize("how", ["int4", "int8"])
 def test_prefill_sized_products_match_numpy(how):
-    """From quant.XLA_ROWS_* rows of x on, the CPU takes XLA's dot of the dequantised weight in
-    place of the kernel (except for int4 products in bfloat16, which stay the kernel's): both
-    sides of the switch against numpy's weights."""
+    """Without batch invariance, from quant.XLA_ROWS_* rows of x on, the CPU takes XLA's dot of
+    the dequantised weight in place of the kernel (except for int4 products in bfloat16, which
+    stay the kernel's); batch invariant, the kernel at every row count: both sides of the switch
+    against numpy's weights."""
     from models.weights import Weight
 
     rules = rules_for("1dev")
@@ -164,11 +166,15 @@ def test_prefill_sized_products_match_numpy(how):
         q, scale = np_quantize(w.T)
         deq = q.astype(np.float64) * scale[:, None]
     switch = quant.XLA_ROWS_INT4 if how == "int4" else quant.XLA_ROWS_INT8
-    for activations in ("float32", "bfloat16"):
-        policy = Policy(quantize=how, kernels=True, int4_activations=activations).on(rules)
+    for activations, invariant in itertools.product(("float32", "bfloat16"), (False, True)):
+        policy = Policy(quantize=how, kernels=True, int4_activations=activations,
+                        batch_invariant=invariant).on(rules)
         assert policy.backend.quant_kernels
-        # int4 in bfloat16: the kernel at every row count from cpu.bf16_rows() on, the switch too
-        bf16_rows = cpu.bf16_rows() if how == "int4" and activations == "bfloat16" else 0
+        # int4 in bfloat16: the kernel at every row count from cpu.bf16_rows() on (from 1,
+        # batch invariant), the switch too
+        bf16_rows = policy.backend.int4_bf16_rows if how == "int4" else 0
+        assert bf16_rows == (min(cpu.bf16_rows(), 1) if invariant else cpu.bf16_rows()) \
+            if how == "int4" and activations == "bfloat16" else bf16_rows == 0
         for rows in (8, switch - 1, switch, 2 * switch + 3):
             x = rng.standard_normal((1, rows, 576)).astype(np.float32)
             got = jax.jit(lambda x, w: policy.einsum("BTD,DF->BTF", x, w))(x, held)
@@ -316,7 +322,7 @@ def test_int4_decode_matches_transformers_on_dequantized_weights(kind, mesh, fus
 @pytest.mark.parametrize("kind,fuse", [("llama", True), ("qwen2", False), ("gpt2", False)])
 def test_int4_prompts_in_bfloat16_match_transformers_rounding_the_same(kind, fuse):
     """With precision.int4_activations=bfloat16 on a CPU with AVX-512 BF16, a prompt's int4
-    products (of cpu.bf16_rows() rows or more) round x and W to bfloat16: the logits of every
+    products (of any row count: batch invariant) round x and W to bfloat16: the logits of every
     position equal transformers' with the same roundings, and differ from the float32 products'
     (on these tiny random models any change of a weight moves the logits a lot, int4's own far
     more than bfloat16's)."""
@@ -327,7 +333,7 @@ def test_int4_prompts_in_bfloat16_match_transformers_rounding_the_same(kind, fus
     logits = {}
     for how in ("float32", "bfloat16"):
         policy = Policy(quantize="int4", fuse_projections=fuse, int4_activations=how)
-        assert policy.on(rules).backend.int4_bf16_rows == (cpu.bf16_rows() if how == "bfloat16" else 0)
+        assert policy.on(rules).backend.int4_bf16_rows == (min(cpu.bf16_rows(), 1) if how == "bfloat16" else 0)
         model, params = to_podrun(m, rules, policy=policy)
         logits[how] = np.stack(prompt_logits(model, params, rules, policy, seqs))
     if not cpu.bf16_rows():  # this CPU has no AVX-512 BF16: the products stay float32

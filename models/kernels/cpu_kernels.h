@@ -56,10 +56,19 @@ inline vf splat(float s) { return _mm512_set1_ps(s); }
 inline vf zero() { return _mm512_setzero_ps(); }
 inline vf fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
-inline float hsum(vf v) { return _mm512_reduce_add_ps(v); }
+// The lanes' sum in hsum4's order (lanes 2 apart, then 1, within each 128 bits; then the 128-bit
+// blocks 2 apart, then 1): a sum is the same bits through either, so a kernel may take outputs
+// four at a time or one at a time, wherever its blocks fall (batch invariance).
+inline float hsum(vf v) {
+  v = _mm512_add_ps(v, _mm512_permute_ps(v, _MM_SHUFFLE(1, 0, 3, 2)));
+  v = _mm512_add_ps(v, _mm512_permute_ps(v, _MM_SHUFFLE(2, 3, 0, 1)));
+  v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(1, 0, 3, 2)));
+  v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm512_cvtss_f32(v);
+}
 inline float hmax(vf v) { return _mm512_reduce_max_ps(v); }
-// out[0..3] = hsum(a), hsum(b), hsum(c), hsum(d): interleaved within 128-bit lanes, then the
-// lanes added (8 shuffles for the four, where hsum takes 4 each)
+// out[0..3] = hsum(a), hsum(b), hsum(c), hsum(d), the same bits: interleaved within 128-bit
+// lanes, then the lanes added (8 shuffles for the four, where hsum takes 4 each)
 inline void hsum4(vf a, vf b, vf c, vf d, float* out) {
   vf ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
   vf cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));

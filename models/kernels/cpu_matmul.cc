@@ -95,81 +95,56 @@ void nk_all(const float* x, const W* w, const float* scale, float* y, int64_t M,
 //
 // q[N, K / 2] bytes, d and m [N, K / kGroup] f16: weight k of row n is d[n, g] * u + m[n, g], where
 // g = k / kGroup and u in [0, 15] is the low nibble of byte 16 g + k % 16 for k % 32 < 16, else its
-// high nibble (GGUF's Q4_1 blocks hold the same numbers). So
-//   y[n] = sum_g d[n, g] (x[g] . u[n, g]) + sum_g m[n, g] sum(x[g])
-// for one row of x, the second term one short dot product per row of W (the sums of x by group,
-// xsum, computed once a call); for more rows, each vector of weights is made once (d u + m) and
-// applied to every row of x.
+// high nibble (GGUF's Q4_1 blocks hold the same numbers). Each vector of weights is made once
+// (d u + m) and applied to every row of x: a row's sums are the same operations in the same order
+// whatever the other rows (batch invariance).
 constexpr int64_t kGroup = 32;
 
 // Rows [n0, n0 + NB) of W; ds, ms: their scales and minima as floats.
 template <int MB, int NB>
-void nk4_block(const float* x, int64_t K, const float* xsum, const uint8_t* q, const float* ds,
-               const float* ms, float* y, int64_t ldy, int64_t n0) {
+void nk4_block(const float* x, int64_t K, const uint8_t* q, const float* ds, const float* ms,
+               float* y, int64_t ldy, int64_t n0) {
   constexpr int H = 16 / kLanes;  // vectors of nibbles in a group's 16 bytes
   const int64_t G = K / kGroup, rb = K / 2;
-  float base[MB][NB] = {};  // one row of x: the minimum terms, sum_g m[n, g] xsum[g]
-  if constexpr (MB == 1)
-    for (int j = 0; j < NB; ++j) {
-      const float* mj = ms + j * G;
-      vf a = zero();
-      int64_t g = 0;
-      for (; g + kLanes <= G; g += kLanes) a = fma(load(mj + g), load(xsum + g), a);
-      float s = hsum(a);
-      for (; g < G; ++g) s += mj[g] * xsum[g];
-      base[0][j] = s;
-    }
   vf acc[MB][NB];
   for (auto& r : acc) for (auto& a : r) a = zero();
   const char* next = reinterpret_cast<const char*>(q + (n0 + 2 * NB) * rb);  // as nk_block
   for (int64_t g = 0; g < G; ++g) {
     for (int b = 0; b < NB * 16; b += 64) __builtin_prefetch(next + g * NB * 16 + b, 0, 3);
     vf lo[NB][H], hi[NB][H];
-    for (int j = 0; j < NB; ++j)
-      for (int h = 0; h < H; ++h) load_u4(q + (n0 + j) * rb + g * 16 + h * kLanes, lo[j][h], hi[j][h]);
-    if constexpr (MB == 1) {  // the nibbles times x, then the group's scale: 3 operations a vector
-      const float* xg = x + g * kGroup;
-      vf xl[H], xh[H];
-      for (int h = 0; h < H; ++h) xl[h] = load(xg + h * kLanes), xh[h] = load(xg + 16 + h * kLanes);
-      for (int j = 0; j < NB; ++j) {
-        vf t = xl[0] * lo[j][0];
-        t = fma(xh[0], hi[j][0], t);
-        for (int h = 1; h < H; ++h) t = fma(xl[h], lo[j][h], fma(xh[h], hi[j][h], t));
-        acc[0][j] = fma(t, splat(ds[j * G + g]), acc[0][j]);
+    for (int j = 0; j < NB; ++j) {
+      vf dj = splat(ds[j * G + g]), mj = splat(ms[j * G + g]);
+      for (int h = 0; h < H; ++h) {
+        load_u4(q + (n0 + j) * rb + g * 16 + h * kLanes, lo[j][h], hi[j][h]);
+        lo[j][h] = fma(lo[j][h], dj, mj), hi[j][h] = fma(hi[j][h], dj, mj);
       }
-    } else {  // the weights themselves (d u + m), then one product a vector for each row of x
-      for (int j = 0; j < NB; ++j) {
-        vf dj = splat(ds[j * G + g]), mj = splat(ms[j * G + g]);
-        for (int h = 0; h < H; ++h) lo[j][h] = fma(lo[j][h], dj, mj), hi[j][h] = fma(hi[j][h], dj, mj);
-      }
-      for (int i = 0; i < MB; ++i) {
-        const float* xg = x + i * K + g * kGroup;
-        for (int h = 0; h < H; ++h) {
-          vf xl = load(xg + h * kLanes), xh = load(xg + 16 + h * kLanes);
-          for (int j = 0; j < NB; ++j) acc[i][j] = fma(xh, hi[j][h], fma(xl, lo[j][h], acc[i][j]));
-        }
+    }
+    for (int i = 0; i < MB; ++i) {
+      const float* xg = x + i * K + g * kGroup;
+      for (int h = 0; h < H; ++h) {
+        vf xl = load(xg + h * kLanes), xh = load(xg + 16 + h * kLanes);
+        for (int j = 0; j < NB; ++j) acc[i][j] = fma(xh, hi[j][h], fma(xl, lo[j][h], acc[i][j]));
       }
     }
   }
   for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j) y[i * ldy + n0 + j] = hsum(acc[i][j]) + base[i][j];
+    for (int j = 0; j < NB; ++j) y[i * ldy + n0 + j] = hsum(acc[i][j]);
 }
 
 template <int MB>
-void nk4_rows(const float* x, const float* xsum, const uint8_t* q, const float* ds,
-              const float* ms, float* y, int64_t N, int64_t K, int64_t n_begin, int64_t n_end) {
+void nk4_rows(const float* x, const uint8_t* q, const float* ds, const float* ms, float* y,
+              int64_t N, int64_t K, int64_t n_begin, int64_t n_end) {
   constexpr int NB = kVecRegs >= 32 ? (MB == 1 ? 8 : MB == 2 ? 4 : 2)
                                     : (MB == 1 ? 4 : MB <= 4 ? 2 : 1);
   const int64_t G = K / kGroup;
   int64_t n = n_begin;
   auto at = [&](const float* p) { return p + (n - n_begin) * G; };
-  for (; n + NB <= n_end; n += NB) nk4_block<MB, NB>(x, K, xsum, q, at(ds), at(ms), y, N, n);
-  for (; n < n_end; ++n) nk4_block<MB, 1>(x, K, xsum, q, at(ds), at(ms), y, N, n);
+  for (; n + NB <= n_end; n += NB) nk4_block<MB, NB>(x, K, q, at(ds), at(ms), y, N, n);
+  for (; n < n_end; ++n) nk4_block<MB, 1>(x, K, q, at(ds), at(ms), y, N, n);
 }
 
-void nk4_all(const float* x, const float* xsum, const uint8_t* q, const uint16_t* d,
-             const uint16_t* mn, float* y, int64_t M, int64_t N, int64_t K, int64_t n0,
-             int64_t n1) {
+void nk4_all(const float* x, const uint8_t* q, const uint16_t* d, const uint16_t* mn, float* y,
+             int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
   const int64_t G = K / kGroup;
   thread_local std::vector<float> buf;  // the scales and minima of rows [n0, n1) as floats
   if (buf.size() < size_t(2 * (n1 - n0) * G)) buf.resize(2 * (n1 - n0) * G);
@@ -178,12 +153,12 @@ void nk4_all(const float* x, const float* xsum, const uint8_t* q, const uint16_t
   halves_to_floats(mn + n0 * G, ms, (n1 - n0) * G);
   for (int64_t m = 0; m < M;) {
     int64_t left = M - m;
-    const float *xm = x + m * K, *sm = xsum + m * G;
+    const float* xm = x + m * K;
     float* ym = y + m * N;
-    if (left >= 8) { nk4_rows<8>(xm, sm, q, ds, ms, ym, N, K, n0, n1); m += 8; }
-    else if (left >= 4) { nk4_rows<4>(xm, sm, q, ds, ms, ym, N, K, n0, n1); m += 4; }
-    else if (left >= 2) { nk4_rows<2>(xm, sm, q, ds, ms, ym, N, K, n0, n1); m += 2; }
-    else { nk4_rows<1>(xm, sm, q, ds, ms, ym, N, K, n0, n1); m += 1; }
+    if (left >= 8) { nk4_rows<8>(xm, q, ds, ms, ym, N, K, n0, n1); m += 8; }
+    else if (left >= 4) { nk4_rows<4>(xm, q, ds, ms, ym, N, K, n0, n1); m += 4; }
+    else if (left >= 2) { nk4_rows<2>(xm, q, ds, ms, ym, N, K, n0, n1); m += 2; }
+    else { nk4_rows<1>(xm, q, ds, ms, ym, N, K, n0, n1); m += 1; }
   }
 }
 
@@ -247,6 +222,41 @@ void bf16_rows(const uint16_t* x, const uint16_t* t, int64_t nt, int64_t K, floa
   int64_t j = 0;
   for (; j + 4 <= nt; j += 4) bf16_block<MB, 4>(x, t + j * K, K, y + j, N);
   for (; j < nt; ++j) bf16_block<MB, 1>(x, t + j * K, K, y + j, N);
+}
+
+// y[:, n0:n1] for xb [M, K] bfloat16, the weights made in registers a group of 32 at a time for
+// the few rows of a decode step (NB rows of W at once): the same products and sums as the tiles'
+// (make_tile, bf16_block) without writing a tile, which fewer than kBf16Rows rows of x cannot
+// spread over enough products.
+template <int MB>
+void nk4_bf16_few(const uint16_t* xb, const uint8_t* q, const uint16_t* d, const uint16_t* mn,
+                  float* y, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  constexpr int NB = MB == 1 ? 8 : 4;  // independent chains of vdpbf16ps to hide its latency
+  const int64_t G = K / kGroup, rb = K / 2;
+  thread_local std::vector<float> buf;  // the scales and minima of rows [n0, n1) as floats
+  if (buf.size() < size_t(2 * (n1 - n0) * G)) buf.resize(2 * (n1 - n0) * G);
+  float *ds = buf.data() - n0 * G, *ms = ds + (n1 - n0) * G;
+  halves_to_floats(d + n0 * G, ds + n0 * G, (n1 - n0) * G);
+  halves_to_floats(mn + n0 * G, ms + n0 * G, (n1 - n0) * G);
+  for (int64_t n = n0; n < n1; n += NB) {
+    const int nb = int(std::min<int64_t>(NB, n1 - n));
+    vf acc[MB][NB];
+    for (auto& r : acc) for (auto& a : r) a = zero();
+    for (int64_t g = 0; g < G; ++g) {
+      __m512bh w[NB];
+      for (int j = 0; j < nb; ++j) {
+        vf lo, hi, dj = splat(ds[(n + j) * G + g]), mj = splat(ms[(n + j) * G + g]);
+        load_u4(q + (n + j) * rb + g * 16, lo, hi);
+        w[j] = _mm512_cvtne2ps_pbh(fma(hi, dj, mj), fma(lo, dj, mj));
+      }
+      for (int i = 0; i < MB; ++i) {
+        __m512bh xv = as_bh(_mm512_loadu_si512(xb + i * K + g * kGroup));
+        for (int j = 0; j < nb; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, w[j]);
+      }
+    }
+    for (int i = 0; i < MB; ++i)
+      for (int j = 0; j < nb; ++j) y[i * N + n + j] = hsum(acc[i][j]);
+  }
 }
 
 // y[:, n0:n1] for xb [M, K] bfloat16: tile by tile, every row of x against each.
@@ -398,15 +408,15 @@ int64_t over_parts(const void* w, int64_t rows, int64_t unit, int64_t row_bytes,
     size = (rows + parts * unit - 1) / (parts * unit) * unit;
     parts = (rows + size - 1) / size;
   }
-  if (parts < 2 * T) {
-    int used = 1;
-    auto share = [&](int t, int T) {
-      if (t == 0) used = T;
-      auto [begin, end] = part(rows, unit, t, T);
-      body(t, int64_t(t), begin, end);
+  if (parts < 2 * T) {  // T shares, a thread each; one thread takes them all when the team is busy
+    auto share = [&](int t, int running) {
+      for (int c = t; c < T; c += running) {
+        auto [begin, end] = part(rows, unit, c, T);
+        body(t, int64_t(c), begin, end);
+      }
     };
     team.run(share, Chain::next({base, rows, unit, row_bytes}));
-    return used;
+    return T;
   }
   auto take = [&](int t, int T) {
     auto run = [&](int64_t c) { body(t, c, c * size, std::min(rows, (c + 1) * size)); };
@@ -419,10 +429,10 @@ int64_t over_parts(const void* w, int64_t rows, int64_t unit, int64_t row_bytes,
   return parts;
 }
 
-// y[M, N] = x[M, K] . W, over the team. W[K, N]: part c of W's rows sums into its own p[M, N]
-// (part 0's is y) and y adds up the others in their order, so the sums are the same whichever
-// thread took a part; claimed parts up to 2 rows of x, their sums held to 64K floats (at 8 rows
-// adding them up costs more than the balance gains).
+// y[M, N] = x[M, K] . W, over the team. W[K, N]: part c of W's rows (a share per thread of the
+// team, whatever M, so that a row's sums never depend on the others: batch invariance) sums
+// into its own p[M, N] (part 0's is y) and y adds up the others in their order, so the sums are
+// the same whichever thread took a part.
 void matmul_f32(const float* xp, const float* wp, float* yp, int64_t M, int64_t N, int64_t K,
                 bool w_nk) {
   if (w_nk) {
@@ -435,7 +445,7 @@ void matmul_f32(const float* xp, const float* wp, float* yp, int64_t M, int64_t 
   thread_local std::vector<float> sums;
   sums.resize(std::max<int64_t>(MN * (Team::get().size() - 1), 1 << 16));
   float* pp = sums.data();
-  const int64_t parts = over_parts(wp, K, kKB, N * 4, M <= 2 && MN ? 1 + (1 << 16) / MN : 1,
+  const int64_t parts = over_parts(wp, K, kKB, N * 4, 1,
                                    [=](int, int64_t c, int64_t k0, int64_t k1) {
     float* p = c ? pp + (c - 1) * MN : yp;
     if (k1 > k0) kn_all(xp, wp, p, M, N, K, k0, k1);
@@ -563,25 +573,33 @@ void matmul_panels(ffi::ThreadPool* pool, const float* xp, const float* wp, floa
     for (int64_t m = 0; m < rows; ++m)
       std::copy(t + m * kPanel, t + m * kPanel + n, yp + (m0 + m) * N + p * kPanel);
   };
+  // Each panel's k in `runs` runs, as many as give the team 8 units a thread at a decode step;
+  // a run's sums start at zero and the runs add up in k's order, for every M: a row's sums are
+  // the same bits whatever the other rows (batch invariance), prefill or decode.
+  Team& team = Team::get();
+  const int T = team.size();
+  const int64_t split = std::max<int64_t>(1, (8 * T + P - 1) / P);  // runs of k a panel
+  const int64_t run = (K + split - 1) / split, runs = (K + run - 1) / run, units = P * runs;
   if (M > 8 && pool) {
     const int64_t groups = (M + kGroupRows - 1) / kGroupRows;
     parallel_for(*pool, P * groups, 1, [=](int64_t u0, int64_t u1) {
-      alignas(64) float t[kGroupRows * kPanel];
+      alignas(64) float t[kGroupRows * kPanel], r[kGroupRows * kPanel];
       for (int64_t u = u0; u < u1; ++u) {
         const int64_t p = u / groups, m0 = u % groups * kGroupRows;
         const int64_t rows = std::min(kGroupRows, M - m0);
-        for (int64_t k = 0; k < K; k += kPanelK)
-          panel_rows(xp + m0 * K, K, wp + p * K * kPanel, k, std::min(K, k + kPanelK), t, rows,
-                     k > 0);
+        for (int64_t k0 = 0; k0 < K; k0 += run) {
+          float* s = k0 ? r : t;  // the first run's sums, then each later run's to add
+          for (int64_t k = k0; k < std::min(K, k0 + run); k += kPanelK)
+            panel_rows(xp + m0 * K, K, wp + p * K * kPanel, k, std::min({K, k0 + run, k + kPanelK}),
+                       s, rows, k > k0);
+          if (k0)
+            for (int64_t i = 0; i < rows * kPanel; i += kLanes) store(t + i, load(t + i) + load(r + i));
+        }
         out(t, m0, rows, p);
       }
     });
     return;
   }
-  Team& team = Team::get();
-  const int T = team.size();
-  const int64_t split = std::max<int64_t>(1, (8 * T + P - 1) / P);  // runs of k a panel
-  const int64_t run = (K + split - 1) / split, runs = (K + run - 1) / run, units = P * runs;
   thread_local std::vector<float> sums;
   sums.resize(units * M * kPanel);
   float* sp = sums.data();
@@ -660,30 +678,30 @@ void matmul_s4(ffi::ThreadPool* pool, const float* xp, const uint8_t* qp, const 
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(xbuf.get() + i), reinterpret_cast<__m256i&>(h));
     }
     const uint16_t* xb = xbuf.get();
+    if (M < kBf16Rows) {  // a decode step's few rows: the team, as the float32 path
+      over_parts(qp, N, kLanes, K / 2, kAnyParts, [=](int, int64_t, int64_t n0, int64_t n1) {
+        switch (M) {
+          case 1: return nk4_bf16_few<1>(xb, qp, dp, mp, yp, N, K, n0, n1);
+          case 2: return nk4_bf16_few<2>(xb, qp, dp, mp, yp, N, K, n0, n1);
+          default: return nk4_bf16_few<3>(xb, qp, dp, mp, yp, N, K, n0, n1);
+        }
+      });
+      return;
+    }
     parallel_for(*pool, N, grain(N, 16, pool->num_threads()), [=](int64_t n0, int64_t n1) {
       nk4_bf16(xb, qp, dp, mp, yp, M, N, K, n0, n1);
     });
     return;
   }
 #endif
-  const int64_t G = K / kGroup;
-  thread_local std::vector<float> sums;
-  sums.resize(M * G);
-  float* xs = sums.data();
-  for (int64_t i = 0; i < M * G; ++i) {
-    const float* xg = xp + i * kGroup;
-    vf a = zero();
-    for (int64_t k = 0; k < kGroup; k += kLanes) a = a + load(xg + k);
-    xs[i] = hsum(a);
-  }
   if (M <= 2 || !pool) {
     over_parts(qp, N, kLanes, K / 2, kAnyParts, [=](int, int64_t, int64_t n0, int64_t n1) {
-      if (n1 > n0) nk4_all(xp, xs, qp, dp, mp, yp, M, N, K, n0, n1);
+      if (n1 > n0) nk4_all(xp, qp, dp, mp, yp, M, N, K, n0, n1);
     });
     return;
   }
   parallel_for(*pool, N, grain(N, 16, pool->num_threads()), [=](int64_t n0, int64_t n1) {
-    nk4_all(xp, xs, qp, dp, mp, yp, M, N, K, n0, n1);
+    nk4_all(xp, qp, dp, mp, yp, M, N, K, n0, n1);
   });
 }
 
