@@ -26,9 +26,10 @@ SETTINGS = {"generation.max_prompt_len": 64, "generation.max_new_tokens": STEPS,
 
 # The generators run where a deployment on one CPU device runs them (configs/cpu.py's one
 # device, podrun's kernels): in a process of their own, this one simulating 8 devices. Each of
-# `runs` ({"overrides", "requests", "alone"}) answers its requests together (and, with alone,
-# each request by itself in the same generator); the results and the first call's preemptions
-# and busiest rows go to stdout as JSON.
+# `runs` ({"overrides", "requests", "alone", "score"}) answers its requests together (with
+# alone, each request by itself too; with score, podrun's scoring of each prompt + completion,
+# in the same generator); the results and the first call's preemptions and busiest rows go to
+# stdout as JSON.
 CHILD = """
 import json, sys
 from runner.generator import Generator
@@ -38,8 +39,11 @@ for run in json.load(sys.stdin):
     together = gen.generate(run["requests"])
     stats = gen.stats
     alone = [gen.generate([r])[0] for r in run["requests"]] if run.get("alone") else []
-    out.append({"together": together, "alone": alone, "preemptions": stats.preemptions,
-                "rows_peak": stats.rows_peak})
+    scored = gen.generate([{"prompt_token_ids": r["prompt_token_ids"] + a["token_ids"],
+                            "max_tokens": 0, "prompt_logprobs": 0}
+                           for r, a in zip(run["requests"], together)]) if run.get("score") else []
+    out.append({"together": together, "alone": alone, "scored": scored,
+                "preemptions": stats.preemptions, "rows_peak": stats.rows_peak})
 print(json.dumps(out))
 """
 
@@ -103,12 +107,9 @@ def test_generated_logprobs_are_the_scoring_of_the_same_tokens_and_transformers(
     m, path = llama
     reqs = requests()
     overrides = {"checkpoint.path": path, "generation.batch_size": 3, **SETTINGS}
-    [run] = generate([{"overrides": overrides, "requests": reqs}])
+    [run] = generate([{"overrides": overrides, "requests": reqs, "score": True}])
     generated = answered(run["together"])
-    [run] = generate([{"overrides": overrides, "requests": [
-        {"prompt_token_ids": r["prompt_token_ids"] + tokens, "max_tokens": 0, "prompt_logprobs": 0}
-        for r, (tokens, _) in zip(reqs, generated)]}])
-    for r, (tokens, logprobs), s in zip(reqs, generated, run["together"]):
+    for r, (tokens, logprobs), s in zip(reqs, generated, run["scored"]):
         n = len(r["prompt_token_ids"])
         assert [c["logprob"] for c in s["prompt_logprobs"][n:]] == logprobs
         with torch.no_grad():
