@@ -12,8 +12,8 @@
 // each (GGUF's Q4_1 numbers, precision.quantize=int4); activations and sums stay float32, so each
 // weight costs a conversion and an FMA, and on a 2-core machine it runs out of compute before
 // memory: a decode step reads fewer bytes than int8's but is no faster.
-// From 4 rows of x on (a batch's decode step, a prompt's chunk), where the caller asks and the
-// CPU has AVX-512 BF16, it rounds x and the weights to bfloat16 instead (nk4_bf16): a core's
+// From bf16_rows rows of x on (4 unless the caller asks for batch invariance: 1), where the CPU
+// has AVX-512 BF16, it rounds x and the weights to bfloat16 instead (nk4_bf16): a core's
 // multiply-adds double.
 //
 // Built on first use by models/kernels/cpu.py (g++ -O3 -march=native) with cpu_attention.cc into
@@ -235,9 +235,9 @@ void nk4_bf16_few(const uint16_t* xb, const uint8_t* q, const uint16_t* d, const
   const int64_t G = K / kGroup, rb = K / 2;
   thread_local std::vector<float> buf;  // the scales and minima of rows [n0, n1) as floats
   if (buf.size() < size_t(2 * (n1 - n0) * G)) buf.resize(2 * (n1 - n0) * G);
-  float *ds = buf.data() - n0 * G, *ms = ds + (n1 - n0) * G;
-  halves_to_floats(d + n0 * G, ds + n0 * G, (n1 - n0) * G);
-  halves_to_floats(mn + n0 * G, ms + n0 * G, (n1 - n0) * G);
+  float *ds = buf.data(), *ms = ds + (n1 - n0) * G;  // row n's at (n - n0) * G
+  halves_to_floats(d + n0 * G, ds, (n1 - n0) * G);
+  halves_to_floats(mn + n0 * G, ms, (n1 - n0) * G);
   for (int64_t n = n0; n < n1; n += NB) {
     const int nb = int(std::min<int64_t>(NB, n1 - n));
     vf acc[MB][NB];
@@ -245,7 +245,7 @@ void nk4_bf16_few(const uint16_t* xb, const uint8_t* q, const uint16_t* d, const
     for (int64_t g = 0; g < G; ++g) {
       __m512bh w[NB];
       for (int j = 0; j < nb; ++j) {
-        vf lo, hi, dj = splat(ds[(n + j) * G + g]), mj = splat(ms[(n + j) * G + g]);
+        vf lo, hi, dj = splat(ds[(n - n0 + j) * G + g]), mj = splat(ms[(n - n0 + j) * G + g]);
         load_u4(q + (n + j) * rb + g * 16, lo, hi);
         w[j] = _mm512_cvtne2ps_pbh(fma(hi, dj, mj), fma(lo, dj, mj));
       }
