@@ -77,7 +77,7 @@ def test_a_deployment_compiles_its_mixed_and_decode_programs_for_a_v5e_topology(
     assert (L.window_pages, L.pages) == (window_pages, 2**20 // page - window_pages) == (20, 108)
     declared = footprint(s, SMALL)
     assert (declared.pages, declared.window_pages) == (L.pages, L.window_pages)
-    assert declared.kv_cache == engine.pool_bytes == 128 * page
+    assert declared.kv_cache == engine.pools.bytes == 128 * page
     total = sum(math.prod(w.shape) * 2 for w in jax.tree.leaves(SMALL.declare(), is_leaf=is_weight))
     assert declared.weights < 0.75 * total  # the experts and heads really are split
     for c in compiled.values():

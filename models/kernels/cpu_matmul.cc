@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -143,14 +144,22 @@ void nk4_rows(const float* x, const uint8_t* q, const float* ds, const float* ms
   for (; n < n_end; ++n) nk4_block<MB, 1>(x, K, q, at(ds), at(ms), y, N, n);
 }
 
+// The scales and minima of W's rows [n0, n0 + rows) as floats (row n0 + j's groups at j * G), in
+// a buffer of the calling thread's that the next call reuses.
+inline std::pair<const float*, const float*> group_floats(const uint16_t* d, const uint16_t* mn,
+                                                          int64_t G, int64_t n0, int64_t rows) {
+  thread_local std::vector<float> buf;
+  if (buf.size() < size_t(2 * rows * G)) buf.resize(2 * rows * G);
+  float *ds = buf.data(), *ms = ds + rows * G;
+  halves_to_floats(d + n0 * G, ds, rows * G);
+  halves_to_floats(mn + n0 * G, ms, rows * G);
+  return {ds, ms};
+}
+
 void nk4_all(const float* x, const uint8_t* q, const uint16_t* d, const uint16_t* mn, float* y,
              int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
   const int64_t G = K / kGroup;
-  thread_local std::vector<float> buf;  // the scales and minima of rows [n0, n1) as floats
-  if (buf.size() < size_t(2 * (n1 - n0) * G)) buf.resize(2 * (n1 - n0) * G);
-  float *ds = buf.data(), *ms = ds + (n1 - n0) * G;
-  halves_to_floats(d + n0 * G, ds, (n1 - n0) * G);
-  halves_to_floats(mn + n0 * G, ms, (n1 - n0) * G);
+  auto [ds, ms] = group_floats(d, mn, G, n0, n1 - n0);
   for (int64_t m = 0; m < M;) {
     int64_t left = M - m;
     const float* xm = x + m * K;
@@ -182,11 +191,7 @@ inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
 void make_tile(const uint8_t* q, const uint16_t* d, const uint16_t* mn, int64_t K, int64_t n0,
                int64_t nt, uint16_t* t) {
   const int64_t G = K / kGroup, rb = K / 2;
-  thread_local std::vector<float> buf;
-  if (buf.size() < size_t(2 * nt * G)) buf.resize(2 * nt * G);
-  float *ds = buf.data(), *ms = ds + nt * G;
-  halves_to_floats(d + n0 * G, ds, nt * G);
-  halves_to_floats(mn + n0 * G, ms, nt * G);
+  auto [ds, ms] = group_floats(d, mn, G, n0, nt);
   for (int64_t j = 0; j < nt; ++j)
     for (int64_t g = 0; g < G; ++g) {
       vf lo, hi, dj = splat(ds[j * G + g]), mj = splat(ms[j * G + g]);
@@ -233,11 +238,7 @@ void nk4_bf16_few(const uint16_t* xb, const uint8_t* q, const uint16_t* d, const
                   float* y, int64_t N, int64_t K, int64_t n0, int64_t n1) {
   constexpr int NB = MB == 1 ? 8 : 4;  // independent chains of vdpbf16ps to hide its latency
   const int64_t G = K / kGroup, rb = K / 2;
-  thread_local std::vector<float> buf;  // the scales and minima of rows [n0, n1) as floats
-  if (buf.size() < size_t(2 * (n1 - n0) * G)) buf.resize(2 * (n1 - n0) * G);
-  float *ds = buf.data(), *ms = ds + (n1 - n0) * G;  // row n's at (n - n0) * G
-  halves_to_floats(d + n0 * G, ds, (n1 - n0) * G);
-  halves_to_floats(mn + n0 * G, ms, (n1 - n0) * G);
+  auto [ds, ms] = group_floats(d, mn, G, n0, n1 - n0);
   for (int64_t n = n0; n < n1; n += NB) {
     const int nb = int(std::min<int64_t>(NB, n1 - n));
     vf acc[MB][NB];

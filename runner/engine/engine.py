@@ -282,7 +282,7 @@ class Engine:
             raise ValueError(f"a pool of {pages} pages of {page_size} tokens holds fewer than "
                              f"one request of max_prompt_len + max_new_tokens = {L.max_len}")
         B = L.batch_size
-        self.pools, self.pool_bytes = pools, pools.bytes  # the latter a device's
+        self.pools = pools
         kv_dtype = jnp.dtype(policy.kv_cache)
         # abstract until `load`; allocated by one program, compiled once, whenever it is taken
         self.cache = PagedCache.create(G, pages, window_pages, page_size, windows, kv_heads,
